@@ -1,0 +1,100 @@
+"""Chained block hashes over a canonical byte encoding; never pickle, never Python's hash().
+
+The bytes hashed for one block are, in order:
+    parent digest       the previous block's hash, or NONE_HASH for the block at token 0
+    u32 little-endian   the number of tokens in the block
+    u32 little-endian   each token id
+    msgpack             the extra keys, a list of [tag, value] pairs; absent when there are none
+so any process, in any language, reproduces a hash from the tokens alone.
+"""
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import Literal, NewType
+
+import msgspec
+import xxhash
+
+from protocol.buffers import pack_int32
+
+HashAlgo = Literal["sha256", "xxhash"]
+HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "xxhash")
+DEFAULT_HASH_SEED = "kvserve"
+GROUP_ID_NUM_BYTES = 4
+
+BlockHash = NewType("BlockHash", bytes)  # the digest of one full block and its whole prefix
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)  # BlockHash + 4-byte big-endian group id
+
+# A tagged extra key, such as ("cache_salt", "tenant-a") or ("lora", "adapter-7").
+ExtraKey = tuple[str, str | int]
+
+_EXTRA_KEY_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _digest_fn(algo: HashAlgo):
+    if algo == "sha256":
+        return lambda data: hashlib.sha256(data).digest()
+    if algo == "xxhash":
+        return lambda data: xxhash.xxh3_128_digest(data)
+    raise ValueError(f"unknown prefix-caching hash algorithm {algo!r}: expected one of {HASH_ALGOS}")
+
+
+class BlockHasher:
+    """Hashes full blocks of `block_size` tokens with one algorithm and one NONE_HASH seed."""
+
+    __slots__ = ("_digest", "_header", "algo", "block_size", "none_hash")
+
+    def __init__(self, block_size: int, algo: HashAlgo = "sha256", seed: str = DEFAULT_HASH_SEED) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.algo = algo
+        self.block_size = block_size
+        self._digest = _digest_fn(algo)
+        self._header = block_size.to_bytes(4, "little")
+        self.none_hash: bytes = self._digest(b"kvserve.NONE_HASH\x00" + seed.encode())
+
+    def hash_block(
+        self,
+        parent_hash: bytes | None,
+        token_ids: Sequence[int] | array,
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> bytes:
+        """The hash of one full block, chained on its parent's hash."""
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"a block holds {self.block_size} tokens, got {len(token_ids)}")
+        parent = self.none_hash if parent_hash is None else parent_hash
+        data = parent + self._header + pack_int32(token_ids)
+        if extra_keys:
+            data += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
+        return self._digest(data)
+
+    def hash_prefix(
+        self, token_ids: Sequence[int] | array, extra_keys: Sequence[ExtraKey] = ()
+    ) -> list[bytes]:
+        """Hashes of every full block of a token sequence; extra keys go on block 0 only."""
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        block_size = self.block_size
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = self.hash_block(parent, token_ids[start : start + block_size], extra_keys if start == 0 else ())
+            hashes.append(parent)
+        return hashes
+
+
+def first_block_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:
+    """The extra keys of a request's first block; chaining carries them to every later block."""
+    return () if cache_salt is None else (("cache_salt", cache_salt),)
+
+
+def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
+    """The prefix-cache key: the hash bytes followed by the group id as 4 big-endian bytes."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(GROUP_ID_NUM_BYTES, "big"))
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    return BlockHash(key[:-GROUP_ID_NUM_BYTES])
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    return int.from_bytes(key[-GROUP_ID_NUM_BYTES:], "big")

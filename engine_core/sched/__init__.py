@@ -1,0 +1,1 @@
+"""Requests, their queues and the continuous-batching scheduler."""

@@ -1,0 +1,154 @@
+"""Request: the engine's state of one generation request, from admission to finish.
+
+Token ids (prompt plus generated) live in one int32 array. Block hashes grow incrementally as
+blocks of those tokens fill up, generated tokens included.
+"""
+
+import enum
+from array import array
+
+from engine_core.kv_cache.hashing import BlockHash, BlockHasher, first_block_extra_keys
+from protocol.client_messages import FinishReason
+from protocol.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, its blocks freed; it will recompute
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One request's tokens, progress and prefix-cache hashes.
+
+    Invariants: `num_computed_tokens <= num_tokens`; `block_hashes[i]` is the hash of tokens
+    `[i * block_size, (i + 1) * block_size)` for every full block, and there is one per full block.
+    """
+
+    __slots__ = (
+        "_block_hasher",
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "client_id",
+        "eos_token_id",
+        "handle",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "num_tokens_sent",
+        "priority",
+        "req_id",
+        "sampling_params",
+        "status",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: array | list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        eos_token_id: int | None = None,
+        block_hasher: BlockHasher | None = None,
+        client_id: bytes = b"",
+        handle: int = 0,
+    ) -> None:
+        self.req_id = req_id
+        self.all_token_ids = array("i", prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.eos_token_id = eos_token_id
+        self.client_id = client_id  # the ZMQ identity of the client that sent it
+        self.handle = handle  # the integer name of this request on the engine-worker wire
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache, or scheduled to be
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        self.num_tokens_sent = 0  # tokens the workers hold for this request
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> array:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> array:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        hasher = self._block_hasher
+        if hasher is None:
+            return
+        block_size = hasher.block_size
+        tokens = self.all_token_ids
+        num_hashed = len(self.block_hashes)
+        while (num_hashed + 1) * block_size <= len(tokens):
+            start = num_hashed * block_size
+            parent = self.block_hashes[-1] if num_hashed else None
+            extra_keys = first_block_extra_keys(self.cache_salt) if num_hashed == 0 else ()
+            self.block_hashes.append(
+                BlockHash(hasher.hash_block(parent, tokens[start : start + block_size], extra_keys))
+            )
+            num_hashed += 1
+
+    def __lt__(self, other: "Request") -> bool:
+        """Priority order: lower priority value first, then earlier arrival, then the handle."""
+        return (self.priority, self.arrival_time, self.handle) < (
+            other.priority,
+            other.arrival_time,
+            other.handle,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

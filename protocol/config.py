@@ -1,0 +1,88 @@
+"""Typed configuration: the single source of defaults and bounds for the engine and the workers.
+
+deploy/ builds these from flags; engine_core/ and worker/ receive them and never read argv or the
+environment. `checked()` validates bounds, since msgspec checks them only on decode.
+"""
+
+import enum
+from typing import Annotated, Literal, Self
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class SchedulingPolicy(enum.StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    def checked(self) -> Self:
+        """Return a copy whose bounds were checked, or raise ValueError naming the field."""
+        try:
+            return msgspec.convert(msgspec.to_builtins(self), type(self))
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad {type(self).__name__}: {exc}") from None
+
+
+class CacheConfig(_Config, frozen=True):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16  # tokens per block
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9  # share of the device
+    kv_cache_memory_bytes: PositiveInt | None = None  # KV budget per rank; required on the CPU
+    num_gpu_blocks_override: Annotated[int, msgspec.Meta(ge=2)] | None = None  # forces num_blocks
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: Literal["sha256", "xxhash"] = "sha256"
+    hash_seed: str = "kvserve"  # NONE_HASH derives from it; all engines of a fleet must agree
+
+
+class SchedulerConfig(_Config, frozen=True):
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256  # running requests at most
+    max_num_batched_tokens: PositiveInt = 2048  # tokens per step at most
+    max_model_len: PositiveInt | None = None  # tokens per sequence; None takes the model's own
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: PositiveInt | None = None  # cap on one prefill's tokens per step
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    reserve_full_prompt: bool = True  # admit a request only when its whole prompt fits
+
+
+class KVEventsConfig(_Config, frozen=True):
+    enable_kv_cache_events: bool = False
+    endpoint: str = "tcp://*:5557"  # PUB socket
+    replay_endpoint: str | None = None  # ROUTER socket answering replays of recent batches
+    topic: str = ""
+    buffer_steps: PositiveInt = 10000  # batches kept for replay
+
+
+class EngineConfig(_Config, frozen=True):
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    client_address: str = "ipc:///tmp/kvserve-client.sock"  # ROUTER the clients connect to
+    worker_address: str = "ipc:///tmp/kvserve-worker.sock"  # ROUTER the workers connect to
+    handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # all ranks must be Ready by then
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # every rank must reply to a step by then
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # ZMQ heartbeats to remote ranks
+    heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    check_invariants: bool = False  # walk the block pool after every step (slow; for debugging)
+    log_stats_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    metrics_port: Port | None = None  # HTTP /metrics and /health
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
+
+
+class WorkerConfig(_Config, frozen=True):
+    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    engine_address: str = "ipc:///tmp/kvserve-worker.sock"  # the engine's worker ROUTER
+    model: str = "tiny-llama"  # a name from worker/models
+    dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16  # must equal the engine's
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    kv_cache_memory_bytes: PositiveInt | None = None  # KV budget of this rank; required on the CPU
+    master_addr: str = "127.0.0.1"  # torch.distributed rendezvous, as torchrun names it
+    master_port: Port = 29500
+    dist_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    engine_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # exit when the engine is silent this long
+    seed: int = 0  # model weights

@@ -1,0 +1,37 @@
+"""SamplingParams: how a request picks its tokens and when it stops, with declared bounds."""
+
+from typing import Annotated
+
+import msgspec
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP_TOKEN_IDS = 1024
+SEED_LIMIT = (1 << 63) - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Sampling and stop settings of one request.
+
+    Bounds are declared on the fields and checked on decode; `validate()` checks them for objects
+    built in-process, where msgspec does not validate constructor arguments.
+    """
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0  # EOS/stop ids ignored until reached
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0  # 0 means greedy
+    seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_LIMIT)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
+            )
+
+    def validate(self) -> "SamplingParams":
+        """Return a checked copy, or raise `ValueError` naming the first bad field."""
+        try:
+            return msgspec.convert(msgspec.to_builtins(self), SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad sampling parameters: {exc}") from None

@@ -1,0 +1,100 @@
+"""Messages between the engine's worker ROUTER socket and the workers (one DEALER per rank).
+
+On this wire a request is named by an integer handle that the engine assigns and never reuses;
+the client's string req_id stays on the engine. Per-request columns are int32 bytes.
+"""
+
+from typing import Annotated
+
+import msgspec
+
+from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec
+from protocol.sampling import SamplingParams
+
+Rank = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ModelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the engine needs to know of the model that every rank runs; all ranks must agree."""
+
+    name: str
+    vocab_size: int
+    eos_token_id: int | None
+    max_model_len: int  # longest sequence (prompt plus output) the model supports, in tokens
+    kv_cache_groups: list[KVCacheGroupSpec]  # the model's layers grouped by spec
+
+
+class WorkerHello(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The first message of a worker: who it is and how many blocks its memory can hold."""
+
+    protocol_version: int
+    rank: Rank
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    pid: int
+    host: str
+    device: str  # "cpu" or "cuda:N"
+    model_info: ModelInfo
+    num_blocks_available: int  # blocks this rank could allocate for the whole model
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The worker allocated exactly `num_blocks` blocks per layer."""
+
+    rank: Rank
+    num_blocks: int
+
+
+class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
+    """A request the workers have not seen: everything they need to run it."""
+
+    req_id: int  # engine-assigned handle
+    prompt_token_ids: bytes  # int32 little-endian
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group
+    num_computed_tokens: int  # tokens already in the cache (prefix hit) before this step
+
+
+class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
+    """Deltas for requests the workers already hold, as int32 columns aligned by position."""
+
+    req_ids: bytes = b""  # int32 handles
+    resumed_req_ids: list[int] = []  # handles resumed after preemption: their block ids are replaced
+    new_token_ids: bytes = b""  # int32, the tokens each request gained since the workers last saw it, concatenated
+    num_new_token_ids: bytes = b""  # int32 per request: how many of new_token_ids are its own
+    new_block_ids: list[tuple[list[int], ...] | None] = []  # appended per group; replaces for resumed
+    num_computed_tokens: bytes = b""  # int32 per request: tokens already in the cache before this step
+
+
+class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """One step's work, broadcast unchanged to every rank."""
+
+    step_id: int  # 1, 2, 3...; every rank checks continuity
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: bytes  # int32 per request: new requests first, then cached ones, in order
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[int]  # handles the workers must forget
+    preempted_req_ids: list[int]  # handles whose blocks were freed; a later step resumes them
+
+
+class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """One rank's result for one step: a sampled token per scheduled request."""
+
+    step_id: int
+    rank: int
+    req_ids: bytes  # int32 handles, in SchedulerOutput order
+    sampled_token_ids: bytes  # int32, one per request (meaningless for a partial prefill chunk)
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    rank: int
+    step_id: int | None  # the step being executed, or None during startup
+    error: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    reason: str
+
+
+EngineToWorker = KVCacheConfig | SchedulerOutput | Shutdown
+WorkerToEngine = WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed

@@ -1,0 +1,1 @@
+"""Fake models that read and write the real paged KV cache."""
