@@ -62,3 +62,10 @@ def dtype_size_bytes(dtype: str) -> int:
     if dtype not in DTYPE_SIZES_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPE_SIZES_BYTES)}")
     return DTYPE_SIZES_BYTES[dtype]
+
+
+def bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec], tp_size: int) -> int:
+    """Bytes one block id costs on one rank: every layer of every group holds a page for it."""
+    return sum(
+        len(group.layer_names) * group.spec.page_size_bytes(tp_size) for group in kv_cache_groups
+    )
