@@ -1,0 +1,298 @@
+"""WorkerGroup: the engine's worker ROUTER socket, the handshake with every rank, and the per-step
+broadcast and gather (the ZMQ executor).
+
+Every wait has a deadline. A rank that dies, vanishes or fails is a WorkerGroupError naming it; this
+class never retries and never schedules.
+"""
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from engine_core.handshake import (
+    HandshakeError,
+    check_hello,
+    check_ready,
+    describe_disagreement,
+    missing_ranks,
+)
+from protocol.codec import make_encoder, worker_to_engine_decoder
+from protocol.errors import ProtocolError
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.worker_messages import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+    WorkerToEngine,
+)
+
+logger = logging.getLogger(__name__)
+
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank died, vanished, failed, diverged or did not answer in time."""
+
+
+class WorkerGroup:
+    """The ranks of one tensor-parallel group, as the engine sees them.
+
+    Invariants: `ranks_by_identity` and `identities` are inverse maps over the ranks that said
+    hello; after `wait_for_ready` they hold exactly ranks 0..tp_size-1; `last_step_id` counts the
+    steps broadcast so far, and every gathered reply echoes it.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        tp_size: int,
+        step_timeout_s: float,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+    ) -> None:
+        self.tp_size = tp_size
+        self.step_timeout_s = step_timeout_s
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank fails at once
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
+        self.sock.bind(address)
+        self.monitor = self.sock.get_monitor_socket(MONITOR_EVENTS)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.hellos: dict[int, WorkerHello] = {}
+        self.identities: list[bytes] = []  # indexed by rank once every rank is ready
+        self.ranks_by_identity: dict[bytes, int] = {}
+        self.peers: set[bytes] = set()  # every worker identity heard from, refused ones included
+        self.sentinels: dict[int, int] = {}  # pidfd of a local worker process -> its rank
+        self.last_step_id = 0
+        self._encoder = make_encoder()
+        self._decoder = worker_to_engine_decoder()
+        self._is_serving = False
+
+    # -- handshake -----------------------------------------------------------------------------
+
+    def wait_for_hellos(self, deadline: float) -> dict[int, WorkerHello]:
+        """Collect one valid WorkerHello per rank before `deadline` (a time.monotonic() value)."""
+        while len(self.hellos) < self.tp_size:
+            identity, message = self._recv_handshake(deadline, "WorkerHello")
+            match message:
+                case WorkerHello():
+                    check_hello(message, self.tp_size, self.hellos)
+                    self.hellos[message.rank] = message
+                    self.ranks_by_identity[identity] = message.rank
+                    self._watch_process(message)
+                    logger.info("rank %d joined: pid %d on %s, %s, %d blocks available",
+                                message.rank, message.pid, message.host, message.device,
+                                message.num_blocks_available)  # fmt: skip
+                case _:
+                    raise HandshakeError(f"expected WorkerHello, got {type(message).__name__}")
+        self.identities = [b""] * self.tp_size
+        for identity, rank in self.ranks_by_identity.items():
+            self.identities[rank] = identity
+        return self.hellos
+
+    def send_kv_cache_config(self, config: KVCacheConfig) -> None:
+        self._broadcast(self._encoder.encode(config))
+
+    def wait_for_ready(self, num_blocks: int, deadline: float) -> None:
+        """Require WorkerReady with exactly `num_blocks` from every rank before `deadline`."""
+        ready_ranks: set[int] = set()
+        while len(ready_ranks) < self.tp_size:
+            identity, message = self._recv_handshake(deadline, "WorkerReady")
+            match message:
+                case WorkerReady():
+                    sender = self.ranks_by_identity.get(identity)
+                    if sender != message.rank:
+                        raise HandshakeError(
+                            f"WorkerReady names rank {message.rank} but came from rank {sender}"
+                        )
+                    check_ready(message, num_blocks, ready_ranks)
+                    ready_ranks.add(message.rank)
+                case _:
+                    raise HandshakeError(f"expected WorkerReady, got {type(message).__name__}")
+        self._is_serving = True
+
+    def _recv_handshake(self, deadline: float, awaited: str) -> tuple[bytes, WorkerToEngine]:
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                have = self.hellos if awaited == "WorkerHello" else {}
+                raise HandshakeError(
+                    f"timed out waiting for {awaited}: missing rank(s) "
+                    f"{missing_ranks(self.tp_size, have)} of tp_size={self.tp_size}"
+                )
+            events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
+            self._check_side_events(events)
+            if self.sock in events:
+                identity, frame = self.sock.recv_multipart()
+                self.peers.add(identity)
+                message = self._decode(identity, frame)
+                if isinstance(message, WorkerFailed):
+                    raise HandshakeError(
+                        f"rank {message.rank} failed during startup: {message.error}"
+                    )
+                return identity, message
+
+    def _watch_process(self, hello: WorkerHello) -> None:
+        """Put a local worker's process in the poller, so its death is seen within milliseconds."""
+        if hello.host != socket.gethostname():
+            return  # a remote rank: ZMQ heartbeats and the step deadline watch it
+        try:
+            pidfd = os.pidfd_open(hello.pid)
+        except (OSError, AttributeError) as exc:
+            logger.debug("cannot watch rank %d pid %d: %s", hello.rank, hello.pid, exc)
+            return
+        self.sentinels[pidfd] = hello.rank
+        self.poller.register(pidfd, zmq.POLLIN)
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Broadcast one step, gather every rank's reply, and return rank 0's if all agree."""
+        step_id, expected_id = scheduler_output.step_id, self.last_step_id + 1
+        if step_id != expected_id:
+            raise WorkerGroupError(f"step {step_id} broadcast, expected step {expected_id}")
+        self._broadcast(self._encoder.encode(scheduler_output))
+        self.last_step_id = scheduler_output.step_id
+        outputs = self.gather(scheduler_output.step_id)
+        disagreement = describe_disagreement(scheduler_output.step_id, outputs)
+        if disagreement:
+            raise WorkerGroupError(disagreement)
+        return outputs[0]
+
+    def gather(self, step_id: int) -> list[ModelRunnerOutput]:
+        """Every rank's ModelRunnerOutput for `step_id`, in rank order, within the step deadline."""
+        outputs: list[ModelRunnerOutput | None] = [None] * self.tp_size
+        num_pending = self.tp_size
+        deadline = time.monotonic() + self.step_timeout_s
+        while num_pending:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                missing = [rank for rank, out in enumerate(outputs) if out is None]
+                raise WorkerGroupError(
+                    f"no reply to step {step_id} from rank(s) {missing} in {self.step_timeout_s} s"
+                )
+            events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
+            if self.sock in events:
+                num_pending -= self._drain_replies(step_id, outputs)
+            if len(events) > (self.sock in events):
+                self._check_side_events(events)
+        return outputs  # type: ignore[return-value]  # no None left
+
+    def _drain_replies(self, step_id: int, outputs: list[ModelRunnerOutput | None]) -> int:
+        num_received = 0
+        while True:
+            try:
+                identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return num_received
+            rank = self._rank_of(identity)
+            match self._decode(identity, frame):
+                case ModelRunnerOutput() as out if out.step_id == step_id and out.rank == rank:
+                    if outputs[rank] is not None:
+                        raise WorkerGroupError(f"rank {rank} replied twice to step {step_id}")
+                    outputs[rank] = out
+                    num_received += 1
+                case WorkerFailed() as failed:
+                    raise WorkerGroupError(f"rank {rank} failed at step {failed.step_id}: "
+                                           f"{failed.error}")  # fmt: skip
+                case other:
+                    raise WorkerGroupError(f"rank {rank} sent {describe_message(other)} "
+                                           f"while step {step_id} was awaited")  # fmt: skip
+
+    def check_idle_events(self) -> None:
+        """Between steps: raise if a rank died, disconnected or spoke out of turn."""
+        events = dict(self.poller.poll(0))
+        self._check_side_events(events)
+        if self.sock in events:
+            identity, frame = self.sock.recv_multipart()
+            rank = self._rank_of(identity)
+            match self._decode(identity, frame):
+                case WorkerFailed() as failed:
+                    raise WorkerGroupError(f"rank {rank} failed: {failed.error}")
+                case other:
+                    raise WorkerGroupError(
+                        f"rank {rank} sent {describe_message(other)} between steps"
+                    )
+
+    def _check_side_events(self, events: dict) -> None:
+        for pidfd, rank in self.sentinels.items():
+            if pidfd in events:
+                pid = self.hellos[rank].pid
+                raise WorkerGroupError(f"worker rank {rank} (pid {pid}) exited")
+        if self.monitor in events:
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and self._is_serving:
+                raise WorkerGroupError(f"a worker disconnected from {event['endpoint']!r}")
+
+    def _decode(self, identity: bytes, frame: bytes) -> WorkerToEngine:
+        try:
+            return self._decoder.decode(frame)
+        except ProtocolError as exc:
+            rank = self.ranks_by_identity.get(identity)
+            raise WorkerGroupError(f"rank {rank} sent a bad frame: {exc}") from None
+
+    def _rank_of(self, identity: bytes) -> int:
+        rank = self.ranks_by_identity.get(identity)
+        if rank is None:
+            raise WorkerGroupError(f"a message came from an unknown worker {identity!r}")
+        return rank
+
+    def _broadcast(self, frame: bytes) -> None:
+        """Send the same encoded frame to every rank that said hello."""
+        for identity, rank in self.ranks_by_identity.items():
+            try:
+                self.sock.send_multipart((identity, frame))
+            except zmq.ZMQError as exc:
+                raise WorkerGroupError(f"cannot reach rank {rank}: {exc}") from None
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def shutdown(self, reason: str) -> None:
+        """Tell every worker still reachable to exit, refused ones included."""
+        frame = self._encoder.encode(Shutdown(reason=reason))
+        for identity in self.peers:
+            try:
+                self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.debug("shutdown not delivered to %r: %s", identity, exc)
+
+    def close(self) -> None:
+        for pidfd in self.sentinels:
+            os.close(pidfd)
+        self.sentinels.clear()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+    def check_invariants(self) -> None:
+        inverse = {rank: identity for identity, rank in self.ranks_by_identity.items()}
+        assert len(inverse) == len(self.ranks_by_identity), (
+            f"two identities share a rank: {self.ranks_by_identity}"
+        )
+        if self._is_serving:
+            assert sorted(inverse) == list(range(self.tp_size)), f"ranks {sorted(inverse)}"
+            assert all(self.identities[r] == i for r, i in inverse.items()), (
+                "identities out of order"
+            )
+
+
+def describe_message(message: WorkerToEngine) -> str:
+    match message:
+        case ModelRunnerOutput():
+            return f"a reply to step {message.step_id} as rank {message.rank}"
+        case _:
+            return type(message).__name__
