@@ -1,0 +1,400 @@
+"""BlockPool: the one owner of every KV-cache block, the free queue and the prefix-cache map.
+
+Plain bookkeeping, no I/O: it hands blocks out, ref-counts them, keeps freed blocks in reuse
+order (cached ones as LRU eviction candidates) and, when asked, records KV events for routers.
+Invariants are checked only in `check_invariants()`, never on the hot path.
+"""
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from engine_core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
+from engine_core.kv_cache.block_metrics import BlockMetricsHook
+from engine_core.kv_cache.hashing import (
+    GROUP_ID_NUM_BYTES,
+    BlockHash,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+)
+from engine_core.sched.request import Request
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0
+
+
+class BlockHashToBlockMap:
+    """Prefix-cache keys to the blocks that carry them.
+
+    A key maps to one block, or to `{block_id: block}` when the same content was computed twice
+    (blocks are never deduplicated: block tables only grow). Lookups return the copy inserted
+    earliest among those still cached.
+
+    Invariants: a dict entry holds at least two blocks; every block in an entry carries the key.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        entry = self._cache.get(key)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
+        return next(iter(entry.values()))
+
+    def get_block(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """The copy of `key` held by block `block_id`, if that block is cached under it."""
+        entry = self._cache.get(key)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry if entry is not None and entry.block_id == block_id else None
+        return entry.get(block_id)
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        cache = self._cache
+        entry = cache.get(key)
+        if entry is None:
+            cache[key] = block
+        elif type(entry) is KVCacheBlock:
+            cache[key] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Remove exactly block `block_id` from `key`; the other copies stay cached."""
+        cache = self._cache
+        entry = cache.get(key)
+        if entry is None:
+            return None
+        if type(entry) is KVCacheBlock:
+            if entry.block_id != block_id:
+                return None
+            del cache[key]
+            return entry
+        block = entry.pop(block_id, None)
+        if len(entry) == 1:
+            cache[key] = next(iter(entry.values()))
+        return block
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def num_blocks(self) -> int:
+        """Cached blocks, counting every copy (a walk; not for the hot path)."""
+        return sum(1 if type(e) is KVCacheBlock else len(e) for e in self._cache.values())
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def check_invariants(self) -> None:
+        for key, entry in self._cache.items():
+            if type(entry) is KVCacheBlock:
+                entry = {entry.block_id: entry}
+            else:
+                assert len(entry) >= 2, f"key {key.hex()} holds a dict of {len(entry)} blocks"
+            for block_id, block in entry.items():
+                assert block.block_id == block_id and block.block_hash == key, (
+                    f"key {key.hex()} maps id {block_id} to {block!r}"
+                )
+
+
+class BlockPool:
+    """Hands out, ref-counts, caches and recycles the KV-cache blocks (DESIGN.md §3.3).
+
+    Invariants:
+    1. A block is free (ref_cnt 0, in the free queue exactly once) or in use (ref_cnt > 0, not
+       in the queue). The null block (id 0) is neither, and is never hashed.
+    2. `num_free_blocks` is the length of the queue walk; no ref_cnt is negative.
+    3. Every map entry points to a block that carries exactly that key, and every hashed block
+       is in the map under its key.
+    4. A hash is set once, when its block is full; it is cleared only by eviction on reuse,
+       `evict_blocks`, or `reset_prefix_cache`.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockMetricsHook | None = None,
+    ) -> None:
+        if num_gpu_blocks < 1:
+            raise ValueError(
+                f"num_gpu_blocks must be at least 1 (the null block), got {num_gpu_blocks}"
+            )
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.metrics_collector = metrics_collector
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(idx) for idx in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # Block 0 stands for skipped (out-of-window) positions; it leaves the queue for good.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group, in the order of `kv_cache_group_ids`; None if any misses."""
+        if not self.enable_caching:
+            return None
+        get_one_block = self.cached_block_hash_to_block.get_one_block
+        cached_blocks = []
+        for group_id in kv_cache_group_ids:
+            block = get_one_block(block_hash + group_id.to_bytes(GROUP_ID_NUM_BYTES, "big"))
+            if block is None:
+                return None
+            cached_blocks.append(block)
+        return cached_blocks
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Hash `blocks[num_cached_blocks:num_full_blocks]` and cache them; skip null blocks.
+
+        `request.block_hashes[i]` is the hash of block i.
+        """
+        if not self.enable_caching or num_cached_blocks >= num_full_blocks:
+            return
+        block_hashes = request.block_hashes
+        if num_full_blocks > len(block_hashes) or num_full_blocks > len(blocks):
+            raise ValueError(
+                f"cannot cache {num_full_blocks} full blocks of request {request.req_id}: "
+                f"it has {len(block_hashes)} block hashes and {len(blocks)} blocks"
+            )
+        suffix = kv_cache_group_id.to_bytes(GROUP_ID_NUM_BYTES, "big")
+        insert = self.cached_block_hash_to_block.insert
+        for idx in range(num_cached_blocks, num_full_blocks):
+            block = blocks[idx]
+            if block.block_hash is not None:
+                self._uncache(blocks[num_cached_blocks:idx])
+                raise ValueError(
+                    f"cannot cache block {block.block_id} at index {idx} of request "
+                    f"{request.req_id}: it already has a hash"
+                )
+            if block.is_null:
+                continue
+            key = block_hashes[idx] + suffix
+            block.block_hash = key
+            insert(key, block)
+        if self.enable_kv_cache_events:
+            self._record_block_stored(
+                request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id
+            )
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the head of the free queue, drop their stale hashes, ref them."""
+        num_free = self.free_block_queue.num_free_blocks
+        if num_blocks < 0 or num_blocks > num_free:
+            raise ValueError(f"cannot get {num_blocks} new blocks: {num_free} free")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            for block in blocks:
+                # A reused block may still carry the hash of its old content: drop it, or a
+                # later lookup would hit a block that now holds other tokens.
+                if block.block_hash is not None:
+                    self._evict_cached_block(block)
+                block.ref_cnt = 1
+        else:
+            for block in blocks:
+                block.ref_cnt = 1
+        collector = self.metrics_collector
+        if collector is not None:
+            for block in blocks:
+                collector.on_block_allocated(block)
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on each hit block, pulling free ones off the free queue first."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.is_null:  # the null block is never ref-counted
+                    continue
+                remove(block)
+            block.ref_cnt += 1
+        collector = self.metrics_collector
+        if collector is not None:
+            for block in blocks:
+                if not block.is_null:
+                    collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per listed block; pass a request's blocks tail first.
+
+        Blocks that reach zero are queued once: unhashed ones at the head as one run (the
+        request's last block is reused first), hashed ones at the LRU tail (a prefix's tail is
+        evicted before its head). Freeing more often than referenced raises and changes nothing.
+        """
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        to_head: list[KVCacheBlock] = []
+        to_tail: list[KVCacheBlock] = []
+        for idx, block in enumerate(blocks):
+            ref_cnt = block.ref_cnt
+            if ref_cnt > 1:
+                block.ref_cnt = ref_cnt - 1
+            elif ref_cnt == 1:
+                block.ref_cnt = 0
+                if block.block_hash is None:
+                    to_head.append(block)
+                else:
+                    to_tail.append(block)
+            elif not block.is_null:
+                self._restore_refs(blocks[:idx])
+                raise ValueError(
+                    f"cannot free block {block.block_id}: it is freed more often than it is "
+                    f"referenced (ref_cnt {ref_cnt})"
+                )
+        if to_head:
+            self.free_block_queue.prepend_n(to_head)
+        if to_tail:
+            self.free_block_queue.append_n(to_tail)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the hashes of these blocks (KV reported invalid); they keep their queue place."""
+        ids = list(block_ids)
+        num_gpu_blocks = self.num_gpu_blocks
+        for block_id in ids:
+            if not 0 <= block_id < num_gpu_blocks:
+                raise ValueError(
+                    f"cannot evict block {block_id}: block ids are in [0, {num_gpu_blocks})"
+                )
+        for block_id in ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict_cached_block(block)
+
+    def reset_refusal_reason(self) -> str | None:
+        """Why `reset_prefix_cache` would refuse now, or None if it would succeed."""
+        num_used = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
+        if num_used:
+            return f"{num_used} blocks are still held by requests, expected 0"
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear every hash when no request holds a block; the free order is kept."""
+        reason = self.reset_refusal_reason()
+        if reason is not None:
+            logger.warning("cannot reset the prefix cache: %s", reason)
+            return False
+        collector = self.metrics_collector
+        for block in self.blocks:
+            if block.block_hash is not None:
+                block.block_hash = None
+                if collector is not None:
+                    collector.on_block_evicted(block)
+        self.cached_block_hash_to_block.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        logger.info("prefix cache reset")
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """The fraction of usable blocks (the null block excluded) held by requests."""
+        capacity = self.num_gpu_blocks - 1
+        if capacity == 0:
+            return 0.0
+        return 1.0 - self.free_block_queue.num_free_blocks / capacity
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events recorded since the last call, oldest first."""
+        events = self.kv_event_queue
+        self.kv_event_queue = []
+        return events
+
+    def check_invariants(self) -> None:
+        """Walk every block, the queue and the map; raise AssertionError naming what is wrong."""
+        self.free_block_queue.check_invariants()
+        self.cached_block_hash_to_block.check_invariants()
+        null = self.null_block
+        assert null is self.blocks[NULL_BLOCK_ID] and null.is_null, "block 0 is not the null block"
+        assert null.ref_cnt == 0 and null.block_hash is None, f"null block was used: {null!r}"
+        assert null.prev_free_block is None and null.next_free_block is None, (
+            "the null block is in the free queue"
+        )
+        get_block = self.cached_block_hash_to_block.get_block
+        num_hashed = 0
+        for idx in range(1, self.num_gpu_blocks):
+            block = self.blocks[idx]
+            assert block.block_id == idx and not block.is_null, f"blocks[{idx}] is {block!r}"
+            assert block.ref_cnt >= 0, f"block {idx} has negative ref_cnt {block.ref_cnt}"
+            is_queued = block.prev_free_block is not None
+            assert is_queued == (block.ref_cnt == 0), (
+                f"block {idx} has ref_cnt {block.ref_cnt} but is_queued={is_queued}"
+            )
+            if block.block_hash is not None:
+                num_hashed += 1
+                assert get_block(block.block_hash, idx) is block, (
+                    f"block {idx} carries {block.block_hash.hex()} but the map does not hold it"
+                )
+        num_mapped = self.cached_block_hash_to_block.num_blocks()
+        assert num_mapped == num_hashed, f"map holds {num_mapped} blocks, {num_hashed} are hashed"
+        assert self.enable_caching or num_hashed == 0, "a block is hashed with caching off"
+
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        key = block.block_hash
+        self.cached_block_hash_to_block.pop(key, block.block_id)
+        block.block_hash = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(block_hashes=[get_block_hash(key)], group_idx=get_group_id(key))
+            )
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block)
+
+    def _uncache(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Undo the part of a `cache_full_blocks` call done before it found a caller error."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+                block.block_hash = None
+
+    @staticmethod
+    def _restore_refs(blocks: Sequence[KVCacheBlock]) -> None:
+        """Undo the decrements of a `free_blocks` call that found a caller error."""
+        for block in blocks:
+            if not block.is_null:
+                block.ref_cnt += 1
+
+    def _record_block_stored(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
+        """One BlockStored event for the blocks that a `cache_full_blocks` call hashed."""
+        stored = [i for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null]
+        if not stored:
+            return
+        tokens = request.all_token_ids
+        first, last = stored[0], stored[-1]
+        if last - first + 1 == len(stored):
+            token_ids = tokens[first * block_size : (last + 1) * block_size].tolist()
+        else:
+            token_ids = [t for i in stored for t in tokens[i * block_size : (i + 1) * block_size]]
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[bytes(request.block_hashes[i]) for i in stored],
+                parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
+                token_ids=token_ids,
+                block_size=block_size,
+                group_idx=group_id,
+            )
+        )
