@@ -1,0 +1,261 @@
+"""KV-cache coordinators: one BlockPool shared by every KV-cache group, one manager per group.
+
+A coordinator fans each request operation out to the per-group managers and, for prefix hits,
+decides one hit length that every group can honour. It never hashes tokens or sizes memory.
+"""
+
+from collections.abc import Sequence
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_metrics import BlockMetricsHook
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.single_type_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    make_single_type_manager,
+    spec_manager_class,
+)
+from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from engine_core.sched.request import Request
+
+BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
+
+
+class KVCacheCoordinator:
+    """Runs each request operation over every group's manager, against one shared BlockPool.
+
+    Invariants: each group's manager holds its own invariants, and every non-null block's
+    `ref_cnt` equals the number of request tables, over all groups, that list it.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockMetricsHook | None = None,
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events, metrics_collector
+        )
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            make_single_type_manager(group.spec, self.block_pool, group_id)
+            for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        # Only sliding-window groups ever skip blocks; full attention pays nothing for it.
+        self.has_skipped_blocks = any(
+            type(manager) is not FullAttentionManager for manager in self.single_type_managers
+        )
+
+    def get_num_blocks_to_allocate(
+        self, req_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
+    ) -> int:
+        """Free blocks an allocation up to `num_tokens` consumes, over every group."""
+        return sum(
+            manager.get_num_blocks_to_allocate(req_id, num_tokens, blocks)
+            for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True)
+        )
+
+    def save_new_computed_blocks(self, req_id: str, new_computed_blocks: BlocksPerGroup) -> None:
+        """Touch every group's hits, then start the request's tables with them.
+
+        All hits are touched before any new block is allocated, so the allocation of one group
+        can never evict the hit blocks of another.
+        """
+        if self.enable_caching:
+            for blocks in new_computed_blocks:
+                if blocks:
+                    self.block_pool.touch(blocks)
+        for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            manager.save_new_computed_blocks(req_id, blocks)
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            manager.allocate_new_blocks(req_id, num_tokens) for manager in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_tokens)
+
+    def free(self, req_id: str) -> None:
+        for manager in self.single_type_managers:
+            manager.free(req_id)
+
+    def get_num_freed_by_skipping(self, req_id: str, num_computed_tokens: int) -> int:
+        """Blocks that `remove_skipped_blocks` would return to the free queue right now."""
+        if not self.has_skipped_blocks:
+            return 0
+        num_freed = 0
+        for manager in self.single_type_managers:
+            for block in manager.get_skipped_blocks(req_id, num_computed_tokens):
+                if block.ref_cnt == 1:
+                    num_freed += 1
+        return num_freed
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        if not self.has_skipped_blocks:
+            return
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(req_id, num_computed_tokens)
+
+    def get_blocks(self, req_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's whole table in every group (empty lists for an unknown request)."""
+        return tuple(manager.req_to_blocks.get(req_id, []) for manager in self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, int]:
+        """The hit blocks per group and the hit length in tokens, touching nothing."""
+        raise NotImplementedError(f"{type(self).__name__} does not search the prefix cache")
+
+    def check_invariants(self) -> None:
+        """Check the pool, every manager, and that ref counts match the request tables."""
+        self.block_pool.check_invariants()
+        num_refs = [0] * self.kv_cache_config.num_blocks
+        for manager in self.single_type_managers:
+            manager.check_invariants()
+            for blocks in manager.req_to_blocks.values():
+                for block in blocks:
+                    if not block.is_null:
+                        num_refs[block.block_id] += 1
+        for block in self.block_pool.blocks[1:]:
+            assert block.ref_cnt == num_refs[block.block_id], (
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                f"{num_refs[block.block_id]} request tables list it"
+            )
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: any number of groups, and never a hit."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockMetricsHook | None = None,
+    ) -> None:
+        super().__init__(kv_cache_config, False, enable_kv_cache_events, metrics_collector)
+        self._no_hit: BlocksPerGroup = tuple(() for _ in self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, int]:
+        return self._no_hit, 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Exactly one group: its manager's own hit is the answer."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockMetricsHook | None = None,
+    ) -> None:
+        super().__init__(kv_cache_config, True, enable_kv_cache_events, metrics_collector)
+        if len(self.single_type_managers) != 1:
+            raise ValueError(
+                f"UnitaryKVCacheCoordinator takes exactly one KV-cache group, "
+                f"got {len(self.single_type_managers)}"
+            )
+        self._manager = self.single_type_managers[0]
+        self._group_ids = [0]
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, int]:
+        manager = self._manager
+        hits = manager.find_longest_cache_hit(
+            block_hashes,
+            max_cache_hit_length,
+            self._group_ids,
+            self.block_pool,
+            manager.kv_cache_spec,
+        )
+        return hits, len(hits[0]) * manager.block_size
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups of one block size, such as full attention beside sliding windows.
+
+    Groups with equal specs search together. Full attention searches first: its hit only ever
+    shrinks by truncation, so it gives the others a tight upper bound.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockMetricsHook | None = None,
+    ) -> None:
+        super().__init__(kv_cache_config, True, enable_kv_cache_events, metrics_collector)
+        block_sizes = sorted({manager.block_size for manager in self.single_type_managers})
+        if len(block_sizes) != 1:
+            raise ValueError(f"KV-cache groups use block sizes {block_sizes}: expected one")
+        self.block_size = block_sizes[0]
+        self.spec_groups = _group_ids_by_spec(kv_cache_config)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, int]:
+        """Shrink the hit length until every group hits at least that far (a fixed point).
+
+        Each pass asks every spec group for its hit within the current length; the length can
+        only fall, so the loop ends, and when a pass changes nothing every group agrees.
+        """
+        block_size = self.block_size
+        hit_length = max_cache_hit_length // block_size * block_size
+        hits: list[Sequence[KVCacheBlock]] = [()] * len(self.single_type_managers)
+        searched_full: set[KVCacheSpec] = set()
+        while True:
+            pass_length = hit_length
+            for spec, group_ids in self.spec_groups:
+                if spec in searched_full:
+                    # A full-attention hit is a prefix: a shorter hit is its truncation.
+                    for group_id in group_ids:
+                        hits[group_id] = hits[group_id][: pass_length // block_size]
+                    continue
+                manager_cls = spec_manager_class(spec)
+                found = manager_cls.find_longest_cache_hit(
+                    block_hashes, pass_length, group_ids, self.block_pool, spec
+                )
+                for group_id, group_hits in zip(group_ids, found, strict=True):
+                    hits[group_id] = group_hits
+                pass_length = len(found[0]) * block_size
+                if isinstance(spec, FullAttentionSpec):
+                    searched_full.add(spec)
+            if pass_length == hit_length:
+                break
+            hit_length = pass_length
+        num_hit_blocks = hit_length // block_size
+        return tuple(group_hits[:num_hit_blocks] for group_hits in hits), hit_length
+
+
+def _group_ids_by_spec(kv_cache_config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
+    """Group ids sharing one spec, full attention first, otherwise in order of first group id."""
+    by_spec: dict[KVCacheSpec, list[int]] = {}
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        by_spec.setdefault(group.spec, []).append(group_id)
+    return sorted(by_spec.items(), key=lambda item: not isinstance(item[0], FullAttentionSpec))
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    enable_caching: bool,
+    enable_kv_cache_events: bool = False,
+    metrics_collector: BlockMetricsHook | None = None,
+) -> KVCacheCoordinator:
+    """No prefix cache when caching is off; Unitary for one group; Hybrid for several."""
+    if not kv_cache_config.kv_cache_groups:
+        raise ValueError("kv_cache_config has no KV-cache groups: expected at least one")
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config, enable_kv_cache_events, metrics_collector
+        )
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(kv_cache_config, enable_kv_cache_events, metrics_collector)
+    return HybridKVCacheCoordinator(kv_cache_config, enable_kv_cache_events, metrics_collector)

@@ -1,0 +1,194 @@
+"""KVCacheManager: the scheduler's one door to the KV cache (prefix hits, slots, frees, stats).
+
+It turns token counts into block counts, keeps a failed allocation free of side effects, and
+records prefix-cache statistics. It never sizes memory and never talks to workers.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_metrics import BlockMetricsHook
+from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
+from engine_core.kv_cache.spec import KVCacheConfig
+from engine_core.sched.request import Request
+from protocol.kv_events import KVCacheEvent
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlocks:
+    """Blocks handed to one request by one call, one sequence per KV-cache group."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
+        return KVCacheBlocks(
+            tuple([*mine, *theirs] for mine, theirs in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last report; queries and hits count tokens.
+
+    Requests re-admitted after preemption are counted apart: their hits are their own
+    recomputation, not sharing between requests.
+    """
+
+    requests: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    reset: bool = False  # the prefix cache was cleared since the last report
+
+    def record(self, num_tokens: int, num_hits: int, is_preempted: bool) -> None:
+        if is_preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+class KVCacheManager:
+    """Prefix hits, slot allocation and freeing for the scheduler, over one shared BlockPool.
+
+    Invariants: those of the coordinator (each non-null block's `ref_cnt` equals the number of
+    request tables listing it) and of the BlockPool.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        hash_block_size: int | None = None,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: BlockMetricsHook | None = None,
+    ) -> None:
+        block_sizes = sorted({group.spec.block_size for group in kv_cache_config.kv_cache_groups})
+        if hash_block_size is not None and block_sizes != [hash_block_size]:
+            raise ValueError(
+                f"hash_block_size={hash_block_size} differs from the KV-cache block sizes "
+                f"{block_sizes}: expected them equal"
+            )
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config, enable_caching, enable_kv_cache_events, metrics_collector
+        )
+        self.block_pool = self.coordinator.block_pool
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        # Shared and never mutated: empty tuples, so no caller can append to it.
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        """The fraction of usable blocks held by requests, 0.0 to 1.0."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The stats gathered since the last call; counting starts over."""
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of a waiting request and its length in tokens.
+
+        The hit stops at `num_tokens - 1`: the last token is always computed, for its logits.
+        Nothing is touched; `allocate_slots` takes the references.
+        """
+        if not self.enable_caching:
+            return self.empty_kv_cache_blocks, 0
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        self.prefix_cache_stats.record(
+            request.num_tokens, num_hit_tokens, request.num_preemptions > 0
+        )
+        if not num_hit_tokens:
+            return self.empty_kv_cache_blocks, 0
+        return KVCacheBlocks(hits), num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Slots for `num_new_tokens` more tokens; the newly allocated blocks, or None.
+
+        ```
+        | computed | new computed (hits) | new tokens | lookahead |
+                   |<-------------- blocks to allocate ---------->|
+        |<------- cached once full ---------------->|
+        ```
+        None means the blocks do not fit; then no `ref_cnt` and no table has changed.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens={num_new_tokens} for {request.req_id}: expected >= 1")
+        computed: BlocksPerGroup = (
+            self.empty_kv_cache_blocks.blocks
+            if new_computed_blocks is None
+            else new_computed_blocks.blocks
+        )
+        req_id = request.req_id
+        coordinator = self.coordinator
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(
+            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            req_id, num_tokens_need_slot, computed
+        )
+        # Out-of-window blocks go back to the pool first, and may be what makes room.
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+        if num_blocks_to_allocate > num_free_blocks:
+            num_freed = coordinator.get_num_freed_by_skipping(req_id, request.num_computed_tokens)
+            if num_blocks_to_allocate > num_free_blocks + num_freed:
+                return None
+        coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        coordinator.save_new_computed_blocks(req_id, computed)
+        new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens_need_slot)
+        if self.enable_caching:
+            # Only real tokens are hashed: lookahead slots hold no known tokens yet.
+            coordinator.cache_blocks(
+                request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            )
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first in each group."""
+        self.coordinator.free(request.req_id)
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's whole block table, one id list per group."""
+        return tuple(
+            [block.block_id for block in blocks] for blocks in self.coordinator.get_blocks(req_id)
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache; False (with a logged reason) while a request holds blocks."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def check_invariants(self) -> None:
+        self.coordinator.check_invariants()

@@ -1,0 +1,281 @@
+"""Per-group block tables: which blocks each request holds in one KV-cache group, and its hits.
+
+A SingleTypeKVCacheManager knows one attention kind. It asks the shared BlockPool for blocks and
+never decides across groups; that is the coordinator's job.
+"""
+
+from collections.abc import Sequence
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from engine_core.sched.request import Request
+
+
+class SingleTypeKVCacheManager:
+    """Every request's blocks in one KV-cache group, in token order.
+
+    Invariants:
+    1. Each non-null block a request lists is in use (`ref_cnt > 0`), and no request lists the
+       same non-null block twice.
+    2. `num_cached_block[req_id] <= len(req_to_blocks[req_id])`, and both dicts hold the same
+       requests.
+    3. Null blocks appear only in sliding-window groups, and only as a prefix of a request's list.
+    """
+
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.null_block = block_pool.null_block
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request whose hashes are already in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+
+    def get_num_blocks_to_allocate(
+        self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Free blocks this allocation consumes: the new ones, plus hits now sitting evictable.
+
+        A hit block with `ref_cnt == 0` is still in the free queue; touching it takes it out, so
+        it counts against the free blocks just like a freshly allocated one.
+        """
+        num_held = len(self.req_to_blocks.get(req_id, ()))
+        num_new = cdiv(num_tokens, self.block_size) - len(new_computed_blocks) - num_held
+        num_evictable = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
+        return max(num_new, 0) + num_evictable
+
+    def save_new_computed_blocks(
+        self, req_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Start a request's table with its (already touched) prefix hits."""
+        if req_id in self.num_cached_block:
+            if new_computed_blocks:
+                raise ValueError(
+                    f"request {req_id} already holds blocks in group {self.kv_cache_group_id}: "
+                    f"expected no new computed blocks, got {len(new_computed_blocks)}"
+                )
+            return
+        self.req_to_blocks[req_id] = list(new_computed_blocks)
+        self.num_cached_block[req_id] = len(new_computed_blocks)
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the request's table to hold `num_tokens` tokens; return the blocks it took."""
+        blocks = self.req_to_blocks[req_id]
+        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash and publish the request's blocks that the first `num_tokens` tokens fill."""
+        req_id = request.req_id
+        num_cached = self.num_cached_block[req_id]
+        num_full = num_tokens // self.block_size
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[req_id],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+        )
+        self.num_cached_block[req_id] = num_full
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks tail first, so its prefix's tail is evicted first."""
+        self.num_cached_block.pop(req_id, None)
+        blocks = self.req_to_blocks.pop(req_id, None)
+        if blocks:
+            blocks.reverse()
+            self.block_pool.free_blocks(blocks)
+
+    def get_num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks that the next token's attention never reads; none for full attention."""
+        return 0
+
+    def get_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """The request's skipped blocks not yet replaced by the null block, tail first."""
+        num_skipped = self.get_num_skipped_blocks(num_computed_tokens)
+        if num_skipped == 0:
+            return []
+        blocks = self.req_to_blocks.get(req_id, [])
+        skipped: list[KVCacheBlock] = []
+        for idx in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            block = blocks[idx]
+            if block.is_null:
+                break  # an earlier call replaced this one and everything before it
+            skipped.append(block)
+        return skipped
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        """Replace the skipped blocks with the null block and free them, tail first."""
+        skipped = self.get_skipped_blocks(req_id, num_computed_tokens)
+        if not skipped:
+            return
+        blocks = self.req_to_blocks[req_id]
+        end_idx = min(self.get_num_skipped_blocks(num_computed_tokens), len(blocks))
+        for idx in range(end_idx - len(skipped), end_idx):
+            blocks[idx] = self.null_block
+        self.block_pool.free_blocks(skipped)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """The cached blocks of the longest usable prefix of at most `max_length` tokens.
+
+        Returns one list per group id, all the same length; a group of the same spec is a hit
+        only where every listed group hits.
+        """
+        raise NotImplementedError(f"{cls.__name__} does not search the prefix cache")
+
+    def check_invariants(self) -> None:
+        """Walk every request's table (see the class docstring)."""
+        assert self.req_to_blocks.keys() == self.num_cached_block.keys(), (
+            f"group {self.kv_cache_group_id}: tables for {sorted(self.req_to_blocks)} but "
+            f"cached counts for {sorted(self.num_cached_block)}"
+        )
+        allows_null = isinstance(self.kv_cache_spec, SlidingWindowSpec)
+        for req_id, blocks in self.req_to_blocks.items():
+            num_cached = self.num_cached_block[req_id]
+            assert num_cached <= len(blocks), (
+                f"{req_id} in group {self.kv_cache_group_id}: {num_cached} cached of "
+                f"{len(blocks)} blocks"
+            )
+            real = [block for block in blocks if not block.is_null]
+            num_leading_null = len(blocks) - len(real)
+            assert all(block.is_null for block in blocks[:num_leading_null]), (
+                f"{req_id} in group {self.kv_cache_group_id}: null blocks are not a prefix"
+            )
+            assert allows_null or not num_leading_null, (
+                f"{req_id} holds {num_leading_null} null blocks in full-attention group "
+                f"{self.kv_cache_group_id}"
+            )
+            assert len({block.block_id for block in real}) == len(real), (
+                f"{req_id} lists a block twice in group {self.kv_cache_group_id}: "
+                f"{[block.block_id for block in real]}"
+            )
+            for block in real:
+                assert block.ref_cnt > 0, (
+                    f"{req_id} holds block {block.block_id} with ref_cnt {block.ref_cnt}"
+                )
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention reads every earlier token, so a hit is an unbroken run from token 0."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Scan left to right and stop at the first block that misses in any group."""
+        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        num_blocks = min(max_length // kv_cache_spec.block_size, len(block_hashes))
+        get_cached_block = block_pool.get_cached_block
+        for idx in range(num_blocks):
+            cached = get_cached_block(block_hashes[idx], kv_cache_group_ids)
+            if cached is None:
+                break
+            for group_hits, block in zip(hits, cached, strict=True):
+                group_hits.append(block)
+        return hits
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention reads only the last `sliding_window` tokens.
+
+    A hit needs only the blocks that window covers, and blocks wholly before the window are
+    handed back to the pool as soon as the request has computed past them.
+    """
+
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
+        if not isinstance(kv_cache_spec, SlidingWindowSpec):
+            raise TypeError(f"SlidingWindowManager needs a SlidingWindowSpec, got {kv_cache_spec}")
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Scan right to left for a run of cached blocks long enough to cover the window.
+
+        The next token attends to the `sliding_window - 1` tokens before it, which span
+        `cdiv(sliding_window - 1, block_size)` blocks. Blocks before the run are the null block.
+        A run that reaches block 0 is a hit even when it is shorter.
+        """
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        block_size = kv_cache_spec.block_size
+        num_needed = cdiv(kv_cache_spec.sliding_window - 1, block_size)
+        num_blocks = min(max_length // block_size, len(block_hashes))
+        null_block = block_pool.null_block
+        hits = tuple([null_block] * num_blocks for _ in kv_cache_group_ids)
+        num_contiguous = 0
+        for idx in range(num_blocks - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[idx], kv_cache_group_ids)
+            if cached is None:
+                num_contiguous = 0
+                continue
+            for group_hits, block in zip(hits, cached, strict=True):
+                group_hits[idx] = block
+            num_contiguous += 1
+            if num_contiguous >= num_needed:
+                num_hit_blocks = idx + num_contiguous
+                return tuple(group_hits[:num_hit_blocks] for group_hits in hits)
+        # No run long enough: only a run starting at block 0 is usable.
+        return tuple(group_hits[:num_contiguous] for group_hits in hits)
+
+    def get_num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks that end before the window of the next token.
+
+        The next token (position `num_computed_tokens`) reads positions from
+        `num_computed_tokens - sliding_window + 1` on; every block wholly before that is dead.
+        """
+        num_skipped_tokens = num_computed_tokens - self.sliding_window + 1
+        return max(num_skipped_tokens, 0) // self.block_size
+
+
+def make_single_type_manager(
+    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+) -> SingleTypeKVCacheManager:
+    """The manager class for the spec's attention kind."""
+    manager_cls = spec_manager_class(kv_cache_spec)
+    return manager_cls(kv_cache_spec, block_pool, kv_cache_group_id)
+
+
+def spec_manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    match kv_cache_spec:
+        case SlidingWindowSpec():
+            return SlidingWindowManager
+        case FullAttentionSpec():
+            return FullAttentionManager
+    raise TypeError(f"no KV-cache manager for spec {kv_cache_spec!r}")
