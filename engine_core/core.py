@@ -1,0 +1,98 @@
+"""EngineCore: the step loop of schedule, execute and update, over a pluggable Executor.
+
+It owns the Scheduler (and through it the only BlockPool) and never touches a socket: the server
+supplies an Executor that broadcasts each SchedulerOutput and gathers the ranks' replies.
+"""
+
+import logging
+from typing import Protocol
+
+from engine_core.sched.request import RequestStatus
+from engine_core.sched.scheduler import Scheduler
+from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
+from protocol.config import EngineConfig
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.kv_events import KVCacheEvent
+from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """Runs one step on every rank and returns the agreed sampled tokens; raises on failure."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    """One engine: requests in, a step at a time, outputs out, keyed by client id.
+
+    Invariants: those of its Scheduler and KV-cache manager, walked after each step when
+    `engine_config.check_invariants` is set.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        model_info: ModelInfo,
+        executor: Executor,
+    ) -> None:
+        self.engine_config = engine_config
+        self.executor = executor
+        self.scheduler = Scheduler(
+            engine_config.scheduler,
+            engine_config.cache,
+            kv_cache_config,
+            model_info,
+            enable_kv_cache_events=engine_config.kv_events.enable_kv_cache_events,
+        )
+        self._check_each_step = engine_config.check_invariants
+
+    def add_request(
+        self, request: EngineCoreRequest, client_id: bytes = b""
+    ) -> EngineCoreOutputs | None:
+        """Queue a request; a rejection output for its client when the input is bad."""
+        return self.scheduler.add_request(request, client_id)
+
+    def abort_requests(self, req_ids: list[str]) -> dict[bytes, EngineCoreOutputs]:
+        """Abort live requests between steps; unknown ids are ignored. Final outputs by client."""
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> dict[bytes, EngineCoreOutputs]:
+        """Schedule, execute and update once; outputs keyed by client id.
+
+        A step with no scheduled tokens still goes out while finished ids are pending, so that
+        the workers drop those requests promptly; it then returns no outputs.
+        """
+        scheduler = self.scheduler
+        if not scheduler.has_unfinished_requests() and not scheduler.has_finished_requests():
+            return {}
+        scheduler_output = scheduler.schedule()
+        model_runner_output = self.executor.execute_model(scheduler_output)
+        outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        if self._check_each_step:
+            scheduler.check_invariants()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> tuple[bool, str | None]:
+        """Clear the prefix cache; (False, reason) while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, int | float]:
+        return self.scheduler.make_stats()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV-cache events since the last call, for the publisher (empty when events are off)."""
+        return self.scheduler.kv_cache_manager.take_events()
+
+    def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
+        """Fail every unfinished request with `error`, e.g. when a worker died."""
+        logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
+        return self.scheduler.fail_all(error)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

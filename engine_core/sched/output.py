@@ -1,0 +1,118 @@
+"""StepPlan: what one schedule() decided, turned into the SchedulerOutput broadcast to workers.
+
+The wire Structs are built once per step from int32 columns; nothing here allocates blocks.
+"""
+
+from array import array
+from dataclasses import dataclass, field
+
+from engine_core.sched.request import Request
+from protocol.buffers import pack_int32
+from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
+
+BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
+
+
+@dataclass(slots=True, eq=False)
+class StepPlan:
+    """The requests one step runs, with their token counts and block ids, in wire order.
+
+    Invariants: each `*_num_tokens` list is as long as its request list; a request appears in
+    at most one of `new_reqs`, `running_reqs` and `resumed_reqs`.
+    """
+
+    new_reqs: list[Request] = field(default_factory=list)
+    new_num_tokens: list[int] = field(default_factory=list)
+    new_block_ids: list[BlockIds] = field(default_factory=list)  # whole tables
+    running_reqs: list[Request] = field(default_factory=list)
+    running_num_tokens: list[int] = field(default_factory=list)
+    running_block_ids: list[BlockIds | None] = field(default_factory=list)  # appended; None if none
+    resumed_reqs: list[Request] = field(default_factory=list)
+    resumed_num_tokens: list[int] = field(default_factory=list)
+    resumed_block_ids: list[BlockIds] = field(default_factory=list)  # whole replacement tables
+    preempted_handles: list[int] = field(default_factory=list)
+
+    def unschedule_running(self, request: Request) -> int:
+        """Drop a running request scheduled earlier in this step; returns its token count."""
+        idx = self.running_reqs.index(request)
+        del self.running_reqs[idx]
+        del self.running_block_ids[idx]
+        return self.running_num_tokens.pop(idx)
+
+    def requests_in_order(self) -> list[Request]:
+        """Every scheduled request in SchedulerOutput order: new, then running, then resumed."""
+        return self.new_reqs + self.running_reqs + self.resumed_reqs
+
+    def build(self, step_id: int, finished_handles: list[int]) -> SchedulerOutput:
+        """The wire message; advances each request's `num_computed_tokens` and `num_tokens_sent`."""
+        new_reqs_data = [
+            _new_request_data(request, num_tokens, block_ids)
+            for request, num_tokens, block_ids in zip(
+                self.new_reqs, self.new_num_tokens, self.new_block_ids, strict=True
+            )
+        ]
+        cached_reqs = self.running_reqs + self.resumed_reqs
+        cached_num_tokens = self.running_num_tokens + self.resumed_num_tokens
+        cached = _cached_request_data(
+            cached_reqs,
+            cached_num_tokens,
+            self.running_block_ids + self.resumed_block_ids,
+            [request.handle for request in self.resumed_reqs],
+        )
+        num_scheduled_tokens = array("i", self.new_num_tokens)
+        num_scheduled_tokens.extend(cached_num_tokens)
+        return SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=pack_int32(num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(num_scheduled_tokens),
+            finished_req_ids=finished_handles,
+            preempted_req_ids=self.preempted_handles,
+        )
+
+
+def _new_request_data(request: Request, num_tokens: int, block_ids: BlockIds) -> NewRequestData:
+    data = NewRequestData(
+        req_id=request.handle,
+        prompt_token_ids=pack_int32(request.all_token_ids),
+        sampling_params=request.sampling_params,
+        block_ids=block_ids,
+        num_computed_tokens=request.num_computed_tokens,
+    )
+    request.num_tokens_sent = len(request.all_token_ids)
+    request.num_computed_tokens += num_tokens
+    return data
+
+
+def _cached_request_data(
+    requests: list[Request],
+    num_scheduled_tokens: list[int],
+    new_block_ids: list[BlockIds | None],
+    resumed_handles: list[int],
+) -> CachedRequestData:
+    """Columns of the requests the workers already hold; decode steps take the one-token path."""
+    handles = array("i")
+    num_computed = array("i")
+    new_token_ids = array("i")
+    num_new_token_ids = array("i")
+    for request, num_tokens in zip(requests, num_scheduled_tokens, strict=True):
+        handles.append(request.handle)
+        num_computed.append(request.num_computed_tokens)
+        tokens = request.all_token_ids
+        num_unsent = len(tokens) - request.num_tokens_sent
+        if num_unsent == 1:
+            new_token_ids.append(tokens[-1])
+        elif num_unsent:
+            new_token_ids.extend(tokens[request.num_tokens_sent :])
+        num_new_token_ids.append(num_unsent)
+        request.num_tokens_sent = len(tokens)
+        request.num_computed_tokens += num_tokens
+    return CachedRequestData(
+        req_ids=pack_int32(handles),
+        resumed_req_ids=resumed_handles,
+        new_token_ids=pack_int32(new_token_ids),
+        num_new_token_ids=pack_int32(num_new_token_ids),
+        new_block_ids=new_block_ids,
+        num_computed_tokens=pack_int32(num_computed),
+    )

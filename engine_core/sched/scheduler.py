@@ -1,0 +1,420 @@
+"""Scheduler: continuous batching over one KVCacheManager, with chunked prefill and preemption.
+
+It decides which requests run each step and with how many tokens, and turns the workers' sampled
+tokens into per-client outputs. No I/O: the EngineCore carries its messages.
+"""
+
+import itertools
+import logging
+import time
+from array import array
+
+from engine_core.kv_cache.hashing import BlockHasher
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_cache.spec import num_blocks_per_request
+from engine_core.sched.output import StepPlan
+from engine_core.sched.queues import create_request_queue
+from engine_core.sched.request import Request, RequestStatus
+from engine_core.sched.stop import check_stop
+from engine_core.sched.validation import validate_request
+from protocol.buffers import pack_int32, unpack_int32
+from protocol.client_messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """Continuous batching: running requests first, then waiting ones, within the step budgets.
+
+    Invariants: `requests` holds exactly the requests in `running` and `waiting`; every running
+    request is RUNNING and every waiting one WAITING or PREEMPTED (with no computed tokens);
+    `len(running) <= max_num_seqs`; `num_computed_tokens <= num_tokens` for all.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+        model_info: ModelInfo,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.max_model_len = _max_model_len(scheduler_config, model_info)
+        self.block_size = _block_size(cache_config, kv_cache_config)
+        if not scheduler_config.enable_chunked_prefill and (
+            scheduler_config.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is below "
+                f"max_model_len={self.max_model_len}: without chunked prefill a prompt must fit "
+                "in one step"
+            )
+        num_blocks_needed = num_blocks_per_request(
+            kv_cache_config.kv_cache_groups, self.max_model_len
+        )
+        if num_blocks_needed > kv_cache_config.num_blocks - 1:
+            # Such a request would preempt itself forever once it grew long enough.
+            raise ValueError(
+                f"one request of max_model_len={self.max_model_len} tokens needs "
+                f"{num_blocks_needed} blocks: expected at most the "
+                f"{kv_cache_config.num_blocks - 1} usable blocks of the pool"
+            )
+        self.vocab_size = model_info.vocab_size
+        self.eos_token_id = model_info.eos_token_id
+        self.policy = scheduler_config.scheduling_policy
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_block_size=self.block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self._block_hasher = (
+            BlockHasher(
+                self.block_size, cache_config.prefix_caching_hash_algo, cache_config.hash_seed
+            )
+            if cache_config.enable_prefix_caching
+            else None
+        )
+        threshold = scheduler_config.long_prefill_token_threshold
+        self._prefill_cap = (
+            threshold if threshold and scheduler_config.enable_chunked_prefill else 0
+        )
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = create_request_queue(self.policy)
+        self._handles = itertools.count(1)  # 0 is never a live handle
+        self._finished_handles: list[int] = []  # seen by the workers, to forget next step
+        self._step_id = 0
+        self._in_flight: tuple[int, list[Request], bytes] | None = None
+        self.num_preemptions = 0
+        self.num_prefix_cache_queries = 0  # prompt tokens looked up, since start
+        self.num_prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    # ---- admission and aborts -------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, client_id: bytes) -> EngineCoreOutputs | None:
+        """Queue a client's request; a rejection output when its input is bad, else None."""
+        try:
+            prompt, params = validate_request(
+                request, self.max_model_len, self.vocab_size, request.req_id in self.requests
+            )
+        except ValueError as exc:
+            logger.warning("rejected request %r: %s", request.req_id, exc)
+            output = EngineCoreOutput(request.req_id, [], FinishReason.ERROR, error=str(exc))
+            return EngineCoreOutputs([output], timestamp=time.time())
+        state = Request(
+            request.req_id,
+            prompt,
+            params,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            eos_token_id=self.eos_token_id,
+            block_hasher=self._block_hasher,
+            client_id=client_id,
+            handle=next(self._handles),
+        )
+        self.requests[state.req_id] = state
+        self.waiting.add_request(state)
+        return None
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, error: str | None = None
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Finish live requests (aborts, failures); unknown ids are ignored.
+
+        Returns a final output per request, keyed by client, for the server to send or drop.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        doomed = [self.requests[req_id] for req_id in req_ids if req_id in self.requests]
+        if not doomed:
+            return {}
+        doomed_ids = {id(request) for request in doomed}
+        self.running = [request for request in self.running if id(request) not in doomed_ids]
+        if any(request.status is not _RUNNING for request in doomed):
+            self.waiting.remove_requests(doomed)
+        outputs: dict[bytes, list[EngineCoreOutput]] = {}
+        for request in doomed:
+            self._free_request(request, status)
+            output = EngineCoreOutput(
+                request.req_id, [], status.finish_reason, request.num_cached_tokens or 0, error
+            )
+            outputs.setdefault(request.client_id, []).append(output)
+        return _by_client(outputs)
+
+    def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
+        """Fail every unfinished request with `error` (a worker died); outputs keyed by client."""
+        self._in_flight = None  # the step that failed will never be answered
+        return self.finish_requests(list(self.requests), RequestStatus.FINISHED_ERROR, error)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """True when the workers still hold requests that finished since the last step."""
+        return bool(self._finished_handles)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work: running requests first, then admission from the queue."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight[0]} is still in flight: update it first")
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.scheduler_config.max_num_batched_tokens)
+        if not plan.preempted_handles:  # admitting now would only thrash the pool again
+            self._schedule_waiting(plan, budget)
+        self._step_id += 1
+        requests = plan.requests_in_order()
+        finished, self._finished_handles = self._finished_handles, []
+        output = plan.build(self._step_id, finished)
+        handles = pack_int32(array("i", [request.handle for request in requests]))
+        self._in_flight = (self._step_id, requests, handles)
+        return output
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        """Give each running request its next tokens, preempting when blocks run out."""
+        running = self.running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        cap = self._prefill_cap
+        idx = 0
+        while idx < len(running) and budget > 0:
+            request = running[idx]
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if cap and num_new_tokens > cap:
+                num_new_tokens = cap
+            if num_new_tokens > budget:
+                num_new_tokens = budget
+            new_blocks = allocate_slots(request, num_new_tokens)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if victim in plan.running_reqs:
+                    budget += plan.unschedule_running(victim)
+                if running.index(victim) < idx:
+                    idx -= 1
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+                new_blocks = allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                continue  # the request itself was the victim; running[idx] is the next one
+            plan.running_reqs.append(request)
+            plan.running_num_tokens.append(num_new_tokens)
+            # A decode step rarely crosses a block boundary: send None, not empty lists.
+            plan.running_block_ids.append(
+                new_blocks.get_block_ids() if any(new_blocks.blocks) else None
+            )
+            budget -= num_new_tokens
+            idx += 1
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting requests in queue order until one does not fit (head of line)."""
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
+            request = self.waiting.peek_request()
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
+            if self._prefill_cap and num_new_tokens > self._prefill_cap:
+                num_new_tokens = self._prefill_cap
+            if num_new_tokens > budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new_tokens = budget
+            # Reserving the rest of the prompt as lookahead admits only what fits whole.
+            num_reserved = request.num_tokens - num_computed - num_new_tokens
+            new_blocks = kv.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_computed,
+                new_computed_blocks=computed_blocks,
+                num_lookahead_tokens=num_reserved if config.reserve_full_prompt else 0,
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(request)
+            request.num_computed_tokens = num_computed
+            block_ids = kv.get_block_ids(request.req_id)
+            if request.status == RequestStatus.PREEMPTED:
+                plan.resumed_reqs.append(request)
+                plan.resumed_num_tokens.append(num_new_tokens)
+                plan.resumed_block_ids.append(block_ids)
+            else:
+                request.num_cached_tokens = num_computed
+                plan.new_reqs.append(request)
+                plan.new_num_tokens.append(num_new_tokens)
+                plan.new_block_ids.append(block_ids)
+            request.status = _RUNNING
+            budget -= num_new_tokens
+
+    def _pick_victim(self) -> Request:
+        """FCFS: the last running request; priority: the largest (priority, arrival_time)."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda request: (request.priority, request.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        """Free the victim's blocks and queue it first to recompute; the workers keep its tokens."""
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(victim)
+        plan.preempted_handles.append(victim.handle)
+        logger.debug("preempted %s", victim.handle)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Append each request's sampled token, apply the stop rules, and build client outputs."""
+        requests = self._check_step(scheduler_output, model_runner_output)
+        sampled = unpack_int32(model_runner_output.sampled_token_ids)
+        max_model_len = self.max_model_len
+        outputs: dict[bytes, list[EngineCoreOutput]] = {}
+        finished: list[Request] = []
+        for request, token_id in zip(requests, sampled, strict=True):
+            if request.status is not _RUNNING:
+                continue  # aborted while the step ran
+            if request.num_computed_tokens < len(request.all_token_ids):
+                continue  # a partial prefill chunk: its sample means nothing
+            request.append_output_token_ids(token_id)
+            status = check_stop(request, max_model_len)
+            finish_reason = None
+            if status is not None:
+                finish_reason = status.finish_reason
+                request.status = status
+                finished.append(request)
+            output = EngineCoreOutput(
+                request.req_id, [token_id], finish_reason, request.num_cached_tokens
+            )
+            client_outputs = outputs.get(request.client_id)
+            if client_outputs is None:
+                outputs[request.client_id] = [output]
+            else:
+                client_outputs.append(output)
+        if finished:
+            self.running = [request for request in self.running if request.status is _RUNNING]
+            for request in finished:
+                self._free_request(request, request.status)
+        return _by_client(outputs)
+
+    def _check_step(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """The requests of the step in flight, after checking that the output answers it."""
+        if self._in_flight is None:
+            raise RuntimeError("update_from_output called with no step in flight")
+        step_id, requests, handles = self._in_flight
+        if scheduler_output.step_id != step_id or model_runner_output.step_id != step_id:
+            raise ValueError(
+                f"output for step {model_runner_output.step_id} (scheduled "
+                f"{scheduler_output.step_id}): expected step {step_id}"
+            )
+        if model_runner_output.req_ids != handles:
+            raise ValueError(
+                f"rank {model_runner_output.rank} answered step {step_id} for other requests: "
+                f"expected {len(requests)} handles in SchedulerOutput order"
+            )
+        self._in_flight = None
+        return requests
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request that is out of the queues: release blocks, forget it."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+        if request.num_tokens_sent:
+            self._finished_handles.append(request.handle)
+
+    # ---- management -----------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> tuple[bool, str | None]:
+        """Clear the prefix cache; fails with the reason while requests hold blocks."""
+        if self.running:
+            return False, f"cannot reset the prefix cache: {len(self.running)} requests hold blocks"
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False, "cannot reset the prefix cache: blocks are still in use"
+        return True, None
+
+    def make_stats(self) -> dict[str, int | float]:
+        stats: dict[str, int | float] = {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self._step_id,
+        }
+        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        self.num_prefix_cache_queries += prefix_stats.queries
+        self.num_prefix_cache_hits += prefix_stats.hits
+        stats["prefix_cache_queries"] = self.num_prefix_cache_queries
+        stats["prefix_cache_hits"] = self.num_prefix_cache_hits
+        return stats
+
+    def check_invariants(self) -> None:
+        running_ids = {id(request) for request in self.running}
+        waiting = list(self.waiting)
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert len(self.running) <= self.scheduler_config.max_num_seqs, (
+            f"{len(self.running)} running requests exceed max_num_seqs"
+        )
+        for request in self.running:
+            assert request.status is _RUNNING, f"{request!r} is in running"
+        for request in waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert request.num_computed_tokens == 0, f"{request!r} waits with computed tokens"
+        live = {id(request) for request in self.requests.values()}
+        queued = running_ids | {id(request) for request in waiting}
+        assert live == queued and len(queued) == len(self.running) + len(waiting), (
+            f"{len(live)} live requests, {len(self.running)} running, {len(waiting)} waiting"
+        )
+        for request in self.requests.values():
+            assert request.num_computed_tokens <= request.num_tokens, repr(request)
+        self.waiting.check_invariants()
+        self.kv_cache_manager.check_invariants()
+
+
+def _by_client(outputs: dict[bytes, list[EngineCoreOutput]]) -> dict[bytes, EngineCoreOutputs]:
+    now = time.time()
+    return {client_id: EngineCoreOutputs(outs, now) for client_id, outs in outputs.items()}
+
+
+def _max_model_len(scheduler_config: SchedulerConfig, model_info: ModelInfo) -> int:
+    configured = scheduler_config.max_model_len
+    if configured is None:
+        return model_info.max_model_len
+    if configured > model_info.max_model_len:
+        logger.warning(
+            "max_model_len=%d exceeds the model's %d; using the model's",
+            configured,
+            model_info.max_model_len,
+        )
+        return model_info.max_model_len
+    return configured
+
+
+def _block_size(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> int:
+    for group in kv_cache_config.kv_cache_groups:
+        if group.spec.block_size != cache_config.block_size:
+            raise ValueError(
+                f"kv-cache group {group.layer_names[:1]} has block_size={group.spec.block_size}: "
+                f"expected the cache config's {cache_config.block_size}"
+            )
+    return cache_config.block_size

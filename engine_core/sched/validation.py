@@ -1,0 +1,49 @@
+"""Admission checks of a client's EngineCoreRequest: every rejection names the value and the bound.
+
+It only inspects; it never changes scheduler state.
+"""
+
+from array import array
+
+from protocol.buffers import unpack_int32
+from protocol.client_messages import EngineCoreRequest
+from protocol.sampling import SamplingParams
+
+
+def validate_request(
+    request: EngineCoreRequest,
+    max_model_len: int,
+    vocab_size: int,
+    is_live_req_id: bool,
+) -> tuple[array, SamplingParams]:
+    """The prompt's token ids and checked sampling parameters, or `ValueError` with the reason."""
+    if is_live_req_id:
+        raise ValueError(f"duplicate req_id {request.req_id!r}: a live request already has it")
+    prompt = unpack_int32(request.prompt_token_ids)
+    if not prompt:
+        raise ValueError(f"empty prompt for {request.req_id!r}: expected at least 1 token")
+    if len(prompt) > max_model_len:
+        raise ValueError(
+            f"prompt of {request.req_id!r} has {len(prompt)} tokens: expected at most "
+            f"max_model_len={max_model_len}"
+        )
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"token id {bad} in the prompt of {request.req_id!r} is out of the vocabulary: "
+            f"expected 0 <= id < {vocab_size}"
+        )
+    params = request.sampling_params.validate()
+    if params.min_tokens > params.max_tokens:
+        raise ValueError(
+            f"bad sampling parameters: min_tokens={params.min_tokens} exceeds "
+            f"max_tokens={params.max_tokens}"
+        )
+    for token_id in params.stop_token_ids:
+        if token_id >= vocab_size:
+            raise ValueError(
+                f"stop token id {token_id} of {request.req_id!r} is out of the vocabulary: "
+                f"expected 0 <= id < {vocab_size}"
+            )
+    return prompt, params

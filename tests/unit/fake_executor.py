@@ -1,0 +1,262 @@
+"""FakeExecutor: an in-process stand-in for the workers that also checks every SchedulerOutput.
+
+Token rule: the next token of a sequence is crc32 of its int32 bytes (prompt and all generated
+tokens) modulo the vocabulary, so a run with preemption yields the same tokens as one without.
+"""
+
+import zlib
+from array import array
+from collections.abc import Callable
+
+from engine_core.core import EngineCore
+from protocol.buffers import pack_int32, unpack_int32
+from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from protocol.sampling import SamplingParams
+from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
+
+
+def next_token(token_ids: array, vocab_size: int) -> int:
+    """The fake model: a pure function of the whole sequence."""
+    return zlib.crc32(pack_int32(token_ids)) % vocab_size
+
+
+def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int) -> list[int]:
+    """What the fake model generates from `prompt` alone, for `num_tokens` steps."""
+    tokens = array("i", prompt)
+    out = []
+    for _ in range(num_tokens):
+        token = next_token(tokens, vocab_size)
+        tokens.append(token)
+        out.append(token)
+    return out
+
+
+class _WorkerRequest:
+    __slots__ = ("block_ids", "num_computed_tokens", "tokens")
+
+    def __init__(self, tokens: array, block_ids: list[list[int]], num_computed_tokens: int) -> None:
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+
+
+class FakeExecutor:
+    """Keeps each request's tokens and block table the way a worker would, and samples.
+
+    Invariants checked on every step (AssertionError otherwise): step ids are consecutive,
+    finished and cached handles are known, new handles are new, the scheduled counts sum to the
+    total and stay within `max_num_batched_tokens`, `num_computed_tokens` agrees with the
+    worker's own view, block tables only grow except on resume, and each table covers the
+    tokens scheduled for it.
+    """
+
+    def __init__(self, vocab_size: int, block_size: int, max_num_batched_tokens: int) -> None:
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[int, _WorkerRequest] = {}
+        self.seen_handles: set[int] = set()
+        self.preempted: set[int] = set()
+        self.last_step_id = 0
+        self.num_steps = 0
+        self.on_step: Callable[[SchedulerOutput], None] | None = None
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = scheduler_output
+        assert out.step_id == self.last_step_id + 1, (out.step_id, self.last_step_id)
+        self.last_step_id = out.step_id
+        self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(out)
+        self._drop(out)
+        handles = self._add_new(out) + self._apply_cached(out)
+        num_scheduled = unpack_int32(out.num_scheduled_tokens)
+        assert len(num_scheduled) == len(handles), (len(num_scheduled), len(handles))
+        assert sum(num_scheduled) == out.total_num_scheduled_tokens
+        assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
+        assert len(set(handles)) == len(handles), f"a handle is scheduled twice: {handles}"
+        sampled = array("i")
+        for handle, num_tokens in zip(handles, num_scheduled, strict=True):
+            sampled.append(self._run(handle, num_tokens))
+        return ModelRunnerOutput(out.step_id, 0, pack_int32(handles), pack_int32(sampled))
+
+    def _drop(self, out: SchedulerOutput) -> None:
+        for handle in out.finished_req_ids:
+            assert handle in self.requests, f"finished handle {handle} is unknown"
+            del self.requests[handle]
+            self.preempted.discard(handle)
+        for handle in out.preempted_req_ids:
+            assert handle in self.requests, f"preempted handle {handle} is unknown"
+            self.requests[handle].block_ids = [[] for _ in self.requests[handle].block_ids]
+            self.requests[handle].num_computed_tokens = 0
+            self.preempted.add(handle)
+
+    def _add_new(self, out: SchedulerOutput) -> list[int]:
+        handles = []
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.seen_handles, f"handle {new.req_id} is not new"
+            self.seen_handles.add(new.req_id)
+            tokens = unpack_int32(new.prompt_token_ids)
+            self.requests[new.req_id] = _WorkerRequest(
+                tokens, [list(ids) for ids in new.block_ids], new.num_computed_tokens
+            )
+            handles.append(new.req_id)
+        return handles
+
+    def _apply_cached(self, out: SchedulerOutput) -> list[int]:
+        cached = out.scheduled_cached_reqs
+        handles = list(unpack_int32(cached.req_ids))
+        num_computed = unpack_int32(cached.num_computed_tokens)
+        num_new_tokens = unpack_int32(cached.num_new_token_ids)
+        new_tokens = unpack_int32(cached.new_token_ids)
+        assert sum(num_new_tokens) == len(new_tokens)
+        resumed = set(cached.resumed_req_ids)
+        assert resumed <= set(handles), "a resumed handle is not scheduled"
+        start = 0
+        for idx, handle in enumerate(handles):
+            assert handle in self.requests, f"cached handle {handle} is unknown"
+            state = self.requests[handle]
+            state.tokens.extend(new_tokens[start : start + num_new_tokens[idx]])
+            start += num_new_tokens[idx]
+            block_ids = cached.new_block_ids[idx]
+            if handle in resumed:
+                assert handle in self.preempted, f"handle {handle} resumed but never preempted"
+                assert block_ids is not None, f"resumed handle {handle} has no block table"
+                self.preempted.discard(handle)
+                state.block_ids = [list(ids) for ids in block_ids]
+                state.num_computed_tokens = num_computed[idx]
+            else:
+                assert handle not in self.preempted, f"preempted handle {handle} ran unresumed"
+                for group_ids, new_ids in zip(state.block_ids, block_ids or (), strict=False):
+                    group_ids.extend(new_ids)
+            assert num_computed[idx] == state.num_computed_tokens, (
+                f"handle {handle}: scheduler says {num_computed[idx]} computed, "
+                f"worker has {state.num_computed_tokens}"
+            )
+        return handles
+
+    def _run(self, handle: int, num_tokens: int) -> int:
+        state = self.requests[handle]
+        assert num_tokens >= 1, f"handle {handle} scheduled with {num_tokens} tokens"
+        end = state.num_computed_tokens + num_tokens
+        assert end <= len(state.tokens), f"handle {handle}: {end} tokens of {len(state.tokens)}"
+        for group_ids in state.block_ids:
+            assert len(group_ids) * self.block_size >= end, (
+                f"handle {handle}: {len(group_ids)} blocks cannot hold {end} tokens"
+            )
+            assert 0 not in group_ids[-1:], f"handle {handle} writes into the null block"
+        state.num_computed_tokens = end
+        if end < len(state.tokens):
+            return 0  # a partial prefill chunk: the scheduler ignores this sample
+        return next_token(state.tokens, self.vocab_size)
+
+    def check_empty(self) -> None:
+        assert not self.requests, f"workers still hold handles {sorted(self.requests)}"
+
+
+class Harness:
+    """An EngineCore over a FakeExecutor with tiny sizes, recording each request's outputs.
+
+    `check_no_leaks()` drains the engine and asserts that no request state remains and every
+    block but the null one is free, in the scheduler, the pool and the fake workers.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        vocab_size: int = 64,
+        eos_token_id: int | None = None,
+        max_model_len: int = 128,
+        enable_prefix_caching: bool = True,
+        **scheduler_fields: object,
+    ) -> None:
+        group = KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size, 1, 8, "float32"))
+        model_info = ModelInfo("fake", vocab_size, eos_token_id, max_model_len, [group])
+        config = EngineConfig(
+            check_invariants=True,
+            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(**scheduler_fields),
+        ).checked()
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.executor = FakeExecutor(
+            vocab_size, block_size, config.scheduler.max_num_batched_tokens
+        )
+        self.core = EngineCore(
+            config, KVCacheConfig(num_blocks, [group]), model_info, self.executor
+        )
+        self.scheduler = self.core.scheduler
+        self.tokens: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, FinishReason] = {}
+        self.errors: dict[str, str | None] = {}
+        self.num_cached_tokens: dict[str, int] = {}
+        self.scheduler_outputs: list[SchedulerOutput] = []
+        self.executor.on_step = self.scheduler_outputs.append
+
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        client_id: bytes = b"client",
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        **params: object,
+    ) -> EngineCoreOutputs | None:
+        params.setdefault("ignore_eos", True)
+        request = EngineCoreRequest(
+            req_id, pack_int32(prompt), SamplingParams(**params), arrival_time, priority
+        )
+        rejection = self.core.add_request(request, client_id)
+        if rejection is None:
+            self.tokens[req_id] = []
+        else:
+            self._record(rejection)
+        return rejection
+
+    def handle(self, req_id: str) -> int:
+        return self.scheduler.requests[req_id].handle
+
+    def step(self) -> dict[bytes, EngineCoreOutputs]:
+        outputs = self.core.step()
+        for client_outputs in outputs.values():
+            self._record(client_outputs)
+        return outputs
+
+    def abort(self, req_ids: list[str]) -> None:
+        for client_outputs in self.core.abort_requests(req_ids).values():
+            self._record(client_outputs)
+
+    def _record(self, outputs: EngineCoreOutputs) -> None:
+        for output in outputs.outputs:
+            assert output.req_id not in self.finish_reasons, f"{output.req_id} finished twice"
+            self.tokens.setdefault(output.req_id, []).extend(output.new_token_ids)
+            self.num_cached_tokens[output.req_id] = output.num_cached_tokens
+            if output.finish_reason is not None:
+                self.finish_reasons[output.req_id] = output.finish_reason
+                self.errors[output.req_id] = output.error
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until no request is left and the workers were told of every finish."""
+        num_steps = 0
+        while self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests():
+            assert num_steps < max_steps, f"not done after {max_steps} steps"
+            self.step()
+            num_steps += 1
+        return num_steps
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def check_no_leaks(self) -> None:
+        self.run()
+        scheduler = self.scheduler
+        assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
+        assert not scheduler.running and not scheduler.waiting
+        assert self.free_blocks() == self.num_blocks - 1, (
+            f"{self.free_blocks()} free blocks, expected {self.num_blocks - 1}"
+        )
+        self.core.check_invariants()
+        self.executor.check_empty()

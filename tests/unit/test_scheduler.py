@@ -1,0 +1,204 @@
+"""Scheduler scenarios: batching order, budgets, chunked prefill, preemption and resumption."""
+
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+from fake_executor import Harness, reference_tokens
+
+from protocol.buffers import unpack_int32
+from protocol.worker_messages import SchedulerOutput
+
+MakeHarness = Callable[..., Harness]
+
+
+@pytest.fixture
+def make_harness() -> Iterator[MakeHarness]:
+    """Builds harnesses and checks each one for leaks once the test is done."""
+    made: list[Harness] = []
+
+    def make(**kwargs: object) -> Harness:
+        harness = Harness(**kwargs)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.check_no_leaks()
+
+
+def _prompt(rng: random.Random, length: int, vocab_size: int = 64) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def _num_scheduled(output: SchedulerOutput) -> list[int]:
+    return list(unpack_int32(output.num_scheduled_tokens))
+
+
+def test_ten_requests_are_scheduled_in_one_step_in_arrival_order(make_harness: MakeHarness) -> None:
+    harness = make_harness()
+    rng = random.Random(0)
+    for idx in range(10):
+        harness.add(f"r{idx}", _prompt(rng, 5 + idx), max_tokens=3)
+    harness.step()
+    first = harness.scheduler_outputs[0]
+    handles = [new.req_id for new in first.scheduled_new_reqs]
+    assert handles == sorted(handles) and len(handles) == 10
+    assert _num_scheduled(first) == [5 + idx for idx in range(10)]
+    assert first.total_num_scheduled_tokens == sum(5 + idx for idx in range(10))
+    harness.run()
+    for idx in range(10):
+        assert len(harness.tokens[f"r{idx}"]) == 3
+
+
+def test_long_prefills_are_capped_by_threshold_and_budget(make_harness: MakeHarness) -> None:
+    harness = make_harness(
+        num_blocks=200,
+        block_size=16,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        long_prefill_token_threshold=400,
+    )
+    rng = random.Random(1)
+    for idx in range(3):
+        harness.add(f"r{idx}", _prompt(rng, 800), max_tokens=2)
+    harness.step()
+    assert _num_scheduled(harness.scheduler_outputs[0]) == [400, 400, 224]
+    harness.step()
+    second = harness.scheduler_outputs[1]
+    assert _num_scheduled(second) == [400, 400, 224]  # finishing r0, r1; r2 goes on
+    harness.run()
+    assert all(len(harness.tokens[f"r{idx}"]) == 2 for idx in range(3))
+
+
+def test_without_chunked_prefill_a_long_prompt_blocks_the_shorter_ones(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(
+        max_model_len=64, max_num_batched_tokens=64, enable_chunked_prefill=False
+    )
+    rng = random.Random(2)
+    harness.add("a", _prompt(rng, 40), max_tokens=2)
+    harness.add("long", _prompt(rng, 40), max_tokens=2)
+    harness.add("short", _prompt(rng, 8), max_tokens=2)
+    harness.step()
+    first = harness.scheduler_outputs[0]
+    assert [new.req_id for new in first.scheduled_new_reqs] == [harness.handle("a")]
+    assert _num_scheduled(first) == [40]
+    harness.step()
+    second = harness.scheduler_outputs[1]
+    assert [new.req_id for new in second.scheduled_new_reqs] == [
+        harness.handle("long"),
+        harness.handle("short"),
+    ]
+
+
+def test_chunked_prefill_splits_a_prompt_over_steps(make_harness: MakeHarness) -> None:
+    harness = make_harness(max_num_batched_tokens=16)
+    prompt = _prompt(random.Random(3), 40)
+    harness.add("r", prompt, max_tokens=4)
+    harness.run()
+    assert [_num_scheduled(out) for out in harness.scheduler_outputs[:4]] == [
+        [16],
+        [16],
+        [8],
+        [1],
+    ]
+    assert harness.tokens["r"] == reference_tokens(prompt, 4, harness.vocab_size)
+
+
+def test_preempted_request_resumes_with_a_replacement_table_and_same_tokens(
+    make_harness: MakeHarness,
+) -> None:
+    rng = random.Random(4)
+    prompts = {"first": _prompt(rng, 80), "second": _prompt(rng, 80)}
+    harness = make_harness(num_blocks=11, block_size=16, max_model_len=128)
+    for req_id, prompt in prompts.items():
+        harness.add(req_id, prompt, max_tokens=20)
+    harness.run()
+    preempting = [out for out in harness.scheduler_outputs if out.preempted_req_ids]
+    assert preempting, "the pool of 11 blocks should force a preemption"
+    assert preempting[0].preempted_req_ids == [2]  # the second request (handle 2) is the victim
+    resumed = [
+        out for out in harness.scheduler_outputs if out.scheduled_cached_reqs.resumed_req_ids
+    ]
+    assert len(resumed) == 1 and resumed[0].scheduled_cached_reqs.resumed_req_ids == [2]
+    cached = resumed[0].scheduled_cached_reqs
+    position = list(unpack_int32(cached.req_ids)).index(2)
+    (table,) = cached.new_block_ids[position]
+    assert len(table) == 6  # 81 tokens of 16 per block: the whole table, replaced
+    for req_id, prompt in prompts.items():
+        assert harness.tokens[req_id] == reference_tokens(prompt, 20, harness.vocab_size)
+
+
+def test_preemption_gives_the_same_tokens_as_a_roomy_pool(make_harness: MakeHarness) -> None:
+    rng = random.Random(5)
+    prompts = {f"r{idx}": _prompt(rng, rng.randrange(4, 30)) for idx in range(8)}
+    tight = make_harness(num_blocks=14, max_model_len=52)
+    roomy = make_harness(num_blocks=200, max_model_len=52)
+    for harness in (tight, roomy):
+        for req_id, prompt in prompts.items():
+            harness.add(req_id, prompt, max_tokens=24)
+        harness.run()
+    assert tight.scheduler.num_preemptions > 0
+    assert roomy.scheduler.num_preemptions == 0
+    assert tight.tokens == roomy.tokens
+
+
+def test_no_request_is_admitted_in_a_step_that_preempted(make_harness: MakeHarness) -> None:
+    rng = random.Random(6)
+    harness = make_harness(num_blocks=9, block_size=4, max_model_len=32)
+    harness.add("a", _prompt(rng, 15), max_tokens=16)
+    harness.add("b", _prompt(rng, 15), max_tokens=16)
+    harness.step()
+    harness.add("c", _prompt(rng, 2), max_tokens=2)
+    while not any(out.preempted_req_ids for out in harness.scheduler_outputs):
+        harness.step()
+    assert not harness.scheduler_outputs[-1].scheduled_new_reqs
+
+
+def test_abort_in_the_middle_frees_blocks_and_tells_the_workers(make_harness: MakeHarness) -> None:
+    rng = random.Random(7)
+    harness = make_harness(num_blocks=32, max_model_len=64)
+    harness.add("kept", _prompt(rng, 10), max_tokens=8)
+    harness.add("aborted", _prompt(rng, 10), max_tokens=50)
+    for _ in range(4):
+        harness.step()
+    free_before = harness.free_blocks()
+    handle = harness.handle("aborted")
+    harness.abort(["aborted", "unknown"])
+    assert harness.free_blocks() == free_before + 4  # 14 tokens in blocks of 4
+    assert str(harness.finish_reasons["aborted"]) == "abort"
+    harness.step()
+    assert harness.scheduler_outputs[-1].finished_req_ids == [handle]
+    harness.run()
+    assert len(harness.tokens["kept"]) == 8
+    assert len(harness.tokens["aborted"]) == 4
+
+
+def test_abort_of_a_waiting_request_tells_no_worker(make_harness: MakeHarness) -> None:
+    harness = make_harness(max_num_seqs=1)
+    harness.add("running", [1, 2, 3], max_tokens=4)
+    harness.add("waiting", [4, 5, 6], max_tokens=4)
+    harness.step()
+    harness.abort(["waiting"])
+    harness.run()
+    assert all(not out.finished_req_ids for out in harness.scheduler_outputs[:2])
+    assert harness.tokens["waiting"] == []
+
+
+def test_multi_turn_follow_up_hits_the_cache_for_every_full_block(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(num_blocks=64, block_size=4)
+    prompt = _prompt(random.Random(8), 31)
+    harness.add("turn-1", prompt, max_tokens=10)
+    harness.run()
+    assert harness.num_cached_tokens["turn-1"] == 0
+    follow_up = prompt + harness.tokens["turn-1"] + [7, 8, 9]
+    harness.add("turn-2", follow_up, max_tokens=2)
+    harness.run()
+    assert harness.num_cached_tokens["turn-2"] == 40  # 31 + 9 computed tokens: 10 full blocks
+    first_new = [out for out in harness.scheduler_outputs if out.scheduled_new_reqs][-1]
+    assert first_new.scheduled_new_reqs[0].num_computed_tokens == 40
+    assert _num_scheduled(first_new) == [4]
