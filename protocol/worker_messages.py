@@ -94,6 +94,7 @@ class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str
+    is_failure: bool = False  # the deployment failed (a rank died): workers exit non-zero
 
 
 EngineToWorker = KVCacheConfig | SchedulerOutput | Shutdown
