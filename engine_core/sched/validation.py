@@ -3,7 +3,10 @@
 It only inspects; it never changes scheduler state.
 """
 
+import re
 from array import array
+
+import msgspec
 
 from protocol.buffers import unpack_int32
 from protocol.client_messages import EngineCoreRequest
@@ -34,7 +37,7 @@ def validate_request(
             f"token id {bad} in the prompt of {request.req_id!r} is out of the vocabulary: "
             f"expected 0 <= id < {vocab_size}"
         )
-    params = request.sampling_params.validate()
+    params = _checked_sampling_params(request.sampling_params)
     if params.min_tokens > params.max_tokens:
         raise ValueError(
             f"bad sampling parameters: min_tokens={params.min_tokens} exceeds "
@@ -47,3 +50,15 @@ def validate_request(
                 f"expected 0 <= id < {vocab_size}"
             )
     return prompt, params
+
+
+def _checked_sampling_params(params: SamplingParams) -> SamplingParams:
+    """A bounds-checked copy; the error names the field, not its array position."""
+    try:
+        return msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+    except msgspec.ValidationError as exc:
+        fields = SamplingParams.__struct_fields__
+        reason = re.sub(
+            r"`\$\[(\d+)\]", lambda match: f"`{fields[int(match.group(1))]}", str(exc), count=1
+        )
+        raise ValueError(f"bad sampling parameters: {reason}") from None

@@ -1,0 +1,92 @@
+"""Scheduling policies: admission order and the preemption victim under fcfs and priority."""
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from fake_executor import Harness, reference_tokens
+
+from protocol.buffers import unpack_int32
+
+MakeHarness = Callable[..., Harness]
+
+
+@pytest.fixture
+def make_harness() -> Iterator[MakeHarness]:
+    """Builds harnesses and checks each one for leaks once the test is done."""
+    made: list[Harness] = []
+
+    def make(**kwargs: object) -> Harness:
+        harness = Harness(**kwargs)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.check_no_leaks()
+
+
+def test_priority_admits_lowest_priority_value_first_with_arrival_as_tiebreak(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(scheduling_policy="priority")
+    arrivals = {"r0": (1, 0.0), "r1": (0, 2.0), "r2": (0, 1.0), "r3": (2, 0.0), "r4": (1, 3.0)}
+    for req_id, (priority, arrival_time) in arrivals.items():
+        harness.add(req_id, [1, 2, 3], priority=priority, arrival_time=arrival_time, max_tokens=2)
+    handles = {req_id: harness.handle(req_id) for req_id in arrivals}
+    harness.step()
+    admitted = [new.req_id for new in harness.scheduler_outputs[0].scheduled_new_reqs]
+    assert admitted == [handles[req_id] for req_id in ("r2", "r1", "r0", "r4", "r3")]
+
+
+def test_fcfs_admits_in_arrival_order_whatever_the_priority(make_harness: MakeHarness) -> None:
+    harness = make_harness()
+    for idx, priority in enumerate([3, 0, 2]):
+        harness.add(f"r{idx}", [1, 2, 3], priority=priority, max_tokens=2)
+    harness.step()
+    admitted = [new.req_id for new in harness.scheduler_outputs[0].scheduled_new_reqs]
+    assert admitted == [harness.handle(f"r{idx}") for idx in range(3)]
+
+
+def _two_requests_in_a_full_pool(
+    harness: Harness, first: tuple[int, float], second: tuple[int, float]
+) -> tuple[int, int]:
+    """Run `a` then `b` (6-token prompts) in a 4-block pool until a decode needs a fifth block."""
+    harness.add("a", [1, 2, 3, 4, 5, 6], priority=first[0], arrival_time=first[1], max_tokens=8)
+    harness.step()
+    harness.add("b", [6, 5, 4, 3, 2, 1], priority=second[0], arrival_time=second[1], max_tokens=8)
+    handles = harness.handle("a"), harness.handle("b")
+    while not harness.scheduler_outputs[-1].preempted_req_ids:
+        harness.step()
+    return handles
+
+
+@pytest.mark.parametrize(
+    ("policy", "first", "second", "victim"),
+    [
+        ("fcfs", (2, 0.0), (0, 1.0), "b"),  # the last running request
+        ("priority", (2, 0.0), (0, 1.0), "a"),  # the largest priority value
+        ("priority", (0, 5.0), (0, 1.0), "a"),  # equal priority: the latest arrival
+        ("priority", (0, 1.0), (1, 0.0), "b"),
+    ],
+)
+def test_preemption_victim_follows_the_policy(
+    make_harness: MakeHarness,
+    policy: str,
+    first: tuple[int, float],
+    second: tuple[int, float],
+    victim: str,
+) -> None:
+    harness = make_harness(
+        num_blocks=5, block_size=4, max_model_len=16, scheduling_policy=policy
+    )
+    handles = dict(zip("ab", _two_requests_in_a_full_pool(harness, first, second), strict=True))
+    preempting = harness.scheduler_outputs[-1]
+    assert preempting.preempted_req_ids == [handles[victim]]
+    assert not preempting.scheduled_new_reqs
+    # The survivor still runs in the step that preempted, even when the victim came first.
+    survivor = "a" if victim == "b" else "b"
+    assert list(unpack_int32(preempting.scheduled_cached_reqs.req_ids)) == [handles[survivor]]
+    harness.run()
+    for req_id, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [6, 5, 4, 3, 2, 1])):
+        assert harness.tokens[req_id] == reference_tokens(prompt, 8, harness.vocab_size)
+    assert harness.scheduler.requests == {}
