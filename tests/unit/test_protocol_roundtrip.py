@@ -1,0 +1,176 @@
+"""Round trip of every wire message: decode(encode(m)) == m through each socket's own decoder."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol import codec
+from protocol.client_messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from protocol.sampling import MAX_TOKENS_LIMIT, SEED_LIMIT, SamplingParams
+from protocol.worker_messages import (
+    CachedRequestData,
+    ModelInfo,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+)
+
+ints = st.integers(-(2**63), 2**63 - 1)
+naturals = st.integers(0, 2**31 - 1)
+positives = st.integers(1, 2**31 - 1)
+floats = st.floats(allow_nan=False)
+texts = st.text(max_size=20)
+req_ids = st.text(min_size=1, max_size=40)
+int32_bytes = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=16).map(
+    lambda values: b"".join(value.to_bytes(4, "little", signed=True) for value in values)
+)
+block_tables = st.lists(st.lists(naturals, max_size=6), min_size=1, max_size=3).map(tuple)
+stat_values = st.one_of(st.none(), st.booleans(), ints, floats, texts)
+
+
+@st.composite
+def sampling_params(draw: st.DrawFn) -> SamplingParams:
+    max_tokens = draw(st.integers(1, MAX_TOKENS_LIMIT))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        temperature=draw(st.floats(0.0, 100.0)),
+        seed=draw(st.none() | st.integers(0, SEED_LIMIT)),
+        stop_token_ids=draw(st.lists(naturals, max_size=8)),
+        ignore_eos=draw(st.booleans()),
+    )
+
+
+specs = st.one_of(
+    st.builds(FullAttentionSpec, positives, positives, positives, st.sampled_from(["float32"])),
+    st.builds(SlidingWindowSpec, positives, positives, positives, st.just("bfloat16"), positives),
+)
+group_specs = st.builds(KVCacheGroupSpec, st.lists(texts, max_size=3), specs)
+kv_cache_configs = st.builds(KVCacheConfig, positives, st.lists(group_specs, max_size=3))
+model_infos = st.builds(
+    ModelInfo, texts, positives, st.none() | naturals, positives, st.lists(group_specs, max_size=2)
+)
+
+client_to_engine = st.one_of(
+    st.builds(
+        EngineCoreRequest,
+        req_ids,
+        int32_bytes,
+        sampling_params(),
+        floats,
+        ints,
+        st.none() | texts,
+    ),
+    st.builds(AbortRequests, st.lists(texts, max_size=4)),
+    st.builds(UtilityCall, ints, texts, st.lists(stat_values, max_size=4)),
+)
+
+engine_outputs = st.builds(
+    EngineCoreOutput,
+    texts,
+    st.lists(naturals, max_size=4),
+    st.none() | st.sampled_from(list(FinishReason)),
+    naturals,
+    st.none() | texts,
+)
+engine_to_client = st.one_of(
+    st.builds(EngineCoreOutputs, st.lists(engine_outputs, max_size=4), floats),
+    st.builds(
+        UtilityResult,
+        ints,
+        st.booleans(),
+        stat_values | st.dictionaries(texts, stat_values, max_size=3),
+        st.none() | texts,
+    ),
+)
+
+new_requests = st.builds(
+    NewRequestData, naturals, int32_bytes, sampling_params(), block_tables, naturals
+)
+cached_requests = st.builds(
+    CachedRequestData,
+    int32_bytes,
+    st.lists(naturals, max_size=4),
+    int32_bytes,
+    int32_bytes,
+    st.lists(st.none() | block_tables, max_size=4),
+    int32_bytes,
+)
+engine_to_worker = st.one_of(
+    kv_cache_configs,
+    st.builds(
+        SchedulerOutput,
+        positives,
+        st.lists(new_requests, max_size=3),
+        cached_requests,
+        int32_bytes,
+        naturals,
+        st.lists(naturals, max_size=4),
+        st.lists(naturals, max_size=4),
+    ),
+    st.builds(Shutdown, texts),
+)
+worker_to_engine = st.one_of(
+    st.builds(WorkerHello, ints, naturals, positives, ints, texts, texts, model_infos, ints),
+    st.builds(WorkerReady, naturals, ints),
+    st.builds(ModelRunnerOutput, ints, ints, int32_bytes, int32_bytes),
+    st.builds(WorkerFailed, ints, st.none() | ints, texts),
+)
+kv_events = st.one_of(
+    st.builds(
+        BlockStored,
+        st.lists(st.binary(max_size=32), max_size=3),
+        st.none() | st.binary(max_size=32),
+        st.lists(naturals, max_size=8),
+        positives,
+        naturals,
+    ),
+    st.builds(BlockRemoved, st.lists(st.binary(max_size=32), max_size=3), naturals),
+    st.just(AllBlocksCleared()),
+)
+kv_event_batches = st.builds(KVEventBatch, floats, st.lists(kv_events, max_size=4))
+
+ENCODER = codec.make_encoder()
+
+
+@given(client_to_engine)
+def test_client_to_engine_round_trip(message: object) -> None:
+    assert codec.client_to_engine_decoder().decode(ENCODER.encode(message)) == message
+
+
+@given(engine_to_client)
+def test_engine_to_client_round_trip(message: object) -> None:
+    assert codec.engine_to_client_decoder().decode(ENCODER.encode(message)) == message
+
+
+@given(engine_to_worker)
+def test_engine_to_worker_round_trip(message: object) -> None:
+    assert codec.engine_to_worker_decoder().decode(ENCODER.encode(message)) == message
+
+
+@given(worker_to_engine)
+def test_worker_to_engine_round_trip(message: object) -> None:
+    assert codec.worker_to_engine_decoder().decode(ENCODER.encode(message)) == message
+
+
+@given(kv_event_batches)
+def test_kv_event_batch_round_trip(message: KVEventBatch) -> None:
+    assert codec.kv_event_decoder().decode(ENCODER.encode(message)) == message
