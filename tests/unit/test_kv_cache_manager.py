@@ -221,6 +221,20 @@ def test_sliding_window_blocks_freed_by_skipping_make_room_for_the_same_call() -
     manager.check_invariants()
 
 
+def test_sliding_window_allocation_that_does_not_fit_keeps_its_skipped_blocks() -> None:
+    manager = KVCacheManager(_config(2, 8, sliding_window=4), max_model_len=64)  # 7 usable
+    request = _request("a", list(range(12)), block_size=2)
+    manager.allocate_slots(request, 12)  # blocks 1-6
+    manager.allocate_slots(_request("b", [5, 6], block_size=2), 2)  # block 7: none left free
+    request.num_computed_tokens = 12
+    ref_cnts = _ref_cnts(manager)
+    # 9 more tokens need 5 more blocks; skipping would free only 4 (tokens 0..7).
+    assert manager.allocate_slots(request, 9) is None
+    assert manager.get_block_ids("a") == ([1, 2, 3, 4, 5, 6],)
+    assert _ref_cnts(manager) == ref_cnts and _free_ids(manager) == []
+    manager.check_invariants()
+
+
 def test_lookahead_slots_are_allocated_but_never_hashed() -> None:
     manager = _manager(block_size=4)
     request = _request("a", list(range(6)), block_size=4)
