@@ -11,7 +11,7 @@ from array import array
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
-from engine_core.kv_cache.spec import num_blocks_per_request
+from engine_core.sched.limits import resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.request import Request, RequestStatus
@@ -50,26 +50,10 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
     ) -> None:
         self.scheduler_config = scheduler_config
-        self.max_model_len = _max_model_len(scheduler_config, model_info)
-        self.block_size = _block_size(cache_config, kv_cache_config)
-        if not scheduler_config.enable_chunked_prefill and (
-            scheduler_config.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is below "
-                f"max_model_len={self.max_model_len}: without chunked prefill a prompt must fit "
-                "in one step"
-            )
-        num_blocks_needed = num_blocks_per_request(
-            kv_cache_config.kv_cache_groups, self.max_model_len
-        )
-        if num_blocks_needed > kv_cache_config.num_blocks - 1:
-            # Such a request would preempt itself forever once it grew long enough.
-            raise ValueError(
-                f"one request of max_model_len={self.max_model_len} tokens needs "
-                f"{num_blocks_needed} blocks: expected at most the "
-                f"{kv_cache_config.num_blocks - 1} usable blocks of the pool"
-            )
+        limits = resolve_limits(scheduler_config, cache_config, kv_cache_config, model_info)
+        self.max_model_len = limits.max_model_len
+        self.block_size = limits.block_size
+        self._prefill_cap = limits.prefill_cap
         self.vocab_size = model_info.vocab_size
         self.eos_token_id = model_info.eos_token_id
         self.policy = scheduler_config.scheduling_policy
@@ -86,10 +70,6 @@ class Scheduler:
             )
             if cache_config.enable_prefix_caching
             else None
-        )
-        threshold = scheduler_config.long_prefill_token_threshold
-        self._prefill_cap = (
-            threshold if threshold and scheduler_config.enable_chunked_prefill else 0
         )
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -394,27 +374,3 @@ class Scheduler:
 def _by_client(outputs: dict[bytes, list[EngineCoreOutput]]) -> dict[bytes, EngineCoreOutputs]:
     now = time.time()
     return {client_id: EngineCoreOutputs(outs, now) for client_id, outs in outputs.items()}
-
-
-def _max_model_len(scheduler_config: SchedulerConfig, model_info: ModelInfo) -> int:
-    configured = scheduler_config.max_model_len
-    if configured is None:
-        return model_info.max_model_len
-    if configured > model_info.max_model_len:
-        logger.warning(
-            "max_model_len=%d exceeds the model's %d; using the model's",
-            configured,
-            model_info.max_model_len,
-        )
-        return model_info.max_model_len
-    return configured
-
-
-def _block_size(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> int:
-    for group in kv_cache_config.kv_cache_groups:
-        if group.spec.block_size != cache_config.block_size:
-            raise ValueError(
-                f"kv-cache group {group.layer_names[:1]} has block_size={group.spec.block_size}: "
-                f"expected the cache config's {cache_config.block_size}"
-            )
-    return cache_config.block_size

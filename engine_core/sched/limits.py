@@ -1,0 +1,74 @@
+"""SchedulerLimits: the per-step and per-sequence bounds the scheduler works within.
+
+Derived once from the configs, the model and the pool; a combination that could never make
+progress (a prompt that fits no step, a sequence that fits no pool) is refused here.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from engine_core.kv_cache.spec import num_blocks_per_request
+from protocol.config import CacheConfig, SchedulerConfig
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.worker_messages import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_model_len: int  # tokens per sequence, prompt and output; never above the model's
+    block_size: int  # tokens per block, the same in every KV-cache group
+    prefill_cap: int  # most tokens one prefill gets per step; 0 means no cap
+
+
+def resolve_limits(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    kv_cache_config: KVCacheConfig,
+    model_info: ModelInfo,
+) -> SchedulerLimits:
+    """The limits, or `ValueError` naming the settings that cannot work together."""
+    max_model_len = _max_model_len(scheduler_config, model_info)
+    block_size = _block_size(cache_config, kv_cache_config)
+    if not scheduler_config.enable_chunked_prefill and (
+        scheduler_config.max_num_batched_tokens < max_model_len
+    ):
+        raise ValueError(
+            f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is below "
+            f"max_model_len={max_model_len}: without chunked prefill a prompt must fit in one step"
+        )
+    num_blocks_needed = num_blocks_per_request(kv_cache_config.kv_cache_groups, max_model_len)
+    if num_blocks_needed > kv_cache_config.num_blocks - 1:
+        # Such a request would preempt itself forever once it grew long enough.
+        raise ValueError(
+            f"one request of max_model_len={max_model_len} tokens needs {num_blocks_needed} "
+            f"blocks: expected at most the {kv_cache_config.num_blocks - 1} usable blocks"
+        )
+    threshold = scheduler_config.long_prefill_token_threshold
+    prefill_cap = threshold if threshold and scheduler_config.enable_chunked_prefill else 0
+    return SchedulerLimits(max_model_len, block_size, prefill_cap)
+
+
+def _max_model_len(scheduler_config: SchedulerConfig, model_info: ModelInfo) -> int:
+    configured = scheduler_config.max_model_len
+    if configured is None:
+        return model_info.max_model_len
+    if configured > model_info.max_model_len:
+        logger.warning(
+            "max_model_len=%d exceeds the model's %d; using the model's",
+            configured,
+            model_info.max_model_len,
+        )
+        return model_info.max_model_len
+    return configured
+
+
+def _block_size(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> int:
+    for group in kv_cache_config.kv_cache_groups:
+        if group.spec.block_size != cache_config.block_size:
+            raise ValueError(
+                f"kv-cache group {group.layer_names[:1]} has block_size={group.spec.block_size}: "
+                f"expected the cache config's {cache_config.block_size}"
+            )
+    return cache_config.block_size
