@@ -12,7 +12,12 @@ from engine_core.core import EngineCore
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from protocol.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
@@ -171,10 +176,14 @@ class Harness:
         eos_token_id: int | None = None,
         max_model_len: int = 128,
         enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
         **scheduler_fields: object,
     ) -> None:
-        group = KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size, 1, 8, "float32"))
-        model_info = ModelInfo("fake", vocab_size, eos_token_id, max_model_len, [group])
+        groups = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size, 1, 8, "float32"))]
+        if sliding_window is not None:  # a hybrid model: a second, sliding-window group
+            spec = SlidingWindowSpec(block_size, 1, 8, "float32", sliding_window)
+            groups.append(KVCacheGroupSpec(["layer.1"], spec))
+        model_info = ModelInfo("fake", vocab_size, eos_token_id, max_model_len, groups)
         config = EngineConfig(
             check_invariants=True,
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
@@ -185,9 +194,7 @@ class Harness:
         self.executor = FakeExecutor(
             vocab_size, block_size, config.scheduler.max_num_batched_tokens
         )
-        self.core = EngineCore(
-            config, KVCacheConfig(num_blocks, [group]), model_info, self.executor
-        )
+        self.core = EngineCore(config, KVCacheConfig(num_blocks, groups), model_info, self.executor)
         self.scheduler = self.core.scheduler
         self.tokens: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, FinishReason] = {}

@@ -202,3 +202,19 @@ def test_multi_turn_follow_up_hits_the_cache_for_every_full_block(
     first_new = [out for out in harness.scheduler_outputs if out.scheduled_new_reqs][-1]
     assert first_new.scheduled_new_reqs[0].num_computed_tokens == 40
     assert _num_scheduled(first_new) == [4]
+
+
+def test_hybrid_model_gets_one_table_per_group_and_the_same_tokens(
+    make_harness: MakeHarness,
+) -> None:
+    rng = random.Random(9)
+    prompts = {f"r{idx}": _prompt(rng, rng.randrange(4, 30)) for idx in range(6)}
+    hybrid = make_harness(num_blocks=40, max_model_len=64, sliding_window=8)
+    for req_id, prompt in prompts.items():
+        hybrid.add(req_id, prompt, max_tokens=20)
+    hybrid.run()
+    first = hybrid.scheduler_outputs[0].scheduled_new_reqs[0]
+    assert len(first.block_ids) == 2
+    assert hybrid.scheduler.num_preemptions > 0
+    for req_id, prompt in prompts.items():
+        assert hybrid.tokens[req_id] == reference_tokens(prompt, 20, hybrid.vocab_size)

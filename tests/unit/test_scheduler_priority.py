@@ -5,7 +5,10 @@ from collections.abc import Callable, Iterator
 import pytest
 from fake_executor import Harness, reference_tokens
 
+from engine_core.sched.queues import FCFSRequestQueue, PriorityRequestQueue
+from engine_core.sched.request import Request
 from protocol.buffers import unpack_int32
+from protocol.sampling import SamplingParams
 
 MakeHarness = Callable[..., Harness]
 
@@ -76,9 +79,7 @@ def test_preemption_victim_follows_the_policy(
     second: tuple[int, float],
     victim: str,
 ) -> None:
-    harness = make_harness(
-        num_blocks=5, block_size=4, max_model_len=16, scheduling_policy=policy
-    )
+    harness = make_harness(num_blocks=5, block_size=4, max_model_len=16, scheduling_policy=policy)
     handles = dict(zip("ab", _two_requests_in_a_full_pool(harness, first, second), strict=True))
     preempting = harness.scheduler_outputs[-1]
     assert preempting.preempted_req_ids == [handles[victim]]
@@ -90,3 +91,25 @@ def test_preemption_victim_follows_the_policy(
     for req_id, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [6, 5, 4, 3, 2, 1])):
         assert harness.tokens[req_id] == reference_tokens(prompt, 8, harness.vocab_size)
     assert harness.scheduler.requests == {}
+
+
+def test_queues_pop_in_policy_order_and_forget_removed_requests() -> None:
+    requests = [
+        Request(
+            f"r{idx}", [1], SamplingParams(), arrival_time=arrival, priority=priority, handle=idx
+        )
+        for idx, (priority, arrival) in enumerate([(1, 0.0), (0, 2.0), (0, 1.0), (1, 0.0)])
+    ]
+    fcfs, by_priority = FCFSRequestQueue(), PriorityRequestQueue()
+    for request in requests:
+        fcfs.add_request(request)
+        by_priority.add_request(request)
+    for queue in (fcfs, by_priority):
+        queue.remove_requests([requests[3]])
+        queue.check_invariants()
+    assert list(fcfs) == requests[:3]
+    assert [by_priority.pop_request() for _ in range(3)] == [requests[2], requests[1], requests[0]]
+    fcfs.prepend_request(requests[3])
+    assert fcfs.peek_request() is requests[3] and len(fcfs) == 4
+    with pytest.raises(IndexError, match="empty waiting queue"):
+        by_priority.pop_request()
