@@ -9,11 +9,11 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from engine_core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
+from engine_core.kv_cache.block_hash_map import BlockHashToBlockMap
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
 from engine_core.kv_cache.hashing import (
     GROUP_ID_NUM_BYTES,
     BlockHash,
-    BlockHashWithGroupId,
     get_block_hash,
     get_group_id,
 )
@@ -23,82 +23,15 @@ from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCa
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
+__all__ = ["BlockHashToBlockMap", "BlockPool"]
 
 
-class BlockHashToBlockMap:
-    """Prefix-cache keys to the blocks that carry them.
+class _GroupIdSuffixes(dict[int, bytes]):
+    """group_id -> its 4 big-endian key bytes, made once per group, not once per lookup."""
 
-    A key maps to one block, or to `{block_id: block}` when the same content was computed twice
-    (blocks are never deduplicated: block tables only grow). Lookups return the copy inserted
-    earliest among those still cached.
-
-    Invariants: a dict entry holds at least two blocks; every block in an entry carries the key.
-    """
-
-    __slots__ = ("_cache",)
-
-    def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-
-    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        entry = self._cache.get(key)
-        if entry is None or type(entry) is KVCacheBlock:
-            return entry
-        return next(iter(entry.values()))
-
-    def get_block(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        """The copy of `key` held by block `block_id`, if that block is cached under it."""
-        entry = self._cache.get(key)
-        if entry is None or type(entry) is KVCacheBlock:
-            return entry if entry is not None and entry.block_id == block_id else None
-        return entry.get(block_id)
-
-    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        cache = self._cache
-        entry = cache.get(key)
-        if entry is None:
-            cache[key] = block
-        elif type(entry) is KVCacheBlock:
-            cache[key] = {entry.block_id: entry, block.block_id: block}
-        else:
-            entry[block.block_id] = block
-
-    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        """Remove exactly block `block_id` from `key`; the other copies stay cached."""
-        cache = self._cache
-        entry = cache.get(key)
-        if entry is None:
-            return None
-        if type(entry) is KVCacheBlock:
-            if entry.block_id != block_id:
-                return None
-            del cache[key]
-            return entry
-        block = entry.pop(block_id, None)
-        if len(entry) == 1:
-            cache[key] = next(iter(entry.values()))
-        return block
-
-    def clear(self) -> None:
-        self._cache.clear()
-
-    def num_blocks(self) -> int:
-        """Cached blocks, counting every copy (a walk; not for the hot path)."""
-        return sum(1 if type(e) is KVCacheBlock else len(e) for e in self._cache.values())
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    def check_invariants(self) -> None:
-        for key, entry in self._cache.items():
-            if type(entry) is KVCacheBlock:
-                entry = {entry.block_id: entry}
-            else:
-                assert len(entry) >= 2, f"key {key.hex()} holds a dict of {len(entry)} blocks"
-            for block_id, block in entry.items():
-                assert block.block_id == block_id and block.block_hash == key, (
-                    f"key {key.hex()} maps id {block_id} to {block!r}"
-                )
+    def __missing__(self, group_id: int) -> bytes:
+        suffix = self[group_id] = group_id.to_bytes(GROUP_ID_NUM_BYTES, "big")
+        return suffix
 
 
 class BlockPool:
@@ -136,6 +69,8 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
+        self._group_id_suffixes = _GroupIdSuffixes()
+        self._get_one_block = self.cached_block_hash_to_block.get_one_block
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
@@ -143,10 +78,10 @@ class BlockPool:
         """One cached block per group, in the order of `kv_cache_group_ids`; None if any misses."""
         if not self.enable_caching:
             return None
-        get_one_block = self.cached_block_hash_to_block.get_one_block
+        get_one_block, suffixes = self._get_one_block, self._group_id_suffixes
         cached_blocks = []
         for group_id in kv_cache_group_ids:
-            block = get_one_block(block_hash + group_id.to_bytes(GROUP_ID_NUM_BYTES, "big"))
+            block = get_one_block(block_hash + suffixes[group_id])
             if block is None:
                 return None
             cached_blocks.append(block)
@@ -173,7 +108,7 @@ class BlockPool:
                 f"cannot cache {num_full_blocks} full blocks of request {request.req_id}: "
                 f"it has {len(block_hashes)} block hashes and {len(blocks)} blocks"
             )
-        suffix = kv_cache_group_id.to_bytes(GROUP_ID_NUM_BYTES, "big")
+        suffix = self._group_id_suffixes[kv_cache_group_id]
         insert = self.cached_block_hash_to_block.insert
         for idx in range(num_cached_blocks, num_full_blocks):
             block = blocks[idx]
