@@ -123,6 +123,14 @@ class Request:
             self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def append_output_token_id(self, token_id: int) -> None:
+        """Append one sampled token: the decode fast path of `append_output_token_ids`."""
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        # One more token completes a block exactly when the length reaches a block boundary.
+        if self._block_hasher is not None and not len(tokens) % self._block_hasher.block_size:
+            self._update_block_hashes()
+
     def _update_block_hashes(self) -> None:
         hasher = self._block_hasher
         if hasher is None:

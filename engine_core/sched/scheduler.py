@@ -274,7 +274,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             if request.num_computed_tokens < len(request.all_token_ids):
                 continue  # a partial prefill chunk: its sample means nothing
-            request.append_output_token_ids(token_id)
+            request.append_output_token_id(token_id)
             status = check_stop(request, max_model_len)
             finish_reason = None
             if status is not None:
@@ -306,6 +306,12 @@ class Scheduler:
             raise ValueError(
                 f"output for step {model_runner_output.step_id} (scheduled "
                 f"{scheduler_output.step_id}): expected step {step_id}"
+            )
+        if len(model_runner_output.sampled_token_ids) != len(handles):
+            raise ValueError(
+                f"rank {model_runner_output.rank} sampled "
+                f"{len(model_runner_output.sampled_token_ids) // 4} tokens for step {step_id}: "
+                f"expected one for each of its {len(requests)} requests"
             )
         if model_runner_output.req_ids != handles:
             raise ValueError(

@@ -148,12 +148,18 @@ def test_fail_all_after_a_failed_execute_lets_the_engine_go_on(make_harness: Mak
     assert len(harness.tokens["next"]) == 2
 
 
-def test_output_for_other_requests_is_refused(make_harness: MakeHarness) -> None:
+@pytest.mark.parametrize(
+    ("handles", "sampled", "words"),
+    [([99], [1], "other requests"), ([1], [1, 2], "sampled 2 tokens for step 1")],
+)
+def test_runner_output_that_does_not_answer_the_step_is_refused(
+    make_harness: MakeHarness, handles: list[int], sampled: list[int], words: str
+) -> None:
     harness = make_harness()
     harness.add("r", [1, 2, 3], max_tokens=2)
     scheduler_output = harness.scheduler.schedule()
-    wrong = ModelRunnerOutput(scheduler_output.step_id, 0, pack_int32([99]), pack_int32([1]))
-    with pytest.raises(ValueError, match="other requests"):
+    wrong = ModelRunnerOutput(scheduler_output.step_id, 0, pack_int32(handles), pack_int32(sampled))
+    with pytest.raises(ValueError, match=words):
         harness.scheduler.update_from_output(scheduler_output, wrong)
     harness.core.fail_all("bad reply")
     harness.executor.last_step_id += 1
