@@ -262,6 +262,8 @@ class Harness:
         scheduler = self.scheduler
         assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
         assert not scheduler.running and not scheduler.waiting
+        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+            assert not manager.req_to_blocks, f"block tables left: {list(manager.req_to_blocks)}"
         assert self.free_blocks() == self.num_blocks - 1, (
             f"{self.free_blocks()} free blocks, expected {self.num_blocks - 1}"
         )
