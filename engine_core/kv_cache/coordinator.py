@@ -54,10 +54,10 @@ class KVCacheCoordinator:
         self, req_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
     ) -> int:
         """Free blocks an allocation up to `num_tokens` consumes, over every group."""
-        return sum(
-            manager.get_num_blocks_to_allocate(req_id, num_tokens, blocks)
-            for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True)
-        )
+        num_blocks = 0
+        for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            num_blocks += manager.get_num_blocks_to_allocate(req_id, num_tokens, blocks)
+        return num_blocks
 
     def save_new_computed_blocks(self, req_id: str, new_computed_blocks: BlocksPerGroup) -> None:
         """Touch every group's hits, then start the request's tables with them.
@@ -72,9 +72,16 @@ class KVCacheCoordinator:
         for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
             manager.save_new_computed_blocks(req_id, blocks)
 
+    def has_request(self, req_id: str) -> bool:
+        """Whether the request holds a table (it was allocated and not freed since)."""
+        return req_id in self.single_type_managers[0].num_cached_block
+
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
-            manager.allocate_new_blocks(req_id, num_tokens) for manager in self.single_type_managers
+            [
+                manager.allocate_new_blocks(req_id, num_tokens)
+                for manager in self.single_type_managers
+            ]
         )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -164,6 +171,29 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             )
         self._manager = self.single_type_managers[0]
         self._group_ids = [0]
+
+    # The fan-out methods below call the one manager directly: they run for every request on
+    # every step, and the loops of the general case cost more than the work itself.
+
+    def get_num_blocks_to_allocate(
+        self, req_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
+    ) -> int:
+        return self._manager.get_num_blocks_to_allocate(req_id, num_tokens, new_computed_blocks[0])
+
+    def save_new_computed_blocks(self, req_id: str, new_computed_blocks: BlocksPerGroup) -> None:
+        blocks = new_computed_blocks[0]
+        if blocks:
+            self.block_pool.touch(blocks)
+        self._manager.save_new_computed_blocks(req_id, blocks)
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        return (self._manager.allocate_new_blocks(req_id, num_tokens),)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        self._manager.cache_blocks(request, num_tokens)
+
+    def free(self, req_id: str) -> None:
+        self._manager.free(req_id)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int

@@ -161,13 +161,16 @@ class KVCacheManager:
             if num_blocks_to_allocate > num_free_blocks + num_freed:
                 return None
         coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
-        coordinator.save_new_computed_blocks(req_id, computed)
+        if new_computed_blocks is not None or not coordinator.has_request(req_id):
+            coordinator.save_new_computed_blocks(req_id, computed)
         new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens_need_slot)
         if self.enable_caching:
             # Only real tokens are hashed: lookahead slots hold no known tokens yet.
             coordinator.cache_blocks(
                 request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
             )
+        if not any(new_blocks):
+            return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:

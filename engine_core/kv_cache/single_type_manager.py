@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.hashing import BlockHash, make_block_hash_with_group_id
 from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 from engine_core.sched.request import Request
 
@@ -45,12 +45,13 @@ class SingleTypeKVCacheManager:
         it counts against the free blocks just like a freshly allocated one.
         """
         num_held = len(self.req_to_blocks.get(req_id, ()))
-        num_new = cdiv(num_tokens, self.block_size) - len(new_computed_blocks) - num_held
+        num_required = -(-num_tokens // self.block_size)  # cdiv, inlined on this hot path
+        num_new = num_required - len(new_computed_blocks) - num_held
         num_evictable = 0
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 num_evictable += 1
-        return max(num_new, 0) + num_evictable
+        return num_new + num_evictable if num_new > 0 else num_evictable
 
     def save_new_computed_blocks(
         self, req_id: str, new_computed_blocks: Sequence[KVCacheBlock]
@@ -69,7 +70,7 @@ class SingleTypeKVCacheManager:
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Grow the request's table to hold `num_tokens` tokens; return the blocks it took."""
         blocks = self.req_to_blocks[req_id]
-        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
+        num_new = -(-num_tokens // self.block_size) - len(blocks)  # cdiv, inlined
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -191,8 +192,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Scan left to right and stop at the first block that misses in any group."""
-        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         num_blocks = min(max_length // kv_cache_spec.block_size, len(block_hashes))
+        if len(kv_cache_group_ids) == 1 and block_pool.enable_caching:
+            return (_scan_one_group(block_hashes, num_blocks, kv_cache_group_ids[0], block_pool),)
+        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         get_cached_block = block_pool.get_cached_block
         for idx in range(num_blocks):
             cached = get_cached_block(block_hashes[idx], kv_cache_group_ids)
@@ -201,6 +204,21 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for group_hits, block in zip(hits, cached, strict=True):
                 group_hits.append(block)
         return hits
+
+
+def _scan_one_group(
+    block_hashes: Sequence[BlockHash], num_blocks: int, group_id: int, block_pool: BlockPool
+) -> list[KVCacheBlock]:
+    """The left-to-right scan for one group, with its key suffix built once: the common case."""
+    suffix = make_block_hash_with_group_id(b"", group_id)
+    get_one_block = block_pool.cached_block_hash_to_block.get_one_block
+    hits: list[KVCacheBlock] = []
+    for idx in range(num_blocks):
+        block = get_one_block(block_hashes[idx] + suffix)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
