@@ -1,0 +1,182 @@
+"""Requests per second through KVCacheManager on the seeded serving trace, against vLLM's.
+
+The replay is a small continuous-batching loop over bench/trace.py: each step admits at most one
+waiting request (prefix lookup, then the whole prompt), then gives every running request one
+decode token; a decode that does not fit preempts the youngest running request. Building the
+Requests (hashing their prompts) stays out of the figures on both sides. Run:
+    .venv/bin/python -m bench.kv_cache_manager --peer vllm --json figures.json
+"""
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from bench.report import add_peer_arguments, base_parser, report, run_peer
+from bench.trace import Trace, TraceConfig, config_to_json, make_trace, trace_digest
+from engine_core.kv_cache.hashing import BlockHasher
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from engine_core.sched.request import Request, RequestStatus
+from protocol.sampling import SamplingParams
+
+PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peers", "vllm_kv_cache_manager.py")
+MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """What one replay did; both sides must agree on every count for the same trace."""
+
+    manager_s: float  # time inside get_computed_blocks, allocate_slots and free
+    replay_s: float  # the whole loop, token appends and bookkeeping included
+    num_hit_tokens: int
+    num_preemptions: int
+    num_allocations: int
+    num_failed_allocations: int
+
+
+def build_requests(trace: Trace) -> tuple[list[Request], list[list[int]]]:
+    hasher = BlockHasher(trace.config.block_size, "sha256")
+    requests, outputs = [], []
+    for item in trace.requests:
+        prompt = trace.token_ids(item)[: trace.prompt_len(item)]
+        requests.append(Request(item.req_id, prompt, SamplingParams(), block_hasher=hasher))
+        outputs.append(item.output_token_ids)
+    return requests, outputs
+
+
+def replay(
+    manager: KVCacheManager, requests: list[Request], outputs: list[list[int]], max_running: int
+) -> ReplayResult:
+    """The replay rule; bench/peers/vllm_kv_cache_manager.py follows it line for line."""
+    perf = time.perf_counter
+    waiting, running = deque(range(len(requests))), []
+    manager_s = 0.0
+    num_hit_tokens = num_preemptions = num_allocations = num_failed = 0
+    replay_start = perf()
+    while waiting or running:
+        if waiting and len(running) < max_running:
+            request = requests[waiting[0]]
+            start = perf()
+            hits, num_hits = manager.get_computed_blocks(request)
+            new_blocks = manager.allocate_slots(
+                request, request.num_tokens - num_hits, num_hits, hits
+            )
+            manager_s += perf() - start
+            num_allocations += 1
+            if new_blocks is None:
+                num_failed += 1
+            else:
+                running.append(waiting.popleft())
+                request.num_computed_tokens = request.num_tokens
+                num_hit_tokens += num_hits
+        for idx in list(running):
+            if idx not in running:
+                continue  # preempted earlier in this step
+            request, output = requests[idx], outputs[idx]
+            if request.num_output_tokens == len(output):
+                start = perf()
+                manager.free(request)
+                manager_s += perf() - start
+                running.remove(idx)
+                continue
+            request.append_output_token_ids(output[request.num_output_tokens])
+            while True:
+                start = perf()
+                new_blocks = manager.allocate_slots(request, 1)
+                manager_s += perf() - start
+                num_allocations += 1
+                if new_blocks is not None:
+                    request.num_computed_tokens += 1
+                    break
+                num_failed += 1
+                victim_idx = running.pop()
+                victim = requests[victim_idx]
+                start = perf()
+                manager.free(victim)
+                manager_s += perf() - start
+                victim.status = RequestStatus.PREEMPTED
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                num_preemptions += 1
+                waiting.appendleft(victim_idx)
+                if victim_idx == idx:
+                    break
+    replay_s = perf() - replay_start
+    return ReplayResult(
+        manager_s, replay_s, num_hit_tokens, num_preemptions, num_allocations, num_failed
+    )
+
+
+def run_kvserve(trace: Trace, repeats: int) -> tuple[list[ReplayResult], KVCacheManager]:
+    config = trace.config
+    spec = FullAttentionSpec(
+        block_size=config.block_size, num_kv_heads=2, head_dim=16, dtype="float32"
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=config.num_gpu_blocks,
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], spec=spec)],
+    )
+    results = []
+    for _ in range(repeats):
+        requests, outputs = build_requests(trace)
+        manager = KVCacheManager(kv_cache_config, MAX_MODEL_LEN)
+        results.append(replay(manager, requests, outputs, config.max_running))
+        if manager.block_pool.get_num_free_blocks() != config.num_gpu_blocks - 1:
+            raise RuntimeError("blocks leaked: not every block is free after the replay")
+    return results, manager
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    add_peer_arguments(parser)
+    parser.add_argument("--num-requests", type=int, default=1000, help="requests in the trace")
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    args = parser.parse_args()
+    trace = make_trace(TraceConfig(seed=args.seed, num_requests=args.num_requests))
+    results, _ = run_kvserve(trace, args.repeats)
+    first = results[0]
+    num_requests = len(trace.requests)
+    manager_s = _median([r.manager_s for r in results])
+    figures: dict[str, float | int | str] = {
+        "num_requests": num_requests,
+        "num_hit_tokens": first.num_hit_tokens,
+        "num_preemptions": first.num_preemptions,
+        "num_allocations": first.num_allocations,
+        "num_failed_allocations": first.num_failed_allocations,
+        "manager_requests_per_s": num_requests / manager_s,
+        "manager_us_per_request": manager_s / num_requests * 1e6,
+        "replay_requests_per_s": num_requests / _median([r.replay_s for r in results]),
+    }
+    if args.peer:
+        peer = run_peer(
+            args.peer_python,
+            PEER_SCRIPT,
+            ["--trace-config", config_to_json(trace.config), "--repeats", str(args.repeats)],
+        )
+        _check_same_work(trace, first, peer)
+        figures["vllm_manager_requests_per_s"] = num_requests / peer["manager_s"]
+        figures["vllm_replay_requests_per_s"] = num_requests / peer["replay_s"]
+        figures["ratio_manager_vs_vllm"] = peer["manager_s"] / manager_s
+        figures["ratio_replay_vs_vllm"] = (
+            figures["replay_requests_per_s"] / figures["vllm_replay_requests_per_s"]
+        )
+    report("KVCacheManager on the seeded serving trace", figures, args.json)
+
+
+def _check_same_work(trace: Trace, result: ReplayResult, peer: dict) -> None:
+    """Both sides replayed one trace and made the same decisions, or the ratio means nothing."""
+    if peer["trace_digest"] != trace_digest(trace):
+        raise SystemExit(f"trace digest {peer['trace_digest']} differs from {trace_digest(trace)}")
+    for name in ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations"):
+        if peer[name] != getattr(result, name):
+            raise SystemExit(f"{name}: kvserve {getattr(result, name)}, vllm {peer[name]}")
+
+
+if __name__ == "__main__":
+    main()
