@@ -1,0 +1,269 @@
+"""ModelRunner: applies each SchedulerOutput to the worker's batch, runs the model, and samples.
+
+Order of one step: forget finished requests, park preempted ones (tokens and params kept), add new
+ones, update cached ones (append tokens; append block ids, or replace them for resumed requests),
+build the flattened batch and slot mappings, run the model over the paged cache, sample.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.buffers import pack_int32
+from protocol.config import WorkerConfig
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.worker_messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from worker.attention import PagedKV, StepLayout
+from worker.distributed import TPGroup
+from worker.input_batch import InputBatch, ParkedRequest
+from worker.kv_cache import allocate_kv_caches
+from worker.models.registry import Model, build_model, get_model_info
+from worker.sampler import Sampler, SampleRequest
+
+logger = logging.getLogger(__name__)
+
+UNSAMPLED_TOKEN_ID = 0  # sent for a partial prefill chunk; the engine ignores it
+
+
+def _int32_column(data: bytes, name: str) -> np.ndarray:
+    if len(data) % 4:
+        raise ValueError(f"{name} holds {len(data)} bytes, expected a multiple of 4")
+    return np.frombuffer(data, dtype="<i4").astype(np.int64)
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds spent in the parts of the last step."""
+
+    prepare_s: float = (
+        0.0  # applying the SchedulerOutput, batch building, slot mapping, context indices
+    )
+    model_s: float = 0.0  # the model forward, all-reduces included
+    sample_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    req_id: int
+    row: int
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class ModelRunner:
+    """One rank's runner over its paged KV cache.
+
+    Invariants: the batch rows are compact and hold exactly the running requests; a parked
+    (preempted) request has no row; `last_step_id` is the step_id of the last executed step.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        kv_cache_config: KVCacheConfig,
+        kv_caches: dict[str, torch.Tensor],
+        rank: int,
+        max_model_len: int,
+        device: torch.device,
+        sampling_seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_cache_config = kv_cache_config
+        self.kv_caches = kv_caches
+        self.rank = rank
+        self.device = device
+        block_sizes = [group.spec.block_size for group in kv_cache_config.kv_cache_groups]
+        self.input_batch = InputBatch(max_model_len, block_sizes)
+        self.parked: dict[int, ParkedRequest] = {}
+        self.sampler = Sampler(sampling_seed)
+        self.last_step_id = 0
+        self.timings = StepTimings()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.step_id != self.last_step_id + 1:
+            raise ValueError(
+                f"rank {self.rank} got step {scheduler_output.step_id}, "
+                f"expected {self.last_step_id + 1}"
+            )
+        start = time.perf_counter()
+        scheduled = self._update_states(scheduler_output)
+        self.last_step_id = scheduler_output.step_id
+        req_ids = pack_int32(req.req_id for req in scheduled)
+        if not scheduled:
+            self.timings = StepTimings(prepare_s=time.perf_counter() - start)
+            return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, b"")
+        token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
+        prepared = time.perf_counter()
+        logits = self.model.forward(token_ids, positions, logits_idx, kv)
+        modelled = time.perf_counter()
+        sampled = np.full(len(scheduled), UNSAMPLED_TOKEN_ID, dtype=np.int32)
+        sampled[logits_reqs] = self.sampler.sample(logits, sample_reqs).cpu().numpy()
+        for req, token_id in zip(sample_reqs, sampled[logits_reqs].tolist(), strict=True):
+            self._check_token(req.req_id, token_id)
+        done = time.perf_counter()
+        self.timings = StepTimings(
+            prepare_s=prepared - start + kv.build_s,
+            model_s=modelled - prepared - kv.build_s,
+            sample_s=done - modelled,
+        )
+        return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, pack_int32(sampled))
+
+    def _check_token(self, req_id: int, token_id: int) -> None:
+        if not 0 <= token_id < self.model.vocab_size:
+            raise AssertionError(f"request {req_id} sampled {token_id}, outside the vocabulary")
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> list[ScheduledRequest]:
+        """Apply the step's deltas in the contract's order; return the scheduled requests."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            if req_id in batch.req_id_to_row:
+                batch.remove_request(req_id)
+            self.parked.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids:
+            if req_id in batch.req_id_to_row:
+                self.parked[req_id] = batch.remove_request(req_id)
+            elif req_id not in self.parked:
+                raise ValueError(f"preempted request {req_id} is unknown to rank {self.rank}")
+        counts = _int32_column(scheduler_output.num_scheduled_tokens, "num_scheduled_tokens")
+        scheduled = [self._add_new(new) for new in scheduler_output.scheduled_new_reqs]
+        scheduled.extend(self._update_cached(scheduler_output.scheduled_cached_reqs))
+        if len(counts) != len(scheduled):
+            raise ValueError(
+                f"step {scheduler_output.step_id} schedules {len(counts)} token counts for "
+                f"{len(scheduled)} requests"
+            )
+        if int(counts.sum()) != scheduler_output.total_num_scheduled_tokens:
+            raise ValueError(
+                f"step {scheduler_output.step_id} token counts sum to {int(counts.sum())}, "
+                f"expected total_num_scheduled_tokens={scheduler_output.total_num_scheduled_tokens}"
+            )
+        return [
+            ScheduledRequest(req_id, row, computed, int(count))
+            for (req_id, row, computed), count in zip(scheduled, counts, strict=True)
+        ]
+
+    def _add_new(self, new: NewRequestData) -> tuple[int, int, int]:
+        if new.req_id in self.input_batch.req_id_to_row or new.req_id in self.parked:
+            raise ValueError(f"new request {new.req_id} is already known to rank {self.rank}")
+        prompt = _int32_column(new.prompt_token_ids, "prompt_token_ids")
+        if len(prompt) == 0:
+            raise ValueError(f"new request {new.req_id} has an empty prompt")
+        row = self.input_batch.add_request(new.req_id, prompt, new.sampling_params, new.block_ids)
+        return new.req_id, row, new.num_computed_tokens
+
+    def _update_cached(self, cached: CachedRequestData) -> list[tuple[int, int, int]]:
+        req_ids = _int32_column(cached.req_ids, "req_ids")
+        num_new = _int32_column(cached.num_new_token_ids, "num_new_token_ids")
+        new_tokens = _int32_column(cached.new_token_ids, "new_token_ids")
+        computed = _int32_column(cached.num_computed_tokens, "num_computed_tokens")
+        lengths = {len(req_ids), len(num_new), len(computed), len(cached.new_block_ids)}
+        if len(lengths) != 1 or int(num_new.sum()) != len(new_tokens):
+            raise ValueError(
+                f"cached request columns disagree: {len(req_ids)} req_ids, {len(num_new)} counts, "
+                f"{len(computed)} num_computed_tokens, {len(cached.new_block_ids)} block lists, "
+                f"{len(new_tokens)} new tokens for counts summing to {int(num_new.sum())}"
+            )
+        resumed = set(cached.resumed_req_ids)
+        ends = np.cumsum(num_new)
+        updated = []
+        for i, req_id in enumerate(req_ids.tolist()):
+            tokens = new_tokens[ends[i] - num_new[i] : ends[i]]
+            block_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                row = self._resume(req_id, tokens, block_ids)
+            else:
+                row = self._append(req_id, tokens, block_ids)
+            updated.append((req_id, row, int(computed[i])))
+        return updated
+
+    def _resume(
+        self, req_id: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
+    ) -> int:
+        """A resumed request gets its row back, with `block_ids` replacing its old table."""
+        if block_ids is None:
+            raise ValueError(f"resumed request {req_id} comes without block ids")
+        batch = self.input_batch
+        if req_id in self.parked:
+            parked = self.parked.pop(req_id)
+            token_ids = np.concatenate((parked.token_ids, tokens))
+            return batch.add_request(req_id, token_ids, parked.sampling_params, block_ids)
+        if req_id not in batch.req_id_to_row:
+            raise ValueError(f"resumed request {req_id} is unknown to rank {self.rank}")
+        row = batch.req_id_to_row[req_id]
+        batch.append_token_ids(row, tokens)
+        batch.block_table.add_row(block_ids, row)
+        return row
+
+    def _append(
+        self, req_id: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
+    ) -> int:
+        batch = self.input_batch
+        if req_id not in batch.req_id_to_row:
+            raise ValueError(f"cached request {req_id} has no row on rank {self.rank}")
+        row = batch.req_id_to_row[req_id]
+        batch.append_token_ids(row, tokens)
+        if block_ids is not None:
+            batch.block_table.append_row(block_ids, row)
+        return row
+
+    def _prepare(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedKV, list[SampleRequest], np.ndarray]:
+        """Flatten the step: token ids, positions, the sampled tokens, and the paged-cache view."""
+        batch = self.input_batch
+        rows = np.array([req.row for req in scheduled], dtype=np.int64)
+        first = np.array([req.num_computed_tokens for req in scheduled], dtype=np.int64)
+        counts = np.array([req.num_scheduled_tokens for req in scheduled], dtype=np.int64)
+        ends = first + counts
+        known = batch.num_tokens[rows].astype(np.int64)
+        if (counts < 1).any() or (first < 0).any() or (ends > known).any():
+            bad = int(np.argmax((counts < 1) | (first < 0) | (ends > known)))
+            raise ValueError(
+                f"request {scheduled[bad].req_id} schedules positions [{first[bad]}, {ends[bad]}) "
+                f"but holds {known[bad]} tokens"
+            )
+        offsets = np.cumsum(counts) - counts
+        positions = np.repeat(first - offsets, counts) + np.arange(int(counts.sum()))
+        token_ids = batch.token_ids[np.repeat(rows, counts), positions]
+        logits_reqs = np.flatnonzero(ends == known)  # the others are partial prefill chunks
+        logits_idx = offsets[logits_reqs] + counts[logits_reqs] - 1
+        layout = StepLayout(rows, first, counts, offsets, logits_reqs)
+        kv = PagedKV(self.kv_caches, self.kv_cache_config, batch.block_table, layout, self.device)
+        sample_reqs = [
+            SampleRequest(
+                scheduled[i].req_id, batch.sampling_params[scheduled[i].row], int(known[i])
+            )
+            for i in logits_reqs.tolist()
+        ]
+        device = self.device
+        return (
+            torch.from_numpy(token_ids.astype(np.int64)).to(device),
+            torch.from_numpy(positions).to(device),
+            torch.from_numpy(logits_idx).to(device),
+            kv,
+            sample_reqs,
+            logits_reqs,
+        )
+
+    def check_invariants(self) -> None:
+        self.input_batch.check_invariants()
+        overlap = set(self.parked) & set(self.input_batch.req_id_to_row)
+        assert not overlap, f"requests both parked and in the batch: {sorted(overlap)}"
+
+
+def build_model_runner(
+    config: WorkerConfig, kv_cache_config: KVCacheConfig, tp_group: TPGroup, device: torch.device
+) -> ModelRunner:
+    """The model of `config`, its KV tensors of exactly kv_cache_config.num_blocks, and a runner."""
+    model = build_model(config.model, tp_group, device, config.seed)
+    kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
+    info = get_model_info(config.model, config.block_size, config.dtype)
+    return ModelRunner(model, kv_cache_config, kv_caches, config.rank, info.max_model_len, device)

@@ -1,0 +1,123 @@
+"""checksum: a cheap fake model in exact integer arithmetic that reads the real paged KV cache.
+
+Token rule: each layer writes K and V values derived from (token, position, layer, head, dim) into
+the token's slot. For each sampled request it reads its whole context back through the block table,
+sums the values weighted by position over this rank's heads, all-reduces the sum, and mixes it into
+pseudo-random logits. A wrong block table, slot mapping or prefix hit changes the sum.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
+from worker.attention import KVContext
+from worker.distributed import TPGroup
+
+VALUE_MODULUS = 65_521  # values stay below 2**16
+LOGIT_MODULUS = 2_147_483_647  # 2**31 - 1, so a square stays below 2**62
+POSITION_WEIGHT_MODULUS = 251
+
+
+@dataclass(frozen=True, slots=True)
+class ChecksumConfig:
+    name: str = "checksum"
+    vocab_size: int = 1024
+    num_layers: int = 2
+    num_kv_heads: int = 4  # divisible by every supported tp_size (1, 2, 4)
+    head_dim: int = 2
+    max_model_len: int = 8192
+    eos_token_id: int | None = None  # runs stop on max_tokens or stop ids only
+
+    def layer_name(self, layer_idx: int) -> str:
+        return f"layers.{layer_idx}.attn"
+
+    def kv_cache_groups(self, block_size: int) -> list[KVCacheGroupSpec]:
+        names = [self.layer_name(i) for i in range(self.num_layers)]
+        spec = FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, "int64")
+        return [KVCacheGroupSpec(names, spec)]
+
+
+CHECKSUM = ChecksumConfig()
+
+
+def kv_values(
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+    heads: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [T, len(heads), head_dim] int64 of tokens at positions, for these global heads."""
+    dims = torch.arange(head_dim, dtype=torch.int64, device=token_ids.device)
+    base = (
+        token_ids[:, None, None] * 1_000_003
+        + positions[:, None, None] * 7_919
+        + layer_idx * 104_729
+        + heads[None, :, None] * 15_485_863
+    )
+    k = (base + dims * 2_750_159) % VALUE_MODULUS
+    v = (base * 3 + dims * 49_979_687 + 1) % VALUE_MODULUS
+    return k, v
+
+
+def context_sum(
+    k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Sum over heads, dims and visible entries of (k * (dim + 1) + v) * (position % 251 + 1).
+
+    Args: k, v [S, L, heads, head_dim]; positions [S, L]; mask [S, L]. Returns [S] int64.
+    """
+    dim_weight = torch.arange(1, k.shape[-1] + 1, dtype=torch.int64, device=k.device)
+    per_entry = (k * dim_weight + v).sum(dim=(2, 3))  # [S, L]
+    weight = positions % POSITION_WEIGHT_MODULUS + 1
+    return torch.where(mask, per_entry * weight, 0).sum(dim=1)
+
+
+def mix_logits(totals: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Pseudo-random logits [S, V] float64 in [0, 1), a fixed function of each int64 total."""
+    vocab = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=totals.device)
+    y = ((totals % LOGIT_MODULUS)[:, None] * 48_271 + vocab * 16_807) % LOGIT_MODULUS
+    y = (y * y + 12_345) % LOGIT_MODULUS
+    return y.double() / LOGIT_MODULUS
+
+
+class ChecksumModel:
+    """The checksum model on one TP rank.
+
+    Invariants: the rank owns KV heads [rank * G_r, (rank + 1) * G_r) of every layer.
+    """
+
+    def __init__(self, config: ChecksumConfig, tp_group: TPGroup, device: torch.device) -> None:
+        if config.num_kv_heads % tp_group.tp_size:
+            raise ValueError(
+                f"{config.name} has {config.num_kv_heads} kv heads, not divisible by "
+                f"tp_size={tp_group.tp_size}"
+            )
+        self.config = config
+        self.tp_group = tp_group
+        self.vocab_size = config.vocab_size
+        per_rank = config.num_kv_heads // tp_group.tp_size
+        first = tp_group.rank * per_rank
+        self.heads = torch.arange(first, first + per_rank, dtype=torch.int64, device=device)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_idx: torch.Tensor,
+        kv: KVContext,
+    ) -> torch.Tensor:
+        """Write every token's values, read each sampled token's context; logits [S, V] float64."""
+        totals = torch.zeros(len(logits_idx), dtype=torch.int64, device=token_ids.device)
+        for layer_idx in range(self.config.num_layers):
+            name = self.config.layer_name(layer_idx)
+            k, v = kv_values(token_ids, positions, layer_idx, self.heads, self.config.head_dim)
+            kv.write(name, k, v)  # before any read: a same-step neighbour may share these blocks
+            done = 0
+            for chunk in kv.chunks(name, logits_only=True):  # one query per sequence, in order
+                k_ctx, v_ctx = kv.gather(name, chunk)
+                sums = context_sum(k_ctx, v_ctx, chunk.positions, chunk.mask[:, 0, :])
+                totals[done : done + len(sums)] += sums
+                done += len(sums)
+        return mix_logits(self.tp_group.all_reduce(totals), self.vocab_size)

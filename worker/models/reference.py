@@ -1,0 +1,126 @@
+"""Reference generation: each model's tokens computed without paging, from the prompt alone.
+
+tiny-llama runs a dense causal forward over the whole sequence for every token; checksum sums its
+values straight from the token list. Stop rules match the engine's: max_tokens, max_model_len,
+and EOS (unless ignore_eos) or a stop id once min_tokens were generated; the stop token is kept.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from protocol.kv_cache_spec import SlidingWindowSpec
+from protocol.sampling import SamplingParams
+from worker.attention import ContextChunk
+from worker.distributed import single_rank_group
+from worker.models.checksum import CHECKSUM, context_sum, kv_values, mix_logits
+from worker.models.registry import TINY_LLAMAS, get_model_info
+from worker.models.tiny_llama import TinyLlama
+from worker.sampler import Sampler, SampleRequest
+
+
+class DenseKV:
+    """One whole sequence's K/V in contiguous tensors: entry i is position i. No blocks, no slots.
+
+    Invariants: after `write(name, ...)`, the stored K/V of `name` cover every position.
+    """
+
+    def __init__(self, num_tokens: int, windows: dict[str, int | None]) -> None:
+        self.num_tokens = num_tokens
+        self.windows = windows
+        self.store: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.store[layer_name] = (k.double(), v.double())
+
+    def chunks(self, layer_name: str, logits_only: bool = False) -> list[ContextChunk]:
+        positions = torch.arange(self.num_tokens)
+        queries = positions[-1:] if logits_only else positions
+        visible = positions[None, :] <= queries[:, None]  # [n, T]
+        window = self.windows[layer_name]
+        if window is not None:
+            visible &= positions[None, :] > queries[:, None] - window
+        zeros = torch.zeros((1, self.num_tokens), dtype=torch.int64)
+        return [ContextChunk(queries[None, :], zeros, zeros, positions[None, :], visible[None])]
+
+    def gather(self, layer_name: str, chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.store[layer_name]
+        return k[None], v[None]
+
+    def check_invariants(self) -> None:
+        for name, (k, _) in self.store.items():
+            assert k.shape[0] == self.num_tokens, f"layer {name} holds {k.shape[0]} positions"
+
+
+def _stops(token_id: int, output: list[int], params: SamplingParams, eos: int | None) -> bool:
+    if len(output) >= params.max_tokens:
+        return True
+    if len(output) < params.min_tokens:
+        return False
+    is_eos = eos is not None and token_id == eos and not params.ignore_eos
+    return is_eos or token_id in params.stop_token_ids
+
+
+def reference_generate(
+    model_name: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams,
+    *,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    req_id: int = 0,
+    sampling_seed: int = 0,
+) -> list[int]:
+    """The tokens the engine must produce for this prompt.
+
+    Args:
+        seed: the model's weight seed (WorkerConfig.seed).
+        req_id, sampling_seed: the engine handle and runner seed that unseeded sampling depends on.
+    """
+    info = get_model_info(model_name, block_size=16)
+    limit = min(max_model_len or info.max_model_len, info.max_model_len)
+    logits_of = (
+        _checksum_logits if model_name == CHECKSUM.name else _tiny_llama_logits(model_name, seed)
+    )
+    sampler = Sampler(sampling_seed)
+    sequence, output = list(prompt_token_ids), []
+    while len(sequence) < limit:
+        logits = logits_of(sequence)
+        request = SampleRequest(req_id, sampling_params, len(sequence))
+        token_id = int(sampler.sample(logits[None], [request])[0])
+        sequence.append(token_id)
+        output.append(token_id)
+        if _stops(token_id, output, sampling_params, info.eos_token_id):
+            break
+    return output
+
+
+def _checksum_logits(sequence: list[int]) -> torch.Tensor:
+    """Logits of the next token: the context sum over every position, layer and head."""
+    tokens = torch.tensor(sequence, dtype=torch.int64)
+    positions = torch.arange(len(sequence), dtype=torch.int64)
+    heads = torch.arange(CHECKSUM.num_kv_heads, dtype=torch.int64)
+    total = torch.zeros(1, dtype=torch.int64)
+    mask = torch.ones((1, len(sequence)), dtype=torch.bool)
+    for layer_idx in range(CHECKSUM.num_layers):
+        k, v = kv_values(tokens, positions, layer_idx, heads, CHECKSUM.head_dim)
+        total += context_sum(k[None], v[None], positions[None], mask)
+    return mix_logits(total, CHECKSUM.vocab_size)[0]
+
+
+def _tiny_llama_logits(model_name: str, seed: int) -> Callable[[list[int]], torch.Tensor]:
+    config = TINY_LLAMAS[model_name]
+    model = TinyLlama(config, single_rank_group(), seed, torch.device("cpu"))
+    windows = {}
+    for group in config.kv_cache_groups(block_size=16, dtype="float64"):
+        spec = group.spec
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        windows.update(dict.fromkeys(group.layer_names, window))
+
+    def logits_of(sequence: list[int]) -> torch.Tensor:
+        tokens = torch.tensor(sequence, dtype=torch.int64)
+        positions = torch.arange(len(sequence), dtype=torch.int64)
+        last = torch.tensor([len(sequence) - 1])
+        return model.forward(tokens, positions, last, DenseKV(len(sequence), windows))[0]
+
+    return logits_of

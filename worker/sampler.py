@@ -1,0 +1,81 @@
+"""Sampler: greedy or seeded temperature sampling from logits, the same on every rank.
+
+A draw depends only on (seed, position of the token being sampled): no generator carries state, so
+chunking, preemption and TP size cannot change a seeded request's tokens. Probabilities are rounded
+to a 2**-16 grid, so their running sums are exact and every rank picks the same token.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from protocol.sampling import SamplingParams
+from worker.models.fixed_point import PROB_FRAC_BITS, quantize
+
+_MASK_64 = (1 << 64) - 1
+
+
+def splitmix64(value: int) -> int:
+    """A fixed 64-bit mixing function (Steele, Lea and Flood's SplitMix64 finalizer)."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
+def uniform_draw(seed: int, position: int) -> float:
+    """A number in [0, 1) fixed by (seed, position), with 53 random bits."""
+    return (splitmix64(splitmix64(seed) ^ position) >> 11) / float(1 << 53)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """What the sampler needs of one row of logits."""
+
+    req_id: int  # the engine's handle; seeds unseeded temperature sampling
+    sampling_params: SamplingParams
+    position: int  # position the sampled token will take in its sequence
+
+
+class Sampler:
+    """Turns logits rows into token ids; stateless apart from the seed for unseeded requests."""
+
+    def __init__(self, default_seed: int = 0) -> None:
+        self.default_seed = default_seed
+
+    def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """Token ids [S] int64 for logits [S, V] float64, one row per request in order."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"got {logits.shape[0]} logits rows for {len(requests)} requests")
+        tokens = torch.argmax(logits, dim=-1)  # the first maximum on a tie
+        hot = [i for i, req in enumerate(requests) if req.sampling_params.temperature > 0]
+        if hot:
+            rows = torch.tensor(hot, dtype=torch.int64, device=logits.device)
+            tokens[rows] = self._sample_with_temperature(logits[rows], [requests[i] for i in hot])
+        return tokens
+
+    def _sample_with_temperature(
+        self, logits: torch.Tensor, requests: list[SampleRequest]
+    ) -> torch.Tensor:
+        """Inverse-CDF draw from softmax(logits / temperature) with per-position uniform numbers."""
+        device = logits.device
+        temps = torch.tensor(
+            [req.sampling_params.temperature for req in requests],
+            dtype=torch.float64,
+            device=device,
+        )
+        shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
+        probs = quantize(torch.exp(shifted), PROB_FRAC_BITS, 1)  # [S, V]; the max entry is 1
+        cumulative = torch.cumsum(probs, dim=-1)  # exact on the grid
+        draws = torch.tensor(
+            [uniform_draw(self._seed(req), req.position) for req in requests],
+            dtype=torch.float64,
+            device=device,
+        )
+        targets = draws * cumulative[:, -1]
+        picked = (cumulative <= targets[:, None]).sum(dim=-1)
+        return torch.clamp(picked, max=logits.shape[1] - 1)
+
+    def _seed(self, req: SampleRequest) -> int:
+        seed = req.sampling_params.seed
+        return seed if seed is not None else splitmix64((self.default_seed << 32) ^ req.req_id)
