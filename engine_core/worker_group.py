@@ -36,6 +36,7 @@ from protocol.worker_messages import (
 logger = logging.getLogger(__name__)
 
 MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+SHUTDOWN_LINGER_MS = 1000
 
 
 class WorkerGroupError(RuntimeError):
@@ -94,9 +95,14 @@ class WorkerGroup:
                     self.hellos[message.rank] = message
                     self.ranks_by_identity[identity] = message.rank
                     self._watch_process(message)
-                    logger.info("rank %d joined: pid %d on %s, %s, %d blocks available",
-                                message.rank, message.pid, message.host, message.device,
-                                message.num_blocks_available)  # fmt: skip
+                    logger.info(
+                        "rank %d joined: pid %d on %s, %s, %d blocks available",
+                        message.rank,
+                        message.pid,
+                        message.host,
+                        message.device,
+                        message.num_blocks_available,
+                    )
                 case _:
                     raise HandshakeError(f"expected WorkerHello, got {type(message).__name__}")
         self.identities = [b""] * self.tp_size
@@ -207,11 +213,14 @@ class WorkerGroup:
                     outputs[rank] = out
                     num_received += 1
                 case WorkerFailed() as failed:
-                    raise WorkerGroupError(f"rank {rank} failed at step {failed.step_id}: "
-                                           f"{failed.error}")  # fmt: skip
+                    raise WorkerGroupError(
+                        f"rank {rank} failed at step {failed.step_id}: {failed.error}"
+                    )
                 case other:
-                    raise WorkerGroupError(f"rank {rank} sent {describe_message(other)} "
-                                           f"while step {step_id} was awaited")  # fmt: skip
+                    raise WorkerGroupError(
+                        f"rank {rank} sent {describe_message(other)} "
+                        f"while step {step_id} was awaited"
+                    )
 
     def check_idle_events(self) -> None:
         """Between steps: raise if a rank died, disconnected or spoke out of turn."""
@@ -261,9 +270,9 @@ class WorkerGroup:
 
     # -- shutdown ------------------------------------------------------------------------------
 
-    def shutdown(self, reason: str) -> None:
+    def shutdown(self, reason: str, is_failure: bool = False) -> None:
         """Tell every worker still reachable to exit, refused ones included."""
-        frame = self._encoder.encode(Shutdown(reason=reason))
+        frame = self._encoder.encode(Shutdown(reason=reason, is_failure=is_failure))
         for identity in self.peers:
             try:
                 self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
@@ -276,7 +285,7 @@ class WorkerGroup:
         self.sentinels.clear()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=SHUTDOWN_LINGER_MS)  # lets a Shutdown just sent reach the ranks
 
     def check_invariants(self) -> None:
         inverse = {rank: identity for identity, rank in self.ranks_by_identity.items()}

@@ -1,0 +1,274 @@
+"""Command-line flags of the engine and the workers, mapped onto the typed configs.
+
+Types, defaults and bounds come from protocol/config.py (the one source of truth); this table adds
+only the flag names (vLLM's where the concept is the same) and a help text with its unit.
+"""
+
+import argparse
+import enum
+import re
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+
+from protocol.config import EngineConfig, KVEventsConfig, WorkerConfig
+
+C = TypeVar("C", EngineConfig, WorkerConfig)
+
+
+class UsageError(ValueError):
+    """A flag value outside its declared range; the CLI turns it into exit code 2."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]  # the long name first, then aliases
+    path: tuple[str, ...]  # field path inside the config, e.g. ("cache", "block_size")
+    help: str  # what it sets, with its unit
+
+
+ENGINE_FLAGS = [
+    Flag(("--tensor-parallel-size", "-tp"), ("tp_size",), "number of worker ranks"),
+    Flag(
+        ("--client-address",),
+        ("client_address",),
+        "ROUTER the clients connect to (tcp:// or ipc://)",
+    ),
+    Flag(
+        ("--worker-address",),
+        ("worker_address",),
+        "ROUTER the workers connect to (tcp:// or ipc://)",
+    ),
+    Flag(
+        ("--handshake-timeout-s",), ("handshake_timeout_s",), "seconds for every rank to be ready"
+    ),
+    Flag(("--step-timeout-s",), ("step_timeout_s",), "seconds for every rank to reply to a step"),
+    Flag(("--heartbeat-interval-s",), ("heartbeat_interval_s",), "seconds between ZMQ heartbeats"),
+    Flag(
+        ("--heartbeat-timeout-s",),
+        ("heartbeat_timeout_s",),
+        "seconds without heartbeat before a peer is dead",
+    ),
+    Flag(
+        ("--check-invariants",),
+        ("check_invariants",),
+        "walk the block pool after every step (slow)",
+    ),
+    Flag(("--log-stats-interval-s",), ("log_stats_interval_s",), "seconds between stats log lines"),
+    Flag(("--metrics-port",), ("metrics_port",), "TCP port of HTTP /metrics and /health"),
+    Flag(("--block-size",), ("cache", "block_size"), "tokens per KV-cache block"),
+    Flag(
+        ("--gpu-memory-utilization",),
+        ("cache", "gpu_memory_utilization"),
+        "share of device memory for the model and KV cache, 0..1",
+    ),
+    Flag(
+        ("--kv-cache-memory-bytes",),
+        ("cache", "kv_cache_memory_bytes"),
+        "KV-cache bytes per rank (required on the CPU)",
+    ),
+    Flag(
+        ("--num-gpu-blocks-override",),
+        ("cache", "num_gpu_blocks_override"),
+        "blocks in the pool, overriding the measured capacity",
+    ),
+    Flag(
+        ("--enable-prefix-caching",),
+        ("cache", "enable_prefix_caching"),
+        "reuse cached KV blocks of shared prefixes",
+    ),
+    Flag(
+        ("--prefix-caching-hash-algo",),
+        ("cache", "prefix_caching_hash_algo"),
+        "block hash algorithm",
+    ),
+    Flag(("--hash-seed",), ("cache", "hash_seed"), "seed string of the block hashes (fleet-wide)"),
+    Flag(("--max-num-seqs",), ("scheduler", "max_num_seqs"), "running requests at most"),
+    Flag(
+        ("--max-num-batched-tokens",),
+        ("scheduler", "max_num_batched_tokens"),
+        "tokens per step at most",
+    ),
+    Flag(
+        ("--max-model-len",),
+        ("scheduler", "max_model_len"),
+        "tokens per sequence at most (default: the model's)",
+    ),
+    Flag(
+        ("--enable-chunked-prefill",),
+        ("scheduler", "enable_chunked_prefill"),
+        "split long prefills over steps",
+    ),
+    Flag(
+        ("--long-prefill-token-threshold",),
+        ("scheduler", "long_prefill_token_threshold"),
+        "tokens of one prefill per step at most",
+    ),
+    Flag(
+        ("--scheduling-policy",), ("scheduler", "scheduling_policy"), "order of the waiting queue"
+    ),
+    Flag(
+        ("--reserve-full-prompt",),
+        ("scheduler", "reserve_full_prompt"),
+        "admit a request only when its whole prompt fits",
+    ),
+]
+
+WORKER_FLAGS = [
+    Flag(("--rank",), ("rank",), "this worker's tensor-parallel rank (default: $RANK)"),
+    Flag(("--tensor-parallel-size", "-tp"), ("tp_size",), "number of ranks (default: $WORLD_SIZE)"),
+    Flag(
+        ("--engine-address",), ("engine_address",), "the engine's worker ROUTER (tcp:// or ipc://)"
+    ),
+    Flag(("--model",), ("model",), "model name: checksum, tiny-llama or tiny-llama-hybrid"),
+    Flag(("--dtype",), ("dtype",), "dtype of the weights and the KV cache"),
+    Flag(("--device",), ("device",), "device; auto takes cuda when available"),
+    Flag(("--block-size",), ("block_size",), "tokens per KV-cache block (must equal the engine's)"),
+    Flag(
+        ("--gpu-memory-utilization",), ("gpu_memory_utilization",), "share of device memory, 0..1"
+    ),
+    Flag(
+        ("--kv-cache-memory-bytes",),
+        ("kv_cache_memory_bytes",),
+        "KV-cache bytes of this rank (required on the CPU)",
+    ),
+    Flag(
+        ("--master-addr",),
+        ("master_addr",),
+        "torch.distributed rendezvous host (default: $MASTER_ADDR)",
+    ),
+    Flag(
+        ("--master-port",),
+        ("master_port",),
+        "torch.distributed rendezvous TCP port (default: $MASTER_PORT)",
+    ),
+    Flag(("--dist-timeout-s",), ("dist_timeout_s",), "seconds for the process group to form"),
+    Flag(
+        ("--engine-timeout-s",), ("engine_timeout_s",), "seconds of engine silence before exiting"
+    ),
+    Flag(("--seed",), ("seed",), "seed of the model weights"),
+]
+
+KV_EVENTS_FLAG = "--kv-events-config"
+
+
+def dest_of(flag: Flag) -> str:
+    return "cfg_" + "__".join(flag.path)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: list[Flag], config_type: type) -> None:
+    """Add each flag with its type, choices and default read from `config_type`."""
+    info = msgspec.inspect.type_info(config_type)
+    default_config = config_type()
+    for flag in flags:
+        field_type, default = _field(info, default_config, flag.path)
+        kwargs: dict = {"dest": dest_of(flag), "default": None}
+        field_type = _strip_none(field_type)
+        if isinstance(field_type, msgspec.inspect.BoolType):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(field_type, msgspec.inspect.LiteralType):
+            kwargs["choices"] = list(field_type.values)
+        elif isinstance(field_type, msgspec.inspect.EnumType):
+            kwargs["choices"] = [member.value for member in field_type.cls]
+        else:
+            kwargs["type"] = _python_type(field_type)
+            kwargs["metavar"] = _metavar(field_type)
+        shown = default.value if isinstance(default, enum.Enum) else default
+        kwargs["help"] = f"{flag.help}; {_describe_range(field_type)}default {shown}"
+        parser.add_argument(*flag.names, **kwargs)
+
+
+def build_config(args: argparse.Namespace, flags: list[Flag], config_type: type[C], **extra) -> C:
+    """The config from the flags given (others keep their defaults), with every bound checked.
+
+    `extra` holds top-level fields set by the caller; flags given explicitly override them.
+    """
+    values: dict = {name: value for name, value in extra.items() if value is not None}
+    for flag in flags:
+        value = getattr(args, dest_of(flag))
+        if value is None:
+            continue
+        target = values
+        for part in flag.path[:-1]:
+            target = target.setdefault(part, {})
+        target[flag.path[-1]] = value
+    try:
+        return msgspec.convert(values, config_type)
+    except msgspec.ValidationError as exc:
+        raise UsageError(_explain(exc, args, flags)) from None
+
+
+def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
+    if text is None:
+        return None
+    try:
+        return msgspec.json.decode(text, type=KVEventsConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise UsageError(
+            f"{KV_EVENTS_FLAG} {text!r} is not a valid KV events config: {exc}"
+        ) from None
+
+
+def _explain(exc: msgspec.ValidationError, args: argparse.Namespace, flags: list[Flag]) -> str:
+    """Turn msgspec's `... - at $.cache.block_size` into a message naming the flag and value."""
+    match = re.search(r"at `\$\.([\w.]+)`", str(exc))
+    problem = str(exc).split(" - at ")[0]
+    if match:
+        path = tuple(match.group(1).split("."))
+        for flag in flags:
+            if flag.path == path:
+                value = getattr(args, dest_of(flag))
+                return f"{flag.names[0]} {value}: expected {_lower_first(problem)}"
+    return f"bad configuration: {_lower_first(problem)}"
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _field(info: msgspec.inspect.StructType, default: object, path: tuple[str, ...]) -> tuple:
+    for part in path[:-1]:
+        info = next(f.type for f in info.fields if f.name == part)
+        default = getattr(default, part)
+    field = next(f for f in info.fields if f.name == path[-1])
+    return field.type, getattr(default, path[-1])
+
+
+def _strip_none(field_type: msgspec.inspect.Type) -> msgspec.inspect.Type:
+    if isinstance(field_type, msgspec.inspect.UnionType):
+        others = [t for t in field_type.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(others) == 1:
+            return others[0]
+    return field_type
+
+
+def _python_type(field_type: msgspec.inspect.Type) -> type:
+    match field_type:
+        case msgspec.inspect.IntType():
+            return int
+        case msgspec.inspect.FloatType():
+            return float
+        case _:
+            return str
+
+
+def _metavar(field_type: msgspec.inspect.Type) -> str:
+    return {int: "N", float: "X", str: "S"}[_python_type(field_type)]
+
+
+def _describe_range(field_type: msgspec.inspect.Type) -> str:
+    """`range >= 1 and <= 1024; ` for a bounded number, nothing otherwise."""
+    if not isinstance(field_type, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+        return ""
+    parts = [
+        f"{symbol} {bound}"
+        for symbol, bound in (
+            (">", field_type.gt),
+            (">=", field_type.ge),
+            ("<", field_type.lt),
+            ("<=", field_type.le),
+        )
+        if bound is not None
+    ]
+    return f"range {' and '.join(parts)}; " if parts else ""

@@ -1,0 +1,180 @@
+"""`kvserve launch`: start one engine and N worker processes on this host and supervise them.
+
+Any child that fails takes the whole deployment down: the launcher joins every process with a
+deadline, then terminates it, then kills it. Ctrl-C or SIGTERM stops the engine, which stops the
+workers. Children use the spawn start method and are named `engine-core`, `worker-R`.
+"""
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import socket
+import sys
+import time
+from multiprocessing.process import BaseProcess
+
+from deploy.logs import setup_logging
+from protocol.config import EngineConfig, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 10.0  # a child gets this long to exit on its own before SIGTERM
+TERMINATE_TIMEOUT_S = 5.0  # then this long after SIGTERM before SIGKILL
+SUPERVISE_POLL_S = 0.5
+PR_SET_PDEATHSIG = 1
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so no orphan outlives a launcher."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError) as exc:
+        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
+
+
+def engine_entry(config: EngineConfig, log_level: str) -> None:
+    die_with_parent()
+    setup_logging("engine", log_level)
+    from engine_core.server import run
+
+    sys.exit(run(config))
+
+
+def worker_entry(config: WorkerConfig, log_level: str) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
+    setup_logging(f"worker-{config.rank}", log_level)
+    from worker.worker import run
+
+    sys.exit(run(config))
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_configs(engine_config: EngineConfig, base: WorkerConfig) -> list[WorkerConfig]:
+    """One config per rank: the engine's address, TP size and cache settings, the base's rest."""
+    cache = engine_config.cache
+    shared = {
+        "tp_size": engine_config.tp_size,
+        "engine_address": engine_config.worker_address,
+        "block_size": cache.block_size,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+    }
+    return [_replace(base, rank=rank, **shared) for rank in range(engine_config.tp_size)]
+
+
+def _replace(config: WorkerConfig, **changes: object) -> WorkerConfig:
+    import msgspec
+
+    return msgspec.structs.replace(config, **changes).checked()
+
+
+class Deployment:
+    """An engine and its workers, started together and torn down together.
+
+    Invariants: `processes` holds the engine first, then the workers in rank order; once
+    `stop` returns, none of them is alive.
+    """
+
+    def __init__(
+        self, engine_config: EngineConfig, workers: list[WorkerConfig], log_level: str
+    ) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        engine = spawn.Process(
+            target=engine_entry, args=(engine_config, log_level), name="engine-core"
+        )
+        self.processes: list[BaseProcess] = [engine]
+        for config in workers:
+            self.processes.append(
+                spawn.Process(
+                    target=worker_entry, args=(config, log_level), name=f"worker-{config.rank}"
+                )
+            )
+        self.engine_config = engine_config
+
+    def start(self) -> None:
+        for process in self.processes:
+            process.start()
+        logger.info("started %s", ", ".join(f"{p.name} (pid {p.pid})" for p in self.processes))
+
+    @property
+    def engine(self) -> BaseProcess:
+        return self.processes[0]
+
+    def first_failure(self) -> BaseProcess | None:
+        """A child that exited non-zero, or None; checks without waiting."""
+        for process in self.processes:
+            if process.exitcode not in (None, EXIT_OK):
+                return process
+        return None
+
+    def supervise(self) -> int:
+        """Block until the deployment ends: 0 when it stopped cleanly, 1 when a child failed."""
+        sentinels = {process.sentinel: process for process in self.processes}
+        while sentinels:
+            ready = multiprocessing.connection.wait(list(sentinels), SUPERVISE_POLL_S)
+            for sentinel in ready:
+                process = sentinels.pop(sentinel)
+                process.join(JOIN_TIMEOUT_S)
+                if process.exitcode != EXIT_OK:
+                    logger.error(
+                        "%s exited with code %s: stopping the deployment",
+                        process.name,
+                        process.exitcode,
+                    )
+                    self.stop()
+                    return EXIT_FAILED
+                if process is self.engine:
+                    return self.stop()
+        return EXIT_OK
+
+    def stop(self) -> int:
+        """Stop the engine (it stops the workers), then join, terminate and kill what remains."""
+        if self.engine.is_alive():
+            self.engine.terminate()  # SIGTERM: the engine fails what is in flight, then Shutdown
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                logger.warning(
+                    "%s still alive after %.0f s: terminating", process.name, JOIN_TIMEOUT_S
+                )
+                process.terminate()
+                process.join(TERMINATE_TIMEOUT_S)
+            if process.is_alive():
+                logger.warning("%s ignored SIGTERM: killing", process.name)
+                process.kill()
+                process.join(TERMINATE_TIMEOUT_S)
+        failed = [p for p in self.processes if p.exitcode not in (EXIT_OK, -signal.SIGTERM)]
+        return EXIT_FAILED if failed else EXIT_OK
+
+    def check_invariants(self) -> None:
+        assert self.processes[0].name == "engine-core", f"first process is {self.processes[0].name}"
+        ranks = [p.name for p in self.processes[1:]]
+        assert ranks == [f"worker-{r}" for r in range(len(ranks))], f"workers out of order: {ranks}"
+
+
+def run_launch(engine_config: EngineConfig, base_worker: WorkerConfig, log_level: str) -> int:
+    """`kvserve launch`: start, supervise until the end or Ctrl-C, and tear everything down."""
+    deployment = Deployment(engine_config, worker_configs(engine_config, base_worker), log_level)
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    deployment.start()
+    try:
+        return deployment.supervise()
+    except KeyboardInterrupt:
+        logger.info("interrupted: stopping the deployment")
+        return deployment.stop()

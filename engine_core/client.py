@@ -1,0 +1,351 @@
+"""EngineClient (blocking) and AsyncEngineClient (asyncio, uvloop when available): a DEALER
+connection to the engine's client ROUTER that adds requests, streams their outputs, aborts them and
+makes utility calls. Every wait has a deadline; a vanished engine is an EngineDeadError.
+"""
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from protocol.buffers import pack_int32
+from protocol.client_messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.codec import engine_to_client_decoder, make_encoder
+from protocol.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
+
+
+class EngineDeadError(RuntimeError):
+    """The engine closed the connection or stopped answering."""
+
+
+class UtilityCallError(RuntimeError):
+    """The engine answered a utility call with ok=False; the message is its reason."""
+
+
+@dataclass
+class RequestResult:
+    """Everything one request produced, with client-side timings in seconds (time.monotonic)."""
+
+    req_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # the FinishReason's name, lowercase
+    error: str | None = None
+    num_cached_tokens: int = 0
+    submit_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def absorb(self, output: EngineCoreOutput, now: float) -> None:
+        if output.new_token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(output.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.finish_reason is not None:
+            self.finish_reason = str(output.finish_reason)
+            self.error = output.error
+            self.finish_time = now
+
+
+def make_request(
+    req_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        req_id=req_id,
+        prompt_token_ids=pack_int32(prompt_token_ids),
+        sampling_params=sampling_params or SamplingParams(),
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=cache_salt,
+    )
+
+
+def _configure(sock: zmq.Socket, address: str) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.connect(address)
+
+
+class EngineClient:
+    """A blocking client of one engine.
+
+    Invariants: `_outputs` holds outputs received while a utility call was awaited, in arrival
+    order; `_results` holds only requests this client submitted.
+    """
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        _configure(self._sock, address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._encoder = make_encoder()
+        self._decoder = engine_to_client_decoder()
+        self._outputs: deque[EngineCoreOutput] = deque()
+        self._call_ids = itertools.count(1)
+        self._results: dict[str, RequestResult] = {}
+
+    def send(self, message: EngineCoreRequest | AbortRequests | UtilityCall | bytes) -> None:
+        """Send a message (or raw bytes, which tests use to send malformed frames)."""
+        frame = message if isinstance(message, bytes) else self._encoder.encode(message)
+        self._sock.send(frame)
+
+    def add_request(self, request: EngineCoreRequest) -> RequestResult:
+        result = RequestResult(request.req_id, submit_time=time.monotonic())
+        self._results[request.req_id] = result
+        self.send(request)
+        return result
+
+    def abort(self, req_ids: list[str]) -> None:
+        self.send(AbortRequests(req_ids=req_ids))
+
+    def get_outputs(self, timeout_s: float | None = None) -> list[EngineCoreOutput]:
+        """The next outputs from the engine, waiting at most `timeout_s` (default: the client's)."""
+        if self._outputs:
+            outputs = list(self._outputs)
+            self._outputs.clear()
+            return outputs
+        message = self._recv(timeout_s, "outputs")
+        match message:
+            case EngineCoreOutputs():
+                return self._record(message.outputs)
+            case UtilityResult():
+                logger.warning("dropping the answer to call %d, no longer awaited", message.call_id)
+                return []
+
+    def poll_outputs(self, timeout_s: float) -> list[EngineCoreOutput]:
+        """Like get_outputs, but an empty list when nothing arrives within `timeout_s`."""
+        if not self._outputs and not self._sock.poll(int(timeout_s * 1000)):
+            self._raise_if_engine_gone()
+            return []
+        return self.get_outputs(timeout_s)
+
+    def result(self, req_id: str) -> RequestResult:
+        """What a request submitted through this client has produced so far."""
+        if req_id not in self._results:
+            raise KeyError(f"request {req_id!r} was not submitted through this client")
+        return self._results[req_id]
+
+    def _raise_if_engine_gone(self) -> None:
+        if self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            raise EngineDeadError(f"the engine at {self.address} disconnected ({event['event']!r})")
+
+    def run_until_finished(
+        self, req_ids: list[str], timeout_s: float | None = None
+    ) -> dict[str, RequestResult]:
+        """Wait until every request in `req_ids` has finished; their results by req_id."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not all(self._results[req_id].is_finished for req_id in req_ids):
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                pending = [r for r in req_ids if not self._results[r].is_finished]
+                raise TimeoutError(f"requests {pending[:5]} unfinished after {timeout_s} s")
+            self.get_outputs(remaining_s)
+        return {req_id: self._results[req_id] for req_id in req_ids}
+
+    def generate(
+        self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> Iterator[EngineCoreOutput]:
+        """Submit one request and yield its outputs until it finishes."""
+        result = self.add_request(make_request(req_id, prompt_token_ids, sampling_params))
+        while not result.is_finished:
+            for output in self.get_outputs():
+                if output.req_id == req_id:
+                    yield output
+
+    def call_utility(
+        self, method: str, *args: str | int | float | bool | None, timeout_s: float | None = None
+    ) -> object:
+        """Call a management method; its value, or UtilityCallError with the engine's reason."""
+        call_id = next(self._call_ids)
+        self.send(UtilityCall(call_id=call_id, method=method, args=list(args)))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            message = self._recv(deadline - time.monotonic(), f"the answer to {method}")
+            match message:
+                case UtilityResult() if message.call_id == call_id:
+                    if not message.ok:
+                        raise UtilityCallError(f"{method} failed: {message.error}")
+                    return message.value
+                case EngineCoreOutputs():
+                    self._outputs.extend(self._record(message.outputs))
+
+    def reset_prefix_cache(self) -> object:
+        return self.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> object:
+        return self.call_utility("get_stats")
+
+    def check_health(self) -> object:
+        return self.call_utility("check_health")
+
+    def _record(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        now = time.monotonic()
+        for output in outputs:
+            result = self._results.get(output.req_id)
+            if result is not None:
+                result.absorb(output, now)
+        return outputs
+
+    def _recv(self, timeout_s: float | None, what: str) -> EngineCoreOutputs | UtilityResult:
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        events = dict(self._poller.poll(max(0, int(wait_s * 1000))))
+        if self._sock in events:
+            return self._decoder.decode(self._sock.recv())
+        if self._monitor in events:
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            raise EngineDeadError(f"the engine at {self.address} disconnected ({event['event']!r})")
+        raise TimeoutError(f"no {what} from the engine at {self.address} in {wait_s:.1f} s")
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def check_invariants(self) -> None:
+        unknown = [o.req_id for o in self._outputs if o.req_id not in self._results]
+        assert not unknown, f"buffered outputs for requests never submitted: {unknown[:5]}"
+
+
+class AsyncEngineClient:
+    """An asyncio client of one engine; a receive task routes outputs to per-request queues.
+
+    Invariants: `_queues` has one queue per unfinished request submitted here, `_calls` one
+    future per utility call awaiting its answer; both are emptied when the engine dies.
+    """
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        _configure(self._sock, address)
+        self._encoder = make_encoder()
+        self._decoder = engine_to_client_decoder()
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
+        self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
+        self._call_ids = itertools.count(1)
+        self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch())]
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Submit a request and yield its outputs until its last one."""
+        queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        self._queues[request.req_id] = queue
+        await self._sock.send(self._encoder.encode(request))
+        try:
+            while True:
+                item = await asyncio.wait_for(queue.get(), self.timeout_s)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        except TimeoutError:
+            raise TimeoutError(f"no output for {request.req_id} in {self.timeout_s} s") from None
+        finally:
+            self._queues.pop(request.req_id, None)
+
+    async def abort(self, req_ids: list[str]) -> None:
+        await self._sock.send(self._encoder.encode(AbortRequests(req_ids=req_ids)))
+
+    async def call_utility(self, method: str, *args: str | int | float | bool | None) -> object:
+        call_id = next(self._call_ids)
+        future: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        await self._sock.send(self._encoder.encode(UtilityCall(call_id, method, list(args))))
+        try:
+            result = await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer to {method} in {self.timeout_s} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+        if not result.ok:
+            raise UtilityCallError(f"{method} failed: {result.error}")
+        return result.value
+
+    async def _receive(self) -> None:
+        while True:
+            message = self._decoder.decode(await self._sock.recv())
+            match message:
+                case EngineCoreOutputs():
+                    for output in message.outputs:
+                        queue = self._queues.get(output.req_id)
+                        if queue is not None:
+                            queue.put_nowait(output)
+                case UtilityResult():
+                    future = self._calls.get(message.call_id)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+
+    async def _watch(self) -> None:
+        """Fail every waiter at once when the engine disconnects."""
+        await self._monitor.recv_multipart()
+        error = EngineDeadError(f"the engine at {self.address} disconnected")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def check_invariants(self) -> None:
+        done = [call_id for call_id, future in self._calls.items() if future.done()]
+        assert not done, f"answered calls still registered: {done}"
+
+
+def run_async(coroutine: object) -> object:
+    """Run a coroutine on uvloop when it is installed, else on the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)  # type: ignore[arg-type]
+    return uvloop.run(coroutine)  # type: ignore[arg-type]

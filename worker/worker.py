@@ -1,0 +1,206 @@
+"""The worker process: one tensor-parallel rank. It joins the TP group, measures its KV capacity,
+says hello to the engine, allocates exactly what it is told, then runs every step it is sent.
+
+It owns the DEALER socket and the process lifecycle, never scheduling. On an exception it sends
+WorkerFailed and exits 1; when the engine disconnects or goes silent, it exits 1 too.
+"""
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from protocol import PROTOCOL_VERSION
+from protocol.codec import engine_to_worker_decoder, make_encoder
+from protocol.config import WorkerConfig
+from protocol.errors import ProtocolError
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.worker_messages import (
+    EngineToWorker,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+)
+from worker.distributed import TPGroup, destroy_tp_group, init_tp_group, resolve_device
+from worker.kv_cache import num_blocks_available
+from worker.model_runner import ModelRunner, build_model_runner
+from worker.models.registry import get_model_info
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TTL_FACTOR = 1  # the engine may go this many heartbeat timeouts without a ping
+FAILED_LINGER_MS = 1000
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class EngineGoneError(RuntimeError):
+    """The engine disconnected, stopped answering, or told this worker to stop on a failure."""
+
+
+class Worker:
+    """One rank's connection to the engine and its step loop.
+
+    Invariants: `last_step_id` is the id of the last step executed (0 before the first), and the
+    next accepted step is `last_step_id + 1`; `runner` is set once the KV cache is allocated, and
+    only then are steps accepted.
+    """
+
+    def __init__(self, config: WorkerConfig, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        self.config = config
+        self.sock = sock
+        self.monitor = monitor
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(monitor, zmq.POLLIN)
+        self.encoder = make_encoder()
+        self.decoder = engine_to_worker_decoder()
+        self.last_step_id = 0
+        self.tp_group: TPGroup | None = None
+        self.runner: ModelRunner | None = None
+
+    def run(self) -> int:
+        """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
+        config = self.config
+        device = resolve_device(config.device, config.rank)
+        # the TP group forms before WorkerHello (DESIGN.md §6), so a missing peer fails here
+        self.tp_group = init_tp_group(
+            config.rank,
+            config.tp_size,
+            config.master_addr,
+            config.master_port,
+            config.dist_timeout_s,
+            device,
+        )
+        model_info = get_model_info(config.model, config.block_size, config.dtype)
+        num_blocks = num_blocks_available(
+            model_info.kv_cache_groups,
+            config.tp_size,
+            device,
+            config.gpu_memory_utilization,
+            config.kv_cache_memory_bytes,
+        )
+        hello = WorkerHello(
+            PROTOCOL_VERSION,
+            config.rank,
+            config.tp_size,
+            os.getpid(),
+            socket.gethostname(),
+            str(device),
+            model_info,
+            num_blocks,
+        )
+        self.sock.send(self.encoder.encode(hello))
+        deadline = time.monotonic() + config.engine_timeout_s
+        match self.recv(deadline, "a KVCacheConfig"):
+            case KVCacheConfig() as kv_cache_config:
+                if kv_cache_config.kv_cache_groups != model_info.kv_cache_groups:
+                    raise ProtocolError(
+                        f"rank {config.rank} got KV-cache groups that differ "
+                        f"from its model {config.model}'s"
+                    )
+                self.runner = build_model_runner(config, kv_cache_config, self.tp_group, device)
+                ready = WorkerReady(config.rank, kv_cache_config.num_blocks)
+                self.sock.send(self.encoder.encode(ready))
+                logger.info("ready: %d blocks per layer", kv_cache_config.num_blocks)
+            case Shutdown() as shutdown:
+                return self.stop(shutdown)
+            case other:
+                raise ProtocolError(f"expected KVCacheConfig, got {type(other).__name__}")
+        return self.serve()
+
+    def serve(self) -> int:
+        while True:
+            match self.recv(None, "a step"):
+                case SchedulerOutput() as step:
+                    self.execute(step)
+                case Shutdown() as shutdown:
+                    return self.stop(shutdown)
+                case other:
+                    raise ProtocolError(f"got {type(other).__name__} after startup")
+
+    def execute(self, step: SchedulerOutput) -> None:
+        if step.step_id != self.last_step_id + 1:
+            raise ProtocolError(
+                f"rank {self.config.rank} got step {step.step_id}, expected {self.last_step_id + 1}"
+            )
+        self.last_step_id = step.step_id
+        assert self.runner is not None, "a step arrived before the KV cache was allocated"
+        output = self.runner.execute_model(step)
+        self.sock.send(self.encoder.encode(output))
+
+    def stop(self, shutdown: Shutdown) -> int:
+        if shutdown.is_failure:
+            logger.error("stopping: %s", shutdown.reason)
+            return EXIT_FAILED
+        logger.info("stopping: %s", shutdown.reason)
+        return EXIT_OK
+
+    def recv(self, deadline: float | None, awaited: str) -> EngineToWorker:
+        """The next message; EngineGoneError on a disconnect or once `deadline` passes.
+
+        With no deadline (between steps, when an idle engine sends nothing) the ZMQ heartbeats
+        watch the engine: a silent or dead engine closes the connection, which the monitor reports.
+        """
+        while True:
+            wait_s = (
+                self.config.engine_timeout_s if deadline is None else deadline - time.monotonic()
+            )
+            if wait_s <= 0:
+                raise EngineGoneError(
+                    f"no {awaited} from the engine at {self.config.engine_address} "
+                    f"in {self.config.engine_timeout_s} s"
+                )
+            events = dict(self.poller.poll(int(wait_s * 1000)))
+            if self.monitor in events:
+                event = parse_monitor_message(self.monitor.recv_multipart())
+                raise EngineGoneError(f"the engine at {event['endpoint']!r} disconnected")
+            if self.sock in events:
+                return self.decoder.decode(self.sock.recv())
+
+    def check_invariants(self) -> None:
+        assert self.last_step_id >= 0, f"last_step_id={self.last_step_id}"
+        assert self.last_step_id == 0 or self.runner is not None, "steps ran without a KV cache"
+
+
+def _connect(ctx: zmq.Context, config: WorkerConfig) -> tuple[zmq.Socket, zmq.Socket]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    timeout_ms = int(config.engine_timeout_s * 1000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, timeout_ms))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms * HEARTBEAT_TTL_FACTOR)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(config.engine_address)
+    return sock, monitor
+
+
+def run(config: WorkerConfig) -> int:
+    """The worker's process main: 0 after a clean Shutdown, 1 on any failure."""
+    ctx = zmq.Context()
+    sock, monitor = _connect(ctx, config)
+    worker = Worker(config, sock, monitor)
+    try:
+        return worker.run()
+    except EngineGoneError as exc:
+        logger.error("%s; exiting", exc)
+        return EXIT_FAILED
+    except Exception as exc:
+        logger.exception("rank %d failed", config.rank)
+        failed = WorkerFailed(
+            config.rank, worker.last_step_id or None, f"{type(exc).__name__}: {exc}"
+        )
+        sock.send(worker.encoder.encode(failed), zmq.NOBLOCK)
+        sock.setsockopt(zmq.LINGER, 1000)  # let WorkerFailed reach the engine before we close
+        return EXIT_FAILED
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close()
+        ctx.term()
+        if worker.tp_group is not None:
+            destroy_tp_group(worker.tp_group)
