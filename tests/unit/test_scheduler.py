@@ -218,3 +218,27 @@ def test_hybrid_model_gets_one_table_per_group_and_the_same_tokens(
     assert hybrid.scheduler.num_preemptions > 0
     for req_id, prompt in prompts.items():
         assert hybrid.tokens[req_id] == reference_tokens(prompt, 20, hybrid.vocab_size)
+
+
+@pytest.mark.parametrize("reserve_full_prompt", [True, False])
+def test_reserve_full_prompt_admits_only_a_prompt_that_fits_whole(
+    make_harness: MakeHarness, reserve_full_prompt: bool
+) -> None:
+    rng = random.Random(10)
+    prompts = {"a": _prompt(rng, 40), "b": _prompt(rng, 40)}
+    harness = make_harness(
+        num_blocks=17,
+        max_model_len=64,
+        max_num_batched_tokens=48,
+        reserve_full_prompt=reserve_full_prompt,
+    )
+    for req_id, prompt in prompts.items():
+        harness.add(req_id, prompt, max_tokens=8)
+    harness.step()
+    first = harness.scheduler_outputs[0]
+    # a takes 10 of the 16 usable blocks; b's first 8-token chunk fits, its whole prompt does not
+    expected = [40, 8] if not reserve_full_prompt else [40]
+    assert _num_scheduled(first) == expected
+    harness.run()
+    for req_id, prompt in prompts.items():
+        assert harness.tokens[req_id] == reference_tokens(prompt, 8, harness.vocab_size)
