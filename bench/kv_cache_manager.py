@@ -46,67 +46,90 @@ def build_requests(trace: Trace) -> tuple[list[Request], list[list[int]]]:
     return requests, outputs
 
 
-def replay(
-    manager: KVCacheManager, requests: list[Request], outputs: list[list[int]], max_running: int
-) -> ReplayResult:
-    """The replay rule; bench/peers/vllm_kv_cache_manager.py follows it line for line."""
-    perf = time.perf_counter
-    waiting, running = deque(range(len(requests))), []
-    manager_s = 0.0
-    num_hit_tokens = num_preemptions = num_allocations = num_failed = 0
-    replay_start = perf()
-    while waiting or running:
-        if waiting and len(running) < max_running:
-            request = requests[waiting[0]]
-            start = perf()
-            hits, num_hits = manager.get_computed_blocks(request)
-            new_blocks = manager.allocate_slots(
-                request, request.num_tokens - num_hits, num_hits, hits
-            )
-            manager_s += perf() - start
-            num_allocations += 1
-            if new_blocks is None:
-                num_failed += 1
-            else:
-                running.append(waiting.popleft())
-                request.num_computed_tokens = request.num_tokens
-                num_hit_tokens += num_hits
-        for idx in list(running):
-            if idx not in running:
-                continue  # preempted earlier in this step
-            request, output = requests[idx], outputs[idx]
-            if request.num_output_tokens == len(output):
-                start = perf()
-                manager.free(request)
-                manager_s += perf() - start
-                running.remove(idx)
-                continue
-            request.append_output_token_ids(output[request.num_output_tokens])
-            while True:
-                start = perf()
-                new_blocks = manager.allocate_slots(request, 1)
-                manager_s += perf() - start
-                num_allocations += 1
-                if new_blocks is not None:
-                    request.num_computed_tokens += 1
-                    break
-                num_failed += 1
-                victim_idx = running.pop()
-                victim = requests[victim_idx]
-                start = perf()
-                manager.free(victim)
-                manager_s += perf() - start
-                victim.status = RequestStatus.PREEMPTED
-                victim.num_computed_tokens = 0
-                victim.num_preemptions += 1
-                num_preemptions += 1
-                waiting.appendleft(victim_idx)
-                if victim_idx == idx:
-                    break
-    replay_s = perf() - replay_start
-    return ReplayResult(
-        manager_s, replay_s, num_hit_tokens, num_preemptions, num_allocations, num_failed
-    )
+class Replay:
+    """The replay rule; bench/peers/vllm_kv_cache_manager.py follows it line for line.
+
+    Each step admits the head of the waiting queue when fewer than `max_running` run, then gives
+    every running request one token: a finished one is freed, and a decode that does not fit
+    preempts the youngest running request (possibly itself) to the front of the queue.
+    """
+
+    def __init__(
+        self, manager: KVCacheManager, requests: list[Request], outputs: list[list[int]]
+    ) -> None:
+        self.manager, self.requests, self.outputs = manager, requests, outputs
+        self.waiting, self.running = deque(range(len(requests))), []
+        self.manager_s = 0.0
+        self.num_hit_tokens = self.num_preemptions = self.num_allocations = self.num_failed = 0
+
+    def run(self, max_running: int) -> ReplayResult:
+        start = time.perf_counter()
+        while self.waiting or self.running:
+            if self.waiting and len(self.running) < max_running:
+                self.admit_head()
+            for idx in list(self.running):
+                if idx in self.running:  # not preempted earlier in this step
+                    self.decode(idx)
+        replay_s = time.perf_counter() - start
+        return ReplayResult(
+            self.manager_s,
+            replay_s,
+            self.num_hit_tokens,
+            self.num_preemptions,
+            self.num_allocations,
+            self.num_failed,
+        )
+
+    def admit_head(self) -> None:
+        request = self.requests[self.waiting[0]]
+        start = time.perf_counter()
+        hits, num_hits = self.manager.get_computed_blocks(request)
+        new_blocks = self.manager.allocate_slots(
+            request, request.num_tokens - num_hits, num_hits, hits
+        )
+        self.manager_s += time.perf_counter() - start
+        self.num_allocations += 1
+        if new_blocks is None:
+            self.num_failed += 1
+            return
+        self.running.append(self.waiting.popleft())
+        request.num_computed_tokens = request.num_tokens
+        self.num_hit_tokens += num_hits
+
+    def decode(self, idx: int) -> None:
+        request, output = self.requests[idx], self.outputs[idx]
+        if request.num_output_tokens == len(output):
+            self.free(request)
+            self.running.remove(idx)
+            return
+        request.append_output_token_ids(output[request.num_output_tokens])
+        while True:
+            start = time.perf_counter()
+            new_blocks = self.manager.allocate_slots(request, 1)
+            self.manager_s += time.perf_counter() - start
+            self.num_allocations += 1
+            if new_blocks is not None:
+                request.num_computed_tokens += 1
+                return
+            self.num_failed += 1
+            if self.preempt_youngest() == idx:
+                return
+
+    def preempt_youngest(self) -> int:
+        victim_idx = self.running.pop()
+        victim = self.requests[victim_idx]
+        self.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim_idx)
+        return victim_idx
+
+    def free(self, request: Request) -> None:
+        start = time.perf_counter()
+        self.manager.free(request)
+        self.manager_s += time.perf_counter() - start
 
 
 def run_kvserve(trace: Trace, repeats: int) -> tuple[list[ReplayResult], KVCacheManager]:
@@ -122,7 +145,7 @@ def run_kvserve(trace: Trace, repeats: int) -> tuple[list[ReplayResult], KVCache
     for _ in range(repeats):
         requests, outputs = build_requests(trace)
         manager = KVCacheManager(kv_cache_config, MAX_MODEL_LEN)
-        results.append(replay(manager, requests, outputs, config.max_running))
+        results.append(Replay(manager, requests, outputs).run(config.max_running))
         if manager.block_pool.get_num_free_blocks() != config.num_gpu_blocks - 1:
             raise RuntimeError("blocks leaked: not every block is free after the replay")
     return results, manager

@@ -39,71 +39,90 @@ def build_requests(trace: Trace, block_hasher: object) -> tuple[list, list[list[
     return requests, outputs
 
 
-def replay(manager: object, requests: list, outputs: list[list[int]], max_running: int) -> dict:
-    """The replay rule of bench/kv_cache_manager.py, line for line, on vLLM's API."""
-    from vllm.v1.request import RequestStatus
+class Replay:
+    """The replay rule of bench/kv_cache_manager.py, line for line, on vLLM's API.
 
-    perf = time.perf_counter
-    waiting, running = deque(range(len(requests))), []
-    manager_s = 0.0
-    num_hit_tokens = num_preemptions = num_allocations = num_failed = 0
-    replay_start = perf()
-    while waiting or running:
-        if waiting and len(running) < max_running:
-            request = requests[waiting[0]]
-            start = perf()
-            hits, num_hits, _ = manager.get_computed_blocks(request)
-            new_blocks = manager.allocate_slots(
-                request, request.num_tokens - num_hits, num_hits, hits
-            )
-            manager_s += perf() - start
-            num_allocations += 1
-            if new_blocks is None:
-                num_failed += 1
-            else:
-                running.append(waiting.popleft())
-                request.num_computed_tokens = request.num_tokens
-                num_hit_tokens += num_hits
-        for idx in list(running):
-            if idx not in running:
-                continue  # preempted earlier in this step
-            request, output = requests[idx], outputs[idx]
-            if request.num_output_tokens == len(output):
-                start = perf()
-                manager.free(request)
-                manager_s += perf() - start
-                running.remove(idx)
-                continue
-            request.append_output_token_ids(output[request.num_output_tokens])
-            while True:
-                start = perf()
-                new_blocks = manager.allocate_slots(request, 1)
-                manager_s += perf() - start
-                num_allocations += 1
-                if new_blocks is not None:
-                    request.num_computed_tokens += 1
-                    break
-                num_failed += 1
-                victim_idx = running.pop()
-                victim = requests[victim_idx]
-                start = perf()
-                manager.free(victim)
-                manager_s += perf() - start
-                victim.status = RequestStatus.PREEMPTED
-                victim.num_computed_tokens = 0
-                victim.num_preemptions += 1
-                num_preemptions += 1
-                waiting.appendleft(victim_idx)
-                if victim_idx == idx:
-                    break
-    return {
-        "manager_s": manager_s,
-        "replay_s": perf() - replay_start,
-        "num_hit_tokens": num_hit_tokens,
-        "num_preemptions": num_preemptions,
-        "num_allocations": num_allocations,
-        "num_failed_allocations": num_failed,
-    }
+    Each step admits the head of the waiting queue when fewer than `max_running` run, then gives
+    every running request one token: a finished one is freed, and a decode that does not fit
+    preempts the youngest running request (possibly itself) to the front of the queue.
+    """
+
+    def __init__(self, manager: object, requests: list, outputs: list[list[int]]) -> None:
+        self.manager, self.requests, self.outputs = manager, requests, outputs
+        self.waiting, self.running = deque(range(len(requests))), []
+        self.manager_s = 0.0
+        self.num_hit_tokens = self.num_preemptions = self.num_allocations = self.num_failed = 0
+
+    def run(self, max_running: int) -> dict:
+        start = time.perf_counter()
+        while self.waiting or self.running:
+            if self.waiting and len(self.running) < max_running:
+                self.admit_head()
+            for idx in list(self.running):
+                if idx in self.running:  # not preempted earlier in this step
+                    self.decode(idx)
+        replay_s = time.perf_counter() - start
+        return {
+            "manager_s": self.manager_s,
+            "replay_s": replay_s,
+            "num_hit_tokens": self.num_hit_tokens,
+            "num_preemptions": self.num_preemptions,
+            "num_allocations": self.num_allocations,
+            "num_failed_allocations": self.num_failed,
+        }
+
+    def admit_head(self) -> None:
+        request = self.requests[self.waiting[0]]
+        start = time.perf_counter()
+        hits, num_hits, _ = self.manager.get_computed_blocks(request)
+        new_blocks = self.manager.allocate_slots(
+            request, request.num_tokens - num_hits, num_hits, hits
+        )
+        self.manager_s += time.perf_counter() - start
+        self.num_allocations += 1
+        if new_blocks is None:
+            self.num_failed += 1
+            return
+        self.running.append(self.waiting.popleft())
+        request.num_computed_tokens = request.num_tokens
+        self.num_hit_tokens += num_hits
+
+    def decode(self, idx: int) -> None:
+        request, output = self.requests[idx], self.outputs[idx]
+        if request.num_output_tokens == len(output):
+            self.free(request)
+            self.running.remove(idx)
+            return
+        request.append_output_token_ids(output[request.num_output_tokens])
+        while True:
+            start = time.perf_counter()
+            new_blocks = self.manager.allocate_slots(request, 1)
+            self.manager_s += time.perf_counter() - start
+            self.num_allocations += 1
+            if new_blocks is not None:
+                request.num_computed_tokens += 1
+                return
+            self.num_failed += 1
+            if self.preempt_youngest() == idx:
+                return
+
+    def preempt_youngest(self) -> int:
+        from vllm.v1.request import RequestStatus
+
+        victim_idx = self.running.pop()
+        victim = self.requests[victim_idx]
+        self.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim_idx)
+        return victim_idx
+
+    def free(self, request: object) -> None:
+        start = time.perf_counter()
+        self.manager.free(request)
+        self.manager_s += time.perf_counter() - start
 
 
 def main() -> None:
@@ -142,7 +161,7 @@ def main() -> None:
             enable_caching=True,
             log_stats=False,
         )
-        results.append(replay(manager, requests, outputs, config.max_running))
+        results.append(Replay(manager, requests, outputs).run(config.max_running))
     figures = dict(results[0])
     figures["manager_s"] = statistics.median(r["manager_s"] for r in results)
     figures["replay_s"] = statistics.median(r["replay_s"] for r in results)

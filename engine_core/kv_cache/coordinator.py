@@ -46,7 +46,7 @@ class KVCacheCoordinator:
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         )
         # Only sliding-window groups ever skip blocks; full attention pays nothing for it.
-        self.has_skipped_blocks = any(
+        self.can_skip_blocks = any(
             type(manager) is not FullAttentionManager for manager in self.single_type_managers
         )
 
@@ -94,7 +94,7 @@ class KVCacheCoordinator:
 
     def get_num_freed_by_skipping(self, req_id: str, num_computed_tokens: int) -> int:
         """Blocks that `remove_skipped_blocks` would return to the free queue right now."""
-        if not self.has_skipped_blocks:
+        if not self.can_skip_blocks:
             return 0
         num_freed = 0
         for manager in self.single_type_managers:
@@ -104,7 +104,7 @@ class KVCacheCoordinator:
         return num_freed
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
-        if not self.has_skipped_blocks:
+        if not self.can_skip_blocks:
             return
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(req_id, num_computed_tokens)

@@ -151,15 +151,8 @@ class KVCacheManager:
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
-        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            req_id, num_tokens_need_slot, computed
-        )
-        # Out-of-window blocks go back to the pool first, and may be what makes room.
-        num_free_blocks = self.block_pool.get_num_free_blocks()
-        if num_blocks_to_allocate > num_free_blocks:
-            num_freed = coordinator.get_num_freed_by_skipping(req_id, request.num_computed_tokens)
-            if num_blocks_to_allocate > num_free_blocks + num_freed:
-                return None
+        if not self._can_allocate(request, num_tokens_need_slot, computed):
+            return None
         coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
         if new_computed_blocks is not None or not coordinator.has_request(req_id):
             coordinator.save_new_computed_blocks(req_id, computed)
@@ -172,6 +165,19 @@ class KVCacheManager:
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
+
+    def _can_allocate(self, request: Request, num_tokens: int, computed: BlocksPerGroup) -> bool:
+        """Whether slots up to `num_tokens` fit, counting evictable hits as consumed."""
+        coordinator = self.coordinator
+        num_blocks = coordinator.get_num_blocks_to_allocate(request.req_id, num_tokens, computed)
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+        if num_blocks <= num_free_blocks:
+            return True
+        # Out-of-window blocks go back to the pool before allocating, and may make the room.
+        num_freed = coordinator.get_num_freed_by_skipping(
+            request.req_id, request.num_computed_tokens
+        )
+        return num_blocks <= num_free_blocks + num_freed
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first in each group."""
