@@ -98,7 +98,7 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The stats gathered since the last call; counting starts over."""
+        """The stats of the admissions since the last call; counting starts over."""
         stats = self.prefix_cache_stats
         self.prefix_cache_stats = PrefixCacheStats()
         return stats
@@ -113,9 +113,6 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
-        )
-        self.prefix_cache_stats.record(
-            request.num_tokens, num_hit_tokens, request.num_preemptions > 0
         )
         if not num_hit_tokens:
             return self.empty_kv_cache_blocks, 0
@@ -154,8 +151,16 @@ class KVCacheManager:
         if not self._can_allocate(request, num_tokens_need_slot, computed):
             return None
         coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
-        if new_computed_blocks is not None or not coordinator.has_request(req_id):
+        if not coordinator.has_request(req_id):
+            # Admission: stats count here, so a lookup for a request that did not fit is not
+            # counted again on every step it waits.
+            if self.enable_caching:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0
+                )
             coordinator.save_new_computed_blocks(req_id, computed)
+        elif new_computed_blocks is not None:
+            coordinator.save_new_computed_blocks(req_id, computed)  # empty, or it raises
         new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens_need_slot)
         if self.enable_caching:
             # Only real tokens are hashed: lookahead slots hold no known tokens yet.

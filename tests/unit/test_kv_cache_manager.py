@@ -261,13 +261,26 @@ def test_prefix_cache_stats_count_preempted_readmissions_apart() -> None:
     _admit(manager, _request("b", list(range(10)), block_size=4))
     preempted = _request("c", list(range(9)), block_size=4)
     preempted.num_preemptions = 1
-    manager.get_computed_blocks(preempted)
+    _admit(manager, preempted)
     stats = manager.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 20, 8)
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 9, 8)
     assert not stats.reset
     fresh = manager.make_prefix_cache_stats()
     assert (fresh.requests, fresh.queries, fresh.preempted_requests) == (0, 0, 0)
+
+
+def test_prefix_cache_stats_count_a_request_once_at_admission() -> None:
+    manager = _manager(block_size=4, num_blocks=4)  # 3 usable blocks
+    big = _request("a", list(range(20)), block_size=4)
+    for _ in range(3):  # a waiting request looked up on every step it does not fit
+        assert _admit(manager, big) is None
+    decode = _request("b", list(range(5)), block_size=4)
+    _admit(manager, decode)
+    decode.append_output_token_ids(9)
+    manager.allocate_slots(decode, 1)  # a running request: not an admission
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 5, 0)
 
 
 def test_reset_prefix_cache_refuses_while_a_request_holds_blocks() -> None:
