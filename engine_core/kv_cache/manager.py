@@ -152,13 +152,7 @@ class KVCacheManager:
             return None
         coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
         if not coordinator.has_request(req_id):
-            # Admission: stats count here, so a lookup for a request that did not fit is not
-            # counted again on every step it waits.
-            if self.enable_caching:
-                self.prefix_cache_stats.record(
-                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0
-                )
-            coordinator.save_new_computed_blocks(req_id, computed)
+            self._admit(request, num_new_computed_tokens, computed)
         elif new_computed_blocks is not None:
             coordinator.save_new_computed_blocks(req_id, computed)  # empty, or it raises
         new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens_need_slot)
@@ -183,6 +177,18 @@ class KVCacheManager:
             request.req_id, request.num_computed_tokens
         )
         return num_blocks <= num_free_blocks + num_freed
+
+    def _admit(self, request: Request, num_hit_tokens: int, computed: BlocksPerGroup) -> None:
+        """Start the tables of a request that holds none, with its hits, and count its lookup.
+
+        Stats count here rather than at lookup, so a request that waits for room is counted
+        once, not on every step it is looked up.
+        """
+        if self.enable_caching:
+            self.prefix_cache_stats.record(
+                request.num_tokens, num_hit_tokens, request.num_preemptions > 0
+            )
+        self.coordinator.save_new_computed_blocks(request.req_id, computed)
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first in each group."""
