@@ -19,7 +19,7 @@ from typing import Any
 GROUP_IDS = [0]  # the trace has one KV-cache group
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no slots, so `TraceConfig.num_requests` reads as the default
 class TraceConfig:
     """The shape of the workload; every size in tokens unless named otherwise."""
 
