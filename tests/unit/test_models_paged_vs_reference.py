@@ -1,0 +1,153 @@
+"""Paged tokens equal the unpaged reference for every model, block size, caching mode and schedule.
+
+A ScriptedScheduler drives one ModelRunner through chunked prefill, prefix hits (shared blocks,
+same-step sharing), sliding-window blocks freed and reused, and preemption with recompute.
+"""
+
+import functools
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from bench.scripted_scheduler import ScriptedScheduler
+from bench.workload import RankResult, Workload, run_workload
+from protocol.sampling import SamplingParams
+from worker.distributed import single_rank_group
+from worker.kv_cache import allocate_kv_caches
+from worker.model_runner import ModelRunner
+from worker.models.reference import reference_generate
+from worker.models.registry import build_model, get_model_info
+
+CPU = torch.device("cpu")
+MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
+PARAMS = [
+    SamplingParams(max_tokens=7, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=1.3, ignore_eos=True),  # unseeded: handle-derived
+    SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5, 77, 301]),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The models are tiny: intra-op threads would only contend for the shared cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts of 10..90 tokens; most share a 70-token prefix so prefix caching hits."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(70)]
+    prompts = []
+    for i in range(count):
+        head = shared[: rng.randrange(10, 70)] if i % 3 else []
+        prompts.append(head + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 25))])
+    return prompts
+
+
+PROMPTS = make_prompts(seed=3, count=6)
+
+
+@functools.cache
+def reference(model: str, prompt_idx: int, params_idx: int) -> list[int]:
+    params = PARAMS[params_idx]
+    return reference_generate(model, PROMPTS[prompt_idx], params, req_id=prompt_idx + 1)
+
+
+def workload(model: str, block_size: int, num_blocks: int, **options: object) -> Workload:
+    params = [PARAMS[i % len(PARAMS)] for i in range(len(PROMPTS))]
+    return Workload(model, block_size, num_blocks, PROMPTS, params, **options)
+
+
+def assert_matches_reference(model: str, result: RankResult) -> None:
+    for i in range(len(PROMPTS)):
+        assert result.outputs[i + 1] == reference(model, i, i % len(PARAMS)), f"request {i + 1}"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_paged_tokens_equal_reference(
+    model: str, block_size: int, enable_prefix_caching: bool
+) -> None:
+    num_blocks = 1 + 4 * 128 // block_size  # room for several requests at once
+    work = workload(
+        model,
+        block_size,
+        num_blocks,
+        max_num_batched_tokens=24,  # every prompt longer than 24 tokens is chunked
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    result = run_workload(work, single_rank_group(), CPU)
+    assert_matches_reference(model, result)
+    assert (result.num_hit_tokens > 0) == enable_prefix_caching
+    assert max(len(p) for p in PROMPTS) > 24
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_tokens_survive_preemption_and_recompute(model: str, enable_prefix_caching: bool) -> None:
+    """Too few blocks for the batch: the last running request is preempted and later resumed."""
+    work = workload(
+        model, 4, 40, max_num_batched_tokens=32, enable_prefix_caching=enable_prefix_caching
+    )
+    result = run_workload(work, single_rank_group(), CPU)
+    assert result.num_preemptions > 0
+    assert_matches_reference(model, result)
+
+
+def test_float64_kv_cache_gives_the_same_tokens() -> None:
+    result = run_workload(
+        workload("tiny-llama-hybrid", 16, 40, dtype="float64"), single_rank_group(), CPU
+    )
+    assert_matches_reference("tiny-llama-hybrid", result)
+
+
+def test_explicit_preemption_of_a_decoding_request() -> None:
+    info = get_model_info("tiny-llama", 4)
+    scheduler = ScriptedScheduler(info, num_blocks=80, max_num_batched_tokens=200)
+    for i in range(3):
+        scheduler.add_request(i + 1, PROMPTS[i], PARAMS[0])
+    runner = make_runner("tiny-llama", scheduler)
+    for step_idx in range(40):
+        if not scheduler.has_unfinished():
+            break
+        if step_idx in (3, 6):
+            scheduler.request_preemption()
+        scheduler.update_from_output(runner.execute_model(scheduler.schedule()))
+        runner.check_invariants()
+    assert scheduler.num_preemptions == 2
+    for i in range(3):
+        assert scheduler.outputs[i + 1] == reference("tiny-llama", i, 0)
+
+
+def make_runner(model: str, scheduler: ScriptedScheduler) -> ModelRunner:
+    config = scheduler.kv_cache_config()
+    model_obj = build_model(model, single_rank_group(), CPU)
+    caches = allocate_kv_caches(config, 1, CPU)
+    return ModelRunner(model_obj, config, caches, 0, scheduler.model_info.max_model_len, CPU)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
+    """Proves the models read K/V through the block table: one wrong entry, different tokens."""
+    info = get_model_info(model, 4)
+    scheduler = ScriptedScheduler(info, num_blocks=60, max_num_batched_tokens=200)
+    scheduler.add_request(1, PROMPTS[0], PARAMS[0])  # 8 tokens: blocks 0 and 1 of 4 tokens
+    scheduler.add_request(4, PROMPTS[3], PARAMS[0])  # 9 tokens, another context
+    runner = make_runner(model, scheduler)
+    scheduler.update_from_output(runner.execute_model(scheduler.schedule()))  # both prefills
+    table = runner.input_batch.block_table[0]
+    row = runner.input_batch.req_id_to_row[1]
+    other = runner.input_batch.req_id_to_row[4]
+    table.block_table[row, 1] = table.block_table[
+        other, 1
+    ]  # positions 4..7 now read another request
+    while scheduler.has_unfinished():
+        scheduler.update_from_output(runner.execute_model(scheduler.schedule()))
+    assert scheduler.outputs[1] != reference(model, 0, 0)
