@@ -17,13 +17,14 @@ class BlockHashToBlockMap:
     Invariants: a dict entry holds at least two blocks; every block in an entry carries the key.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "_get_entry")
 
     def __init__(self) -> None:
         self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self._get_entry = self._cache.get  # bound once: lookups are the hottest path
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        entry = self._cache.get(key)
+        entry = self._get_entry(key)
         if entry is None or type(entry) is KVCacheBlock:
             return entry
         return next(iter(entry.values()))

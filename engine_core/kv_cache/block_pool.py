@@ -79,6 +79,9 @@ class BlockPool:
         if not self.enable_caching:
             return None
         get_one_block, suffixes = self._get_one_block, self._group_id_suffixes
+        if len(kv_cache_group_ids) == 1:  # the common case, without the loop
+            block = get_one_block(block_hash + suffixes[kv_cache_group_ids[0]])
+            return None if block is None else [block]
         cached_blocks = []
         for group_id in kv_cache_group_ids:
             block = get_one_block(block_hash + suffixes[group_id])
