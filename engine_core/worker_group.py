@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
 SHUTDOWN_LINGER_MS = 1000
+SENTINEL_GRACE_MS = 500  # a dead local process closes its sockets just before its pidfd fires
 
 
 class WorkerGroupError(RuntimeError):
@@ -245,7 +246,16 @@ class WorkerGroup:
         if self.monitor in events:
             event = parse_monitor_message(self.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED and self._is_serving:
+                self._name_exited_rank()
                 raise WorkerGroupError(f"a worker disconnected from {event['endpoint']!r}")
+
+    def _name_exited_rank(self) -> None:
+        """After a disconnect, give a local rank's sentinel a moment, so the error can name it."""
+        sentinels = zmq.Poller()
+        for pidfd in self.sentinels:
+            sentinels.register(pidfd, zmq.POLLIN)
+        if self.sentinels:
+            self._check_side_events(dict(sentinels.poll(SENTINEL_GRACE_MS)))
 
     def _decode(self, identity: bytes, frame: bytes) -> WorkerToEngine:
         try:

@@ -156,11 +156,11 @@ class Worker:
                     f"in {self.config.engine_timeout_s} s"
                 )
             events = dict(self.poller.poll(int(wait_s * 1000)))
+            if self.sock in events:  # before the monitor: a Shutdown precedes the disconnect
+                return self.decoder.decode(self.sock.recv())
             if self.monitor in events:
                 event = parse_monitor_message(self.monitor.recv_multipart())
                 raise EngineGoneError(f"the engine at {event['endpoint']!r} disconnected")
-            if self.sock in events:
-                return self.decoder.decode(self.sock.recv())
 
     def check_invariants(self) -> None:
         assert self.last_step_id >= 0, f"last_step_id={self.last_step_id}"

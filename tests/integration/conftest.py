@@ -1,0 +1,172 @@
+"""Helpers for tests that start real kvserve processes: free ports, ipc paths, deadline waits, and
+a check that no child process (grandchildren included) outlives its test.
+
+The test process makes itself a child subreaper, so an orphaned grandchild is re-parented to it
+and shows up in the check instead of escaping to init.
+"""
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PR_SET_CHILD_SUBREAPER = 36
+ORPHAN_WAIT_S = 15.0  # children get this long to exit by themselves after a test
+POLL_S = 0.05
+
+
+def _become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
+    """Poll `predicate` until it returns something truthy; TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(POLL_S)
+    raise TimeoutError(f"{what} did not happen in {timeout_s} s")
+
+
+def live_children() -> list[int]:
+    """Pids whose parent is this process and that are not zombies (zombies are reaped here)."""
+    me = os.getpid()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid != me:
+            continue
+        if state == "Z":
+            _reap(int(entry.name))
+        else:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):  # a Popen object reaped it first
+        os.waitpid(pid, os.WNOHANG)
+
+
+class Processes:
+    """The processes one test started, with their logs under the test's tmp_path."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, entry: str, args: list[str]) -> subprocess.Popen:
+        """Run `deploy.cli.<entry>` with `args`; stdout and stderr go to tmp_path/<name>.log."""
+        log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115  # closed with the process
+        code = f"import sys; from deploy.cli import {entry}; sys.exit({entry}(sys.argv[1:]))"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        try:
+            return self.procs[name].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"{name} still running after {timeout_s} s:\n{self.log(name)[-3000:]}"
+            ) from None
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """Started processes; after the test, asserts that none of them (nor any orphan) lives on."""
+    _become_subreaper()
+    procs = Processes(tmp_path)
+    yield procs
+    leftovers = [name for name, proc in procs.procs.items() if proc.poll() is None]
+    procs.kill_all()
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    orphans = live_children()
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, f"processes still running after the test: {leftovers}"
+    assert not orphans, f"child processes left alive after the test: {orphans}"
+
+
+@pytest.fixture
+def addresses(tmp_path: Path) -> dict[str, str]:
+    return {
+        "client": f"ipc://{tmp_path}/client.sock",
+        "worker": f"ipc://{tmp_path}/worker.sock",
+        "master_port": str(free_tcp_port()),
+    }
+
+
+KV_CACHE_MEMORY_BYTES = 1 << 22  # per rank; small models need far less
+
+
+def launch(
+    processes: Processes, addresses: dict[str, str], tp_size: int, model: str, *extra: str
+) -> subprocess.Popen:
+    """`kvserve launch` on ipc sockets under tmp_path, CPU, logging to tmp_path/launch.log."""
+    args = [
+        "launch",
+        "-tp",
+        str(tp_size),
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--client-address",
+        addresses["client"],
+        "--worker-address",
+        addresses["worker"],
+        "--master-port",
+        addresses["master_port"],
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_MEMORY_BYTES),
+        "--log-level",
+        "INFO",
+        *extra,
+    ]
+    return processes.start("launch", "kvserve_main", args)
+
+
+def stop_launch(processes: Processes) -> None:
+    """SIGTERM the launcher, as Ctrl-C would, and require a clean exit."""
+    processes.procs["launch"].send_signal(signal.SIGTERM)
+    code = processes.wait_exit("launch", 30)
+    assert code == 0, f"launcher exited {code}:\n{processes.log('launch')[-3000:]}"

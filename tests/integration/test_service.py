@@ -1,0 +1,160 @@
+"""A real engine and real workers serve concurrent requests whose tokens equal the reference
+model's: TP=1 and TP=2, prefix caching on and off, a pool small enough to force preemption, the
+hybrid sliding-window model, and ranks whose capacities differ.
+"""
+
+import random
+import re
+
+import pytest
+
+from engine_core.client import EngineClient, make_request
+from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, launch, stop_launch
+from worker.models.reference import reference_generate
+
+pytestmark = pytest.mark.integration
+
+CLIENT_TIMEOUT_S = 90.0
+
+
+def chat_prompts(num_prompts: int, prefix_len: int, tail_len: int, seed: int) -> list[list[int]]:
+    """Prompts that share one prefix (so prefix caching has something to hit), with own tails."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
+    return [
+        prefix + [rng.randrange(3, 500) for _ in range(tail_len + i)] for i in range(num_prompts)
+    ]
+
+
+def serve_and_check(
+    client: EngineClient, model: str, prompts: list[list[int]], params: SamplingParams
+) -> None:
+    """Submit every prompt at once; each output must equal the reference model's."""
+    req_ids = [f"req-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(req_ids, prompts, strict=True):
+        client.add_request(make_request(req_id, prompt, params))
+    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
+    for req_id, prompt in zip(req_ids, prompts, strict=True):
+        result = results[req_id]
+        assert result.error is None, f"{req_id} failed: {result.error}"
+        expected = reference_generate(model, prompt, params)
+        assert result.token_ids == expected, (
+            f"{req_id}: served {result.token_ids}, expected {expected}"
+        )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("tp_size", "model", "caching_flag"),
+    [
+        (1, "checksum", "--enable-prefix-caching"),
+        (2, "checksum", "--no-enable-prefix-caching"),
+        (2, "tiny-llama", "--enable-prefix-caching"),
+    ],
+)
+def test_concurrent_requests_equal_the_reference(
+    processes: Processes, addresses: dict, tp_size: int, model: str, caching_flag: str
+) -> None:
+    launch(processes, addresses, tp_size, model, caching_flag, "--max-model-len", "512")
+    num_tokens = 24 if model == "checksum" else 6
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        assert client.check_health() is True
+        serve_and_check(client, model, chat_prompts(6, 40, 9, seed=tp_size), params)
+        stats = client.get_stats()
+    if caching_flag == "--enable-prefix-caching":
+        assert stats["prefix_cache_hits"] > 0, stats
+    else:
+        assert stats["prefix_cache_hits"] == 0, stats
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    stop_launch(processes)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("model", "num_blocks", "max_model_len", "num_tokens"),
+    [("checksum", "24", "256", 60), ("tiny-llama-hybrid", "12", "64", 20)],
+)
+def test_small_pool_forces_preemption_and_outputs_still_match(
+    processes: Processes,
+    addresses: dict,
+    model: str,
+    num_blocks: str,
+    max_model_len: str,
+    num_tokens: int,
+) -> None:
+    launch(
+        processes,
+        addresses,
+        2,
+        model,
+        "--num-gpu-blocks-override",
+        num_blocks,
+        "--max-model-len",
+        max_model_len,
+    )
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    prompts = chat_prompts(3 if model != "checksum" else 6, 16, 14, seed=7)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        serve_and_check(client, model, prompts, params)
+        stats = client.get_stats()
+    assert stats["num_preemptions"] > 0, f"expected preemption with {num_blocks} blocks: {stats}"
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    stop_launch(processes)
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_different_capacities_agree_on_the_minimum(
+    processes: Processes, addresses: dict
+) -> None:
+    """Separate kvserve-core and kvserve-worker processes; rank 1 has half the memory."""
+    processes.start(
+        "core",
+        "core_main",
+        [
+            "-tp",
+            "2",
+            "--client-address",
+            addresses["client"],
+            "--worker-address",
+            addresses["worker"],
+            "--max-model-len",
+            "256",
+        ],
+    )
+    budgets = {0: 1 << 20, 1: 1 << 19}
+    for rank, budget in budgets.items():
+        processes.start(
+            f"worker-{rank}",
+            "worker_main",
+            [
+                "--rank",
+                str(rank),
+                "-tp",
+                "2",
+                "--model",
+                "checksum",
+                "--device",
+                "cpu",
+                "--engine-address",
+                addresses["worker"],
+                "--master-port",
+                addresses["master_port"],
+                "--kv-cache-memory-bytes",
+                str(budget),
+            ],
+        )
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        serve_and_check(
+            client, "checksum", chat_prompts(3, 20, 5, seed=3), SamplingParams(max_tokens=8)
+        )
+    held = re.search(r"ranks hold \[(\d+), (\d+)\] blocks; using (\d+)", processes.log("core"))
+    assert held, processes.log("core")
+    rank0_blocks, rank1_blocks, used = map(int, held.groups())
+    assert rank1_blocks < rank0_blocks and used == rank1_blocks
+    for rank in budgets:
+        assert f"ready: {used} blocks per layer" in processes.log(f"worker-{rank}")
+    processes.procs["core"].terminate()
+    for name in ("core", "worker-0", "worker-1"):
+        assert processes.wait_exit(name, 30) == 0, processes.log(name)[-2000:]

@@ -1,0 +1,167 @@
+"""Failures end cleanly: refused or missing ranks stop startup with the reason, a killed worker
+fails every in-flight request and takes the deployment down, a killed engine makes workers exit.
+"""
+
+import os
+import re
+import signal
+import socket
+
+import pytest
+import zmq
+
+from engine_core.client import EngineClient, make_request
+from protocol import PROTOCOL_VERSION
+from protocol.codec import engine_to_worker_decoder, make_encoder
+from protocol.sampling import SamplingParams
+from protocol.worker_messages import Shutdown, WorkerHello
+from tests.integration.conftest import Processes, wait_for
+from worker.models.registry import get_model_info
+
+pytestmark = pytest.mark.integration
+
+SHUTDOWN_WAIT_MS = 20_000
+
+
+class FakeRank:
+    """A socket that speaks the worker side of the handshake, so tests can send any WorkerHello."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def hello(self, rank: int, tp_size: int, model: str) -> None:
+        info = get_model_info(model, 16)
+        hello = WorkerHello(
+            PROTOCOL_VERSION, rank, tp_size, os.getpid(), "elsewhere", "cpu", info, 64
+        )
+        self.sock.send(make_encoder().encode(hello))
+
+    def expect_shutdown(self) -> Shutdown:
+        assert self.sock.poll(SHUTDOWN_WAIT_MS), "no Shutdown from the engine"
+        message = engine_to_worker_decoder().decode(self.sock.recv())
+        assert isinstance(message, Shutdown), message
+        return message
+
+
+def start_core(processes: Processes, addresses: dict, tp_size: int, *extra: str) -> None:
+    processes.start(
+        "core",
+        "core_main",
+        [
+            "-tp",
+            str(tp_size),
+            "--client-address",
+            addresses["client"],
+            "--worker-address",
+            addresses["worker"],
+            *extra,
+        ],
+    )
+
+
+def start_worker(
+    processes: Processes, addresses: dict, rank: int, tp_size: int, model: str
+) -> None:
+    processes.start(
+        f"worker-{rank}",
+        "worker_main",
+        [
+            "--rank",
+            str(rank),
+            "-tp",
+            str(tp_size),
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--engine-address",
+            addresses["worker"],
+            "--master-port",
+            addresses["master_port"],
+            "--kv-cache-memory-bytes",
+            str(1 << 22),
+        ],
+    )
+
+
+@pytest.mark.timeout(60)
+def test_missing_rank_fails_startup_naming_it(processes: Processes, addresses: dict) -> None:
+    start_core(processes, addresses, 2, "--handshake-timeout-s", "3")
+    ctx = zmq.Context()
+    rank0 = FakeRank(ctx, addresses["worker"])
+    rank0.hello(0, 2, "checksum")
+    assert rank0.expect_shutdown().is_failure
+    assert processes.wait_exit("core", 30) == 1
+    assert "missing rank(s) [1] of tp_size=2" in processes.log("core")
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("second_rank", "second_model", "reason"),
+    [(0, "checksum", "duplicate rank 0"), (1, "tiny-llama", "runs another model than rank 0")],
+)
+def test_duplicate_rank_or_other_model_is_refused_with_the_reason(
+    processes: Processes, addresses: dict, second_rank: int, second_model: str, reason: str
+) -> None:
+    start_core(processes, addresses, 2)
+    ctx = zmq.Context()
+    first, second = FakeRank(ctx, addresses["worker"]), FakeRank(ctx, addresses["worker"])
+    first.hello(0, 2, "checksum")
+    wait_for(lambda: "rank 0 joined" in processes.log("core"), 20, "rank 0 joining")
+    second.hello(second_rank, 2, second_model)
+    for rank in (first, second):
+        shutdown = rank.expect_shutdown()
+        assert shutdown.is_failure and reason in shutdown.reason, shutdown
+    assert processes.wait_exit("core", 30) == 1
+    assert reason in processes.log("core")
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_killing_a_worker_fails_in_flight_requests_and_stops_everything(
+    processes: Processes, addresses: dict
+) -> None:
+    start_core(processes, addresses, 2, "--max-model-len", "1024")
+    for rank in (0, 1):
+        start_worker(processes, addresses, rank, 2, "tiny-llama")
+    req_ids = [f"long-{i}" for i in range(4)]
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    with EngineClient(addresses["client"], 60.0) as client:
+        for i, req_id in enumerate(req_ids):
+            client.add_request(make_request(req_id, [5 + i, 6, 7, 8, 9], params))
+        wait_for(
+            lambda: client.poll_outputs(0.1) or client.result(req_ids[0]).token_ids,
+            60,
+            "the first tokens",
+        )
+        victim = int(re.search(r"rank 1 joined: pid (\d+)", processes.log("core")).group(1))
+        os.kill(victim, signal.SIGKILL)
+        results = client.run_until_finished(req_ids, 30)
+    for req_id in req_ids:
+        assert results[req_id].finish_reason == "error", results[req_id]
+        assert "rank 1" in results[req_id].error, results[req_id].error
+    assert processes.wait_exit("core", 15) == 1
+    assert processes.wait_exit("worker-0", 30) != 0
+    assert processes.wait_exit("worker-1", 5) == -signal.SIGKILL
+
+
+@pytest.mark.timeout(90)
+def test_killing_the_engine_makes_every_worker_exit(processes: Processes, addresses: dict) -> None:
+    start_core(processes, addresses, 2)
+    for rank in (0, 1):
+        start_worker(processes, addresses, rank, 2, "checksum")
+    with EngineClient(addresses["client"], 60.0) as client:
+        assert client.check_health() is True
+    processes.procs["core"].send_signal(signal.SIGKILL)
+    assert processes.wait_exit("core", 10) == -signal.SIGKILL
+    for rank in (0, 1):
+        assert processes.wait_exit(f"worker-{rank}", 20) == 1
+        assert "disconnected" in processes.log(f"worker-{rank}")
+
+
+def test_fake_rank_host_is_not_this_host() -> None:
+    """The fake ranks claim another host, so the engine watches them by heartbeat, not by pid."""
+    assert socket.gethostname() != "elsewhere"
