@@ -202,6 +202,10 @@ class ScriptedScheduler:
             new_ids = self._allocate(req, count)
             if new_ids is None:
                 self._free(req)
+                if not self.running:
+                    raise RuntimeError(
+                        f"request {req.req_id} needs more than {self.num_blocks} blocks on its own"
+                    )
                 break
             self.num_hit_tokens += hit
             self.waiting.popleft()
