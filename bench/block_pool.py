@@ -8,6 +8,7 @@ Run: python -m bench.block_pool [--peer vllm] [--json FILE]
 
 import gc
 import os
+import statistics
 import tracemalloc
 from array import array
 
@@ -33,37 +34,51 @@ TITLE = (
 PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peers", "vllm_block_pool.py")
 
 
-def measure_replay(trace: Trace, algo: str, repeats: int) -> dict[str, float | int]:
-    """Median µs per request with hashing, and with hashes precomputed (the pool alone)."""
-    plan = replay_plan(trace)
-    token_ids = [array("i", trace.token_ids(request)) for request in trace.requests]
-    hasher = BlockHasher(trace.config.block_size, algo)
-    hashes = [hasher.hash_prefix(tokens) for tokens in token_ids]
-    num_gpu_blocks = trace.config.num_gpu_blocks
-    checked = BlockPool(num_gpu_blocks, enable_caching=True)
-    result = replay_through_pool(checked, trace, plan, token_ids, None, hashes, True)
-    checked.check_invariants()
-    assert checked.get_num_free_blocks() == num_gpu_blocks - 1, "the replay leaked blocks"
+class ReplayBench:
+    """The trace, its tokens and precomputed hashes, and one checked replay for the counts."""
 
-    def run(with_hashing: bool) -> float:
+    def __init__(self, trace: Trace, algo: str) -> None:
+        self.trace = trace
+        self.plan = replay_plan(trace)
+        self.token_ids = [array("i", trace.token_ids(request)) for request in trace.requests]
+        self.hasher = BlockHasher(trace.config.block_size, algo)
+        self.hashes = [self.hasher.hash_prefix(tokens) for tokens in self.token_ids]
+        num_gpu_blocks = trace.config.num_gpu_blocks
         pool = BlockPool(num_gpu_blocks, enable_caching=True)
-        hash_prefix, precomputed = (hasher.hash_prefix, None) if with_hashing else (None, hashes)
-        gc.collect()
-        return time_call_s(
-            lambda: replay_through_pool(pool, trace, plan, token_ids, hash_prefix, precomputed)
+        self.result = replay_through_pool(
+            pool, trace, self.plan, self.token_ids, None, self.hashes, True
         )
+        pool.check_invariants()
+        assert pool.get_num_free_blocks() == num_gpu_blocks - 1, "the replay leaked blocks"
+        self.total_s: list[float] = []  # one sample per run, hashing included
+        self.pool_only_s: list[float] = []  # one sample per run, hashes precomputed
 
-    num_requests = len(trace.requests)
-    total_s = median_of(lambda: run(True), repeats)
-    pool_s = median_of(lambda: run(False), repeats)
-    return {
-        "us_per_request": total_s / num_requests * 1e6,
-        "requests_per_s": num_requests / total_s,
-        "pool_only_us_per_request": pool_s / num_requests * 1e6,
-        "prefix_hit_rate": prompt_hit_rate(trace, result),
-        "num_hit_blocks": result.num_hit_blocks,
-        "num_evicted_blocks": result.num_evicted_blocks,
-    }
+    def sample(self, repeats: int) -> None:
+        """Time `repeats` replays each way, alternating, so load drift hits both alike."""
+        for _ in range(repeats):
+            self.total_s.append(self._time_replay(with_hashing=True))
+            self.pool_only_s.append(self._time_replay(with_hashing=False))
+
+    def _time_replay(self, with_hashing: bool) -> float:
+        pool = BlockPool(self.trace.config.num_gpu_blocks, enable_caching=True)
+        hash_prefix, hashes = (
+            (self.hasher.hash_prefix, None) if with_hashing else (None, self.hashes)
+        )
+        args = (pool, self.trace, self.plan, self.token_ids, hash_prefix, hashes)
+        gc.collect()
+        return time_call_s(lambda: replay_through_pool(*args))
+
+    def figures(self) -> dict[str, float | int]:
+        num_requests = len(self.trace.requests)
+        total_s = statistics.median(self.total_s)
+        return {
+            "us_per_request": total_s / num_requests * 1e6,
+            "requests_per_s": num_requests / total_s,
+            "pool_only_us_per_request": statistics.median(self.pool_only_s) / num_requests * 1e6,
+            "prefix_hit_rate": prompt_hit_rate(self.trace, self.result),
+            "num_hit_blocks": self.result.num_hit_blocks,
+            "num_evicted_blocks": self.result.num_evicted_blocks,
+        }
 
 
 def measure_large_pool(repeats: int) -> dict[str, float]:
@@ -86,6 +101,27 @@ def measure_large_pool(repeats: int) -> dict[str, float]:
     }
 
 
+def add_vllm_figures(figures: dict, peer: dict, trace: Trace) -> None:
+    """The peer's figures and the ratios, once the peer is shown to have done the same work."""
+    if peer.pop("trace_digest") != trace_digest(trace):
+        raise SystemExit("the vLLM peer replayed a different trace")
+    ours = (figures["num_hit_blocks"], figures["num_evicted_blocks"])
+    theirs = (peer["num_hit_blocks"], peer["num_evicted_blocks"])
+    if ours != theirs:
+        raise SystemExit(f"(hit, evicted) blocks differ: kvserve {ours}, vLLM {theirs}")
+    figures.update({f"vllm_{key}": value for key, value in peer.items()})
+    figures["ratio_throughput_vs_vllm"] = peer["us_per_request"] / figures["us_per_request"]
+    figures["ratio_pool_only_throughput_vs_vllm"] = (
+        peer["pool_only_us_per_request"] / figures["pool_only_us_per_request"]
+    )
+    figures["ratio_construct_time_vs_vllm"] = (
+        figures["construct_1m_blocks_ms"] / peer["construct_1m_blocks_ms"]
+    )
+    figures["ratio_memory_per_block_vs_vllm"] = (
+        figures["memory_1m_blocks_bytes_per_block"] / peer["memory_1m_blocks_bytes_per_block"]
+    )
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     add_peer_arguments(parser)
@@ -95,39 +131,19 @@ def main() -> None:
     args = parser.parse_args()
     config = TraceConfig(seed=args.seed, num_requests=args.num_requests)
     trace = make_trace(config)
-    figures: dict[str, float | int | str] = {"num_requests": config.num_requests}
-    figures.update(measure_replay(trace, args.hash_algo, args.repeats))
-    figures.update(measure_large_pool(max(1, args.repeats // 2)))
+    bench = ReplayBench(trace, args.hash_algo)
+    bench.sample(args.repeats)
+    large_pool = measure_large_pool(max(1, args.repeats // 2))
+    peer = None
     if args.peer == "vllm":
-        peer = run_peer(
-            args.peer_python,
-            PEER_SCRIPT,
-            [
-                "--config",
-                config_to_json(config),
-                "--repeats",
-                str(args.repeats),
-                "--hash-algo",
-                args.hash_algo,
-            ],
-        )
-        if peer.pop("trace_digest") != trace_digest(trace):
-            raise SystemExit("the vLLM peer replayed a different trace")
-        figures["same_hits_and_evictions_as_vllm"] = str(
-            (peer["num_hit_blocks"], peer["num_evicted_blocks"])
-            == (figures["num_hit_blocks"], figures["num_evicted_blocks"])
-        )
-        figures.update({f"vllm_{key}": value for key, value in peer.items()})
-        figures["ratio_throughput_vs_vllm"] = peer["us_per_request"] / figures["us_per_request"]
-        figures["ratio_pool_only_throughput_vs_vllm"] = (
-            peer["pool_only_us_per_request"] / figures["pool_only_us_per_request"]
-        )
-        figures["ratio_construct_time_vs_vllm"] = (
-            figures["construct_1m_blocks_ms"] / peer["construct_1m_blocks_ms"]
-        )
-        figures["ratio_memory_per_block_vs_vllm"] = (
-            figures["memory_1m_blocks_bytes_per_block"] / peer["memory_1m_blocks_bytes_per_block"]
-        )
+        peer_args = ["--config", config_to_json(config), "--repeats", str(args.repeats)]
+        peer = run_peer(args.peer_python, PEER_SCRIPT, [*peer_args, "--hash-algo", args.hash_algo])
+        bench.sample(args.repeats)  # as many again after the peer: both sides see the same drift
+    figures: dict[str, float | int | str] = {"num_requests": config.num_requests}
+    figures.update(bench.figures())
+    figures.update(large_pool)
+    if peer is not None:
+        add_vllm_figures(figures, peer, trace)
     report(TITLE, figures, args.json)
 
 

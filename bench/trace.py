@@ -213,32 +213,18 @@ def replay_through_pool(
         hash_prefix: hashes every full block of a token sequence; None to use `hashes`.
         hashes: precomputed block hashes per request, to time the pool alone.
     """
-    config = trace.config
-    block_size, max_running = config.block_size, config.max_running
+    block_size = trace.config.block_size
     running: deque[tuple[ReplayRequest, list, ReplayStep]] = deque()
     num_hit_blocks = num_evicted = 0
-
-    def finish() -> None:
-        request, blocks, step = running.popleft()
-        pool.cache_full_blocks(
-            request, blocks, step.num_prompt_full_blocks, step.num_full_blocks, block_size, 0
-        )
-        pool.free_blocks(reversed(blocks))
-
     for idx, step in enumerate(plan):
         tokens = token_ids[idx]
         block_hashes = hash_prefix(tokens) if hashes is None else hashes[idx]
         request = ReplayRequest(trace.requests[idx].req_id, block_hashes, tokens)
-        hits = []
-        for block_hash in block_hashes[: step.max_hit_blocks]:
-            cached = pool.get_cached_block(block_hash, GROUP_IDS)
-            if cached is None:
-                break
-            hits.append(cached[0])
+        hits = _lookup(pool, block_hashes, step.max_hit_blocks)
         num_new = step.num_blocks - len(hits)
         num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
         while pool.get_num_free_blocks() - num_free_hits < num_new:
-            finish()
+            _finish_oldest(pool, running, block_size)
             num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
         pool.touch(hits)
         if count_evictions:
@@ -249,11 +235,31 @@ def replay_through_pool(
         )
         running.append((request, blocks, step))
         num_hit_blocks += len(hits)
-        if len(running) > max_running:
-            finish()
+        if len(running) > trace.config.max_running:
+            _finish_oldest(pool, running, block_size)
     while running:
-        finish()
+        _finish_oldest(pool, running, block_size)
     return ReplayResult(num_hit_blocks, num_evicted)
+
+
+def _lookup(pool: Any, block_hashes: list[bytes], max_hit_blocks: int) -> list:
+    """The longest cached prefix, left to right, stopping at the first miss."""
+    hits = []
+    for block_hash in block_hashes[:max_hit_blocks]:
+        cached = pool.get_cached_block(block_hash, GROUP_IDS)
+        if cached is None:
+            break
+        hits.append(cached[0])
+    return hits
+
+
+def _finish_oldest(pool: Any, running: deque, block_size: int) -> None:
+    """Cache the oldest request's remaining full blocks, then free its blocks tail first."""
+    request, blocks, step = running.popleft()
+    pool.cache_full_blocks(
+        request, blocks, step.num_prompt_full_blocks, step.num_full_blocks, block_size, 0
+    )
+    pool.free_blocks(reversed(blocks))
 
 
 def prompt_hit_rate(trace: Trace, result: ReplayResult) -> float:
