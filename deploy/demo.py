@@ -9,6 +9,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -26,13 +27,13 @@ STATS_POLL_S = 0.25  # how often the demo samples KV usage while it waits
 class DemoSettings:
     tp_size: int = 2
     model: str = "tiny-llama"
-    num_conversations: int = 6
-    num_turns: int = 3
+    num_conversations: int = 8
+    num_turns: int = 4
     num_system_prompts: int = 2
     system_prompt_len: int = 64  # tokens shared by the conversations of one system prompt
     user_turn_len: int = 12  # tokens a user adds each turn
-    max_tokens: int = 10  # tokens generated per turn
-    kv_cache_memory_bytes: int = 1 << 22  # per rank
+    max_tokens: int = 16  # tokens generated per turn
+    kv_cache_memory_bytes: int = 1 << 20  # per rank: 64 blocks of tiny-llama, tight on purpose
     seed: int = 0
 
 
@@ -147,6 +148,7 @@ def check_against_reference(
     done: list[tuple[list[int], RequestResult]], settings: DemoSettings
 ) -> list[str]:
     """The req_ids whose served tokens differ from the reference model's."""
+    torch.set_num_threads(1)  # small matrices: more threads only spin against each other
     params = SamplingParams(max_tokens=settings.max_tokens)
     return [
         result.req_id
@@ -157,6 +159,7 @@ def check_against_reference(
 
 
 def run_demo(settings: DemoSettings, log_level: str = "WARNING") -> int:
+    """Start the deployment, serve the workload, stop it, then report and check every output."""
     console = Console()
     with tempfile.TemporaryDirectory(prefix="kvserve-demo-") as folder:
         engine_config, workers = demo_configs(settings, folder)
@@ -164,31 +167,13 @@ def run_demo(settings: DemoSettings, log_level: str = "WARNING") -> int:
         deployment = Deployment(engine_config, workers, log_level)
         deployment.start()
         try:
-            outcome = _serve_demo(console, engine_config.client_address, settings, deployment)
+            served = _serve(console, engine_config.client_address, settings)
         finally:
             code = deployment.stop()
-    if outcome is None or code != 0:
+    if code != 0:
         console.print("[red]the deployment failed; see the log above[/red]")
         return 1
-    return outcome
-
-
-def _serve_demo(
-    console: Console, address: str, settings: DemoSettings, deployment: Deployment
-) -> int | None:
-    start = time.monotonic()
-    with EngineClient(address, timeout_s=120.0) as client:
-        client.check_health()
-        console.print(f"engine ready in {time.monotonic() - start:.1f} s")
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())  # fmt: skip
-        start = time.monotonic()
-        with Progress(*columns, console=console) as progress:
-            done, peak_usage = run_workload(client, settings, progress)
-        elapsed_s = time.monotonic() - start
-        stats = client.get_stats()
-    if deployment.first_failure() is not None:
-        return None
+    done, stats, elapsed_s, peak_usage = served
     console.print(results_table(done, stats, elapsed_s, peak_usage))
     start = time.monotonic()
     mismatches = check_against_reference(done, settings)
@@ -200,3 +185,20 @@ def _serve_demo(
         return 1
     console.print(f"[green]all {len(done)} outputs match the reference model[/green]")
     return 0
+
+
+def _serve(
+    console: Console, address: str, settings: DemoSettings
+) -> tuple[list[tuple[list[int], RequestResult]], dict, float, float]:
+    start = time.monotonic()
+    with EngineClient(address, timeout_s=120.0) as client:
+        client.check_health()
+        console.print(f"engine ready in {time.monotonic() - start:.1f} s")
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())  # fmt: skip
+        start = time.monotonic()
+        with Progress(*columns, console=console) as progress:
+            done, peak_usage = run_workload(client, settings, progress)
+        elapsed_s = time.monotonic() - start
+        stats = client.get_stats()
+    return done, stats, elapsed_s, peak_usage

@@ -219,7 +219,7 @@ def _explain(exc: msgspec.ValidationError, args: argparse.Namespace, flags: list
         for flag in flags:
             if flag.path == path:
                 value = getattr(args, dest_of(flag))
-                return f"{flag.names[0]} {value}: expected {_lower_first(problem)}"
+                return f"{flag.names[0]} {value}: {_lower_first(problem)}"
     return f"bad configuration: {_lower_first(problem)}"
 
 

@@ -9,6 +9,7 @@ import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import sys
@@ -48,9 +49,17 @@ def worker_entry(config: WorkerConfig, log_level: str) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
     setup_logging(f"worker-{config.rank}", log_level)
+    share_cpu_threads(config.tp_size)
     from worker.worker import run
 
     sys.exit(run(config))
+
+
+def share_cpu_threads(num_local_ranks: int) -> None:
+    """Give each local rank its share of the cores: N ranks with N threads each would thrash."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
 
 
 def free_tcp_port() -> int:

@@ -48,20 +48,6 @@ def describe_model_difference(expected: ModelInfo, found: ModelInfo) -> str | No
     return None
 
 
-def agreed_num_blocks(hellos: dict[int, WorkerHello], override: int | None) -> int:
-    """The pool size every rank can hold: the minimum over ranks, or the override if it fits."""
-    available = min(hello.num_blocks_available for hello in hellos.values())
-    if override is None:
-        return available
-    if override > available:
-        smallest = min(hellos.values(), key=lambda hello: hello.num_blocks_available)
-        raise HandshakeError(
-            f"num_gpu_blocks_override={override} exceeds the {available} blocks "
-            f"that rank {smallest.rank} can hold"
-        )
-    return override
-
-
 def check_ready(ready: WorkerReady, num_blocks: int, ready_ranks: set[int]) -> None:
     if ready.rank in ready_ranks:
         raise HandshakeError(f"rank {ready.rank} said WorkerReady twice")
