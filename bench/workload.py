@@ -36,6 +36,7 @@ class Workload:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     seed: int = 0
+    check_invariants: bool = False  # walk the runner's invariants every step (tests)
 
 
 @dataclass
@@ -75,6 +76,7 @@ def run_workload(workload: Workload, tp_group: TPGroup, device: torch.device) ->
         seed=workload.seed,
     )
     runner = build_model_runner(config, scheduler.kv_cache_config(), tp_group, device)
+    runner.check_each_step = workload.check_invariants
     result = RankResult(tp_group.rank, {}, 0, 0, 0, 0.0, 0.0, 0.0, 0.0)
 
     def execute(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -74,8 +74,10 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         sampling_seed: int = 0,
+        check_each_step: bool = False,
     ) -> None:
         self.model = model
+        self.check_each_step = check_each_step  # walk the invariants every step (tests, debugging)
         self.kv_cache_config = kv_cache_config
         self.kv_caches = kv_caches
         self.rank = rank
@@ -101,6 +103,9 @@ class ModelRunner:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
             return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, b"")
         token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
+        if self.check_each_step:
+            self.check_invariants()
+            kv.check_invariants()
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         modelled = time.perf_counter()

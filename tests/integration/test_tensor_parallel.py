@@ -44,7 +44,15 @@ def make_workload(model: str, block_size: int, num_blocks: int) -> Workload:
         SamplingParams(max_tokens=7, ignore_eos=True),
         SamplingParams(max_tokens=5, temperature=2.0, ignore_eos=True),
     ]
-    return Workload(model, block_size, num_blocks, prompts, params, max_num_batched_tokens=24)
+    return Workload(
+        model,
+        block_size,
+        num_blocks,
+        prompts,
+        params,
+        max_num_batched_tokens=24,
+        check_invariants=True,
+    )
 
 
 @pytest.mark.timeout(400)

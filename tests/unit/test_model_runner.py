@@ -39,7 +39,7 @@ def make_runner(model_name: str = "checksum", num_blocks: int = 16) -> ModelRunn
     config = KVCacheConfig(num_blocks, info.kv_cache_groups)
     model = build_model(model_name, single_rank_group(), CPU)
     caches = allocate_kv_caches(config, 1, CPU)
-    return ModelRunner(model, config, caches, 0, info.max_model_len, CPU)
+    return ModelRunner(model, config, caches, 0, info.max_model_len, CPU, check_each_step=True)
 
 
 def new_req(

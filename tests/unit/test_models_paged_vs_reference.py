@@ -14,11 +14,13 @@ import torch
 from bench.scripted_scheduler import ScriptedScheduler
 from bench.workload import RankResult, Workload, run_workload
 from protocol.sampling import SamplingParams
-from worker.distributed import single_rank_group
+from worker.distributed import TPGroup, single_rank_group
 from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import ModelRunner
+from worker.models.checksum import CHECKSUM, ChecksumModel
 from worker.models.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
+from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
 CPU = torch.device("cpu")
 MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
@@ -61,7 +63,9 @@ def reference(model: str, prompt_idx: int, params_idx: int) -> list[int]:
 
 def workload(model: str, block_size: int, num_blocks: int, **options: object) -> Workload:
     params = [PARAMS[i % len(PARAMS)] for i in range(len(PROMPTS))]
-    return Workload(model, block_size, num_blocks, PROMPTS, params, **options)
+    return Workload(
+        model, block_size, num_blocks, PROMPTS, params, check_invariants=True, **options
+    )
 
 
 def assert_matches_reference(model: str, result: RankResult) -> None:
@@ -130,7 +134,9 @@ def make_runner(model: str, scheduler: ScriptedScheduler) -> ModelRunner:
     config = scheduler.kv_cache_config()
     model_obj = build_model(model, single_rank_group(), CPU)
     caches = allocate_kv_caches(config, 1, CPU)
-    return ModelRunner(model_obj, config, caches, 0, scheduler.model_info.max_model_len, CPU)
+    return ModelRunner(
+        model_obj, config, caches, 0, scheduler.model_info.max_model_len, CPU, check_each_step=True
+    )
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -151,3 +157,26 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     while scheduler.has_unfinished():
         scheduler.update_from_output(runner.execute_model(scheduler.schedule()))
     assert scheduler.outputs[1] != reference(model, 0, 0)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
+    """Each rank draws the full weights from the seed and keeps its slice; the slices tile them."""
+    full = TinyLlama(TINY_LLAMA, single_rank_group(), 0, CPU)
+    placeholder = object()  # a process group is never used: no forward runs here
+    shards = [
+        TinyLlama(TINY_LLAMA, TPGroup(r, tp_size, placeholder), 0, CPU) for r in range(tp_size)
+    ]
+    for shard in shards:
+        shard.check_invariants()
+    for layer_idx, layer in enumerate(full.layers):
+        parts = [shard.layers[layer_idx] for shard in shards]
+        assert torch.equal(torch.cat([p.wq for p in parts], dim=1), layer.wq)
+        assert torch.equal(torch.cat([p.wk for p in parts], dim=1), layer.wk)
+        assert torch.equal(torch.cat([p.wo for p in parts], dim=0), layer.wo)
+        assert torch.equal(torch.cat([p.w_gate for p in parts], dim=1), layer.w_gate)
+        assert torch.equal(torch.cat([p.w_down for p in parts], dim=0), layer.w_down)
+    heads = [ChecksumModel(CHECKSUM, TPGroup(r, tp_size, placeholder), CPU) for r in range(tp_size)]
+    for model in heads:
+        model.check_invariants()
+    assert torch.cat([m.heads for m in heads]).tolist() == list(range(CHECKSUM.num_kv_heads))

@@ -101,6 +101,13 @@ class ChecksumModel:
         first = tp_group.rank * per_rank
         self.heads = torch.arange(first, first + per_rank, dtype=torch.int64, device=device)
 
+    def check_invariants(self) -> None:
+        per_rank = self.config.num_kv_heads // self.tp_group.tp_size
+        expected = list(range(self.tp_group.rank * per_rank, (self.tp_group.rank + 1) * per_rank))
+        assert self.heads.tolist() == expected, (
+            f"rank {self.tp_group.rank} owns {self.heads.tolist()}"
+        )
+
     def forward(
         self,
         token_ids: torch.Tensor,

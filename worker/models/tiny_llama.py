@@ -124,6 +124,27 @@ class TinyLlama:
         )  # each [max_model_len, head_dim / 2]
         self.exp_table = exp_table(device)
 
+    def check_invariants(self) -> None:
+        cfg, hd = self.config, self.config.head_dim
+        for idx, layer in enumerate(self.layers):
+            assert layer.wq.shape == (cfg.hidden_size, self.heads_per_rank * hd), f"layer {idx} wq"
+            assert layer.wk.shape == (cfg.hidden_size, self.kv_heads_per_rank * hd), (
+                f"layer {idx} wk"
+            )
+            assert layer.wo.shape == (self.heads_per_rank * hd, cfg.hidden_size), f"layer {idx} wo"
+            weights = (
+                layer.wq,
+                layer.wk,
+                layer.wv,
+                layer.wo,
+                layer.w_gate,
+                layer.w_up,
+                layer.w_down,
+            )
+            for weight in weights:
+                on_grid = quantize(weight, WEIGHT_FRAC_BITS, WEIGHT_INT_BITS)
+                assert torch.equal(weight, on_grid), f"layer {idx} has a weight off the grid"
+
     def _layer(self, gen: torch.Generator, device: torch.device) -> LayerWeights:
         """Draw the full layer (the same on every rank), then keep this rank's shard."""
         cfg, rank = self.config, self.tp_group.rank
