@@ -265,12 +265,13 @@ class BlockPool:
             "the null block is in the free queue"
         )
         get_block = self.cached_block_hash_to_block.get_block
-        num_hashed = 0
+        num_hashed = num_free = 0
         for idx in range(1, self.num_gpu_blocks):
             block = self.blocks[idx]
             assert block.block_id == idx and not block.is_null, f"blocks[{idx}] is {block!r}"
             assert block.ref_cnt >= 0, f"block {idx} has negative ref_cnt {block.ref_cnt}"
             is_queued = block.prev_free_block is not None
+            num_free += block.ref_cnt == 0
             assert is_queued == (block.ref_cnt == 0), (
                 f"block {idx} has ref_cnt {block.ref_cnt} but is_queued={is_queued}"
             )
@@ -279,6 +280,8 @@ class BlockPool:
                 assert get_block(block.block_hash, idx) is block, (
                     f"block {idx} carries {block.block_hash.hex()} but the map does not hold it"
                 )
+        num_queued = self.free_block_queue.num_free_blocks
+        assert num_free == num_queued, f"{num_free} blocks have ref_cnt 0, {num_queued} are queued"
         num_mapped = self.cached_block_hash_to_block.num_blocks()
         assert num_mapped == num_hashed, f"map holds {num_mapped} blocks, {num_hashed} are hashed"
         assert self.enable_caching or num_hashed == 0, "a block is hashed with caching off"

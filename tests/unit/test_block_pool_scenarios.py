@@ -335,3 +335,18 @@ def test_metrics_collector_samples_one_allocation_in_n() -> None:
     pool.get_new_blocks(7)
     assert collector.num_tracked_blocks == 2
     assert collector.summary() is None
+
+
+def test_check_invariants_catches_a_hash_missing_from_the_map() -> None:
+    pool = make_pool()
+    (block,) = admit(pool, make_request("a", list(range(4))), 1)
+    pool.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+    with pytest.raises(AssertionError, match="block 1 carries .* the map does not hold it"):
+        pool.check_invariants()
+
+
+def test_check_invariants_catches_a_held_block_left_in_the_queue() -> None:
+    pool = make_pool()
+    pool.blocks[3].ref_cnt = 1
+    with pytest.raises(AssertionError, match="block 3 has ref_cnt 1 but is_queued=True"):
+        pool.check_invariants()
