@@ -341,7 +341,7 @@ def test_check_invariants_catches_a_hash_missing_from_the_map() -> None:
     pool = make_pool()
     (block,) = admit(pool, make_request("a", list(range(4))), 1)
     pool.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
-    with pytest.raises(AssertionError, match="block 1 carries .* the map does not hold it"):
+    with pytest.raises(AssertionError, match=r"block 1 carries .* the map does not hold it"):
         pool.check_invariants()
 
 
