@@ -1,9 +1,8 @@
 """A deterministic, seeded serving trace for the KV-cache benchmarks; standard library only.
 
-`make_trace(TraceConfig(...))` returns the same tokens for the same config in any process, so a
-peer script (which must not import kvserve) rebuilds it from `config_to_json(config)` and both
-sides compare `trace_digest(trace)`. `replay_through_pool()` drives any pool with the vLLM v1
-BlockPool API through the trace, so kvserve and its peers run the very same loop.
+`make_trace(TraceConfig(...))` gives the same tokens in any process: a peer (which must not import
+kvserve) rebuilds it from `config_to_json(config)`, both sides compare `trace_digest(trace)`, and
+`replay_through_pool()` runs the same loop through any pool with the vLLM v1 BlockPool API.
 """
 
 import dataclasses
