@@ -139,6 +139,11 @@ def worker_main(argv: list[str] | None = None) -> None:
     if local_rank is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = local_rank  # one device per local rank, as cuda:0
     setup_logging(f"worker-{config.rank}", args.log_level)
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
+    if local_world_size is not None and local_world_size.isdigit() and int(local_world_size) > 0:
+        from deploy.launch import share_cpu_threads
+
+        share_cpu_threads(int(local_world_size))
     from worker.worker import run
 
     sys.exit(run(config))
