@@ -58,8 +58,9 @@ def decode_step(step_id: int) -> SchedulerOutput:
         new_block_ids=new_blocks,
         num_computed_tokens=pack_int32(num_computed),
     )
-    return SchedulerOutput(step_id, [], cached, pack_int32([1] * NUM_DECODE_REQS),
-                           NUM_DECODE_REQS, [], [])  # fmt: skip
+    return SchedulerOutput(
+        step_id, [], cached, pack_int32([1] * NUM_DECODE_REQS), NUM_DECODE_REQS, [], []
+    )
 
 
 def prefill_step(step_id: int) -> SchedulerOutput:
@@ -76,8 +77,15 @@ def prefill_step(step_id: int) -> SchedulerOutput:
         for i in range(NUM_PREFILL_REQS)
     ]
     num_scheduled = pack_int32([PREFILL_LEN] * NUM_PREFILL_REQS)
-    return SchedulerOutput(step_id, new_reqs, CachedRequestData(), num_scheduled,
-                           PREFILL_LEN * NUM_PREFILL_REQS, [], [])  # fmt: skip
+    return SchedulerOutput(
+        step_id,
+        new_reqs,
+        CachedRequestData(),
+        num_scheduled,
+        PREFILL_LEN * NUM_PREFILL_REQS,
+        [],
+        [],
+    )
 
 
 def reply_for(step: SchedulerOutput, rank: int) -> ModelRunnerOutput:
@@ -96,8 +104,16 @@ def rank_main(address: str, rank: int, tp_size: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     encoder, decoder = make_encoder(), engine_to_worker_decoder()
-    hello = WorkerHello(PROTOCOL_VERSION, rank, tp_size, os.getpid(), socket.gethostname(), "cpu",
-                        MODEL_INFO, 1 << 20)  # fmt: skip
+    hello = WorkerHello(
+        PROTOCOL_VERSION,
+        rank,
+        tp_size,
+        os.getpid(),
+        socket.gethostname(),
+        "cpu",
+        MODEL_INFO,
+        1 << 20,
+    )
     sock.send(encoder.encode(hello))
     while sock.poll(RANK_IDLE_TIMEOUT_MS):
         match decoder.decode(sock.recv()):
@@ -159,9 +175,12 @@ def measure_floor(ctx: zmq.Context, folder: str, num_iters: int) -> float:
 
 
 def measure_steps(
-    ctx: zmq.Context, folder: str, tp_size: int, make_step: Callable[[int], SchedulerOutput],
+    ctx: zmq.Context,
+    folder: str,
+    tp_size: int,
+    make_step: Callable[[int], SchedulerOutput],
     num_iters: int,
-) -> float:  # fmt: skip
+) -> float:
     """Median broadcast + gather of one step through WorkerGroup to `tp_size` rank processes."""
     address = f"ipc://{folder}/workers-{tp_size}-{make_step.__name__}"
     group = WorkerGroup(ctx, address, tp_size, STEP_TIMEOUT_S, 1.0, 10.0)
