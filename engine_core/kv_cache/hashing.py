@@ -24,7 +24,9 @@ DEFAULT_HASH_SEED = "kvserve"
 GROUP_ID_NUM_BYTES = 4
 
 BlockHash = NewType("BlockHash", bytes)  # the digest of one full block and its whole prefix
-BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)  # BlockHash + 4-byte big-endian group id
+BlockHashWithGroupId = NewType(
+    "BlockHashWithGroupId", bytes
+)  # BlockHash + 4-byte big-endian group id
 
 # A tagged extra key, such as ("cache_salt", "tenant-a") or ("lora", "adapter-7").
 ExtraKey = tuple[str, str | int]
@@ -37,7 +39,9 @@ def _digest_fn(algo: HashAlgo):
         return lambda data: hashlib.sha256(data).digest()
     if algo == "xxhash":
         return lambda data: xxhash.xxh3_128_digest(data)
-    raise ValueError(f"unknown prefix-caching hash algorithm {algo!r}: expected one of {HASH_ALGOS}")
+    raise ValueError(
+        f"unknown prefix-caching hash algorithm {algo!r}: expected one of {HASH_ALGOS}"
+    )
 
 
 class BlockHasher:
@@ -45,7 +49,9 @@ class BlockHasher:
 
     __slots__ = ("_digest", "_header", "algo", "block_size", "none_hash")
 
-    def __init__(self, block_size: int, algo: HashAlgo = "sha256", seed: str = DEFAULT_HASH_SEED) -> None:
+    def __init__(
+        self, block_size: int, algo: HashAlgo = "sha256", seed: str = DEFAULT_HASH_SEED
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.algo = algo
@@ -69,16 +75,39 @@ class BlockHasher:
             data += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
         return self._digest(data)
 
+    def extend_hashes(
+        self,
+        block_hashes: list[BlockHash],
+        token_ids: Sequence[int] | array,
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> None:
+        """Append to `block_hashes` the hash of every full block of `token_ids` not hashed yet.
+
+        `block_hashes` must hold the hashes of the first blocks of the same sequence; extra keys
+        go on block 0 only. The new blocks' tokens are packed once, not block by block.
+        """
+        block_size = self.block_size
+        num_hashed = len(block_hashes)
+        num_full = len(token_ids) // block_size
+        if num_full <= num_hashed:
+            return
+        data = pack_int32(token_ids[num_hashed * block_size : num_full * block_size])
+        num_bytes = 4 * block_size
+        header, digest = self._header, self._digest
+        parent = block_hashes[-1] if num_hashed else self.none_hash
+        for offset in range(0, len(data), num_bytes):
+            payload = parent + header + data[offset : offset + num_bytes]
+            if extra_keys and num_hashed == 0 and offset == 0:
+                payload += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
+            parent = BlockHash(digest(payload))
+            block_hashes.append(parent)
+
     def hash_prefix(
         self, token_ids: Sequence[int] | array, extra_keys: Sequence[ExtraKey] = ()
-    ) -> list[bytes]:
+    ) -> list[BlockHash]:
         """Hashes of every full block of a token sequence; extra keys go on block 0 only."""
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        block_size = self.block_size
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            parent = self.hash_block(parent, token_ids[start : start + block_size], extra_keys if start == 0 else ())
-            hashes.append(parent)
+        hashes: list[BlockHash] = []
+        self.extend_hashes(hashes, token_ids, extra_keys)
         return hashes
 
 

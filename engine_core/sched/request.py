@@ -132,20 +132,10 @@ class Request:
             self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
-        hasher = self._block_hasher
-        if hasher is None:
-            return
-        block_size = hasher.block_size
-        tokens = self.all_token_ids
-        num_hashed = len(self.block_hashes)
-        while (num_hashed + 1) * block_size <= len(tokens):
-            start = num_hashed * block_size
-            parent = self.block_hashes[-1] if num_hashed else None
-            extra_keys = first_block_extra_keys(self.cache_salt) if num_hashed == 0 else ()
-            self.block_hashes.append(
-                BlockHash(hasher.hash_block(parent, tokens[start : start + block_size], extra_keys))
+        if self._block_hasher is not None:
+            self._block_hasher.extend_hashes(
+                self.block_hashes, self.all_token_ids, first_block_extra_keys(self.cache_salt)
             )
-            num_hashed += 1
 
     def __lt__(self, other: "Request") -> bool:
         """Priority order: lower priority value first, then earlier arrival, then the handle."""
