@@ -12,6 +12,7 @@ from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
 from worker.distributed import single_rank_group
+from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner
 from worker.models.reference import reference_generate
@@ -231,3 +232,22 @@ def test_unseeded_draws_differ_between_requests_but_not_between_ranks() -> None:
 
     assert draws(0, 1) == draws(0, 1)
     assert draws(0, 1) != draws(0, 2)
+
+
+def test_input_batch_grows_past_its_first_rows_and_compacts_on_removal() -> None:
+    batch = InputBatch(max_model_len=8, block_sizes=[4, 4])
+    for req_id in range(40):
+        row = batch.add_request(
+            req_id, np.array([req_id, req_id + 1]), GREEDY, ([req_id + 1], [req_id + 2])
+        )
+        assert row == req_id
+    for req_id in range(0, 40, 2):
+        parked = batch.remove_request(req_id)
+        assert parked.token_ids.tolist() == [req_id, req_id + 1]
+        batch.check_invariants()
+    assert batch.num_reqs == 20 and sorted(batch.req_id_to_row.values()) == list(range(20))
+    for req_id, row in batch.req_id_to_row.items():
+        assert batch.token_ids[row, :2].tolist() == [req_id, req_id + 1]
+        assert batch.block_table[1].row(row).tolist() == [req_id + 2]
+    with pytest.raises(ValueError, match="would hold 9 tokens, more than max_model_len=8"):
+        batch.append_token_ids(0, np.arange(7))
