@@ -2,6 +2,7 @@
 
 Names: `checksum`, `tiny-llama` and `tiny-llama-hybrid` (full plus sliding-window layers, two
 KV-cache groups). kv_cache_groups report the whole model's num_kv_heads, before TP sharding.
+tiny-llama's cached values are exact in float32 and float64; float16 and bfloat16 round them.
 """
 
 from typing import Protocol
