@@ -1,9 +1,8 @@
 """Per-step round trip of the engine-worker transport against the raw ZeroMQ floor.
 
-Measures a 1-byte ROUTER/DEALER ping-pong over ipc (the floor), then the engine's real broadcast
-and gather (`WorkerGroup.execute_model`) of encoded SchedulerOutputs to 1 and 2 rank processes that
-decode each step and reply, for a 256-request decode step and an 8 x 2,048-token prefill step. Also
-the in-process encode + decode time of each step. Run: python -m bench.transport [--json FILE]
+A 1-byte ROUTER/DEALER ping-pong over ipc (the floor), interleaved with the engine's real broadcast
+and gather (`WorkerGroup.execute_model`) of a 256-request decode step and an 8 x 2,048-token prefill
+to 1 and 2 rank processes, plus each step's encode + decode time. python -m bench.transport
 """
 
 import multiprocessing
@@ -19,7 +18,7 @@ import zmq
 from bench.report import base_parser, report
 from engine_core.worker_group import WorkerGroup
 from protocol import PROTOCOL_VERSION
-from protocol.buffers import pack_int32, unpack_int32
+from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from protocol.sampling import SamplingParams
@@ -43,6 +42,7 @@ STEP_TIMEOUT_S = 10.0
 RANK_IDLE_TIMEOUT_MS = 60_000
 GROUPS = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(BLOCK_SIZE, 2, 8, "float32"))]
 MODEL_INFO = ModelInfo("transport-bench", 512, None, 4096, GROUPS)
+SAMPLED_TOKEN = pack_int32([7])
 TARGETS = {"ratio_tp1_max": 1.5, "ratio_tp2_max": 3.0, "decode_encode_decode_us_max": 25.0}
 
 
@@ -89,12 +89,15 @@ def prefill_step(step_id: int) -> SchedulerOutput:
 
 
 def reply_for(step: SchedulerOutput, rank: int) -> ModelRunnerOutput:
-    """What a rank sends back: one token per scheduled request, in SchedulerOutput order."""
-    handles = [req.req_id for req in step.scheduled_new_reqs]
-    handles.extend(unpack_int32(step.scheduled_cached_reqs.req_ids))
-    return ModelRunnerOutput(
-        step.step_id, rank, pack_int32(handles), pack_int32([7] * len(handles))
-    )
+    """What a rank sends back: one token per scheduled request, in SchedulerOutput order.
+
+    Built the way a worker holds it: the handles as the int32 bytes they arrived in, the sampled
+    tokens as one int32 buffer.
+    """
+    new_handles = pack_int32(req.req_id for req in step.scheduled_new_reqs)
+    handles = new_handles + step.scheduled_cached_reqs.req_ids
+    sampled = SAMPLED_TOKEN * (len(handles) // 4)
+    return ModelRunnerOutput(step.step_id, rank, handles, sampled)
 
 
 def rank_main(address: str, rank: int, tp_size: int) -> None:
@@ -153,58 +156,66 @@ def recv_within(sock: zmq.Socket, timeout_s: float, what: str) -> list[bytes]:
     return sock.recv_multipart()
 
 
-def measure_floor(ctx: zmq.Context, folder: str, num_iters: int) -> float:
-    """Median 1-byte ROUTER/DEALER round trip to another process over ipc, in µs."""
-    address = f"ipc://{folder}/pingpong"
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(address)
-    proc = multiprocessing.get_context("spawn").Process(target=pong_main, args=(address,))
-    proc.start()
-    identity, _ = recv_within(router, HANDSHAKE_TIMEOUT_S, "hello from the pong process")
-    samples = []
-    for _ in range(num_iters):
-        start = time.perf_counter()
-        router.send_multipart((identity, b"x"))
-        recv_within(router, STEP_TIMEOUT_S, "pong")
-        samples.append(time.perf_counter() - start)
-    router.send_multipart((identity, b"q"))
-    proc.join(STEP_TIMEOUT_S)
-    router.close(linger=0)
-    return median_us(samples)
+class PingPong:
+    """A 1-byte ROUTER/DEALER round trip to another process over ipc: the ZMQ floor."""
+
+    def __init__(self, ctx: zmq.Context, folder: str) -> None:
+        address = f"ipc://{folder}/pingpong"
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(address)
+        self.proc = multiprocessing.get_context("spawn").Process(target=pong_main, args=(address,))
+        self.proc.start()
+        self.identity, _ = recv_within(self.router, HANDSHAKE_TIMEOUT_S, "hello from pong")
+
+    def sample(self, num_iters: int) -> list[float]:
+        samples = []
+        for _ in range(num_iters):
+            start = time.perf_counter()
+            self.router.send_multipart((self.identity, b"x"))
+            recv_within(self.router, STEP_TIMEOUT_S, "pong")
+            samples.append(time.perf_counter() - start)
+        return samples
+
+    def close(self) -> None:
+        self.router.send_multipart((self.identity, b"q"))
+        self.proc.join(STEP_TIMEOUT_S)
+        self.router.close(linger=0)
 
 
-def measure_steps(
-    ctx: zmq.Context,
-    folder: str,
-    tp_size: int,
-    make_step: Callable[[int], SchedulerOutput],
-    num_iters: int,
-) -> float:
-    """Median broadcast + gather of one step through WorkerGroup to `tp_size` rank processes."""
-    address = f"ipc://{folder}/workers-{tp_size}-{make_step.__name__}"
-    group = WorkerGroup(ctx, address, tp_size, STEP_TIMEOUT_S, 1.0, 10.0)
-    spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=rank_main, args=(address, r, tp_size)) for r in range(tp_size)]
-    for proc in procs:
-        proc.start()
-    try:
+class RankGroup:
+    """`tp_size` rank processes behind the engine's real WorkerGroup, ready for steps."""
+
+    def __init__(self, ctx: zmq.Context, folder: str, tp_size: int) -> None:
+        address = f"ipc://{folder}/workers-{tp_size}"
+        self.group = WorkerGroup(ctx, address, tp_size, STEP_TIMEOUT_S, 1.0, 10.0)
+        spawn = multiprocessing.get_context("spawn")
+        self.procs = [
+            spawn.Process(target=rank_main, args=(address, r, tp_size)) for r in range(tp_size)
+        ]
+        for proc in self.procs:
+            proc.start()
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        group.wait_for_hellos(deadline)
-        group.send_kv_cache_config(KVCacheConfig(1 << 16, GROUPS))
-        group.wait_for_ready(1 << 16, deadline)
-        steps = [make_step(i + 1) for i in range(num_iters)]  # built ahead: not part of the trip
+        self.group.wait_for_hellos(deadline)
+        self.group.send_kv_cache_config(KVCacheConfig(1 << 16, GROUPS))
+        self.group.wait_for_ready(1 << 16, deadline)
+
+    def sample(self, make_step: Callable[[int], SchedulerOutput], num_iters: int) -> list[float]:
+        """Broadcast + gather times of `num_iters` steps, built ahead (not part of the trip)."""
+        first_id = self.group.last_step_id + 1
+        steps = [make_step(first_id + i) for i in range(num_iters)]
         samples = []
         for step in steps:
             start = time.perf_counter()
-            group.execute_model(step)
+            self.group.execute_model(step)
             samples.append(time.perf_counter() - start)
-    finally:
-        group.shutdown("benchmark done")
-        for proc in procs:
+        return samples
+
+    def close(self) -> None:
+        self.group.shutdown("benchmark done")
+        for proc in self.procs:
             proc.join(STEP_TIMEOUT_S)
-        group.close()
-    return median_us(samples)
+        self.group.close()
 
 
 def measure_codec(make_step: Callable[[int], SchedulerOutput], num_iters: int) -> float:
@@ -219,22 +230,45 @@ def measure_codec(make_step: Callable[[int], SchedulerOutput], num_iters: int) -
     return median_us(samples)
 
 
-def run(num_iters: int) -> dict[str, float | int | str]:
-    figures: dict[str, float | int | str] = {}
+STEP_KINDS = {"decode_256": decode_step, "prefill_8x2048": prefill_step}
+
+
+def run(num_iters: int, num_rounds: int) -> dict[str, float | int | str]:
+    """Alternate short batches of every figure over `num_rounds`, so that load from other
+    processes falls on the floor and on the steps alike; medians over all samples."""
     ctx = zmq.Context()
+    samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as folder:
-        floor_us = measure_floor(ctx, folder, num_iters)
-        figures["pingpong_1byte_us"] = floor_us
-        for name, make_step in (("decode_256", decode_step), ("prefill_8x2048", prefill_step)):
-            codec_iters = num_iters if name == "decode_256" else max(10, num_iters // 10)
-            figures[f"{name}_encode_decode_us"] = measure_codec(make_step, codec_iters)
-            figures[f"{name}_frame_bytes"] = len(make_encoder().encode(make_step(1)))
-            for tp_size in (1, 2):
-                iters = num_iters if name == "decode_256" else max(20, num_iters // 10)
-                step_us = measure_steps(ctx, folder, tp_size, make_step, iters)
-                figures[f"{name}_tp{tp_size}_us_per_step"] = step_us
-                figures[f"ratio_{name}_tp{tp_size}_to_floor"] = step_us / floor_us
+        floor = PingPong(ctx, folder)
+        groups = {tp_size: RankGroup(ctx, folder, tp_size) for tp_size in (1, 2)}
+        try:
+            for _ in range(num_rounds):
+                batch = max(1, num_iters // num_rounds)
+                samples.setdefault("pingpong", []).extend(floor.sample(batch))
+                for name, make_step in STEP_KINDS.items():
+                    steps = batch if name == "decode_256" else max(1, batch // 4)
+                    for tp_size, group in groups.items():
+                        key = f"{name}_tp{tp_size}"
+                        samples.setdefault(key, []).extend(group.sample(make_step, steps))
+        finally:
+            floor.close()
+            for group in groups.values():
+                group.close()
     ctx.term()
+    return figures_from(samples, num_iters)
+
+
+def figures_from(samples: dict[str, list[float]], num_iters: int) -> dict[str, float | int | str]:
+    floor_us = median_us(samples["pingpong"])
+    figures: dict[str, float | int | str] = {"pingpong_1byte_us": floor_us}
+    for name, make_step in STEP_KINDS.items():
+        codec_iters = num_iters if name == "decode_256" else max(10, num_iters // 10)
+        figures[f"{name}_encode_decode_us"] = measure_codec(make_step, codec_iters)
+        figures[f"{name}_frame_bytes"] = len(make_encoder().encode(make_step(1)))
+        for tp_size in (1, 2):
+            step_us = median_us(samples[f"{name}_tp{tp_size}"])
+            figures[f"{name}_tp{tp_size}_us_per_step"] = step_us
+            figures[f"ratio_{name}_tp{tp_size}_to_floor"] = step_us / floor_us
     return figures
 
 
@@ -255,9 +289,9 @@ def verdicts(figures: dict[str, float | int | str]) -> dict[str, str]:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=2000, help="round trips per figure (median)")
+    parser.add_argument("--iters", type=int, default=2000, help="decode round trips per figure")
     args = parser.parse_args()
-    figures = run(args.iters)
+    figures = run(args.iters, num_rounds=max(1, args.repeats) * 4)
     figures.update(verdicts(figures))
     report("engine-worker transport (µs are medians per step)", figures, args.json)
 

@@ -193,15 +193,18 @@ class WorkerGroup:
                     f"no reply to step {step_id} from rank(s) {missing} in {self.step_timeout_s} s"
                 )
             events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
-            if self.sock in events:
-                num_pending -= self._drain_replies(step_id, outputs)
             if len(events) > (self.sock in events):
                 self._check_side_events(events)
+            if self.sock in events:
+                num_pending -= self._drain_replies(step_id, outputs, num_pending)
         return outputs  # type: ignore[return-value]  # no None left
 
-    def _drain_replies(self, step_id: int, outputs: list[ModelRunnerOutput | None]) -> int:
+    def _drain_replies(
+        self, step_id: int, outputs: list[ModelRunnerOutput | None], num_pending: int
+    ) -> int:
+        """Read the replies that arrived, stopping once none is pending (no needless recv)."""
         num_received = 0
-        while True:
+        while num_received < num_pending:
             try:
                 identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -222,6 +225,7 @@ class WorkerGroup:
                         f"rank {rank} sent {describe_message(other)} "
                         f"while step {step_id} was awaited"
                     )
+        return num_received
 
     def check_idle_events(self) -> None:
         """Between steps: raise if a rank died, disconnected or spoke out of turn."""
