@@ -1,9 +1,8 @@
 """ScriptedScheduler: a small stand-in for the engine's scheduler that drives ModelRunners directly.
 
-It emits SchedulerOutputs as the wire contract describes them (new, cached, resumed, finished and
-preempted requests; chunked prefill; prefix caching with same-step sharing; sliding-window blocks
-nulled and reused) from its own tiny block pool, so the worker can be tested and benchmarked
-without the engine. It imports nothing from engine_core and is not the engine's scheduler.
+It emits SchedulerOutputs per the wire contract (new, cached, resumed, finished, preempted; chunked
+prefill; prefix hits with same-step sharing; sliding-window blocks nulled and reused) from its own
+tiny block pool, so workers are tested and benchmarked without the engine (imports no engine_core).
 """
 
 from collections import deque

@@ -65,6 +65,8 @@ class Sampler:
             device=device,
         )
         shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
+        # kernels may differ by an ulp in exp; rounding to the grid hides it unless a value lies
+        # within an ulp of a grid midpoint (about 1e-11 per value)
         probs = quantize(torch.exp(shifted), PROB_FRAC_BITS, 1)  # [S, V]; the max entry is 1
         cumulative = torch.cumsum(probs, dim=-1)  # exact on the grid
         draws = torch.tensor(

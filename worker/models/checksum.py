@@ -1,9 +1,8 @@
 """checksum: a cheap fake model in exact integer arithmetic that reads the real paged KV cache.
 
-Token rule: each layer writes K and V values derived from (token, position, layer, head, dim) into
-the token's slot. For each sampled request it reads its whole context back through the block table,
-sums the values weighted by position over this rank's heads, all-reduces the sum, and mixes it into
-pseudo-random logits. A wrong block table, slot mapping or prefix hit changes the sum.
+Token rule: each layer writes values of (token, position, layer, head, dim) into the token's slot;
+each sampled request reads its whole context back through the block table, sums it weighted by
+position over this rank's heads, all-reduces the sum and mixes it into pseudo-random logits.
 """
 
 from dataclasses import dataclass

@@ -1,9 +1,8 @@
 """Fixed-point arithmetic that makes tiny-llama's tokens exact for any shape, chunking and TP size.
 
-Every activation lives on a grid (a multiple of 2**-ACT_FRAC_BITS, |x| < 2**ACT_INT_BITS) and every
-weight on a coarser one, held in float64. A product of two grid values then needs at most 53 bits,
-so every matmul and every all-reduce sum is exact whatever the summation order, blocking or kernel.
-Nonlinear steps only use correctly rounded IEEE operations or tables built once with `math`.
+Activations are multiples of 2**-12 below 64, weights multiples of 2**-10 below 2, held in float64:
+every matmul and all-reduce sum then fits 53 bits and is exact in any order, blocking or kernel.
+Nonlinear steps use only correctly rounded IEEE operations, or tables built once with `math`.
 """
 
 import math

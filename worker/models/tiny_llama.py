@@ -1,9 +1,8 @@
 """tiny-llama: a small real decoder over the paged KV cache (RMSNorm, rotary, GQA, gated MLP).
 
-Weights are seeded and deterministic. Heads and MLP columns are sharded over TP ranks, with an
-all-reduce after attention and after the MLP. All arithmetic is fixed point (models/fixed_point.py),
-so tokens are bit-identical for any TP size, chunking, batch or block size. Optional sliding-window
-layers make the hybrid model, with a second KV-cache group.
+Seeded weights; heads and MLP columns sharded over TP ranks, all-reduced after attention and MLP.
+Fixed-point arithmetic (models/fixed_point.py) makes tokens bit-identical for any TP size, chunking,
+batch or block size. Optional sliding-window layers make the hybrid, with a second KV-cache group.
 """
 
 from dataclasses import dataclass
