@@ -16,6 +16,7 @@ import zmq
 from engine_core.core import EngineCore
 from engine_core.handshake import HandshakeError
 from engine_core.kv_cache.spec import bytes_per_block, plan_kv_cache
+from engine_core.metrics import EngineMetrics, MetricsServer
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
     AbortRequests,
@@ -33,6 +34,7 @@ from protocol.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
+METRICS_UPDATE_S = 0.5  # how often the gauges follow the scheduler's stats
 IDLE_POLL_MS = 100  # how long an idle loop sleeps in poll; client input wakes it at once
 CLIENT_LINGER_MS = 2000  # time given to final outputs to reach their clients at exit
 MALFORMED_REQ_ID = "<malformed>"  # names a rejected frame that carried no readable req_id
@@ -82,9 +84,15 @@ class EngineServer:
     """
 
     def __init__(
-        self, config: EngineConfig, core: EngineCore, clients: zmq.Socket, workers: WorkerGroup
+        self,
+        config: EngineConfig,
+        core: EngineCore,
+        clients: zmq.Socket,
+        workers: WorkerGroup,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.core = core
         self.clients = clients
         self.workers = workers
@@ -96,7 +104,7 @@ class EngineServer:
         self._worker_items = {workers.sock, workers.monitor, *workers.sentinels}
         for item in self._worker_items:
             self._poller.register(item, zmq.POLLIN)
-        self._utilities: dict[str, Callable[[], UtilityResult]] = {}
+        self._next_metrics_time = 0.0
         self._next_stats_time = time.monotonic() + config.log_stats_interval_s
         self._num_steps = self._num_steps_logged = 0
 
@@ -124,11 +132,19 @@ class EngineServer:
         if any(item in events for item in self._worker_items):
             self.workers.check_idle_events()
         if has_work or self._has_work():
+            start = time.perf_counter()
             outputs = self.core.step()
             self._num_steps += 1
             self._send_outputs(outputs)
-        if time.monotonic() >= self._next_stats_time:
+            if self.metrics is not None:
+                self.metrics.step_time.observe(time.perf_counter() - start)
+                self.metrics.on_outputs(outputs)
+        now = time.monotonic()
+        if now >= self._next_stats_time:
             self._log_stats()
+        if self.metrics is not None and now >= self._next_metrics_time:
+            self._next_metrics_time = now + METRICS_UPDATE_S
+            self.metrics.on_stats(self.core.get_stats())
 
     def _log_stats(self) -> None:
         """One INFO line every log_stats_interval_s, only while the engine is doing something."""
@@ -153,6 +169,8 @@ class EngineServer:
         return core.has_unfinished_requests() or core.scheduler.has_finished_requests()
 
     def _fail(self, error: str) -> int:
+        if self.metrics is not None:
+            self.metrics.is_healthy = False
         logger.error("%s; failing every request and stopping the workers", error)
         self._send_outputs(self.core.fail_all(error))
         self.workers.shutdown(error, is_failure=True)
@@ -182,6 +200,8 @@ class EngineServer:
                 rejection = self.core.add_request(message, identity)
                 if rejection is not None:
                     self._send(identity, rejection)
+                elif self.metrics is not None:
+                    self.metrics.on_request(message.req_id)
             case AbortRequests():
                 self._send_outputs(self.core.abort_requests(message.req_ids))
             case UtilityCall():
@@ -261,15 +281,23 @@ def run(config: EngineConfig) -> int:
         config.tp_size,
         config.worker_address,
     )
+    metrics = EngineMetrics() if config.metrics_port is not None else None
+    http = MetricsServer(metrics, config.metrics_port) if metrics is not None else None
     try:
-        return _start_and_serve(config, clients, workers)
+        return _start_and_serve(config, clients, workers, metrics)
     finally:
+        if metrics is not None:
+            metrics.is_healthy = False
+        if http is not None:
+            http.close()
         workers.close()
         clients.close()
         ctx.term()
 
 
-def _start_and_serve(config: EngineConfig, clients: zmq.Socket, workers: WorkerGroup) -> int:
+def _start_and_serve(
+    config: EngineConfig, clients: zmq.Socket, workers: WorkerGroup, metrics: EngineMetrics | None
+) -> int:
     server: EngineServer | None = None
 
     def request_stop(signum: int, frame: object) -> None:
@@ -289,5 +317,7 @@ def _start_and_serve(config: EngineConfig, clients: zmq.Socket, workers: WorkerG
     except KeyboardInterrupt:
         workers.shutdown("the engine was stopped during startup")
         return EXIT_OK
-    server = EngineServer(config, core, clients, workers)
+    server = EngineServer(config, core, clients, workers, metrics)
+    if metrics is not None:
+        metrics.is_healthy = True
     return server.serve()

@@ -5,12 +5,14 @@ hybrid sliding-window model, and ranks whose capacities differ.
 
 import random
 import re
+import urllib.error
+import urllib.request
 
 import pytest
 
 from engine_core.client import EngineClient, make_request
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, launch, stop_launch
+from tests.integration.conftest import Processes, free_tcp_port, launch, stop_launch, wait_for
 from worker.models.reference import reference_generate
 
 pytestmark = pytest.mark.integration
@@ -158,3 +160,46 @@ def test_ranks_with_different_capacities_agree_on_the_minimum(
     processes.procs["core"].terminate()
     for name in ("core", "worker-0", "worker-1"):
         assert processes.wait_exit(name, 30) == 0, processes.log(name)[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_metrics_and_health_endpoints(processes: Processes, addresses: dict) -> None:
+    port = free_tcp_port()
+    launch(processes, addresses, 1, "checksum", "--metrics-port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        serve_and_check(
+            client, "checksum", chat_prompts(4, 32, 3, seed=5), SamplingParams(max_tokens=5)
+        )
+        assert http_get(f"{base}/health") == (200, "ok\n")
+        wait_for(
+            lambda: (
+                "vllm:prefix_cache_hits_total" in http_get(f"{base}/metrics")[1]
+                and _sample(http_get(f"{base}/metrics")[1], "vllm:prefix_cache_hits_total") > 0
+            ),
+            10,
+            "the prefix-cache counters",
+        )
+    text = http_get(f"{base}/metrics")[1]
+    assert _sample(text, "vllm:time_to_first_token_seconds_count") == 4
+    assert _sample(text, "vllm:inter_token_latency_seconds_count") == 4 * 4
+    wait_for(
+        lambda: _sample(http_get(f"{base}/metrics")[1], "vllm:num_requests_running") == 0,
+        5,
+        "the running gauge to reach 0",
+    )
+    stop_launch(processes)
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _sample(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
