@@ -94,7 +94,15 @@ def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> 
                 raise UsageError(
                     f"${field.upper()} {extra[field]!r}: expected an integer"
                 ) from None
-    return build_config(args, WORKER_FLAGS, WorkerConfig, **extra)
+    return check_model_name(build_config(args, WORKER_FLAGS, WorkerConfig, **extra))
+
+
+def check_model_name(config: WorkerConfig) -> WorkerConfig:
+    from worker.models.registry import MODEL_NAMES
+
+    if config.model not in MODEL_NAMES:
+        raise UsageError(f"--model {config.model}: expected one of {list(MODEL_NAMES)}")
+    return config
 
 
 def core_parser() -> argparse.ArgumentParser:

@@ -43,12 +43,12 @@ def add_subcommands(commands: argparse._SubParsersAction) -> None:
 
 
 def launch_command(args: argparse.Namespace) -> int:
-    from deploy.cli import LAUNCH_WORKER_FLAGS, engine_config_from
+    from deploy.cli import LAUNCH_WORKER_FLAGS, check_model_name, engine_config_from
     from deploy.launch import run_launch
     from deploy.logs import setup_logging
 
     engine_config = engine_config_from(args)
-    base_worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig)
+    base_worker = check_model_name(build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig))
     if engine_config.cache.kv_cache_memory_bytes is None and base_worker.device == "cpu":
         raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
     setup_logging("launcher", args.log_level)

@@ -129,6 +129,15 @@ def test_bad_torchrun_environment_is_a_usage_error() -> None:
         worker_config("--rank", "-1")
 
 
+def test_unknown_model_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["launch", "--model", "gpt-9", "--kv-cache-memory-bytes", "1000"])
+    assert exited.value.code == 2
+    assert "--model gpt-9: expected one of ['checksum'" in capsys.readouterr().err
+
+
 def test_launch_gives_every_rank_the_engine_settings() -> None:
     engine = engine_config(
         "-tp",
