@@ -11,10 +11,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine_core.client import EngineClient, make_request
+from engine_core.client import EngineClient, RequestResult, make_request
 from protocol.sampling import SamplingParams
 
 DEFAULT_CLIENT_ADDRESS = "ipc:///tmp/kvserve-client.sock"
+POLL_S = 0.25  # progress bar refresh
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -32,64 +33,84 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def bench_command(args: argparse.Namespace) -> int:
+    check_bench_args(args)
+    console = Console()
+    with EngineClient(args.address, timeout_s=args.timeout_s) as client:
+        start = time.monotonic()
+        req_ids = submit_prompts(client, args)
+        wait_with_progress(client, req_ids, console, start + args.timeout_s)
+        elapsed_s = time.monotonic() - start
+        stats = client.get_stats()
+        results = [client.result(req_id) for req_id in req_ids]
+    console.print(results_table(results, stats, elapsed_s))
+    return 0 if all(result.error is None for result in results) else 1
+
+
+def check_bench_args(args: argparse.Namespace) -> None:
     from deploy.flags import UsageError
 
     for name in ("num_requests", "prompt_len", "max_tokens", "vocab_size"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} {getattr(args, name)}: expected at least 1")
+
+
+def submit_prompts(client: EngineClient, args: argparse.Namespace) -> list[str]:
+    """Random prompts that share their first `shared_prefix_len` tokens; their req_ids."""
     rng = random.Random(0)
-    prefix = [
-        rng.randrange(3, args.vocab_size)
-        for _ in range(min(args.shared_prefix_len, args.prompt_len))
-    ]
-    console = Console()
-    with EngineClient(args.address, timeout_s=args.timeout_s) as client:
-        start = time.monotonic()
-        req_ids = []
-        for i in range(args.num_requests):
-            tail = [rng.randrange(3, args.vocab_size) for _ in range(args.prompt_len - len(prefix))]
-            req_id = f"bench-{i}"
-            client.add_request(
-                make_request(
-                    req_id,
-                    prefix + tail,
-                    SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
-                )
-            )
-            req_ids.append(req_id)
-        with Progress(console=console) as progress:
-            task = progress.add_task("requests", total=len(req_ids))
-            num_done = 0
-            while num_done < len(req_ids):
-                client.poll_outputs(0.25)
-                now_done = sum(client.result(r).is_finished for r in req_ids)
-                progress.advance(task, now_done - num_done)
-                num_done = now_done
-                if time.monotonic() - start > args.timeout_s:
-                    raise TimeoutError(f"bench unfinished after {args.timeout_s} s")
-        elapsed_s = time.monotonic() - start
-        stats = client.get_stats()
-    results = [client.result(r) for r in req_ids]
-    ttfts = sorted(
-        1000 * (r.first_token_time - r.submit_time) for r in results if r.first_token_time
+    prefix_len = min(args.shared_prefix_len, args.prompt_len)
+    prefix = [rng.randrange(3, args.vocab_size) for _ in range(prefix_len)]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    req_ids = []
+    for i in range(args.num_requests):
+        tail = [rng.randrange(3, args.vocab_size) for _ in range(args.prompt_len - prefix_len)]
+        req_ids.append(f"bench-{i}")
+        client.add_request(make_request(req_ids[-1], prefix + tail, params))
+    return req_ids
+
+
+def wait_with_progress(
+    client: EngineClient, req_ids: list[str], console: Console, deadline: float
+) -> None:
+    with Progress(console=console) as progress:
+        task = progress.add_task("requests", total=len(req_ids))
+        num_done = 0
+        while num_done < len(req_ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(req_ids) - num_done} requests unfinished at the deadline")
+            client.poll_outputs(POLL_S)
+            now_done = sum(client.result(req_id).is_finished for req_id in req_ids)
+            progress.advance(task, now_done - num_done)
+            num_done = now_done
+
+
+def results_table(results: list[RequestResult], stats: dict, elapsed_s: float) -> Table:
+    ttfts_ms = sorted(
+        1000 * (r.first_token_time - r.submit_time)
+        for r in results
+        if r.first_token_time is not None
     )
     queries = stats.get("prefix_cache_queries", 0) or 0
+    num_tokens = sum(len(result.token_ids) for result in results)
+    rows = [
+        ("requests", str(len(results))),
+        ("errors", str(sum(result.error is not None for result in results))),
+        ("output tokens / s", f"{num_tokens / elapsed_s:.1f}"),
+        ("TTFT p50 (ms)", f"{statistics.median(ttfts_ms):.1f}" if ttfts_ms else "-"),
+        ("TTFT p99 (ms)", f"{percentile(ttfts_ms, 0.99):.1f}" if ttfts_ms else "-"),
+        (
+            "prefix-cache hit rate",
+            f"{100 * stats.get('prefix_cache_hits', 0) / queries:.1f}%" if queries else "-",
+        ),
+        ("preemptions", str(stats.get("num_preemptions", 0))),
+    ]
     table = Table(title="kvserve bench")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("requests", str(len(results)))
-    table.add_row("errors", str(sum(r.error is not None for r in results)))
-    table.add_row("output tokens / s", f"{sum(len(r.token_ids) for r in results) / elapsed_s:.1f}")
-    table.add_row("TTFT p50 (ms)", f"{statistics.median(ttfts):.1f}" if ttfts else "-")
-    table.add_row(
-        "TTFT p99 (ms)",
-        f"{ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]:.1f}" if ttfts else "-",
-    )
-    table.add_row(
-        "prefix-cache hit rate",
-        f"{100 * stats.get('prefix_cache_hits', 0) / queries:.1f}%" if queries else "-",
-    )
-    table.add_row("preemptions", str(stats.get("num_preemptions", 0)))
-    console.print(table)
-    return 0 if all(r.error is None for r in results) else 1
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]

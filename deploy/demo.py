@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from deploy.bench_cmd import percentile
 from deploy.launch import Deployment, free_tcp_port, worker_configs
 from engine_core.client import EngineClient, RequestResult, make_request
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
@@ -51,7 +52,10 @@ def demo_configs(settings: DemoSettings, folder: str) -> tuple[EngineConfig, lis
 
 
 class Workload:
-    """Conversations that grow turn by turn: system prompt, then user and assistant tokens."""
+    """Conversations that grow turn by turn: system prompt, then user and assistant tokens.
+
+    Invariants: every history starts with one of the system prompts and only grows.
+    """
 
     def __init__(self, settings: DemoSettings) -> None:
         self.settings = settings
@@ -75,6 +79,11 @@ class Workload:
     def add_replies(self, replies: list[list[int]]) -> None:
         for history, reply in zip(self.histories, replies, strict=True):
             history.extend(reply)
+
+    def check_invariants(self) -> None:
+        prefix_len = self.settings.system_prompt_len
+        for index, history in enumerate(self.histories):
+            assert len(history) >= prefix_len, f"conversation {index} lost its system prompt"
 
 
 def run_workload(
@@ -130,7 +139,7 @@ def results_table(
         ("requests", str(len(done))),
         ("output tokens / s", f"{num_tokens / elapsed_s:.1f}"),
         ("TTFT p50 (ms)", f"{statistics.median(ttfts_ms):.1f}" if ttfts_ms else "-"),
-        ("TTFT p99 (ms)", f"{_percentile(ttfts_ms, 0.99):.1f}" if ttfts_ms else "-"),
+        ("TTFT p99 (ms)", f"{percentile(ttfts_ms, 0.99):.1f}" if ttfts_ms else "-"),
         ("prefix-cache hit rate", f"{100 * hit_rate:.1f}%"),
         ("preemptions", str(stats.get("num_preemptions", 0))),
         ("peak KV usage", f"{100 * peak_usage:.1f}%"),
@@ -138,10 +147,6 @@ def results_table(
     for name, value in rows:
         table.add_row(name, value)
     return table
-
-
-def _percentile(sorted_values: list[float], fraction: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
 
 
 def check_against_reference(

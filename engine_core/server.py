@@ -80,7 +80,8 @@ class EngineServer:
     """The step loop and the client socket of a started engine.
 
     Invariants: every client output goes to the identity that submitted the request; the loop
-    steps only while the core has work, and otherwise sleeps in poll at most IDLE_POLL_MS.
+    steps only while the core has work, and otherwise sleeps in poll at most IDLE_POLL_MS; the
+    stats line never reports more steps than were run.
     """
 
     def __init__(
@@ -136,6 +137,8 @@ class EngineServer:
             outputs = self.core.step()
             self._num_steps += 1
             self._send_outputs(outputs)
+            if self.config.check_invariants:
+                self.workers.check_invariants()
             if self.metrics is not None:
                 self.metrics.step_time.observe(time.perf_counter() - start)
                 self.metrics.on_outputs(outputs)
@@ -249,6 +252,14 @@ class EngineServer:
         stats["tp_size"] = self.config.tp_size
         stats["num_engine_steps"] = self._num_steps
         return stats
+
+    def check_invariants(self) -> None:
+        """The core's and the worker group's invariants, and the loop's own counters."""
+        assert 0 <= self._num_steps_logged <= self._num_steps, (
+            f"logged step {self._num_steps_logged} is ahead of step {self._num_steps}"
+        )
+        self.workers.check_invariants()
+        self.core.check_invariants()
 
     def _send_outputs(self, outputs: dict[bytes, EngineCoreOutputs]) -> None:
         for identity, client_outputs in outputs.items():

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 
+import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -20,6 +21,7 @@ from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import (
     EngineToWorker,
+    ModelInfo,
     SchedulerOutput,
     Shutdown,
     WorkerFailed,
@@ -65,8 +67,21 @@ class Worker:
 
     def run(self) -> int:
         """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
+        device = resolve_device(self.config.device, self.config.rank)
+        model_info = self.say_hello(device)
+        deadline = time.monotonic() + self.config.engine_timeout_s
+        match self.recv(deadline, "a KVCacheConfig"):
+            case KVCacheConfig() as kv_cache_config:
+                self.allocate(kv_cache_config, model_info, device)
+            case Shutdown() as shutdown:
+                return self.stop(shutdown)
+            case other:
+                raise ProtocolError(f"expected KVCacheConfig, got {type(other).__name__}")
+        return self.serve()
+
+    def say_hello(self, device: torch.device) -> ModelInfo:
+        """Form the TP group, measure capacity, send WorkerHello; the model's info."""
         config = self.config
-        device = resolve_device(config.device, config.rank)
         # the TP group forms before WorkerHello (DESIGN.md §6), so a missing peer fails here
         self.tp_group = init_tp_group(
             config.rank,
@@ -95,23 +110,22 @@ class Worker:
             num_blocks,
         )
         self.sock.send(self.encoder.encode(hello))
-        deadline = time.monotonic() + config.engine_timeout_s
-        match self.recv(deadline, "a KVCacheConfig"):
-            case KVCacheConfig() as kv_cache_config:
-                if kv_cache_config.kv_cache_groups != model_info.kv_cache_groups:
-                    raise ProtocolError(
-                        f"rank {config.rank} got KV-cache groups that differ "
-                        f"from its model {config.model}'s"
-                    )
-                self.runner = build_model_runner(config, kv_cache_config, self.tp_group, device)
-                ready = WorkerReady(config.rank, kv_cache_config.num_blocks)
-                self.sock.send(self.encoder.encode(ready))
-                logger.info("ready: %d blocks per layer", kv_cache_config.num_blocks)
-            case Shutdown() as shutdown:
-                return self.stop(shutdown)
-            case other:
-                raise ProtocolError(f"expected KVCacheConfig, got {type(other).__name__}")
-        return self.serve()
+        return model_info
+
+    def allocate(
+        self, kv_cache_config: KVCacheConfig, model_info: ModelInfo, device: torch.device
+    ) -> None:
+        """Allocate exactly the agreed num_blocks, build the runner, say WorkerReady."""
+        if kv_cache_config.kv_cache_groups != model_info.kv_cache_groups:
+            raise ProtocolError(
+                f"rank {self.config.rank} got KV-cache groups that differ "
+                f"from its model {self.config.model}'s"
+            )
+        assert self.tp_group is not None, "allocate before the TP group formed"
+        self.runner = build_model_runner(self.config, kv_cache_config, self.tp_group, device)
+        ready = WorkerReady(self.config.rank, kv_cache_config.num_blocks)
+        self.sock.send(self.encoder.encode(ready))
+        logger.info("ready: %d blocks per layer", kv_cache_config.num_blocks)
 
     def serve(self) -> int:
         while True:

@@ -203,3 +203,22 @@ def _sample(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_bench_stats_and_reset_commands_talk_to_a_running_engine(
+    processes: Processes, addresses: dict
+) -> None:
+    launch(processes, addresses, 2, "checksum")
+    address = ["--address", addresses["client"]]
+    processes.start("bench", "kvserve_main", ["bench", *address, "--num-requests", "16"])
+    assert processes.wait_exit("bench", 90) == 0, processes.log("bench")
+    bench_log = processes.log("bench")
+    assert "requests" in bench_log and "prefix-cache hit rate" in bench_log
+    processes.start("stats", "kvserve_main", ["stats", *address])
+    assert processes.wait_exit("stats", 30) == 0, processes.log("stats")
+    assert '"tp_size": 2' in processes.log("stats")
+    processes.start("reset", "kvserve_main", ["reset-prefix-cache", *address])
+    assert processes.wait_exit("reset", 30) == 0, processes.log("reset")
+    assert "prefix cache reset" in processes.log("reset")
+    stop_launch(processes)
