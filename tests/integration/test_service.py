@@ -53,6 +53,7 @@ def serve_and_check(
         (1, "checksum", "--enable-prefix-caching"),
         (2, "checksum", "--no-enable-prefix-caching"),
         (2, "tiny-llama", "--enable-prefix-caching"),
+        (1, "tiny-llama-hybrid", "--no-enable-prefix-caching"),
     ],
 )
 def test_concurrent_requests_equal_the_reference(

@@ -15,7 +15,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import Shutdown, WorkerHello
-from tests.integration.conftest import Processes, wait_for
+from tests.integration.conftest import Processes, launch, wait_for
 from worker.models.registry import get_model_info
 
 pytestmark = pytest.mark.integration
@@ -165,3 +165,28 @@ def test_killing_the_engine_makes_every_worker_exit(processes: Processes, addres
 def test_fake_rank_host_is_not_this_host() -> None:
     """The fake ranks claim another host, so the engine watches them by heartbeat, not by pid."""
     assert socket.gethostname() != "elsewhere"
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_misses_the_step_deadline_and_the_launcher_tears_down(
+    processes: Processes, addresses: dict
+) -> None:
+    """SIGSTOP leaves the process and its sockets alive, so only the step deadline can see it.
+
+    Rank 0 misses the deadline too: it waits in the all-reduce for its stopped peer.
+    """
+    launch(processes, addresses, 2, "checksum", "--step-timeout-s", "2", "--max-model-len", "8192")
+    params = SamplingParams(max_tokens=8000, ignore_eos=True)
+    with EngineClient(addresses["client"], 60.0) as client:
+        client.add_request(make_request("endless", [5, 6, 7], params))
+        wait_for(
+            lambda: client.poll_outputs(0.1) or client.result("endless").token_ids,
+            60,
+            "the first tokens",
+        )
+        victim = int(re.search(r"rank 1 joined: pid (\d+)", processes.log("launch")).group(1))
+        os.kill(victim, signal.SIGSTOP)
+        result = client.run_until_finished(["endless"], 30)["endless"]
+    assert result.finish_reason == "error"
+    assert re.search(r"no reply to step \d+ from rank\(s\) \[(0, )?1\]", result.error), result.error
+    assert processes.wait_exit("launch", 60) == 1
