@@ -123,6 +123,10 @@ class EngineClient:
         self._sock.send(frame)
 
     def add_request(self, request: EngineCoreRequest) -> RequestResult:
+        """Submit a request; its result fills in as outputs arrive."""
+        previous = self._results.get(request.req_id)
+        if previous is not None and not previous.is_finished:
+            raise ValueError(f"req_id {request.req_id!r} is still running: expected a new req_id")
         result = RequestResult(request.req_id, submit_time=time.monotonic())
         self._results[request.req_id] = result
         self.send(request)
@@ -167,12 +171,13 @@ class EngineClient:
         self, req_ids: list[str], timeout_s: float | None = None
     ) -> dict[str, RequestResult]:
         """Wait until every request in `req_ids` has finished; their results by req_id."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        wait_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + wait_s
         while not all(self._results[req_id].is_finished for req_id in req_ids):
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 pending = [r for r in req_ids if not self._results[r].is_finished]
-                raise TimeoutError(f"requests {pending[:5]} unfinished after {timeout_s} s")
+                raise TimeoutError(f"requests {pending[:5]} unfinished after {wait_s} s")
             self.get_outputs(remaining_s)
         return {req_id: self._results[req_id] for req_id in req_ids}
 

@@ -79,6 +79,7 @@ class WorkerGroup:
         self.ranks_by_identity: dict[bytes, int] = {}
         self.peers: set[bytes] = set()  # every worker identity heard from, refused ones included
         self.sentinels: dict[int, int] = {}  # pidfd of a local worker process -> its rank
+        self.fd_ranks: dict[int, int] = {}  # connection fd of a rank's hello -> its rank
         self.last_step_id = 0
         self._encoder = make_encoder()
         self._decoder = worker_to_engine_decoder()
@@ -144,14 +145,26 @@ class WorkerGroup:
             events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
             self._check_side_events(events)
             if self.sock in events:
-                identity, frame = self.sock.recv_multipart()
+                identity_frame, frame = self.sock.recv_multipart(copy=False)
+                identity = identity_frame.bytes
                 self.peers.add(identity)
-                message = self._decode(identity, frame)
+                message = self._decode(identity, frame.bytes)
+                if isinstance(message, WorkerHello):
+                    self._remember_connection(frame, message.rank)
                 if isinstance(message, WorkerFailed):
                     raise HandshakeError(
                         f"rank {message.rank} failed during startup: {message.error}"
                     )
                 return identity, message
+
+    def _remember_connection(self, frame: zmq.Frame, rank: int) -> None:
+        """Map the connection a rank's hello came on to that rank, so a disconnect names it."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError) as exc:  # SRCFD is deprecated in libzmq
+            logger.debug("cannot tell rank %d's connection: %s", rank, exc)
+            return
+        self.fd_ranks[fd] = rank
 
     def _watch_process(self, hello: WorkerHello) -> None:
         """Put a local worker's process in the poller, so its death is seen within milliseconds."""
@@ -209,7 +222,10 @@ class WorkerGroup:
                 identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return num_received
-            rank = self._rank_of(identity)
+            rank = self.ranks_by_identity.get(identity)
+            if rank is None:
+                self._refuse_stranger(identity)
+                continue
             match self._decode(identity, frame):
                 case ModelRunnerOutput() as out if out.step_id == step_id and out.rank == rank:
                     if outputs[rank] is not None:
@@ -233,7 +249,10 @@ class WorkerGroup:
         self._check_side_events(events)
         if self.sock in events:
             identity, frame = self.sock.recv_multipart()
-            rank = self._rank_of(identity)
+            rank = self.ranks_by_identity.get(identity)
+            if rank is None:
+                self._refuse_stranger(identity)
+                return
             match self._decode(identity, frame):
                 case WorkerFailed() as failed:
                     raise WorkerGroupError(f"rank {rank} failed: {failed.error}")
@@ -250,8 +269,12 @@ class WorkerGroup:
         if self.monitor in events:
             event = parse_monitor_message(self.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED and self._is_serving:
+                rank = self.fd_ranks.get(int(event["value"]))
+                if rank is None and len(self.fd_ranks) == self.tp_size:
+                    return  # a refused latecomer left, not a rank
                 self._name_exited_rank()
-                raise WorkerGroupError(f"a worker disconnected from {event['endpoint']!r}")
+                who = "a worker" if rank is None else f"rank {rank}"
+                raise WorkerGroupError(f"{who} disconnected from {event['endpoint']!r}")
 
     def _name_exited_rank(self) -> None:
         """After a disconnect, give a local rank's sentinel a moment, so the error can name it."""
@@ -268,11 +291,15 @@ class WorkerGroup:
             rank = self.ranks_by_identity.get(identity)
             raise WorkerGroupError(f"rank {rank} sent a bad frame: {exc}") from None
 
-    def _rank_of(self, identity: bytes) -> int:
-        rank = self.ranks_by_identity.get(identity)
-        if rank is None:
-            raise WorkerGroupError(f"a message came from an unknown worker {identity!r}")
-        return rank
+    def _refuse_stranger(self, identity: bytes) -> None:
+        """A worker that joined after startup: tell it to exit and keep serving the group."""
+        reason = f"the engine already serves all {self.tp_size} ranks"
+        logger.warning("refused a worker that connected after startup: %s", reason)
+        frame = self._encoder.encode(Shutdown(reason=reason, is_failure=True))
+        try:
+            self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("refusal not delivered: %s", exc)
 
     def _broadcast(self, frame: bytes) -> None:
         """Send the same encoded frame to every rank that said hello."""

@@ -15,7 +15,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import Shutdown, WorkerHello
-from tests.integration.conftest import Processes, launch, wait_for
+from tests.integration.conftest import Processes, launch, stop_launch, wait_for
 from worker.models.registry import get_model_info
 
 pytestmark = pytest.mark.integration
@@ -190,3 +190,24 @@ def test_a_hung_worker_misses_the_step_deadline_and_the_launcher_tears_down(
     assert result.finish_reason == "error"
     assert re.search(r"no reply to step \d+ from rank\(s\) \[(0, )?1\]", result.error), result.error
     assert processes.wait_exit("launch", 60) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_joining_after_startup_is_refused_and_serving_goes_on(
+    processes: Processes, addresses: dict
+) -> None:
+    launch(processes, addresses, 1, "checksum")
+    with EngineClient(addresses["client"], 60.0) as client:
+        assert client.check_health() is True
+        ctx = zmq.Context()
+        latecomer = FakeRank(ctx, addresses["worker"])
+        latecomer.hello(0, 1, "checksum")
+        shutdown = latecomer.expect_shutdown()
+        assert shutdown.is_failure and "already serves all 1 ranks" in shutdown.reason
+        ctx.destroy(linger=0)  # the latecomer disconnects; the engine must not mind
+        params = SamplingParams(max_tokens=4)
+        result = client.run_until_finished(
+            [client.add_request(make_request("after", [5, 6], params)).req_id], 30
+        )
+        assert result["after"].error is None and len(result["after"].token_ids) == 4
+    stop_launch(processes)
