@@ -16,6 +16,7 @@ import zmq
 from engine_core.core import EngineCore
 from engine_core.handshake import HandshakeError
 from engine_core.kv_cache.spec import bytes_per_block, plan_kv_cache
+from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics, MetricsServer
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
@@ -91,9 +92,11 @@ class EngineServer:
         clients: zmq.Socket,
         workers: WorkerGroup,
         metrics: EngineMetrics | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
+        self.kv_events = kv_events
         self.core = core
         self.clients = clients
         self.workers = workers
@@ -139,6 +142,7 @@ class EngineServer:
             self._send_outputs(outputs)
             if self.config.check_invariants:
                 self.workers.check_invariants()
+            self._publish_kv_events()
             if self.metrics is not None:
                 self.metrics.step_time.observe(time.perf_counter() - start)
                 self.metrics.on_outputs(outputs)
@@ -166,6 +170,10 @@ class EngineServer:
             100 * float(stats.get("kv_cache_usage", 0.0)),
             100 * hit_rate,
         )
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.core.take_kv_events())
 
     def _has_work(self) -> bool:
         core = self.core
@@ -244,6 +252,7 @@ class EngineServer:
 
     def _reset_prefix_cache(self) -> tuple[bool, StatValue, str | None]:
         ok, reason = self.core.reset_prefix_cache()
+        self._publish_kv_events()  # AllBlocksCleared
         logger.info("reset_prefix_cache: %s", "done" if ok else reason)
         return ok, ok, reason
 
@@ -294,9 +303,14 @@ def run(config: EngineConfig) -> int:
     )
     metrics = EngineMetrics() if config.metrics_port is not None else None
     http = MetricsServer(metrics, config.metrics_port) if metrics is not None else None
+    kv_events = None
+    if config.kv_events.enable_kv_cache_events:
+        kv_events = KVEventPublisher(ctx, config.kv_events)
     try:
-        return _start_and_serve(config, clients, workers, metrics)
+        return _start_and_serve(config, clients, workers, metrics, kv_events)
     finally:
+        if kv_events is not None:
+            kv_events.close()
         if metrics is not None:
             metrics.is_healthy = False
         if http is not None:
@@ -307,7 +321,11 @@ def run(config: EngineConfig) -> int:
 
 
 def _start_and_serve(
-    config: EngineConfig, clients: zmq.Socket, workers: WorkerGroup, metrics: EngineMetrics | None
+    config: EngineConfig,
+    clients: zmq.Socket,
+    workers: WorkerGroup,
+    metrics: EngineMetrics | None,
+    kv_events: KVEventPublisher | None,
 ) -> int:
     server: EngineServer | None = None
 
@@ -328,7 +346,7 @@ def _start_and_serve(
     except KeyboardInterrupt:
         workers.shutdown("the engine was stopped during startup")
         return EXIT_OK
-    server = EngineServer(config, core, clients, workers, metrics)
+    server = EngineServer(config, core, clients, workers, metrics, kv_events)
     if metrics is not None:
         metrics.is_healthy = True
     return server.serve()

@@ -3,14 +3,20 @@ model's: TP=1 and TP=2, prefix caching on and off, a pool small enough to force 
 hybrid sliding-window model, and ranks whose capacities differ.
 """
 
+import json
+import pathlib
 import random
 import re
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import pytest
+import zmq
 
 from engine_core.client import EngineClient, make_request
+from protocol.codec import kv_event_decoder
+from protocol.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_port, launch, stop_launch, wait_for
 from worker.models.reference import reference_generate
@@ -223,3 +229,62 @@ def test_bench_stats_and_reset_commands_talk_to_a_running_engine(
     assert processes.wait_exit("reset", 30) == 0, processes.log("reset")
     assert "prefix cache reset" in processes.log("reset")
     stop_launch(processes)
+
+
+@pytest.mark.timeout(90)
+def test_kv_events_are_published_in_order_and_replayed(
+    processes: Processes, addresses: dict, tmp_path: pathlib.Path
+) -> None:
+    endpoint, replay_endpoint = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    events_config = {
+        "enable_kv_cache_events": True,
+        "endpoint": endpoint,
+        "replay_endpoint": replay_endpoint,
+        "topic": "kv",
+    }
+    launch(processes, addresses, 1, "checksum", "--kv-events-config", json.dumps(events_config))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(endpoint)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        assert client.check_health() is True  # the engine is up, so the subscription reached it
+        serve_and_check(
+            client, "checksum", chat_prompts(2, 32, 8, seed=9), SamplingParams(max_tokens=4)
+        )
+        assert client.reset_prefix_cache() is True
+    live = receive_batches(sub, until=lambda events: isinstance(events[-1], AllBlocksCleared))
+    seqs = [seq for seq, _ in live]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), f"gaps in {seqs}"
+    events = [event for _, batch in live for event in batch.events]
+    assert any(isinstance(event, BlockStored) for event in events)
+    assert isinstance(events[-1], AllBlocksCleared)
+    replay = ctx.socket(zmq.DEALER)
+    replay.connect(replay_endpoint)
+    replay.send_multipart((b"", (0).to_bytes(8, "big")))
+    replayed = []
+    while True:
+        assert replay.poll(10_000), "no replay answer"
+        _, seq, payload = replay.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            break
+        assert kv_event_decoder().decode(payload).events, "an empty batch was published"
+        replayed.append(int.from_bytes(seq, "big"))
+    assert replayed == list(range(len(replayed))) and replayed[-1] >= seqs[-1]
+    ctx.destroy(linger=0)
+    stop_launch(processes)
+
+
+def receive_batches(
+    sub: zmq.Socket, until: Callable[[list], bool]
+) -> list[tuple[int, KVEventBatch]]:
+    decoder = kv_event_decoder()
+    batches: list[tuple[int, KVEventBatch]] = []
+    events: list = []
+    while not events or not until(events):
+        assert sub.poll(10_000), f"no KV event batch after {len(batches)}"
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv"
+        batches.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+        events.extend(batches[-1][1].events)
+    return batches
