@@ -21,8 +21,8 @@ from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = 10.0  # a child gets this long to exit on its own before SIGTERM
-TERMINATE_TIMEOUT_S = 5.0  # then this long after SIGTERM before SIGKILL
+JOIN_TIMEOUT_S = 5.0  # a child gets this long to exit on its own before SIGTERM
+TERMINATE_TIMEOUT_S = 3.0  # then this long after SIGTERM before SIGKILL
 SUPERVISE_POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
 EXIT_OK, EXIT_FAILED = 0, 1
