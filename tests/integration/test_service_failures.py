@@ -10,7 +10,7 @@ import socket
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_core.client import EngineClient, EngineDeadError, make_request
 from protocol import PROTOCOL_VERSION
 from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.sampling import SamplingParams
@@ -155,8 +155,10 @@ def test_killing_the_engine_makes_every_worker_exit(processes: Processes, addres
         start_worker(processes, addresses, rank, 2, "checksum")
     with EngineClient(addresses["client"], 60.0) as client:
         assert client.check_health() is True
-    processes.procs["core"].send_signal(signal.SIGKILL)
-    assert processes.wait_exit("core", 10) == -signal.SIGKILL
+        processes.procs["core"].send_signal(signal.SIGKILL)
+        assert processes.wait_exit("core", 10) == -signal.SIGKILL
+        with pytest.raises(EngineDeadError, match="disconnected"):
+            client.get_stats()
     for rank in (0, 1):
         assert processes.wait_exit(f"worker-{rank}", 20) == 1
         assert "disconnected" in processes.log(f"worker-{rank}")
