@@ -25,6 +25,7 @@ from protocol.client_messages import (
     UtilityResult,
 )
 from protocol.codec import engine_to_client_decoder, make_encoder
+from protocol.errors import ProtocolError
 from protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,7 @@ class EngineClient:
 
 class AsyncEngineClient:
     """An asyncio client of one engine; a receive task routes outputs to per-request queues.
+    Create it inside a running event loop (see `run_async`).
 
     Invariants: `_queues` has one queue per unfinished request submitted here, `_calls` one
     future per utility call awaiting its answer; both are emptied when the engine dies.
@@ -311,7 +313,12 @@ class AsyncEngineClient:
 
     async def _receive(self) -> None:
         while True:
-            message = self._decoder.decode(await self._sock.recv())
+            frame = await self._sock.recv()
+            try:
+                message = self._decoder.decode(frame)
+            except ProtocolError as exc:
+                logger.warning("ignored a frame from the engine: %s", exc)
+                continue
             match message:
                 case EngineCoreOutputs():
                     for output in message.outputs:

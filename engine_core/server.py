@@ -109,8 +109,10 @@ class EngineServer:
         for item in self._worker_items:
             self._poller.register(item, zmq.POLLIN)
         self._next_metrics_time = 0.0
-        self._next_stats_time = time.monotonic() + config.log_stats_interval_s
+        self._last_stats_time = time.monotonic()
+        self._next_stats_time = self._last_stats_time + config.log_stats_interval_s
         self._num_steps = self._num_steps_logged = 0
+        self._num_tokens = self._num_tokens_logged = 0  # output tokens sent to clients
 
     def serve(self) -> int:
         """Run until a stop signal (exit 0) or a failure (exit 1, every request failed first)."""
@@ -139,6 +141,9 @@ class EngineServer:
             start = time.perf_counter()
             outputs = self.core.step()
             self._num_steps += 1
+            self._num_tokens += sum(
+                len(output.new_token_ids) for batch in outputs.values() for output in batch.outputs
+            )
             self._send_outputs(outputs)
             if self.config.check_invariants:
                 self.workers.check_invariants()
@@ -155,16 +160,22 @@ class EngineServer:
 
     def _log_stats(self) -> None:
         """One INFO line every log_stats_interval_s, only while the engine is doing something."""
-        self._next_stats_time = time.monotonic() + self.config.log_stats_interval_s
+        now = time.monotonic()
+        interval_s, self._last_stats_time = now - self._last_stats_time, now
+        self._next_stats_time = now + self.config.log_stats_interval_s
         if self._num_steps == self._num_steps_logged:
             return
-        self._num_steps_logged = self._num_steps
+        steps_per_s = (self._num_steps - self._num_steps_logged) / interval_s
+        tokens_per_s = (self._num_tokens - self._num_tokens_logged) / interval_s
+        self._num_steps_logged, self._num_tokens_logged = self._num_steps, self._num_tokens
         stats = self.core.get_stats()
         queries = stats.get("prefix_cache_queries", 0) or 0
         hit_rate = (stats.get("prefix_cache_hits", 0) or 0) / queries if queries else 0.0
         logger.info(
-            "steps %d, running %s, waiting %s, KV usage %.1f%%, prefix hit rate %.1f%%",
-            self._num_steps,
+            "%.1f steps/s, %.1f output tokens/s, running %s, waiting %s, KV usage %.1f%%, "
+            "prefix hit rate %.1f%%",
+            steps_per_s,
+            tokens_per_s,
             stats.get("num_running_reqs"),
             stats.get("num_waiting_reqs"),
             100 * float(stats.get("kv_cache_usage", 0.0)),
