@@ -6,19 +6,30 @@ import os
 import re
 import signal
 import socket
+from typing import TypeVar
 
 import pytest
 import zmq
 
 from engine_core.client import EngineClient, EngineDeadError, make_request
 from protocol import PROTOCOL_VERSION
+from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
+from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
-from protocol.worker_messages import Shutdown, WorkerHello
+from protocol.worker_messages import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerHello,
+    WorkerReady,
+)
 from tests.integration.conftest import Processes, launch, stop_launch, wait_for
 from worker.models.registry import get_model_info
 
 pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
 
 SHUTDOWN_WAIT_MS = 20_000
 
@@ -39,10 +50,16 @@ class FakeRank:
         self.sock.send(make_encoder().encode(hello))
 
     def expect_shutdown(self) -> Shutdown:
-        assert self.sock.poll(SHUTDOWN_WAIT_MS), "no Shutdown from the engine"
+        return self.expect(Shutdown)
+
+    def expect(self, message_type: type[T]) -> T:
+        assert self.sock.poll(SHUTDOWN_WAIT_MS), f"no {message_type.__name__} from the engine"
         message = engine_to_worker_decoder().decode(self.sock.recv())
-        assert isinstance(message, Shutdown), message
+        assert isinstance(message, message_type), message
         return message
+
+    def send(self, message: WorkerReady | ModelRunnerOutput) -> None:
+        self.sock.send(make_encoder().encode(message))
 
 
 def start_core(processes: Processes, addresses: dict, tp_size: int, *extra: str) -> None:
@@ -213,3 +230,31 @@ def test_a_worker_joining_after_startup_is_refused_and_serving_goes_on(
         )
         assert result["after"].error is None and len(result["after"].token_ids) == 4
     stop_launch(processes)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_sample_different_tokens_stop_the_engine_naming_them(
+    processes: Processes, addresses: dict
+) -> None:
+    """Two fake ranks finish the handshake, then rank 1 samples other tokens than rank 0."""
+    start_core(processes, addresses, 2, "--max-model-len", "256")
+    ctx = zmq.Context()
+    ranks = [FakeRank(ctx, addresses["worker"]) for _ in range(2)]
+    for rank, fake in enumerate(ranks):
+        fake.hello(rank, 2, "checksum")
+    for rank, fake in enumerate(ranks):
+        config = fake.expect(KVCacheConfig)
+        fake.send(WorkerReady(rank, config.num_blocks))
+    with EngineClient(addresses["client"], 30.0) as client:
+        client.add_request(make_request("victim", [5, 6, 7], SamplingParams(max_tokens=4)))
+        for rank, fake in enumerate(ranks):
+            step = fake.expect(SchedulerOutput)
+            handles = pack_int32(req.req_id for req in step.scheduled_new_reqs)
+            fake.send(ModelRunnerOutput(step.step_id, rank, handles, pack_int32([10 + rank])))
+        result = client.run_until_finished(["victim"], 20)["victim"]
+    assert result.finish_reason == "error"
+    assert "rank(s) [1] differ from rank 0" in result.error, result.error
+    assert processes.wait_exit("core", 15) == 1
+    for fake in ranks:
+        assert fake.expect(Shutdown).is_failure
+    ctx.destroy(linger=0)
