@@ -36,7 +36,7 @@ from worker.models.registry import get_model_info
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_FACTOR = 1  # the engine may go this many heartbeat timeouts without a ping
-FAILED_LINGER_MS = 1000
+FAILED_LINGER_MS = 1000  # how long a closing socket may still deliver WorkerFailed
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
@@ -205,11 +205,13 @@ def run(config: WorkerConfig) -> int:
         return EXIT_FAILED
     except Exception as exc:
         logger.exception("rank %d failed", config.rank)
-        failed = WorkerFailed(
-            config.rank, worker.last_step_id or None, f"{type(exc).__name__}: {exc}"
-        )
-        sock.send(worker.encoder.encode(failed), zmq.NOBLOCK)
-        sock.setsockopt(zmq.LINGER, 1000)  # let WorkerFailed reach the engine before we close
+        error = f"{type(exc).__name__}: {exc}"
+        failed = WorkerFailed(config.rank, worker.last_step_id or None, error)
+        try:
+            sock.send(worker.encoder.encode(failed), zmq.NOBLOCK)
+            sock.setsockopt(zmq.LINGER, FAILED_LINGER_MS)  # let WorkerFailed reach the engine
+        except zmq.ZMQError as send_error:
+            logger.error("could not tell the engine: %s", send_error)
         return EXIT_FAILED
     finally:
         sock.disable_monitor()
