@@ -199,8 +199,12 @@ def _serve(
     with EngineClient(address, timeout_s=120.0) as client:
         client.check_health()
         console.print(f"engine ready in {time.monotonic() - start:.1f} s")
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())  # fmt: skip
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
         start = time.monotonic()
         with Progress(*columns, console=console) as progress:
             done, peak_usage = run_workload(client, settings, progress)
