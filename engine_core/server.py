@@ -240,8 +240,8 @@ class EngineServer:
             self._send(identity, UtilityResult(fields["call_id"], False, error=reason))
             return
         req_id = fields.get("req_id") if isinstance(fields, dict) else None
-        if not isinstance(req_id, str) or not req_id:
-            req_id = MALFORMED_REQ_ID
+        if not isinstance(req_id, str) or not req_id or req_id in self.core.scheduler.requests:
+            req_id = MALFORMED_REQ_ID  # never fail a live request for another frame's fault
         output = EngineCoreOutput(req_id, [], FinishReason.ERROR, error=reason)
         self._send(identity, EngineCoreOutputs([output], timestamp=time.time()))
 
