@@ -21,7 +21,7 @@ from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerCo
 from protocol.sampling import SamplingParams
 from worker.models.reference import reference_generate
 
-STATS_POLL_S = 0.25  # how often the demo samples KV usage while it waits
+PROGRESS_POLL_S = 0.25  # longest wait for outputs between progress bar updates
 
 
 @dataclass(frozen=True)
@@ -88,41 +88,37 @@ class Workload:
 
 def run_workload(
     client: EngineClient, settings: DemoSettings, progress: Progress
-) -> tuple[list[tuple[list[int], RequestResult]], float]:
-    """Submit each turn of every conversation, wait for it, and record the peak KV usage."""
+) -> list[tuple[list[int], RequestResult]]:
+    """Submit each turn of every conversation and wait for it; (prompt, result) pairs."""
     workload = Workload(settings)
     params = SamplingParams(max_tokens=settings.max_tokens)
     task = progress.add_task("requests", total=settings.num_conversations * settings.num_turns)
     done: list[tuple[list[int], RequestResult]] = []
-    peak_usage = 0.0
     for turn in range(settings.num_turns):
         prompts = workload.next_prompts()
         req_ids = [f"conv{c}-turn{turn}" for c in range(len(prompts))]
         for req_id, prompt in zip(req_ids, prompts, strict=True):
             client.add_request(make_request(req_id, prompt, params))
         results = _wait(client, req_ids, progress, task)
-        peak_usage = max(peak_usage, results[1])
-        done.extend(zip(prompts, results[0], strict=True))
-        workload.add_replies([result.token_ids for result in results[0]])
-    return done, peak_usage
+        done.extend(zip(prompts, results, strict=True))
+        workload.add_replies([result.token_ids for result in results])
+    return done
 
 
 def _wait(
     client: EngineClient, req_ids: list[str], progress: Progress, task: int
-) -> tuple[list[RequestResult], float]:
-    peak_usage = 0.0
+) -> list[RequestResult]:
     num_finished = 0
     while num_finished < len(req_ids):
-        client.poll_outputs(STATS_POLL_S)
-        peak_usage = max(peak_usage, float(client.get_stats()["kv_cache_usage"]))
+        client.poll_outputs(PROGRESS_POLL_S)
         now_finished = sum(client.result(req_id).is_finished for req_id in req_ids)
         progress.advance(task, now_finished - num_finished)
         num_finished = now_finished
-    return [client.result(req_id) for req_id in req_ids], peak_usage
+    return [client.result(req_id) for req_id in req_ids]
 
 
 def results_table(
-    done: list[tuple[list[int], RequestResult]], stats: dict, elapsed_s: float, peak_usage: float
+    done: list[tuple[list[int], RequestResult]], stats: dict, elapsed_s: float
 ) -> Table:
     ttfts_ms = sorted(
         1000 * (result.first_token_time - result.submit_time)
@@ -142,7 +138,7 @@ def results_table(
         ("TTFT p99 (ms)", f"{percentile(ttfts_ms, 0.99):.1f}" if ttfts_ms else "-"),
         ("prefix-cache hit rate", f"{100 * hit_rate:.1f}%"),
         ("preemptions", str(stats.get("num_preemptions", 0))),
-        ("peak KV usage", f"{100 * peak_usage:.1f}%"),
+        ("peak KV usage", f"{100 * stats.get('peak_kv_cache_usage', 0.0):.1f}%"),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -178,8 +174,8 @@ def run_demo(settings: DemoSettings, log_level: str = "WARNING") -> int:
     if code != 0:
         console.print("[red]the deployment failed; see the log above[/red]")
         return 1
-    done, stats, elapsed_s, peak_usage = served
-    console.print(results_table(done, stats, elapsed_s, peak_usage))
+    done, stats, elapsed_s = served
+    console.print(results_table(done, stats, elapsed_s))
     start = time.monotonic()
     mismatches = check_against_reference(done, settings)
     console.print(f"checked against the reference model in {time.monotonic() - start:.1f} s")
@@ -194,7 +190,7 @@ def run_demo(settings: DemoSettings, log_level: str = "WARNING") -> int:
 
 def _serve(
     console: Console, address: str, settings: DemoSettings
-) -> tuple[list[tuple[list[int], RequestResult]], dict, float, float]:
+) -> tuple[list[tuple[list[int], RequestResult]], dict, float]:
     start = time.monotonic()
     with EngineClient(address, timeout_s=120.0) as client:
         client.check_health()
@@ -207,7 +203,7 @@ def _serve(
         )
         start = time.monotonic()
         with Progress(*columns, console=console) as progress:
-            done, peak_usage = run_workload(client, settings, progress)
+            done = run_workload(client, settings, progress)
         elapsed_s = time.monotonic() - start
         stats = client.get_stats()
-    return done, stats, elapsed_s, peak_usage
+    return done, stats, elapsed_s

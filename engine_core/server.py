@@ -113,6 +113,7 @@ class EngineServer:
         self._next_stats_time = self._last_stats_time + config.log_stats_interval_s
         self._num_steps = self._num_steps_logged = 0
         self._num_tokens = self._num_tokens_logged = 0  # output tokens sent to clients
+        self._peak_kv_cache_usage = 0.0  # the highest usage seen after any step
 
     def serve(self) -> int:
         """Run until a stop signal (exit 0) or a failure (exit 1, every request failed first)."""
@@ -145,6 +146,8 @@ class EngineServer:
                 len(output.new_token_ids) for batch in outputs.values() for output in batch.outputs
             )
             self._send_outputs(outputs)
+            usage = self.core.scheduler.kv_cache_manager.usage
+            self._peak_kv_cache_usage = max(self._peak_kv_cache_usage, usage)
             if self.config.check_invariants:
                 self.workers.check_invariants()
             self._publish_kv_events()
@@ -271,6 +274,8 @@ class EngineServer:
         stats: dict[str, StatValue] = dict(self.core.get_stats())
         stats["tp_size"] = self.config.tp_size
         stats["num_engine_steps"] = self._num_steps
+        stats["num_output_tokens"] = self._num_tokens
+        stats["peak_kv_cache_usage"] = self._peak_kv_cache_usage
         return stats
 
     def check_invariants(self) -> None:
