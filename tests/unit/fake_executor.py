@@ -269,3 +269,6 @@ class Harness:
         )
         self.core.check_invariants()
         self.executor.check_empty()
+
+
+MakeHarness = Callable[..., Harness]  # the make_harness fixture of conftest.py

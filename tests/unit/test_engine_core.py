@@ -1,32 +1,13 @@
 """EngineCore: rejections with reasons, per-client outputs, failures, management calls."""
 
-from collections.abc import Callable, Iterator
-
 import msgspec
 import pytest
-from fake_executor import Harness, reference_tokens
+from fake_executor import Harness, MakeHarness, reference_tokens
 
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest, FinishReason
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput
-
-MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture
-def make_harness() -> Iterator[MakeHarness]:
-    """Builds harnesses and checks each one for leaks once the test is done."""
-    made: list[Harness] = []
-
-    def make(**kwargs: object) -> Harness:
-        harness = Harness(**kwargs)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.check_no_leaks()
 
 
 def _rejection(harness: Harness, request: EngineCoreRequest) -> str:

@@ -1,30 +1,12 @@
 """Scheduler scenarios: batching order, budgets, chunked prefill, preemption and resumption."""
 
 import random
-from collections.abc import Callable, Iterator
 
 import pytest
-from fake_executor import Harness, reference_tokens
+from fake_executor import MakeHarness, reference_tokens
 
 from protocol.buffers import unpack_int32
 from protocol.worker_messages import SchedulerOutput
-
-MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture
-def make_harness() -> Iterator[MakeHarness]:
-    """Builds harnesses and checks each one for leaks once the test is done."""
-    made: list[Harness] = []
-
-    def make(**kwargs: object) -> Harness:
-        harness = Harness(**kwargs)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.check_no_leaks()
 
 
 def _prompt(rng: random.Random, length: int, vocab_size: int = 64) -> list[int]:

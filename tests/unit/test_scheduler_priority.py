@@ -1,31 +1,12 @@
 """Scheduling policies: admission order and the preemption victim under fcfs and priority."""
 
-from collections.abc import Callable, Iterator
-
 import pytest
-from fake_executor import Harness, reference_tokens
+from fake_executor import Harness, MakeHarness, reference_tokens
 
 from engine_core.sched.queues import FCFSRequestQueue, PriorityRequestQueue
 from engine_core.sched.request import Request
 from protocol.buffers import unpack_int32
 from protocol.sampling import SamplingParams
-
-MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture
-def make_harness() -> Iterator[MakeHarness]:
-    """Builds harnesses and checks each one for leaks once the test is done."""
-    made: list[Harness] = []
-
-    def make(**kwargs: object) -> Harness:
-        harness = Harness(**kwargs)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.check_no_leaks()
 
 
 def test_priority_admits_lowest_priority_value_first_with_arrival_as_tiebreak(

@@ -1,30 +1,12 @@
 """Stop rules: max_tokens, stop_token_ids, EOS (and ignore_eos), min_tokens and max_model_len."""
 
 import random
-from collections.abc import Callable, Iterator
 
-import pytest
-from fake_executor import Harness, reference_tokens
+from fake_executor import MakeHarness, reference_tokens
 
 from protocol.client_messages import FinishReason
 
 VOCAB_SIZE = 64
-MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture
-def make_harness() -> Iterator[MakeHarness]:
-    """Builds harnesses and checks each one for leaks once the test is done."""
-    made: list[Harness] = []
-
-    def make(**kwargs: object) -> Harness:
-        harness = Harness(**kwargs)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.check_no_leaks()
 
 
 def _story() -> tuple[list[int], list[int], int]:
