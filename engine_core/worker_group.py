@@ -233,6 +233,7 @@ class WorkerGroup:
                     outputs[rank] = out
                     num_received += 1
                 case WorkerFailed() as failed:
+                    self._raise_if_a_rank_is_gone()
                     raise WorkerGroupError(
                         f"rank {rank} failed at step {failed.step_id}: {failed.error}"
                     )
@@ -275,6 +276,14 @@ class WorkerGroup:
                 self._name_exited_rank()
                 who = "a worker" if rank is None else f"rank {rank}"
                 raise WorkerGroupError(f"{who} disconnected from {event['endpoint']!r}")
+
+    def _raise_if_a_rank_is_gone(self) -> None:
+        """A rank's failure may echo another rank's death (its all-reduce broke): name the dead."""
+        side = zmq.Poller()
+        side.register(self.monitor, zmq.POLLIN)
+        for pidfd in self.sentinels:
+            side.register(pidfd, zmq.POLLIN)
+        self._check_side_events(dict(side.poll(SENTINEL_GRACE_MS)))
 
     def _name_exited_rank(self) -> None:
         """After a disconnect, give a local rank's sentinel a moment, so the error can name it."""
