@@ -13,13 +13,17 @@ import sys
 import time
 from collections.abc import Callable
 
-DEFAULT_PEER_PYTHON = os.path.join(os.path.dirname(__file__), "..", "..", "peer", "vllm", "bin", "python")
+DEFAULT_PEER_PYTHON = os.path.join(
+    os.path.dirname(__file__), "..", "..", "peer", "vllm", "bin", "python"
+)
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE as JSON")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per figure; the median is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs per figure; the median is reported"
+    )
     return parser
 
 
@@ -47,8 +51,8 @@ def run_peer(peer_python: str, script: str, args: list[str], timeout_s: float = 
     """Run `script` under the peer interpreter; it prints one JSON object as its last line."""
     if not os.path.exists(peer_python):
         sys.exit(
-            f"peer python {peer_python} not found: build it with shared/peers/setup-vllm-peer.sh DIR "
-            "and pass --peer-python DIR/bin/python"
+            f"peer python {peer_python} not found: build it with "
+            "shared/peers/setup-vllm-peer.sh DIR and pass --peer-python DIR/bin/python"
         )
     env = dict(
         os.environ,

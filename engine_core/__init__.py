@@ -1,1 +1,1 @@
-"""The engine side: block pool, KV-cache managers, scheduler and the engine process. Never imports torch."""
+"""The engine side: block pool, KV-cache managers, scheduler, engine process; never torch."""

@@ -27,7 +27,9 @@ class MessageDecoder(Generic[T]):
         try:
             return self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-            raise ProtocolError(f"malformed frame on the {self._socket_name} socket: {exc}") from None
+            raise ProtocolError(
+                f"malformed frame on the {self._socket_name} socket: {exc}"
+            ) from None
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

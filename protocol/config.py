@@ -11,6 +11,10 @@ import msgspec
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+TPSize = Annotated[int, msgspec.Meta(ge=1, le=64)]
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -28,8 +32,8 @@ class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CacheConfig(_Config, frozen=True):
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16  # tokens per block
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9  # share of the device
+    block_size: BlockSize = 16  # tokens per block
+    gpu_memory_utilization: Fraction = 0.9  # share of the device
     kv_cache_memory_bytes: PositiveInt | None = None  # KV budget per rank; required on the CPU
     num_gpu_blocks_override: Annotated[int, msgspec.Meta(ge=2)] | None = None  # forces num_blocks
     enable_prefix_caching: bool = True
@@ -56,15 +60,15 @@ class KVEventsConfig(_Config, frozen=True):
 
 
 class EngineConfig(_Config, frozen=True):
-    tp_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    tp_size: TPSize = 1
     client_address: str = "ipc:///tmp/kvserve-client.sock"  # ROUTER the clients connect to
     worker_address: str = "ipc:///tmp/kvserve-worker.sock"  # ROUTER the workers connect to
-    handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # all ranks must be Ready by then
-    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # every rank must reply to a step by then
-    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # ZMQ heartbeats to remote ranks
-    heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    handshake_timeout_s: Seconds = 60.0  # all ranks must be Ready by then
+    step_timeout_s: Seconds = 30.0  # each rank replies to a step by then
+    heartbeat_interval_s: Seconds = 1.0  # ZMQ heartbeats to remote ranks
+    heartbeat_timeout_s: Seconds = 10.0
     check_invariants: bool = False  # walk the block pool after every step (slow; for debugging)
-    log_stats_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    log_stats_interval_s: Seconds = 5.0
     metrics_port: Port | None = None  # HTTP /metrics and /health
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -73,16 +77,16 @@ class EngineConfig(_Config, frozen=True):
 
 class WorkerConfig(_Config, frozen=True):
     rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-    tp_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    tp_size: TPSize = 1
     engine_address: str = "ipc:///tmp/kvserve-worker.sock"  # the engine's worker ROUTER
     model: str = "tiny-llama"  # a name from worker/models
     dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16  # must equal the engine's
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    block_size: BlockSize = 16  # must equal the engine's
+    gpu_memory_utilization: Fraction = 0.9
     kv_cache_memory_bytes: PositiveInt | None = None  # KV budget of this rank; required on the CPU
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous, as torchrun names it
     master_port: Port = 29500
-    dist_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
-    engine_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # exit when the engine is silent this long
+    dist_timeout_s: Seconds = 60.0
+    engine_timeout_s: Seconds = 60.0  # exit when the engine is silent so long
     seed: int = 0  # model weights

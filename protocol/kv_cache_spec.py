@@ -8,7 +8,14 @@ from typing import Annotated
 
 import msgspec
 
-DTYPE_SIZES_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+DTYPE_SIZES_BYTES = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int32": 4,
+    "int64": 8,
+}
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -23,11 +30,19 @@ class _AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def page_size_bytes(self, tp_size: int = 1) -> int:
         """Bytes one block takes in one layer on one rank: K and V of block_size tokens."""
-        return 2 * self.block_size * self.num_kv_heads_per_rank(tp_size) * self.head_dim * dtype_size_bytes(self.dtype)
+        return (
+            2
+            * self.block_size
+            * self.num_kv_heads_per_rank(tp_size)
+            * self.head_dim
+            * dtype_size_bytes(self.dtype)
+        )
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         if self.num_kv_heads % tp_size:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} is not divisible by tp_size={tp_size}")
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} is not divisible by tp_size={tp_size}"
+            )
         return self.num_kv_heads // tp_size
 
 

@@ -5,6 +5,8 @@ from typing import Annotated
 import msgspec
 
 MAX_TOKENS_LIMIT = 1 << 20
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
 MAX_STOP_TOKEN_IDS = 1024
 SEED_LIMIT = (1 << 63) - 1
 
@@ -17,10 +19,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     """
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
-    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0  # EOS/stop ids ignored until reached
+    min_tokens: TokenCount = 0  # EOS and stop ids are ignored until this many were generated
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0  # 0 means greedy
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_LIMIT)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:

@@ -57,12 +57,18 @@ class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
 class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     """Deltas for requests the workers already hold, as int32 columns aligned by position."""
 
-    req_ids: bytes = b""  # int32 handles
-    resumed_req_ids: list[int] = []  # handles resumed after preemption: their block ids are replaced
-    new_token_ids: bytes = b""  # int32, the tokens each request gained since the workers last saw it, concatenated
-    num_new_token_ids: bytes = b""  # int32 per request: how many of new_token_ids are its own
-    new_block_ids: list[tuple[list[int], ...] | None] = []  # appended per group; replaces for resumed
-    num_computed_tokens: bytes = b""  # int32 per request: tokens already in the cache before this step
+    # int32 handles
+    req_ids: bytes = b""
+    # handles resumed after preemption: their new_block_ids replace their tables
+    resumed_req_ids: list[int] = []
+    # int32: the tokens each request gained since the workers last saw it, concatenated
+    new_token_ids: bytes = b""
+    # int32 per request: how many of new_token_ids are its own
+    num_new_token_ids: bytes = b""
+    # per request, None or one list per group: appended to its table; replaces it for resumed
+    new_block_ids: list[tuple[list[int], ...] | None] = []
+    # int32 per request: tokens already in the cache before this step
+    num_computed_tokens: bytes = b""
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):

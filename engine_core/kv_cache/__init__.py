@@ -1,1 +1,1 @@
-"""The paged KV-cache bookkeeping: blocks, the free queue, hashing, the pool, managers, coordinators."""
+"""Paged KV-cache bookkeeping: blocks, the free queue, hashing, the pool, managers, coordinators."""
