@@ -312,9 +312,11 @@ class WorkerGroup:
 
     def _broadcast(self, frame: bytes) -> None:
         """Send the same encoded frame to every rank that said hello."""
+        sock = self.sock
         for identity, rank in self.ranks_by_identity.items():
-            try:
-                self.sock.send_multipart((identity, frame))
+            try:  # two plain sends: send_multipart costs a few µs more per rank
+                sock.send(identity, zmq.SNDMORE)
+                sock.send(frame)
             except zmq.ZMQError as exc:
                 raise WorkerGroupError(f"cannot reach rank {rank}: {exc}") from None
 
