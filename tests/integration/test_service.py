@@ -117,7 +117,13 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
 def test_ranks_with_different_capacities_agree_on_the_minimum(
     processes: Processes, addresses: dict
 ) -> None:
-    """Separate kvserve-core and kvserve-worker processes; rank 1 has half the memory."""
+    """Separate kvserve-core and kvserve-worker processes over tcp, as ranks on other hosts
+    would run; rank 1 has half the memory."""
+    addresses = dict(
+        addresses,
+        client=f"tcp://127.0.0.1:{free_tcp_port()}",
+        worker=f"tcp://127.0.0.1:{free_tcp_port()}",
+    )
     processes.start(
         "core",
         "core_main",
