@@ -12,9 +12,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engine_core.client import EngineClient, RequestResult, make_request
+from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 
-DEFAULT_CLIENT_ADDRESS = "ipc:///tmp/kvserve-client.sock"
+DEFAULT_CLIENT_ADDRESS = EngineConfig().client_address
 POLL_S = 0.25  # progress bar refresh
 
 

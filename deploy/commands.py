@@ -6,10 +6,10 @@ Each adds its flags to a subparser and names a handler that returns the process 
 import argparse
 import json
 
-from deploy.flags import ENGINE_FLAGS, WORKER_FLAGS, UsageError, build_config
-from protocol.config import WorkerConfig
+from deploy.flags import UsageError, build_config
+from protocol.config import EngineConfig, WorkerConfig
 
-DEFAULT_CLIENT_ADDRESS = "ipc:///tmp/kvserve-client.sock"  # EngineConfig's default client socket
+DEFAULT_CLIENT_ADDRESS = EngineConfig().client_address
 
 
 def add_subcommands(commands: argparse._SubParsersAction) -> None:
@@ -86,6 +86,3 @@ def reset_command(args: argparse.Namespace) -> int:
             return 1
     print("prefix cache reset")
     return 0
-
-
-__all__ = ["ENGINE_FLAGS", "WORKER_FLAGS", "add_subcommands"]
