@@ -19,7 +19,7 @@ from deploy.launch import Deployment, free_tcp_port, worker_configs
 from engine_core.client import EngineClient, RequestResult, make_request
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
 from protocol.sampling import SamplingParams
-from worker.models.reference import reference_generate
+from worker.models.reference import ReferenceModel
 
 PROGRESS_POLL_S = 0.25  # longest wait for outputs between progress bar updates
 
@@ -151,11 +151,11 @@ def check_against_reference(
     """The req_ids whose served tokens differ from the reference model's."""
     torch.set_num_threads(1)  # small matrices: more threads only spin against each other
     params = SamplingParams(max_tokens=settings.max_tokens)
+    reference = ReferenceModel(settings.model, seed=0)
     return [
         result.req_id
         for prompt, result in done
-        if result.error is not None
-        or result.token_ids != reference_generate(settings.model, prompt, params, seed=0)
+        if result.error is not None or result.token_ids != reference.generate(prompt, params)
     ]
 
 

@@ -61,6 +61,46 @@ def _stops(token_id: int, output: list[int], params: SamplingParams, eos: int | 
     return is_eos or token_id in params.stop_token_ids
 
 
+class ReferenceModel:
+    """One model, unpaged: build it once, then generate for as many prompts as needed.
+
+    Args:
+        seed: the model's weight seed (WorkerConfig.seed).
+        sampling_seed: the runner seed that unseeded temperature sampling depends on.
+    """
+
+    def __init__(self, model_name: str, seed: int = 0, sampling_seed: int = 0) -> None:
+        self.info = get_model_info(model_name, block_size=16)
+        self._logits_of = (
+            _checksum_logits
+            if model_name == CHECKSUM.name
+            else _tiny_llama_logits(model_name, seed)
+        )
+        self._sampler = Sampler(sampling_seed)
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        max_model_len: int | None = None,
+        req_id: int = 0,
+    ) -> list[int]:
+        """The tokens the engine must produce for this prompt; `req_id` is the engine handle."""
+        info = self.info
+        limit = min(max_model_len or info.max_model_len, info.max_model_len)
+        sequence, output = list(prompt_token_ids), []
+        while len(sequence) < limit:
+            logits = self._logits_of(sequence)
+            request = SampleRequest(req_id, sampling_params, len(sequence))
+            token_id = int(self._sampler.sample(logits[None], [request])[0])
+            sequence.append(token_id)
+            output.append(token_id)
+            if _stops(token_id, output, sampling_params, info.eos_token_id):
+                break
+        return output
+
+
 def reference_generate(
     model_name: str,
     prompt_token_ids: list[int],
@@ -71,28 +111,11 @@ def reference_generate(
     req_id: int = 0,
     sampling_seed: int = 0,
 ) -> list[int]:
-    """The tokens the engine must produce for this prompt.
-
-    Args:
-        seed: the model's weight seed (WorkerConfig.seed).
-        req_id, sampling_seed: the engine handle and runner seed that unseeded sampling depends on.
-    """
-    info = get_model_info(model_name, block_size=16)
-    limit = min(max_model_len or info.max_model_len, info.max_model_len)
-    logits_of = (
-        _checksum_logits if model_name == CHECKSUM.name else _tiny_llama_logits(model_name, seed)
+    """The tokens the engine must produce for one prompt (see ReferenceModel for many)."""
+    model = ReferenceModel(model_name, seed, sampling_seed)
+    return model.generate(
+        prompt_token_ids, sampling_params, max_model_len=max_model_len, req_id=req_id
     )
-    sampler = Sampler(sampling_seed)
-    sequence, output = list(prompt_token_ids), []
-    while len(sequence) < limit:
-        logits = logits_of(sequence)
-        request = SampleRequest(req_id, sampling_params, len(sequence))
-        token_id = int(sampler.sample(logits[None], [request])[0])
-        sequence.append(token_id)
-        output.append(token_id)
-        if _stops(token_id, output, sampling_params, info.eos_token_id):
-            break
-    return output
 
 
 def _checksum_logits(sequence: list[int]) -> torch.Tensor:
