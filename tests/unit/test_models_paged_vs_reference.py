@@ -93,12 +93,29 @@ def test_paged_tokens_equal_reference(
     assert max(len(p) for p in PROMPTS) > 24
 
 
+# Pools too small for the batch at each block size; the hybrid's window group needs more blocks.
+TIGHT_NUM_BLOCKS = {1: 129, 4: 40, 16: 11, 32: 6}
+TIGHT_HYBRID_NUM_BLOCKS = {1: 193, 4: 40, 16: 11, 32: 7}
+
+
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_tokens_survive_preemption_and_recompute(model: str, enable_prefix_caching: bool) -> None:
-    """Too few blocks for the batch: the last running request is preempted and later resumed."""
+def test_tokens_survive_preemption_and_recompute(
+    model: str, block_size: int, enable_prefix_caching: bool
+) -> None:
+    """Too few blocks for the batch: the last running request is preempted and later resumed.
+
+    Guards the resumed path at every block size, not only at 4: a replacement table whose
+    length or slot arithmetic depended on the block size would change the tokens.
+    """
+    pools = TIGHT_HYBRID_NUM_BLOCKS if model == "tiny-llama-hybrid" else TIGHT_NUM_BLOCKS
     work = workload(
-        model, 4, 40, max_num_batched_tokens=32, enable_prefix_caching=enable_prefix_caching
+        model,
+        block_size,
+        pools[block_size],
+        max_num_batched_tokens=32,
+        enable_prefix_caching=enable_prefix_caching,
     )
     result = run_workload(work, single_rank_group(), CPU)
     assert result.num_preemptions > 0
