@@ -186,6 +186,30 @@ def test_multi_turn_follow_up_hits_the_cache_for_every_full_block(
     assert _num_scheduled(first_new) == [4]
 
 
+@pytest.mark.parametrize("prompt_len", [31, 30])
+def test_follow_up_equal_to_prompt_plus_output_hits_all_its_full_blocks(
+    make_harness: MakeHarness, prompt_len: int
+) -> None:
+    """The follow-up is exactly turn 1's prompt and output; every full block of it is a hit.
+
+    With 41 tokens all 10 full blocks hit (40 tokens); with 40 tokens the hit stops at 9 blocks,
+    since the last token must be computed for its logits.
+    """
+    harness = make_harness(num_blocks=64, block_size=4)
+    prompt = _prompt(random.Random(12), prompt_len)
+    harness.add("turn-1", prompt, max_tokens=10)
+    harness.run()
+    follow_up = prompt + harness.tokens["turn-1"]
+    harness.add("turn-2", follow_up, max_tokens=3)
+    harness.run()
+    num_full_blocks = len(follow_up) // 4
+    expected = 4 * num_full_blocks if len(follow_up) % 4 else 4 * (num_full_blocks - 1)
+    assert harness.num_cached_tokens["turn-2"] == expected
+    first_new = [out for out in harness.scheduler_outputs if out.scheduled_new_reqs][-1]
+    assert _num_scheduled(first_new) == [len(follow_up) - expected]
+    assert harness.tokens["turn-2"] == reference_tokens(follow_up, 3, harness.vocab_size)
+
+
 def test_hybrid_model_gets_one_table_per_group_and_the_same_tokens(
     make_harness: MakeHarness,
 ) -> None:

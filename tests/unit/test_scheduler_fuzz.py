@@ -1,14 +1,17 @@
 """Seeded fuzz of the step loop: random arrivals, lengths, priorities and aborts in a small pool.
 
 Every SchedulerOutput is checked by the FakeExecutor (sums, budgets, new and finished ids,
-computed counts); here the workers' block tables are compared with the KV-cache manager's after
-every step, and every request's tokens with what the fake model gives for its prompt alone.
+computed counts); here, after every step, the prefill threshold and max_num_seqs are checked and
+the workers' block tables compared with the KV-cache manager's; at the end every request's tokens
+are compared with what the fake model gives for its prompt alone.
 """
 
 import random
 
 import pytest
 from fake_executor import Harness, reference_tokens
+
+from protocol.buffers import unpack_int32
 
 NUM_STEPS = 10_000
 BASE_PROMPTS = 4  # requests share prefixes of these, so prefix hits happen
@@ -29,6 +32,15 @@ def _check_tables(harness: Harness) -> None:
         assert workers[request.handle].block_ids == held, (
             f"{request.req_id}: workers hold {workers[request.handle].block_ids}, engine {held}"
         )
+
+
+def _check_budgets(harness: Harness, threshold: int, max_num_seqs: int) -> None:
+    """The last step gave no request more than the threshold and ran at most max_num_seqs."""
+    if not harness.scheduler_outputs:
+        return
+    counts = list(unpack_int32(harness.scheduler_outputs[-1].num_scheduled_tokens))
+    assert max(counts, default=0) <= threshold, f"a request got {max(counts)} tokens"
+    assert len(counts) <= max_num_seqs, f"{len(counts)} requests in one step"
 
 
 def _check_tokens(harness: Harness, prompts: dict[str, list[int]]) -> None:
@@ -71,6 +83,7 @@ def test_random_workload_keeps_every_step_consistent(policy: str, seed: int) -> 
             harness.abort([rng.choice(list(harness.scheduler.requests))])
         harness.step()
         _check_tables(harness)
+        _check_budgets(harness, threshold=12, max_num_seqs=8)
     harness.check_no_leaks()
     _check_tokens(harness, prompts)
     assert harness.executor.num_steps >= num_steps
