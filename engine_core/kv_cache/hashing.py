@@ -1,16 +1,12 @@
 """Chained block hashes over a canonical byte encoding; never pickle, never Python's hash().
 
-The bytes hashed for one block are, in order:
-    parent digest       the previous block's hash, or NONE_HASH for the block at token 0
-    u32 little-endian   the number of tokens in the block
-    u32 little-endian   each token id
-    msgpack             the extra keys, a list of [tag, value] pairs; absent when there are none
-so any process, in any language, reproduces a hash from the tokens alone.
+Any process, in any language, reproduces a hash from the tokens alone (BlockHasher documents
+the bytes). Prefix-cache keys append the KV-cache group id to the hash.
 """
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NewType
 
 import msgspec
@@ -34,7 +30,7 @@ ExtraKey = tuple[str, str | int]
 _EXTRA_KEY_ENCODER = msgspec.msgpack.Encoder()
 
 
-def _digest_fn(algo: HashAlgo):
+def _digest_fn(algo: HashAlgo) -> Callable[[bytes], bytes]:
     if algo == "sha256":
         return lambda data: hashlib.sha256(data).digest()
     if algo == "xxhash":
@@ -45,7 +41,14 @@ def _digest_fn(algo: HashAlgo):
 
 
 class BlockHasher:
-    """Hashes full blocks of `block_size` tokens with one algorithm and one NONE_HASH seed."""
+    """Hashes full blocks of `block_size` tokens with one algorithm and one NONE_HASH seed.
+
+    The bytes hashed for one block are, in order:
+        parent digest       the previous block's hash, or NONE_HASH for the block at token 0
+        u32 little-endian   the number of tokens in the block
+        u32 little-endian   each token id
+        msgpack             the extra keys, a list of [tag, value] pairs; absent when there are none
+    """
 
     __slots__ = ("_digest", "_header", "algo", "block_size", "none_hash")
 
