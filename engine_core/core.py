@@ -48,6 +48,7 @@ class EngineCore:
             enable_kv_cache_events=engine_config.kv_events.enable_kv_cache_events,
         )
         self._check_each_step = engine_config.check_invariants
+        self.scheduler.check_each_plan = engine_config.check_invariants
 
     def add_request(
         self, request: EngineCoreRequest, client_id: bytes = b""

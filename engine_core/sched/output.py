@@ -32,6 +32,19 @@ class StepPlan:
     resumed_block_ids: list[BlockIds] = field(default_factory=list)  # whole replacement tables
     preempted_handles: list[int] = field(default_factory=list)
 
+    def check_invariants(self) -> None:
+        for requests, counts in (
+            (self.new_reqs, self.new_num_tokens),
+            (self.running_reqs, self.running_num_tokens),
+            (self.resumed_reqs, self.resumed_num_tokens),
+        ):
+            assert len(requests) == len(counts), f"{len(requests)} requests, {len(counts)} counts"
+        assert len(self.new_block_ids) == len(self.new_reqs), "a new request lacks its table"
+        assert len(self.running_block_ids) == len(self.running_reqs), "running block ids misalign"
+        assert len(self.resumed_block_ids) == len(self.resumed_reqs), "a resumed request lacks one"
+        ids = [id(request) for request in self.requests_in_order()]
+        assert len(ids) == len(set(ids)), "a request is scheduled twice in one step"
+
     def unschedule_running(self, request: Request) -> int:
         """Drop a running request scheduled earlier in this step; returns its token count."""
         idx = self.running_reqs.index(request)

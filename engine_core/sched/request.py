@@ -137,6 +137,15 @@ class Request:
                 self.block_hashes, self.all_token_ids, first_block_extra_keys(self.cache_salt)
             )
 
+    def check_invariants(self) -> None:
+        assert 0 <= self.num_computed_tokens <= self.num_tokens, repr(self)
+        assert self.num_prompt_tokens <= self.num_tokens, repr(self)
+        if self._block_hasher is not None:
+            num_full_blocks = self.num_tokens // self._block_hasher.block_size
+            assert len(self.block_hashes) == num_full_blocks, (
+                f"{self!r} has {len(self.block_hashes)} block hashes, expected {num_full_blocks}"
+            )
+
     def __lt__(self, other: "Request") -> bool:
         """Priority order: lower priority value first, then earlier arrival, then the handle."""
         return (self.priority, self.arrival_time, self.handle) < (

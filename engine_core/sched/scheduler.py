@@ -81,6 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_cache_queries = 0  # prompt tokens looked up, since start
         self.num_prefix_cache_hits = 0  # of those, tokens served from the cache
+        self.check_each_plan = False  # walk each step's plan before it is built (debugging)
 
     # ---- admission and aborts -------------------------------------------------------------
 
@@ -157,6 +158,8 @@ class Scheduler:
         budget = self._schedule_running(plan, self.scheduler_config.max_num_batched_tokens)
         if not plan.preempted_handles:  # admitting now would only thrash the pool again
             self._schedule_waiting(plan, budget)
+        if self.check_each_plan:
+            plan.check_invariants()
         self._step_id += 1
         requests = plan.requests_in_order()
         finished, self._finished_handles = self._finished_handles, []
@@ -372,7 +375,7 @@ class Scheduler:
             f"{len(live)} live requests, {len(self.running)} running, {len(waiting)} waiting"
         )
         for request in self.requests.values():
-            assert request.num_computed_tokens <= request.num_tokens, repr(request)
+            request.check_invariants()
         self.waiting.check_invariants()
         self.kv_cache_manager.check_invariants()
 

@@ -2,6 +2,7 @@
 
 from array import array
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -93,3 +94,11 @@ def test_priority_order_is_priority_then_arrival_then_handle() -> None:
     urgent = make_request([1], priority=0, arrival_time=3.0, handle=3)
     tie = make_request([1], priority=1, arrival_time=1.0, handle=4)
     assert sorted([late, tie, early, urgent]) == [urgent, early, tie, late]
+
+
+def test_check_invariants_names_a_request_computed_past_its_tokens() -> None:
+    request = make_request(list(range(6)))
+    request.check_invariants()
+    request.num_computed_tokens = 7
+    with pytest.raises(AssertionError, match="computed=7"):
+        request.check_invariants()

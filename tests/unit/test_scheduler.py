@@ -5,7 +5,10 @@ import random
 import pytest
 from fake_executor import MakeHarness, reference_tokens
 
+from engine_core.sched.output import StepPlan
+from engine_core.sched.request import Request
 from protocol.buffers import unpack_int32
+from protocol.sampling import SamplingParams
 from protocol.worker_messages import SchedulerOutput
 
 
@@ -248,3 +251,17 @@ def test_reserve_full_prompt_admits_only_a_prompt_that_fits_whole(
     harness.run()
     for req_id, prompt in prompts.items():
         assert harness.tokens[req_id] == reference_tokens(prompt, 8, harness.vocab_size)
+
+
+def test_step_plan_invariants_catch_a_request_scheduled_twice() -> None:
+    request = Request("r", [1, 2, 3], SamplingParams(), handle=1)
+    plan = StepPlan()
+    plan.new_reqs.append(request)
+    plan.new_num_tokens.append(3)
+    plan.new_block_ids.append(([1],))
+    plan.check_invariants()
+    plan.running_reqs.append(request)
+    plan.running_num_tokens.append(1)
+    plan.running_block_ids.append(None)
+    with pytest.raises(AssertionError, match="scheduled twice"):
+        plan.check_invariants()
