@@ -72,3 +72,21 @@ def test_model_info_names_and_groups() -> None:
     assert get_model_info("checksum", 16).eos_token_id is None
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
         get_model_info("gpt", 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_capacity_takes_its_share_of_the_device_less_what_is_in_use() -> None:
+    device = torch.device("cuda", 0)
+    groups = get_model_info("tiny-llama", block_size=16).kv_cache_groups
+    per_block = bytes_per_block(groups, 1)
+    free_before, total_bytes = torch.cuda.mem_get_info(device)
+    got = num_blocks_available(groups, 1, device, 0.5, None)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    share = int(total_bytes * 0.5)
+    # another process may allocate or free in between: bound by both readings of the free memory
+    lowest = (share - (total_bytes - min(free_before, free_after))) // per_block
+    highest = (share - (total_bytes - max(free_before, free_after))) // per_block
+    assert lowest <= got <= highest
+    assert num_blocks_available(groups, 1, device, 0.5, 10 * per_block) == 10
+    caches = allocate_kv_caches(KVCacheConfig(4, groups), 1, device)
+    assert all(tensor.is_cuda and tensor.shape[0] == 4 for tensor in caches.values())
