@@ -2,8 +2,7 @@
 
 Workloads: 64, 256 and 1,024 running decode requests, and a prefill-heavy mix (new 768-token
 prompts every step beside the running decodes). Building the fake runner output and adding
-requests stay out of the figures on both sides. Run:
-    .venv/bin/python -m bench.scheduler --peer vllm --json figures.json
+requests stay out of the figures on both sides. Run: `python -m bench.scheduler --peer vllm`.
 """
 
 import argparse

@@ -1,9 +1,8 @@
 """Seeded fuzz of the step loop: random arrivals, lengths, priorities and aborts in a small pool.
 
-Every SchedulerOutput is checked by the FakeExecutor (sums, budgets, new and finished ids,
-computed counts); here, after every step, the prefill threshold and max_num_seqs are checked and
-the workers' block tables compared with the KV-cache manager's; at the end every request's tokens
-are compared with what the fake model gives for its prompt alone.
+The FakeExecutor checks every SchedulerOutput (sums, budgets, new and finished ids, computed
+counts); after every step this test checks the prefill threshold, max_num_seqs and the workers'
+block tables against the KV-cache manager's, and at the end every request's tokens.
 """
 
 import random
