@@ -126,7 +126,7 @@ engine_to_worker = st.one_of(
         st.lists(naturals, max_size=4),
         st.lists(naturals, max_size=4),
     ),
-    st.builds(Shutdown, texts),
+    st.builds(Shutdown, texts, st.booleans()),
 )
 worker_to_engine = st.one_of(
     st.builds(WorkerHello, ints, naturals, positives, ints, texts, texts, model_infos, ints),
