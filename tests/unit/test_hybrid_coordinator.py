@@ -3,6 +3,8 @@
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import (
@@ -176,3 +178,41 @@ def test_hybrid_decode_frees_only_the_window_groups_old_blocks() -> None:
     manager.free(request)
     assert manager.usage == 0.0
     manager.check_invariants()
+
+
+def _agrees(cached: list[bool], spec: KVCacheSpec, num_blocks: int) -> bool:
+    """Whether one group can serve a hit of `num_blocks` blocks, from its cached pattern alone."""
+    if isinstance(spec, SlidingWindowSpec):
+        num_needed = -(-(spec.sliding_window - 1) // BLOCK_SIZE)
+        return all(cached[max(0, num_blocks - num_needed) : num_blocks])
+    return all(cached[:num_blocks])
+
+
+@settings(max_examples=150)
+@given(
+    windows=st.lists(st.sampled_from([None, 2, 3, 4, 5, 7]), min_size=1, max_size=3),
+    patterns=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=3, max_size=3),
+    max_length=st.integers(0, 13),
+)
+def test_hit_length_is_the_longest_every_group_can_serve(
+    windows: list[int | None], patterns: list[list[bool]], max_length: int
+) -> None:
+    """Guards against a fixed point that stops short of, or overshoots, the best common length."""
+    specs = [FULL if window is None else _window(window) for window in windows]
+    coordinator = get_kv_cache_coordinator(_config(1 + 6 * len(specs), *specs), True)
+    hashes = [BlockHash(bytes([i]) * 8) for i in range(6)]
+    for group_id, cached in enumerate(patterns[: len(specs)]):
+        _cache(coordinator.block_pool, hashes, group_id, {i for i, c in enumerate(cached) if c})
+    hits, hit_length = coordinator.find_longest_cache_hit(hashes, max_length)
+    expected = max(
+        num_blocks
+        for num_blocks in range(max_length // BLOCK_SIZE + 1)
+        if num_blocks <= 6
+        and all(_agrees(c, s, num_blocks) for c, s in zip(patterns, specs, strict=False))
+    )
+    assert hit_length == expected * BLOCK_SIZE
+    for group_id, blocks in enumerate(hits):
+        assert len(blocks) == expected
+        for idx, block in enumerate(blocks):
+            assert block.is_null or block.block_hash[:-4] == hashes[idx]
+            assert not block.is_null or isinstance(specs[group_id], SlidingWindowSpec)
