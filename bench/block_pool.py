@@ -1,9 +1,8 @@
 """BlockPool throughput on a seeded serving trace, and the cost of a 1,000,000-block pool.
 
-Replays bench/trace.py's trace (shared system prompts of 1k-4k tokens, user suffixes, block
-size 16, eviction under memory pressure): per request hash, lookup, touch, allocate, cache, and
-free tail first. With `--peer vllm` the same loop runs through vLLM 0.33.0's BlockPool.
-Run: python -m bench.block_pool [--peer vllm] [--json FILE]
+Replays bench/trace.py's trace (shared 1k-4k-token system prompts, user suffixes, block size 16,
+eviction under pressure): per request hash, lookup, touch, allocate, cache, free tail first.
+Run: python -m bench.block_pool [--peer vllm] [--json FILE]; the peer is vLLM 0.33.0's BlockPool.
 """
 
 import gc

@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -29,7 +30,7 @@ from bench.trace import (  # importable thanks to the path above
 LARGE_POOL_BLOCKS = 1_000_000
 
 
-def make_hash_prefix(block_size: int, algo: str):
+def make_hash_prefix(block_size: int, algo: str) -> Callable[[list[int]], list[bytes]]:
     """vLLM's chained block hash, as its request block hasher computes it, over a token list."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
@@ -47,14 +48,16 @@ def make_hash_prefix(block_size: int, algo: str):
     return hash_prefix
 
 
-def timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     gc.collect()
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def measure_replay(trace: Trace, algo: str, repeats: int, new_pool) -> dict:
+def measure_replay(
+    trace: Trace, algo: str, repeats: int, new_pool: Callable[[int], object]
+) -> dict:
     """The same figures as the kvserve side: with hashing, and with hashes precomputed."""
     config = trace.config
     plan = replay_plan(trace)
@@ -83,7 +86,7 @@ def measure_replay(trace: Trace, algo: str, repeats: int, new_pool) -> dict:
     }
 
 
-def measure_large_pool(repeats: int, new_pool) -> dict:
+def measure_large_pool(repeats: int, new_pool: Callable[[int], object]) -> dict:
     construct_s = statistics.median(
         timed(lambda: new_pool(LARGE_POOL_BLOCKS)) for _ in range(repeats)
     )
