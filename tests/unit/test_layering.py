@@ -66,3 +66,17 @@ def test_engine_and_worker_never_read_argv_or_environment() -> None:
             if "os.environ" in text or "sys.argv" in text or "os.getenv" in text:
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+def test_benchmark_peers_never_import_kvserve() -> None:
+    """A peer runs in vLLM's environment, where kvserve is not installed; bench/trace.py is shared
+    with it, so it too must stay standard library only."""
+    paths = [ROOT / "bench" / "trace.py", *sorted((ROOT / "bench" / "peers").glob("*.py"))]
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in paths
+        for name in sorted(_imported_top_levels(path) & set(PACKAGES))
+    ]
+    trace_imports = _imported_top_levels(ROOT / "bench" / "trace.py")
+    offenders += [f"bench/trace.py imports {name}" for name in sorted(trace_imports - STDLIB)]
+    assert len(paths) >= 3 and not offenders, offenders
