@@ -1,0 +1,112 @@
+"""The engine's real Scheduler driving a real ModelRunner in-process: tokens equal the reference.
+
+This joins the two halves of the wire contract without sockets: the SchedulerOutputs the engine
+builds (prefix hits, chunks, sliding-window null blocks, preemption and resumed tables) must be
+read by the worker exactly as meant, or the paged tokens drift from the unpaged reference.
+"""
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine_core.core import EngineCore
+from protocol.buffers import pack_int32
+from protocol.client_messages import EngineCoreRequest
+from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.sampling import SamplingParams
+from worker.distributed import single_rank_group
+from worker.kv_cache import allocate_kv_caches
+from worker.model_runner import ModelRunner
+from worker.models.reference import reference_generate
+from worker.models.registry import build_model, get_model_info
+
+CPU = torch.device("cpu")
+MAX_MODEL_LEN = 96
+PARAMS = [
+    SamplingParams(max_tokens=9, ignore_eos=True),
+    SamplingParams(max_tokens=7, temperature=0.8, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5, 77, 301]),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The models are tiny: intra-op threads would only contend for the shared cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _prompts(count: int) -> list[list[int]]:
+    """Prompts of 8..70 tokens; two in three share a prefix, so the prefix cache hits."""
+    rng = random.Random(21)
+    shared = [rng.randrange(3, 500) for _ in range(50)]
+    return [
+        (shared[: rng.randrange(8, 50)] if idx % 3 else [])
+        + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 20))]
+        for idx in range(count)
+    ]
+
+
+def _engine(model: str, block_size: int, num_blocks: int) -> tuple[EngineCore, ModelRunner]:
+    info = get_model_info(model, block_size)
+    kv_cache_config = KVCacheConfig(num_blocks, info.kv_cache_groups)
+    runner = ModelRunner(
+        build_model(model, single_rank_group(), CPU),
+        kv_cache_config,
+        allocate_kv_caches(kv_cache_config, 1, CPU),
+        0,
+        info.max_model_len,
+        CPU,
+        check_each_step=True,
+    )
+    config = EngineConfig(
+        check_invariants=True,
+        cache=CacheConfig(block_size=block_size),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
+    ).checked()
+    return EngineCore(config, kv_cache_config, info, runner), runner
+
+
+@pytest.mark.parametrize(
+    ("model", "block_size", "num_blocks"),
+    [("checksum", 4, 40), ("tiny-llama", 16, 8), ("tiny-llama-hybrid", 4, 56)],
+)
+def test_engine_and_runner_produce_the_reference_tokens(
+    model: str, block_size: int, num_blocks: int
+) -> None:
+    core, runner = _engine(model, block_size, num_blocks)
+    prompts = _prompts(7)
+    tokens: dict[str, list[int]] = {}
+    for idx, prompt in enumerate(prompts):
+        request = EngineCoreRequest(
+            f"r{idx}", pack_int32(prompt), PARAMS[idx % len(PARAMS)], float(idx)
+        )
+        assert core.add_request(request) is None
+        tokens[f"r{idx}"] = []
+    scheduler = core.scheduler
+    handles = {req_id: request.handle for req_id, request in scheduler.requests.items()}
+    for _ in range(1000):
+        if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
+            break
+        for outputs in core.step().values():
+            for output in outputs.outputs:
+                tokens[output.req_id].extend(output.new_token_ids)
+    assert scheduler.num_preemptions > 0, "the pool should force a preemption"
+    assert scheduler.make_stats()["prefix_cache_hits"] > 0, "shared prefixes should hit"
+    for idx, prompt in enumerate(prompts):
+        expected = reference_generate(
+            model,
+            prompt,
+            PARAMS[idx % len(PARAMS)],
+            max_model_len=MAX_MODEL_LEN,
+            req_id=handles[f"r{idx}"],
+        )
+        assert tokens[f"r{idx}"] == expected, f"r{idx}"
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert free == num_blocks - 1 and not scheduler.requests
+    assert runner.input_batch.num_reqs == 0 and not runner.parked
