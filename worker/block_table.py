@@ -39,6 +39,7 @@ class BlockTable:
         if max_num_reqs <= self.max_num_reqs:
             return
         extra = max_num_reqs - self.max_num_reqs
+        # [max_num_reqs, max_num_blocks_per_req] and [max_num_reqs]: old rows first, then zeros
         self.block_table = np.vstack(
             (self.block_table, np.zeros((extra, self.max_num_blocks_per_req), dtype=np.int32))
         )

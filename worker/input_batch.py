@@ -103,6 +103,7 @@ class InputBatch:
 
     def _grow(self, rows: int) -> None:
         extra = rows - len(self.req_ids)
+        # [rows, max_model_len] and [rows]: old rows first, then zeros
         self.token_ids = np.vstack(
             (self.token_ids, np.zeros((extra, self.max_model_len), dtype=np.int32))
         )

@@ -109,7 +109,7 @@ class ModelRunner:
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         modelled = time.perf_counter()
-        sampled = np.full(len(scheduled), UNSAMPLED_TOKEN_ID, dtype=np.int32)
+        sampled = np.full(len(scheduled), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
         sampled[logits_reqs] = self.sampler.sample(logits, sample_reqs).cpu().numpy()
         if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
             raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")

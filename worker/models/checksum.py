@@ -115,7 +115,7 @@ class ChecksumModel:
         kv: KVContext,
     ) -> torch.Tensor:
         """Write every token's values, read each sampled token's context; logits [S, V] float64."""
-        totals = torch.zeros(len(logits_idx), dtype=torch.int64, device=token_ids.device)
+        totals = torch.zeros(len(logits_idx), dtype=torch.int64, device=token_ids.device)  # [S]
         for layer_idx in range(self.config.num_layers):
             name = self.config.layer_name(layer_idx)
             k, v = kv_values(token_ids, positions, layer_idx, self.heads, self.config.head_dim)

@@ -40,7 +40,7 @@ class DenseKV:
         window = self.windows[layer_name]
         if window is not None:
             visible &= positions[None, :] > queries[:, None] - window
-        zeros = torch.zeros((1, self.num_tokens), dtype=torch.int64)
+        zeros = torch.zeros((1, self.num_tokens), dtype=torch.int64)  # [1, T]
         return [ContextChunk(queries[None, :], zeros, zeros, positions[None, :], visible[None])]
 
     def gather(self, layer_name: str, chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +123,8 @@ def _checksum_logits(sequence: list[int]) -> torch.Tensor:
     tokens = torch.tensor(sequence, dtype=torch.int64)
     positions = torch.arange(len(sequence), dtype=torch.int64)
     heads = torch.arange(CHECKSUM.num_kv_heads, dtype=torch.int64)
-    total = torch.zeros(1, dtype=torch.int64)
-    mask = torch.ones((1, len(sequence)), dtype=torch.bool)
+    total = torch.zeros(1, dtype=torch.int64)  # [1]
+    mask = torch.ones((1, len(sequence)), dtype=torch.bool)  # [1, T]
     for layer_idx in range(CHECKSUM.num_layers):
         k, v = kv_values(tokens, positions, layer_idx, heads, CHECKSUM.head_dim)
         total += context_sum(k[None], v[None], positions[None], mask)
