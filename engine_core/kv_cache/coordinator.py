@@ -4,6 +4,7 @@ A coordinator fans each request operation out to the per-group managers and, for
 decides one hit length that every group can honour. It never hashes tokens or sizes memory.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from engine_core.kv_cache.block import KVCacheBlock
@@ -22,7 +23,7 @@ from engine_core.sched.request import Request
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
 
 
-class KVCacheCoordinator:
+class KVCacheCoordinator(ABC):
     """Runs each request operation over every group's manager, against one shared BlockPool.
 
     Invariants: each group's manager holds its own invariants, and every non-null block's
@@ -113,11 +114,11 @@ class KVCacheCoordinator:
         """The request's whole table in every group (empty lists for an unknown request)."""
         return tuple(manager.req_to_blocks.get(req_id, []) for manager in self.single_type_managers)
 
+    @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int]:
         """The hit blocks per group and the hit length in tokens, touching nothing."""
-        raise NotImplementedError(f"{type(self).__name__} does not search the prefix cache")
 
     def check_invariants(self) -> None:
         """Check the pool, every manager, and that ref counts match the request tables."""

@@ -4,6 +4,7 @@ A SingleTypeKVCacheManager knows one attention kind. It asks the shared BlockPoo
 never decides across groups; that is the coordinator's job.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from engine_core.kv_cache.block import KVCacheBlock
@@ -13,7 +14,7 @@ from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWin
 from engine_core.sched.request import Request
 
 
-class SingleTypeKVCacheManager:
+class SingleTypeKVCacheManager(ABC):
     """Every request's blocks in one KV-cache group, in token order.
 
     Invariants:
@@ -132,6 +133,7 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(skipped)
 
     @classmethod
+    @abstractmethod
     def find_longest_cache_hit(
         cls,
         block_hashes: Sequence[BlockHash],
@@ -145,7 +147,6 @@ class SingleTypeKVCacheManager:
         Returns one list per group id, all the same length; a group of the same spec is a hit
         only where every listed group hits.
         """
-        raise NotImplementedError(f"{cls.__name__} does not search the prefix cache")
 
     def check_invariants(self) -> None:
         """Walk every request's table (see the class docstring)."""
