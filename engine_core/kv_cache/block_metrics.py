@@ -48,8 +48,8 @@ class BlockMetricsCollector:
     """Samples one allocation in `sample_every` and times the sampled block until eviction.
 
     Lifetime is allocation to eviction; idle time is the last access (allocation or hit) to
-    eviction. A sampled block handed out again without an eviction (it was never cached) starts
-    a new sample.
+    eviction. A tracked block handed out again without an eviction (it was never cached) is
+    dropped unfinished; that allocation, if sampled, starts a new record.
 
     Invariants: each tracked record has `allocated_s <= last_access_s`; at most
     `max_samples` finished samples are kept, and the three sample queues have equal length.

@@ -350,3 +350,25 @@ def test_check_invariants_catches_a_held_block_left_in_the_queue() -> None:
     pool.blocks[3].ref_cnt = 1
     with pytest.raises(AssertionError, match="block 3 has ref_cnt 1 but is_queued=True"):
         pool.check_invariants()
+
+
+def test_metrics_collector_drops_a_block_reused_without_ever_being_cached() -> None:
+    """Guards against a never-cached block's stale record timing a later, unrelated eviction."""
+    now = [0.0]
+    collector = BlockMetricsCollector(sample_every=2, clock=lambda: now[0])
+    pool = make_pool(metrics_collector=collector)
+    (block,) = pool.get_new_blocks(1)  # allocation 1: not sampled
+    pool.free_blocks([block])
+    (block,) = pool.get_new_blocks(1)  # allocation 2 is sampled: block 1 again, unhashed
+    assert block.block_id == 1 and collector.num_tracked_blocks == 1
+    pool.free_blocks([block])
+    now[0] = 4.0
+    (block,) = pool.get_new_blocks(1)  # allocation 3, not sampled: the record is dropped
+    assert block.block_id == 1 and collector.num_tracked_blocks == 0
+    admit(pool, make_request("a", list(range(4))), 1)  # allocation 4: block 2, sampled at t=4
+    now[0] = 9.0
+    pool.evict_blocks([2])
+    summary = collector.summary()
+    assert summary is not None and summary.num_samples == 1
+    assert summary.lifetime_p50_s == 5.0
+    collector.check_invariants()
