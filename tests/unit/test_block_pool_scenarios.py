@@ -155,6 +155,10 @@ def test_reset_prefix_cache_refuses_while_blocks_are_held() -> None:
     assert pool.reset_prefix_cache() is False
     assert all(block.block_hash is not None for block in blocks)
     assert pool.take_events() == []
+    pool.free_blocks(reversed(blocks))  # the request finishes: now nothing is held
+    assert pool.reset_prefix_cache() is True
+    assert all(block.block_hash is None for block in pool.blocks)
+    assert pool.take_events() == [AllBlocksCleared()]
 
 
 def test_reset_prefix_cache_clears_every_hash_and_keeps_the_free_order() -> None:
