@@ -99,7 +99,8 @@ class EngineClient:
     """A blocking client of one engine.
 
     Invariants: `_outputs` holds outputs received while a utility call was awaited, in arrival
-    order; `_results` holds only requests this client submitted.
+    order; `_results` holds only requests this client submitted; once `_dead` is set, every wait
+    raises it at once.
     """
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -117,6 +118,7 @@ class EngineClient:
         self._outputs: deque[EngineCoreOutput] = deque()
         self._call_ids = itertools.count(1)
         self._results: dict[str, RequestResult] = {}
+        self._dead: EngineDeadError | None = None  # set when the engine disconnects
 
     def send(self, message: EngineCoreRequest | AbortRequests | UtilityCall | bytes) -> None:
         """Send a message (or raw bytes, which tests use to send malformed frames)."""
@@ -164,9 +166,17 @@ class EngineClient:
         return self._results[req_id]
 
     def _raise_if_engine_gone(self) -> None:
-        if self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())
-            raise EngineDeadError(f"the engine at {self.address} disconnected ({event['event']!r})")
+        if self._dead is None and self._monitor.poll(0):
+            self._note_disconnect()
+        if self._dead is not None:
+            raise self._dead
+
+    def _note_disconnect(self) -> None:
+        """Remember the engine's disconnect: the monitor reports it only once."""
+        event = parse_monitor_message(self._monitor.recv_multipart())
+        self._dead = EngineDeadError(
+            f"the engine at {self.address} disconnected ({event['event']!r})"
+        )
 
     def run_until_finished(
         self, req_ids: list[str], timeout_s: float | None = None
@@ -228,13 +238,16 @@ class EngineClient:
 
     def _recv(self, timeout_s: float | None, what: str) -> EngineCoreOutputs | UtilityResult:
         wait_s = self.timeout_s if timeout_s is None else timeout_s
-        events = dict(self._poller.poll(max(0, int(wait_s * 1000))))
-        if self._sock in events:
+        if self._dead is None:
+            events = dict(self._poller.poll(max(0, int(wait_s * 1000))))
+            if self._sock in events:
+                return self._decoder.decode(self._sock.recv())
+            if self._monitor not in events:
+                raise TimeoutError(f"no {what} from the engine at {self.address} in {wait_s:.1f} s")
+            self._note_disconnect()
+        if self._sock.poll(0):  # what the engine sent before it went away is still delivered
             return self._decoder.decode(self._sock.recv())
-        if self._monitor in events:
-            event = parse_monitor_message(self._monitor.recv_multipart())
-            raise EngineDeadError(f"the engine at {self.address} disconnected ({event['event']!r})")
-        raise TimeoutError(f"no {what} from the engine at {self.address} in {wait_s:.1f} s")
+        raise self._dead  # type: ignore[misc]  # set above or by an earlier call
 
     def close(self) -> None:
         self._sock.disable_monitor()
@@ -258,7 +271,8 @@ class AsyncEngineClient:
     Create it inside a running event loop (see `run_async`).
 
     Invariants: `_queues` has one queue per unfinished request submitted here, `_calls` one
-    future per utility call awaiting its answer; both are emptied when the engine dies.
+    future per utility call awaiting its answer; once `_dead` is set, every waiter has been
+    failed with it and every later call raises it at once.
     """
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -273,10 +287,15 @@ class AsyncEngineClient:
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_ids = itertools.count(1)
+        self._dead: EngineDeadError | None = None  # set when the engine disconnects
         self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch())]
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """Submit a request and yield its outputs until its last one."""
+        if self._dead is not None:
+            raise self._dead
+        if request.req_id in self._queues:
+            raise ValueError(f"req_id {request.req_id!r} is still running: expected a new req_id")
         queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._queues[request.req_id] = queue
         await self._sock.send(self._encoder.encode(request))
@@ -297,6 +316,8 @@ class AsyncEngineClient:
         await self._sock.send(self._encoder.encode(AbortRequests(req_ids=req_ids)))
 
     async def call_utility(self, method: str, *args: str | int | float | bool | None) -> object:
+        if self._dead is not None:
+            raise self._dead
         call_id = next(self._call_ids)
         future: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
@@ -334,6 +355,7 @@ class AsyncEngineClient:
         """Fail every waiter at once when the engine disconnects."""
         await self._monitor.recv_multipart()
         error = EngineDeadError(f"the engine at {self.address} disconnected")
+        self._dead = error
         for queue in self._queues.values():
             queue.put_nowait(error)
         for future in self._calls.values():

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PR_SET_CHILD_SUBREAPER = 36
 ORPHAN_WAIT_S = 15.0  # children get this long to exit by themselves after a test
 POLL_S = 0.05
+MAX_IPC_FOLDER_LEN = 80  # leaves room for "/replay.sock" within a Unix socket's 107 bytes
 
 
 def _become_subreaper() -> None:
@@ -30,9 +32,20 @@ def _become_subreaper() -> None:
 
 
 def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    (port,) = free_tcp_ports(1)
+    return port
+
+
+def free_tcp_ports(num_ports: int) -> list[int]:
+    """`num_ports` distinct free ports: each socket stays bound until all are chosen, so the
+    kernel cannot hand out the same port twice."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(num_ports):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
@@ -127,10 +140,21 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
 
 
 @pytest.fixture
-def addresses(tmp_path: Path) -> dict[str, str]:
+def ipc_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder for ipc:// socket files: tmp_path, or a short one when tmp_path is so long that a
+    socket path would pass the 107 bytes a Unix socket address holds (a deep $TMPDIR)."""
+    if len(str(tmp_path)) <= MAX_IPC_FOLDER_LEN:
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as folder:
+        yield Path(folder)
+
+
+@pytest.fixture
+def addresses(ipc_folder: Path) -> dict[str, str]:
     return {
-        "client": f"ipc://{tmp_path}/client.sock",
-        "worker": f"ipc://{tmp_path}/worker.sock",
+        "client": f"ipc://{ipc_folder}/client.sock",
+        "worker": f"ipc://{ipc_folder}/worker.sock",
         "master_port": str(free_tcp_port()),
     }
 
@@ -163,6 +187,28 @@ def launch(
         *extra,
     ]
     return processes.start("launch", "kvserve_main", args)
+
+
+def start_core(processes: Processes, addresses: dict[str, str], tp_size: int, *extra: str) -> None:
+    """`kvserve-core` alone, as the process `core`, at the given addresses."""
+    args = ["-tp", str(tp_size), "--client-address", addresses["client"]]
+    processes.start("core", "core_main", [*args, "--worker-address", addresses["worker"], *extra])
+
+
+def start_worker(
+    processes: Processes,
+    addresses: dict[str, str],
+    rank: int,
+    tp_size: int,
+    model: str,
+    *extra: str,
+    kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
+) -> None:
+    """`kvserve-worker --rank R` alone, as the process `worker-R`, on the CPU."""
+    args = ["--rank", str(rank), "-tp", str(tp_size), "--model", model, "--device", "cpu"]
+    args += ["--engine-address", addresses["worker"], "--master-port", addresses["master_port"]]
+    args += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes), *extra]
+    processes.start(f"worker-{rank}", "worker_main", args)
 
 
 def stop_launch(processes: Processes) -> None:

@@ -11,7 +11,13 @@ from typing import TypeVar
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, EngineDeadError, make_request
+from engine_core.client import (
+    AsyncEngineClient,
+    EngineClient,
+    EngineDeadError,
+    make_request,
+    run_async,
+)
 from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
@@ -24,7 +30,14 @@ from protocol.worker_messages import (
     WorkerHello,
     WorkerReady,
 )
-from tests.integration.conftest import Processes, launch, stop_launch, wait_for
+from tests.integration.conftest import (
+    Processes,
+    launch,
+    start_core,
+    start_worker,
+    stop_launch,
+    wait_for,
+)
 from worker.models.registry import get_model_info
 
 pytestmark = pytest.mark.integration
@@ -60,47 +73,6 @@ class FakeRank:
 
     def send(self, message: WorkerReady | ModelRunnerOutput) -> None:
         self.sock.send(make_encoder().encode(message))
-
-
-def start_core(processes: Processes, addresses: dict, tp_size: int, *extra: str) -> None:
-    processes.start(
-        "core",
-        "core_main",
-        [
-            "-tp",
-            str(tp_size),
-            "--client-address",
-            addresses["client"],
-            "--worker-address",
-            addresses["worker"],
-            *extra,
-        ],
-    )
-
-
-def start_worker(
-    processes: Processes, addresses: dict, rank: int, tp_size: int, model: str
-) -> None:
-    processes.start(
-        f"worker-{rank}",
-        "worker_main",
-        [
-            "--rank",
-            str(rank),
-            "-tp",
-            str(tp_size),
-            "--model",
-            model,
-            "--device",
-            "cpu",
-            "--engine-address",
-            addresses["worker"],
-            "--master-port",
-            addresses["master_port"],
-            "--kv-cache-memory-bytes",
-            str(1 << 22),
-        ],
-    )
 
 
 @pytest.mark.timeout(60)
@@ -176,9 +148,58 @@ def test_killing_the_engine_makes_every_worker_exit(processes: Processes, addres
         assert processes.wait_exit("core", 10) == -signal.SIGKILL
         with pytest.raises(EngineDeadError, match="disconnected"):
             client.get_stats()
+        # the monitor reports the disconnect once; a later call must not wait out its deadline
+        with pytest.raises(EngineDeadError, match="disconnected"):
+            client.call_utility("get_stats", timeout_s=30.0)
     for rank in (0, 1):
         assert processes.wait_exit(f"worker-{rank}", 20) == 1
         assert "disconnected" in processes.log(f"worker-{rank}")
+
+
+@pytest.mark.timeout(90)
+def test_async_client_of_a_killed_engine_gets_engine_dead_error(
+    processes: Processes, addresses: dict
+) -> None:
+    """A waiter, and every call made after the disconnect, fail at once rather than time out."""
+    launch(processes, addresses, 1, "checksum", "--max-model-len", "8192")
+
+    async def outlive_the_engine() -> tuple[str, str]:
+        client = AsyncEngineClient(addresses["client"], 60.0)
+        try:
+            assert await client.call_utility("check_health") is True
+            params = SamplingParams(max_tokens=8000, ignore_eos=True)
+            stream = client.generate(make_request("doomed", [5, 6, 7], params))
+            await anext(stream)  # the request runs
+            engine_pid = int(re.search(r"engine-core \(pid (\d+)\)", processes.log("launch"))[1])
+            os.kill(engine_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError) as waiter:
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError) as later:
+                await client.call_utility("get_stats")
+            return str(waiter.value), str(later.value)
+        finally:
+            await client.close()
+
+    waiter_error, later_error = run_async(outlive_the_engine())  # type: ignore[misc]
+    assert "disconnected" in waiter_error and "disconnected" in later_error
+    assert processes.wait_exit("launch", 30) == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_engine_makes_the_worker_exit(processes: Processes, addresses: dict) -> None:
+    """SIGSTOP keeps the engine's sockets open, so only the worker's heartbeats can tell."""
+    start_core(processes, addresses, 1)
+    start_worker(processes, addresses, 0, 1, "checksum", "--engine-timeout-s", "3")
+    with EngineClient(addresses["client"], 60.0) as client:
+        assert client.check_health() is True
+    processes.procs["core"].send_signal(signal.SIGSTOP)
+    try:
+        assert processes.wait_exit("worker-0", 30) == 1
+    finally:
+        processes.procs["core"].send_signal(signal.SIGCONT)
+    assert "disconnected" in processes.log("worker-0")
+    assert processes.wait_exit("core", 30) == 1  # woken, the engine finds its only rank gone
 
 
 def test_fake_rank_host_is_not_this_host() -> None:
