@@ -18,12 +18,21 @@ from engine_core.client import EngineClient, make_request
 from protocol.codec import kv_event_decoder
 from protocol.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, free_tcp_port, launch, stop_launch, wait_for
+from tests.integration.conftest import (
+    Processes,
+    free_tcp_ports,
+    launch,
+    start_core,
+    start_worker,
+    stop_launch,
+    wait_for,
+)
 from worker.models.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 
 CLIENT_TIMEOUT_S = 90.0
+EVENT_WAIT_MS = 30_000  # the longest wait for one KV event batch
 
 
 def chat_prompts(num_prompts: int, prefix_len: int, tail_len: int, seed: int) -> list[list[int]]:
@@ -60,6 +69,7 @@ def serve_and_check(
         (2, "checksum", "--no-enable-prefix-caching"),
         (2, "tiny-llama", "--enable-prefix-caching"),
         (1, "tiny-llama-hybrid", "--no-enable-prefix-caching"),
+        (2, "tiny-llama-hybrid", "--enable-prefix-caching"),
     ],
 )
 def test_concurrent_requests_equal_the_reference(
@@ -82,12 +92,17 @@ def test_concurrent_requests_equal_the_reference(
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("model", "num_blocks", "max_model_len", "num_tokens"),
-    [("checksum", "24", "256", 60), ("tiny-llama-hybrid", "12", "64", 20)],
+    ("tp_size", "model", "num_blocks", "max_model_len", "num_tokens"),
+    [
+        (1, "checksum", "24", "256", 60),
+        (2, "checksum", "24", "256", 60),
+        (2, "tiny-llama-hybrid", "12", "64", 20),
+    ],
 )
 def test_small_pool_forces_preemption_and_outputs_still_match(
     processes: Processes,
     addresses: dict,
+    tp_size: int,
     model: str,
     num_blocks: str,
     max_model_len: str,
@@ -96,7 +111,7 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     launch(
         processes,
         addresses,
-        2,
+        tp_size,
         model,
         "--num-gpu-blocks-override",
         num_blocks,
@@ -119,47 +134,16 @@ def test_ranks_with_different_capacities_agree_on_the_minimum(
 ) -> None:
     """Separate kvserve-core and kvserve-worker processes over tcp, as ranks on other hosts
     would run; rank 1 has half the memory."""
-    addresses = dict(
-        addresses,
-        client=f"tcp://127.0.0.1:{free_tcp_port()}",
-        worker=f"tcp://127.0.0.1:{free_tcp_port()}",
-    )
-    processes.start(
-        "core",
-        "core_main",
-        [
-            "-tp",
-            "2",
-            "--client-address",
-            addresses["client"],
-            "--worker-address",
-            addresses["worker"],
-            "--max-model-len",
-            "256",
-        ],
-    )
+    client_port, worker_port, master_port = free_tcp_ports(3)
+    addresses = {
+        "client": f"tcp://127.0.0.1:{client_port}",
+        "worker": f"tcp://127.0.0.1:{worker_port}",
+        "master_port": str(master_port),
+    }
+    start_core(processes, addresses, 2, "--max-model-len", "256")
     budgets = {0: 1 << 20, 1: 1 << 19}
     for rank, budget in budgets.items():
-        processes.start(
-            f"worker-{rank}",
-            "worker_main",
-            [
-                "--rank",
-                str(rank),
-                "-tp",
-                "2",
-                "--model",
-                "checksum",
-                "--device",
-                "cpu",
-                "--engine-address",
-                addresses["worker"],
-                "--master-port",
-                addresses["master_port"],
-                "--kv-cache-memory-bytes",
-                str(budget),
-            ],
-        )
+        start_worker(processes, addresses, rank, 2, "checksum", kv_cache_memory_bytes=budget)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         serve_and_check(
             client, "checksum", chat_prompts(3, 20, 5, seed=3), SamplingParams(max_tokens=8)
@@ -177,7 +161,8 @@ def test_ranks_with_different_capacities_agree_on_the_minimum(
 
 @pytest.mark.timeout(90)
 def test_metrics_and_health_endpoints(processes: Processes, addresses: dict) -> None:
-    port = free_tcp_port()
+    port, master_port = free_tcp_ports(2)  # distinct: the HTTP server and torch's rendezvous
+    addresses = dict(addresses, master_port=str(master_port))
     launch(processes, addresses, 1, "checksum", "--metrics-port", str(port))
     base = f"http://127.0.0.1:{port}"
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
@@ -190,15 +175,24 @@ def test_metrics_and_health_endpoints(processes: Processes, addresses: dict) -> 
                 "vllm:prefix_cache_hits_total" in http_get(f"{base}/metrics")[1]
                 and _sample(http_get(f"{base}/metrics")[1], "vllm:prefix_cache_hits_total") > 0
             ),
-            10,
+            20,
             "the prefix-cache counters",
         )
+    # the loop records a step's latencies just after sending its outputs: wait for the last one
+    wait_for(
+        lambda: (
+            _sample(http_get(f"{base}/metrics")[1], "vllm:inter_token_latency_seconds_count")
+            >= 4 * 4
+        ),
+        20,
+        "the last step's inter-token latencies",
+    )
     text = http_get(f"{base}/metrics")[1]
     assert _sample(text, "vllm:time_to_first_token_seconds_count") == 4
     assert _sample(text, "vllm:inter_token_latency_seconds_count") == 4 * 4
     wait_for(
         lambda: _sample(http_get(f"{base}/metrics")[1], "vllm:num_requests_running") == 0,
-        5,
+        20,
         "the running gauge to reach 0",
     )
     stop_launch(processes)
@@ -239,9 +233,9 @@ def test_bench_stats_and_reset_commands_talk_to_a_running_engine(
 
 @pytest.mark.timeout(90)
 def test_kv_events_are_published_in_order_and_replayed(
-    processes: Processes, addresses: dict, tmp_path: pathlib.Path
+    processes: Processes, addresses: dict, ipc_folder: pathlib.Path
 ) -> None:
-    endpoint, replay_endpoint = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    endpoint, replay_endpoint = f"ipc://{ipc_folder}/kv.sock", f"ipc://{ipc_folder}/replay.sock"
     events_config = {
         "enable_kv_cache_events": True,
         "endpoint": endpoint,
@@ -270,7 +264,7 @@ def test_kv_events_are_published_in_order_and_replayed(
     replay.send_multipart((b"", (0).to_bytes(8, "big")))
     replayed = []
     while True:
-        assert replay.poll(10_000), "no replay answer"
+        assert replay.poll(EVENT_WAIT_MS), "no replay answer"
         _, seq, payload = replay.recv_multipart()
         if int.from_bytes(seq, "big", signed=True) == -1:
             break
@@ -288,7 +282,7 @@ def receive_batches(
     batches: list[tuple[int, KVEventBatch]] = []
     events: list = []
     while not events or not until(events):
-        assert sub.poll(10_000), f"no KV event batch after {len(batches)}"
+        assert sub.poll(EVENT_WAIT_MS), f"no KV event batch after {len(batches)}"
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv"
         batches.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
