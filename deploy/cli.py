@@ -31,7 +31,7 @@ TORCHRUN_ENV = {
     "MASTER_ADDR": "master_addr",
     "MASTER_PORT": "master_port",
 }
-LAUNCH_WORKER_FIELDS = (
+LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest follow the engine
     "model",
     "dtype",
     "device",
@@ -41,21 +41,7 @@ LAUNCH_WORKER_FIELDS = (
     "engine_timeout_s",
     "seed",
 )
-LAUNCH_WORKER_FLAGS = [
-    flag
-    for flag in WORKER_FLAGS
-    if flag.path[0]
-    in (
-        "model",
-        "dtype",
-        "device",
-        "master_addr",
-        "master_port",
-        "dist_timeout_s",
-        "engine_timeout_s",
-        "seed",
-    )
-]
+LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,10 @@ Each adds its flags to a subparser and names a handler that returns the process 
 
 import argparse
 import json
+import sys
 
 from deploy.flags import UsageError, build_config
+from deploy.logs import LOG_LEVELS
 from protocol.config import EngineConfig, WorkerConfig
 
 DEFAULT_CLIENT_ADDRESS = EngineConfig().client_address
@@ -25,7 +27,9 @@ def add_subcommands(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="serve a built-in workload on CPU, TP=2, tiny-llama")
     demo.add_argument("--tensor-parallel-size", "-tp", type=int, default=2, help="ranks; default 2")
     demo.add_argument("--model", default="tiny-llama", help="model name; default tiny-llama")
-    demo.add_argument("--log-level", default="WARNING", help="of the engine and workers")
+    demo.add_argument(
+        "--log-level", default="WARNING", choices=LOG_LEVELS, help="of the engine and workers"
+    )
     demo.set_defaults(handler=demo_command)
 
     for name, helptext in (
@@ -58,9 +62,12 @@ def launch_command(args: argparse.Namespace) -> int:
 def demo_command(args: argparse.Namespace) -> int:
     from deploy.demo import DemoSettings, run_demo
     from deploy.logs import setup_logging
+    from worker.models.registry import MODEL_NAMES
 
     if not 1 <= args.tensor_parallel_size <= 8:
         raise UsageError(f"-tp {args.tensor_parallel_size}: expected a rank count in [1, 8]")
+    if args.model not in MODEL_NAMES:
+        raise UsageError(f"--model {args.model}: expected one of {list(MODEL_NAMES)}")
     setup_logging("demo", args.log_level)
     return run_demo(
         DemoSettings(tp_size=args.tensor_parallel_size, model=args.model), args.log_level
@@ -68,21 +75,26 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def stats_command(args: argparse.Namespace) -> int:
-    from engine_core.client import EngineClient
+    from engine_core.client import EngineClient, EngineDeadError
 
     with EngineClient(args.address, timeout_s=args.timeout_s) as client:
-        print(json.dumps(client.get_stats(), indent=2, sort_keys=True))
+        try:
+            stats = client.get_stats()
+        except (TimeoutError, EngineDeadError) as exc:
+            print(f"kvserve stats: {exc}", file=sys.stderr)
+            return 1
+    print(json.dumps(stats, indent=2, sort_keys=True))
     return 0
 
 
 def reset_command(args: argparse.Namespace) -> int:
-    from engine_core.client import EngineClient, UtilityCallError
+    from engine_core.client import EngineClient, EngineDeadError, UtilityCallError
 
     with EngineClient(args.address, timeout_s=args.timeout_s) as client:
         try:
             client.reset_prefix_cache()
-        except UtilityCallError as exc:
-            print(exc)
+        except (UtilityCallError, TimeoutError, EngineDeadError) as exc:
+            print(f"kvserve reset-prefix-cache: {exc}", file=sys.stderr)
             return 1
     print("prefix cache reset")
     return 0

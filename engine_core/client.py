@@ -210,7 +210,7 @@ class EngineClient:
         self.send(UtilityCall(call_id=call_id, method=method, args=list(args)))
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
-            message = self._recv(deadline - time.monotonic(), f"the answer to {method}")
+            message = self._recv(deadline - time.monotonic(), f"answer to {method}")
             match message:
                 case UtilityResult() if message.call_id == call_id:
                     if not message.ok:

@@ -231,6 +231,19 @@ def test_bench_stats_and_reset_commands_talk_to_a_running_engine(
     stop_launch(processes)
 
 
+@pytest.mark.timeout(60)
+def test_stats_and_reset_without_an_engine_exit_1_with_the_reason(
+    processes: Processes, addresses: dict
+) -> None:
+    """They used to end in a TimeoutError traceback."""
+    for name, method in (("stats", "get_stats"), ("reset-prefix-cache", "reset_prefix_cache")):
+        args = [name, "--address", addresses["client"], "--timeout-s", "1"]
+        processes.start(name, "kvserve_main", args)
+        assert processes.wait_exit(name, 30) == 1, processes.log(name)
+        log = processes.log(name)
+        assert f"no answer to {method} from the engine" in log and "Traceback" not in log, log
+
+
 @pytest.mark.timeout(90)
 def test_kv_events_are_published_in_order_and_replayed(
     processes: Processes, addresses: dict, ipc_folder: pathlib.Path

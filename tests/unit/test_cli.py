@@ -163,3 +163,19 @@ def test_log_lines_carry_the_process_name(capsys: pytest.CaptureFixture) -> None
     assert "INFO [worker-1] kvserve.test: ready: 7 blocks" in capsys.readouterr().err
     with pytest.raises(ValueError, match="log level"):
         setup_logging("engine", "LOUD")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [(["--model", "gpt-9"], "--model gpt-9"), (["--log-level", "LOUD"], "--log-level")],
+)
+def test_demo_with_a_bad_flag_exits_2_before_starting_anything(
+    capsys: pytest.CaptureFixture, argv: list[str], named: str
+) -> None:
+    """An unknown model used to start the deployment and fail in the workers (exit 1)."""
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["demo", *argv])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
