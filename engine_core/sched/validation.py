@@ -3,6 +3,7 @@
 It only inspects; it never changes scheduler state.
 """
 
+import math
 import re
 from array import array
 
@@ -22,6 +23,12 @@ def validate_request(
     """The prompt's token ids and checked sampling parameters, or `ValueError` with the reason."""
     if is_live_req_id:
         raise ValueError(f"duplicate req_id {request.req_id!r}: a live request already has it")
+    if not math.isfinite(request.arrival_time):
+        # NaN compares neither below nor above anything: it would break the priority heap's order
+        raise ValueError(
+            f"arrival_time {request.arrival_time} of {request.req_id!r} is not finite: "
+            "expected seconds since the epoch"
+        )
     prompt = unpack_int32(request.prompt_token_ids)
     if not prompt:
         raise ValueError(f"empty prompt for {request.req_id!r}: expected at least 1 token")

@@ -1,5 +1,7 @@
 """EngineCore: rejections with reasons, per-client outputs, failures, management calls."""
 
+import math
+
 import msgspec
 import pytest
 from fake_executor import Harness, MakeHarness, reference_tokens
@@ -43,6 +45,18 @@ def test_bad_input_is_rejected_with_a_reason(
     error = _rejection(harness, _request("bad", prompt, **params))
     for word in words:
         assert word in error, error
+    assert not harness.scheduler.requests
+
+
+@pytest.mark.parametrize("arrival_time", [math.nan, math.inf, -math.inf])
+def test_non_finite_arrival_time_is_rejected(
+    make_harness: MakeHarness, arrival_time: float
+) -> None:
+    """A NaN arrival compares neither below nor above others and broke the priority heap."""
+    harness = make_harness(scheduling_policy="priority")
+    request = EngineCoreRequest("bad", pack_int32([1, 2]), SamplingParams(), arrival_time)
+    error = _rejection(harness, request)
+    assert "arrival_time" in error and "not finite" in error, error
     assert not harness.scheduler.requests
 
 
