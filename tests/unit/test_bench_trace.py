@@ -3,6 +3,7 @@
 import dataclasses
 from array import array
 
+from bench.kv_cache_manager import run_kvserve
 from bench.trace import (
     TraceConfig,
     config_from_json,
@@ -62,3 +63,15 @@ def test_replay_hits_shared_prefixes_evicts_and_frees_every_block() -> None:
     assert pool.get_num_free_blocks() == TINY.num_gpu_blocks - 1
     assert result.num_hit_blocks > 0 and result.num_evicted_blocks > 0
     assert 0.0 < prompt_hit_rate(trace, result) < 1.0
+
+
+def test_kv_cache_manager_replay_hits_preempts_and_repeats_its_decisions() -> None:
+    """Guards the benchmark's premise: every run (and the peer) makes the same decisions."""
+    trace = make_trace(dataclasses.replace(TINY, num_gpu_blocks=24))  # tight: decodes preempt
+    results, manager = run_kvserve(trace, repeats=2)  # raises if any block leaked
+    first, second = results
+    assert first.num_hit_tokens > 0 and first.num_preemptions > 0
+    assert first.num_failed_allocations > 0 and first.num_allocations > len(trace.requests)
+    counts = ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations")
+    assert [getattr(first, c) for c in counts] == [getattr(second, c) for c in counts]
+    manager.check_invariants()
