@@ -5,6 +5,7 @@ order (cached ones as LRU eviction candidates) and, when asked, records KV event
 Invariants are checked only in `check_invariants()`, never on the hot path.
 """
 
+import gc
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -32,6 +33,21 @@ class _GroupIdSuffixes(dict[int, bytes]):
     def __missing__(self, group_id: int) -> bytes:
         suffix = self[group_id] = group_id.to_bytes(GROUP_ID_NUM_BYTES, "big")
         return suffix
+
+
+def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
+    """Every block, indexed by id, built with the cyclic collector paused.
+
+    None of these objects is garbage, yet a million new ones would start full collections over
+    and over, each walking every block made so far: pausing it cuts construction about threefold.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return [KVCacheBlock(idx) for idx in range(num_blocks)]
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class BlockPool:
@@ -62,7 +78,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.metrics_collector = metrics_collector
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(idx) for idx in range(num_gpu_blocks)]
+        self.blocks: list[KVCacheBlock] = _make_blocks(num_gpu_blocks)
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Block 0 stands for skipped (out-of-window) positions; it leaves the queue for good.

@@ -3,6 +3,8 @@
 Pools are tiny (8 blocks of 4 tokens): block 0 is the null block, so ids 1..7 are usable.
 """
 
+import gc
+
 import pytest
 
 from engine_core.kv_cache.block import KVCacheBlock
@@ -376,3 +378,16 @@ def test_metrics_collector_drops_a_block_reused_without_ever_being_cached() -> N
     assert summary is not None and summary.num_samples == 1
     assert summary.lifetime_p50_s == 5.0
     collector.check_invariants()
+
+
+def test_construction_leaves_the_garbage_collector_as_it_found_it() -> None:
+    """Guards against a pool that pauses the cyclic collector to build its blocks and never
+    restarts it (or starts one the application had paused)."""
+    assert gc.isenabled()
+    assert len(make_pool().blocks) == NUM_BLOCKS and gc.isenabled()
+    gc.disable()
+    try:
+        make_pool()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
