@@ -93,12 +93,25 @@ class Processes:
         self.tmp_path = tmp_path
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, entry: str, args: list[str]) -> subprocess.Popen:
-        """Run `deploy.cli.<entry>` with `args`; stdout and stderr go to tmp_path/<name>.log."""
+    def start(
+        self, name: str, entry: str, args: list[str], new_session: bool = False
+    ) -> subprocess.Popen:
+        """Run `deploy.cli.<entry>` with `args`; stdout and stderr go to tmp_path/<name>.log.
+
+        Ctrl-C works in the child as in a terminal even when this process was started with
+        SIGINT ignored (a background job), and `new_session` gives it a process group of its own.
+        """
         log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115  # closed with the process
-        code = f"import sys; from deploy.cli import {entry}; sys.exit({entry}(sys.argv[1:]))"
+        code = (
+            "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"from deploy.cli import {entry}; sys.exit({entry}(sys.argv[1:]))"
+        )
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-c", code, *args],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
         self.procs[name] = proc
         return proc
@@ -163,7 +176,12 @@ KV_CACHE_MEMORY_BYTES = 1 << 22  # per rank; small models need far less
 
 
 def launch(
-    processes: Processes, addresses: dict[str, str], tp_size: int, model: str, *extra: str
+    processes: Processes,
+    addresses: dict[str, str],
+    tp_size: int,
+    model: str,
+    *extra: str,
+    new_session: bool = False,
 ) -> subprocess.Popen:
     """`kvserve launch` on ipc sockets under tmp_path, CPU, logging to tmp_path/launch.log."""
     args = [
@@ -186,7 +204,7 @@ def launch(
         "INFO",
         *extra,
     ]
-    return processes.start("launch", "kvserve_main", args)
+    return processes.start("launch", "kvserve_main", args, new_session)
 
 
 def start_core(processes: Processes, addresses: dict[str, str], tp_size: int, *extra: str) -> None:

@@ -232,6 +232,20 @@ def test_a_hung_worker_misses_the_step_deadline_and_the_launcher_tears_down(
     assert processes.wait_exit("launch", 60) == 1
 
 
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_the_whole_deployment_cleanly(processes: Processes, addresses: dict) -> None:
+    """Ctrl-C signals the terminal's whole process group: the launcher, the engine and the
+    workers at once. The workers leave it to the engine, which stops them with a Shutdown."""
+    launch(processes, addresses, 2, "checksum", new_session=True)
+    with EngineClient(addresses["client"], 60.0) as client:
+        assert client.check_health() is True
+    os.killpg(processes.procs["launch"].pid, signal.SIGINT)
+    assert processes.wait_exit("launch", 30) == 0, processes.log("launch")[-3000:]
+    log = processes.log("launch")
+    assert "engine stopped after" in log, log[-3000:]
+    assert log.count("stopping: the engine is shutting down") == 2, log[-3000:]
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_joining_after_startup_is_refused_and_serving_goes_on(
     processes: Processes, addresses: dict
