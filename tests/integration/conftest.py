@@ -116,6 +116,17 @@ class Processes:
         self.procs[name] = proc
         return proc
 
+    def start_script(self, name: str, script: str, args: list[str]) -> subprocess.Popen:
+        """Run an installed console script (`kvserve`, ...) exactly as a user types it."""
+        path = Path(sys.executable).parent / script
+        assert path.exists(), (
+            f"{script} is not installed next to {sys.executable}: pip install -e ."
+        )
+        log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115  # closed with the process
+        proc = subprocess.Popen([str(path), *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
     def log(self, name: str) -> str:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 

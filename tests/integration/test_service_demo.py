@@ -1,4 +1,5 @@
-"""`kvserve demo` runs to completion: TP=2 tiny-llama on the CPU, every output checked."""
+"""`kvserve demo`, the installed console script, runs to completion: TP=2 tiny-llama on the CPU,
+every output checked against the reference model."""
 
 import re
 
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(180)
 def test_demo_serves_the_workload_and_matches_the_reference(processes: Processes) -> None:
-    processes.start("demo", "kvserve_main", ["demo"])
+    processes.start_script("demo", "kvserve", ["demo"])  # README's command, as installed
     code = processes.wait_exit("demo", 170)
     log = processes.log("demo")
     assert code == 0, log[-3000:]
