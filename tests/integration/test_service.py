@@ -117,6 +117,7 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
         num_blocks,
         "--max-model-len",
         max_model_len,
+        "--check-invariants",  # the engine walks its pool, scheduler and rank maps every step
     )
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     prompts = chat_prompts(3 if model != "checksum" else 6, 16, 14, seed=7)
