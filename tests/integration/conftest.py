@@ -147,16 +147,25 @@ class Processes:
 
 @pytest.fixture
 def processes(tmp_path: Path) -> Iterator[Processes]:
-    """Started processes; after the test, asserts that none of them (nor any orphan) lives on."""
+    """Started processes; after the test, asserts that none of them (nor any orphan) lives on.
+
+    Children this process had before the test (multiprocessing's resource tracker, started by an
+    earlier test) are not the test's and are left alone.
+    """
     _become_subreaper()
+    earlier = set(live_children())
+
+    def new_children() -> list[int]:
+        return [pid for pid in live_children() if pid not in earlier]
+
     procs = Processes(tmp_path)
     yield procs
     leftovers = [name for name, proc in procs.procs.items() if proc.poll() is None]
     procs.kill_all()
     deadline = time.monotonic() + ORPHAN_WAIT_S
-    while live_children() and time.monotonic() < deadline:
+    while new_children() and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    orphans = live_children()
+    orphans = new_children()
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"processes still running after the test: {leftovers}"
