@@ -1,20 +1,20 @@
 """The vLLM 0.33.0 side of bench/kv_cache_manager.py: the same trace through vLLM's KVCacheManager.
 
-Runs under the peer interpreter and never imports kvserve; it imports only bench/trace.py, which
-is standard library only, to rebuild the identical trace. Prints one JSON object as its last
-line: median seconds, the counts of what the replay did, and the trace digest.
+Runs under the peer interpreter and never imports kvserve; bench/trace.py (the identical trace)
+and bench/replay.py (the identical loop) are standard library only. Prints one JSON object as its
+last line: median seconds, the counts of what the replay did, and the trace digest.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
-import time
-from collections import deque
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from bench.replay import ManagerReplay  # importable thanks to the path above
 from bench.trace import Trace, config_from_json, make_trace, trace_digest
 
 MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
@@ -39,92 +39,6 @@ def build_requests(trace: Trace, block_hasher: object) -> tuple[list, list[list[
     return requests, outputs
 
 
-class Replay:
-    """The replay rule of bench/kv_cache_manager.py, line for line, on vLLM's API.
-
-    Each step admits the head of the waiting queue when fewer than `max_running` run, then gives
-    every running request one token: a finished one is freed, and a decode that does not fit
-    preempts the youngest running request (possibly itself) to the front of the queue.
-    """
-
-    def __init__(self, manager: object, requests: list, outputs: list[list[int]]) -> None:
-        self.manager, self.requests, self.outputs = manager, requests, outputs
-        self.waiting, self.running = deque(range(len(requests))), []
-        self.manager_s = 0.0
-        self.num_hit_tokens = self.num_preemptions = self.num_allocations = self.num_failed = 0
-
-    def run(self, max_running: int) -> dict:
-        start = time.perf_counter()
-        while self.waiting or self.running:
-            if self.waiting and len(self.running) < max_running:
-                self.admit_head()
-            for idx in list(self.running):
-                if idx in self.running:  # not preempted earlier in this step
-                    self.decode(idx)
-        replay_s = time.perf_counter() - start
-        return {
-            "manager_s": self.manager_s,
-            "replay_s": replay_s,
-            "num_hit_tokens": self.num_hit_tokens,
-            "num_preemptions": self.num_preemptions,
-            "num_allocations": self.num_allocations,
-            "num_failed_allocations": self.num_failed,
-        }
-
-    def admit_head(self) -> None:
-        request = self.requests[self.waiting[0]]
-        start = time.perf_counter()
-        hits, num_hits, _ = self.manager.get_computed_blocks(request)
-        new_blocks = self.manager.allocate_slots(
-            request, request.num_tokens - num_hits, num_hits, hits
-        )
-        self.manager_s += time.perf_counter() - start
-        self.num_allocations += 1
-        if new_blocks is None:
-            self.num_failed += 1
-            return
-        self.running.append(self.waiting.popleft())
-        request.num_computed_tokens = request.num_tokens
-        self.num_hit_tokens += num_hits
-
-    def decode(self, idx: int) -> None:
-        request, output = self.requests[idx], self.outputs[idx]
-        if request.num_output_tokens == len(output):
-            self.free(request)
-            self.running.remove(idx)
-            return
-        request.append_output_token_ids(output[request.num_output_tokens])
-        while True:
-            start = time.perf_counter()
-            new_blocks = self.manager.allocate_slots(request, 1)
-            self.manager_s += time.perf_counter() - start
-            self.num_allocations += 1
-            if new_blocks is not None:
-                request.num_computed_tokens += 1
-                return
-            self.num_failed += 1
-            if self.preempt_youngest() == idx:
-                return
-
-    def preempt_youngest(self) -> int:
-        from vllm.v1.request import RequestStatus
-
-        victim_idx = self.running.pop()
-        victim = self.requests[victim_idx]
-        self.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(victim_idx)
-        return victim_idx
-
-    def free(self, request: object) -> None:
-        start = time.perf_counter()
-        self.manager.free(request)
-        self.manager_s += time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trace-config", required=True, help="TraceConfig as JSON")
@@ -136,6 +50,7 @@ def main() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import RequestStatus
 
     trace = make_trace(config_from_json(args.trace_config))
     config = trace.config
@@ -161,7 +76,8 @@ def main() -> None:
             enable_caching=True,
             log_stats=False,
         )
-        results.append(Replay(manager, requests, outputs).run(config.max_running))
+        replay = ManagerReplay(manager, requests, outputs, RequestStatus.PREEMPTED)
+        results.append(dataclasses.asdict(replay.run(config.max_running)))
     figures = dict(results[0])
     figures["manager_s"] = statistics.median(r["manager_s"] for r in results)
     figures["replay_s"] = statistics.median(r["replay_s"] for r in results)

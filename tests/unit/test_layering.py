@@ -68,15 +68,35 @@ def test_engine_and_worker_never_read_argv_or_environment() -> None:
     assert not offenders, offenders
 
 
+def _bench_modules_imported(path: pathlib.Path) -> set[str]:
+    """The `bench.X` modules `path` imports, as names relative to bench/ (`trace`, `replay`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        module = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else None
+        if module and module.startswith("bench."):
+            names.add(module.removeprefix("bench."))
+    return names
+
+
 def test_benchmark_peers_never_import_kvserve() -> None:
-    """A peer runs in vLLM's environment, where kvserve is not installed; bench/trace.py is shared
-    with it, so it too must stay standard library only."""
-    paths = [ROOT / "bench" / "trace.py", *sorted((ROOT / "bench" / "peers").glob("*.py"))]
+    """A peer runs in vLLM's environment, where kvserve is not installed; the bench modules it
+    shares (bench/trace.py, bench/replay.py, ...) must stay standard library only, transitively."""
+    peers = sorted((ROOT / "bench" / "peers").glob("*.py"))
+    shared: set[str] = set()
+    pending = [name for path in peers for name in _bench_modules_imported(path)]
+    while pending:
+        name = pending.pop()
+        if name not in shared:
+            shared.add(name)
+            pending += _bench_modules_imported(ROOT / "bench" / f"{name.replace('.', '/')}.py")
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in paths
+        for path in peers
         for name in sorted(_imported_top_levels(path) & set(PACKAGES))
     ]
-    trace_imports = _imported_top_levels(ROOT / "bench" / "trace.py")
-    offenders += [f"bench/trace.py imports {name}" for name in sorted(trace_imports - STDLIB)]
-    assert len(paths) >= 3 and not offenders, offenders
+    for name in sorted(shared):
+        path = ROOT / "bench" / f"{name.replace('.', '/')}.py"
+        imports = _imported_top_levels(path) - {"bench"}
+        offenders += [f"{path.relative_to(ROOT)} imports {other}" for other in imports - STDLIB]
+    assert len(peers) >= 3 and {"trace", "replay"} <= shared and not offenders, offenders

@@ -1,0 +1,115 @@
+"""The timed replay loops of the trace benchmarks, run alike by kvserve and by its vLLM peer.
+
+Standard library only, like bench/trace.py, so a peer imports it without kvserve: each side hands
+in its own pool or manager and requests, and both sides time the very same loop.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class ManagerReplayResult:
+    """What one replay did; both sides must agree on every count for the same trace."""
+
+    manager_s: float  # time inside get_computed_blocks, allocate_slots and free
+    replay_s: float  # the whole loop, token appends and bookkeeping included
+    num_hit_tokens: int
+    num_preemptions: int
+    num_allocations: int
+    num_failed_allocations: int
+
+
+class ManagerReplay:
+    """The replay rule of the KVCacheManager benchmark, for kvserve's manager and vLLM's alike.
+
+    Each step admits the head of the waiting queue when fewer than `max_running` run, then gives
+    every running request one token: a finished one is freed, and a decode that does not fit
+    preempts the youngest running request (possibly itself) to the front of the queue.
+    Invariants: every request index is in exactly one of `waiting`, `running`, or neither (done).
+    """
+
+    def __init__(
+        self, manager: Any, requests: list, outputs: list[list[int]], preempted_status: object
+    ) -> None:
+        self.manager, self.requests, self.outputs = manager, requests, outputs
+        self.preempted_status = preempted_status  # each side's RequestStatus.PREEMPTED
+        self.waiting, self.running = deque(range(len(requests))), []
+        self.manager_s = 0.0
+        self.num_hit_tokens = self.num_preemptions = self.num_allocations = self.num_failed = 0
+
+    def check_invariants(self) -> None:
+        assert not set(self.waiting) & set(self.running), "a request both waits and runs"
+        assert len(set(self.waiting)) == len(self.waiting), "a request waits twice"
+
+    def run(self, max_running: int) -> ManagerReplayResult:
+        start = time.perf_counter()
+        while self.waiting or self.running:
+            if self.waiting and len(self.running) < max_running:
+                self.admit_head()
+            for idx in list(self.running):
+                if idx in self.running:  # not preempted earlier in this step
+                    self.decode(idx)
+        replay_s = time.perf_counter() - start
+        return ManagerReplayResult(
+            self.manager_s,
+            replay_s,
+            self.num_hit_tokens,
+            self.num_preemptions,
+            self.num_allocations,
+            self.num_failed,
+        )
+
+    def admit_head(self) -> None:
+        request = self.requests[self.waiting[0]]
+        start = time.perf_counter()
+        computed = self.manager.get_computed_blocks(request)  # vLLM's answer has a third item
+        hits, num_hits = computed[0], computed[1]
+        new_blocks = self.manager.allocate_slots(
+            request, request.num_tokens - num_hits, num_hits, hits
+        )
+        self.manager_s += time.perf_counter() - start
+        self.num_allocations += 1
+        if new_blocks is None:
+            self.num_failed += 1
+            return
+        self.running.append(self.waiting.popleft())
+        request.num_computed_tokens = request.num_tokens
+        self.num_hit_tokens += num_hits
+
+    def decode(self, idx: int) -> None:
+        request, output = self.requests[idx], self.outputs[idx]
+        if request.num_output_tokens == len(output):
+            self.free(request)
+            self.running.remove(idx)
+            return
+        request.append_output_token_ids(output[request.num_output_tokens])
+        while True:
+            start = time.perf_counter()
+            new_blocks = self.manager.allocate_slots(request, 1)
+            self.manager_s += time.perf_counter() - start
+            self.num_allocations += 1
+            if new_blocks is not None:
+                request.num_computed_tokens += 1
+                return
+            self.num_failed += 1
+            if self.preempt_youngest() == idx:
+                return
+
+    def preempt_youngest(self) -> int:
+        victim_idx = self.running.pop()
+        victim = self.requests[victim_idx]
+        self.free(victim)
+        victim.status = self.preempted_status
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim_idx)
+        return victim_idx
+
+    def free(self, request: Any) -> None:
+        start = time.perf_counter()
+        self.manager.free(request)
+        self.manager_s += time.perf_counter() - start
