@@ -4,10 +4,96 @@ Standard library only, like bench/trace.py, so a peer imports it without kvserve
 in its own pool or manager and requests, and both sides time the very same loop.
 """
 
+import gc
+import statistics
 import time
+import tracemalloc
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from bench.trace import Trace, prompt_hit_rate, replay_plan, replay_through_pool
+
+LARGE_POOL_BLOCKS = 1_000_000
+
+
+def _timed_s(fn: Callable[[], object]) -> float:
+    """Seconds of one call, after a collection so garbage left by earlier runs is not timed."""
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class PoolReplayBench:
+    """One trace through a BlockPool (vLLM v1 API): a counted replay, then timed samples.
+
+    Invariants: `total_s` and `pool_only_s` hold one sample per `sample` round each;
+    `checked_pool` is the pool the counted replay ran through, for the caller to inspect.
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        token_ids: list[Sequence[int]],
+        hash_prefix: Callable[[Sequence[int]], list[bytes]],
+        new_pool: Callable[[int], Any],
+    ) -> None:
+        self.trace, self.token_ids = trace, token_ids
+        self.hash_prefix, self.new_pool = hash_prefix, new_pool
+        self.plan = replay_plan(trace)
+        self.hashes = [hash_prefix(tokens) for tokens in token_ids]
+        self.checked_pool = new_pool(trace.config.num_gpu_blocks)
+        self.result = replay_through_pool(
+            self.checked_pool, trace, self.plan, token_ids, None, self.hashes, True
+        )
+        self.total_s: list[float] = []  # one sample per run, hashing included
+        self.pool_only_s: list[float] = []  # one sample per run, hashes precomputed
+
+    def check_invariants(self) -> None:
+        assert len(self.total_s) == len(self.pool_only_s), "unpaired timing samples"
+
+    def sample(self, repeats: int) -> None:
+        """Time `repeats` replays each way, alternating, so load drift hits both alike."""
+        for _ in range(repeats):
+            self.total_s.append(self._time_replay(with_hashing=True))
+            self.pool_only_s.append(self._time_replay(with_hashing=False))
+
+    def _time_replay(self, with_hashing: bool) -> float:
+        pool = self.new_pool(self.trace.config.num_gpu_blocks)
+        hash_prefix, hashes = (self.hash_prefix, None) if with_hashing else (None, self.hashes)
+        args = (pool, self.trace, self.plan, self.token_ids, hash_prefix, hashes)
+        return _timed_s(lambda: replay_through_pool(*args))
+
+    def figures(self) -> dict[str, float | int]:
+        num_requests = len(self.trace.requests)
+        total_s = statistics.median(self.total_s)
+        return {
+            "us_per_request": total_s / num_requests * 1e6,
+            "requests_per_s": num_requests / total_s,
+            "pool_only_us_per_request": statistics.median(self.pool_only_s) / num_requests * 1e6,
+            "prefix_hit_rate": prompt_hit_rate(self.trace, self.result),
+            "num_hit_blocks": self.result.num_hit_blocks,
+            "num_evicted_blocks": self.result.num_evicted_blocks,
+        }
+
+
+def measure_large_pool(repeats: int, new_pool: Callable[[int], Any]) -> dict[str, float]:
+    """Construction time (median) and traced memory of a pool of 1,000,000 blocks."""
+    construct_s = statistics.median(
+        _timed_s(lambda: new_pool(LARGE_POOL_BLOCKS)) for _ in range(repeats)
+    )
+    gc.collect()
+    tracemalloc.start()
+    pool = new_pool(LARGE_POOL_BLOCKS)
+    size_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del pool
+    return {
+        "construct_1m_blocks_ms": construct_s * 1e3,
+        "memory_1m_blocks_bytes_per_block": size_bytes / LARGE_POOL_BLOCKS,
+    }
 
 
 @dataclass(slots=True)
