@@ -1,17 +1,25 @@
 """The vLLM 0.33.0 side of bench/scheduler.py: the same workloads through vLLM's own Scheduler.
 
-Runs under the peer interpreter, never imports kvserve, and prints one JSON object as its last
-line: microseconds per schedule() plus update_from_output(), the median of the repeats.
+Runs under the peer interpreter and never imports kvserve; the workloads come from the stdlib-only
+bench/scheduler_workloads.py, as on kvserve's side. Prints one JSON object as its last line:
+microseconds per schedule() plus update_from_output(), the median of the repeats.
 """
 
 import argparse
 import json
 import os
-import random
-import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench.scheduler_workloads import (  # importable thanks to the path above
+    SAMPLED_TOKEN_ID,
+    VOCAB_SIZE,
+    add_workload_arguments,
+    measure_workloads,
+)
 
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -21,11 +29,10 @@ MODEL_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
-    "vocab_size": 512,
+    "vocab_size": VOCAB_SIZE,
     "max_position_embeddings": 8192,
     "torch_dtype": "float32",
 }
-SAMPLED_TOKEN_ID = 7  # every step samples this; ignore_eos keeps requests going
 
 
 class VllmBench:
@@ -115,73 +122,16 @@ class VllmBench:
         self.scheduler.update_from_output(scheduler_output, runner_output)
         return scheduled_s + time.perf_counter() - start
 
-    def num_decoding(self) -> int:
-        return sum(1 for request in self.scheduler.running if request.num_output_tokens > 0)
-
-
-def decode_workload(bench: VllmBench, num_reqs: int, args: argparse.Namespace) -> float:
-    rng = random.Random(num_reqs)
-    max_tokens = args.steps * args.repeats + 64
-    for _ in range(num_reqs):
-        bench.add([rng.randrange(1, 512) for _ in range(args.prompt_len)], max_tokens)
-    while bench.num_decoding() < num_reqs:
-        bench.step()
-    return _median_us(bench, args, lambda: None)
-
-
-def prefill_mix_workload(bench: VllmBench, args: argparse.Namespace) -> tuple[float, int]:
-    """µs per step, and the running requests at the end (equal on both sides when in step)."""
-    rng = random.Random(12345)
-
-    def arrive() -> None:
-        for _ in range(args.mix_arrivals):
-            bench.add([rng.randrange(1, 512) for _ in range(args.mix_prompt_len)], 16)
-
-    for _ in range(args.mix_warmup_steps):
-        arrive()
-        bench.step()
-    return _median_us(bench, args, arrive), len(bench.scheduler.running)
-
-
-def _median_us(bench: VllmBench, args: argparse.Namespace, arrive: Callable[[], None]) -> float:
-    windows = []
-    for _ in range(args.repeats):
-        total_s = 0.0
-        for _ in range(args.steps):
-            arrive()
-            total_s += bench.step()
-        windows.append(total_s / args.steps * 1e6)
-    return statistics.median(windows)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    for name, default in [
-        ("--max-num-seqs", 1024),
-        ("--max-num-batched-tokens", 8192),
-        ("--max-model-len", 4096),
-        ("--block-size", 16),
-        ("--num-blocks", 40000),
-        ("--prompt-len", 32),
-        ("--steps", 50),
-        ("--repeats", 5),
-        ("--mix-arrivals", 10),
-        ("--mix-prompt-len", 768),
-        ("--mix-warmup-steps", 30),
-    ]:
-        parser.add_argument(name, type=int, default=default)
-    parser.add_argument("--decode-sizes", default="64,256,1024")
+    parser.add_argument("--repeats", type=int, default=5)
+    add_workload_arguments(parser)
     args = parser.parse_args()
-    figures = {}
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(MODEL_CONFIG, f)
-        for num_reqs in [int(size) for size in args.decode_sizes.split(",")]:
-            bench = VllmBench(args, model_dir)
-            figures[f"decode_{num_reqs}_us_per_step"] = decode_workload(bench, num_reqs, args)
-        mix_us, mix_running = prefill_mix_workload(VllmBench(args, model_dir), args)
-        figures["prefill_mix_us_per_step"] = mix_us
-        figures["prefill_mix_num_running_reqs"] = mix_running
+        figures = measure_workloads(lambda: VllmBench(args, model_dir), args)
     print(json.dumps(figures))
 
 
