@@ -14,7 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from bench.replay import ManagerReplay  # importable thanks to the path above
+# importable thanks to the path above:
+from bench.peers.vllm_kv_cache import one_group_kv_cache_config, sha256_request_block_hasher
+from bench.replay import ManagerReplay
 from bench.trace import Trace, config_from_json, make_trace, trace_digest
 
 MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
@@ -45,26 +47,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    import torch
-    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import RequestStatus
 
     trace = make_trace(config_from_json(args.trace_config))
     config = trace.config
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    block_hasher = get_request_block_hasher(config.block_size, hash_fn)
-    spec = FullAttentionSpec(
-        block_size=config.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=config.num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-    )
+    block_hasher = sha256_request_block_hasher(config.block_size)
+    kv_cache_config = one_group_kv_cache_config(config.block_size, config.num_gpu_blocks)
     results = []
     for _ in range(args.repeats):
         requests, outputs = build_requests(trace, block_hasher)

@@ -14,7 +14,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.scheduler_workloads import (  # importable thanks to the path above
+# importable thanks to the path above:
+from bench.peers.vllm_kv_cache import one_group_kv_cache_config, sha256_request_block_hasher
+from bench.scheduler_workloads import (
     SAMPLED_TOKEN_ID,
     VOCAB_SIZE,
     add_workload_arguments,
@@ -39,12 +41,8 @@ class VllmBench:
     """One vLLM Scheduler, fed requests and driven with fake runner outputs."""
 
     def __init__(self, args: argparse.Namespace, model_dir: str) -> None:
-        import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         model_config = ModelConfig(
@@ -62,25 +60,15 @@ class VllmBench:
         vllm_config = VllmConfig(
             model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
         )
-        spec = FullAttentionSpec(
-            block_size=args.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32
-        )
-        kv_cache_config = KVCacheConfig(
-            num_blocks=args.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-        )
         self.scheduler = Scheduler(
             vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
+            kv_cache_config=one_group_kv_cache_config(args.block_size, args.num_blocks),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=args.block_size,
             hash_block_size=args.block_size,
             log_stats=False,
         )
-        hash_fn = get_hash_fn_by_name("sha256")
-        init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(args.block_size, hash_fn)
+        self.block_hasher = sha256_request_block_hasher(args.block_size)
         self.num_added = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
