@@ -1,9 +1,19 @@
-"""bench/trace.py: the seeded trace is reproducible, and its replay shares prefixes and evicts."""
+"""bench/trace.py, bench/replay.py, bench/scheduler_workloads.py: the seeded trace is reproducible,
+its replays share prefixes and evict, and the loops the vLLM peers share run on kvserve's side."""
 
+import argparse
 import dataclasses
 from array import array
 
 from bench.kv_cache_manager import run_kvserve
+from bench.replay import PoolReplayBench
+from bench.scheduler import KvserveBench
+from bench.scheduler_workloads import (
+    add_workload_arguments,
+    measure_workloads,
+    num_decoding,
+    workload_keys,
+)
 from bench.trace import (
     TraceConfig,
     config_from_json,
@@ -75,3 +85,55 @@ def test_kv_cache_manager_replay_hits_preempts_and_repeats_its_decisions() -> No
     counts = ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations")
     assert [getattr(first, c) for c in counts] == [getattr(second, c) for c in counts]
     manager.check_invariants()
+
+
+def test_pool_replay_bench_counts_as_the_plain_replay_and_pairs_its_samples() -> None:
+    trace = make_trace(TINY)
+    token_ids = [array("i", trace.token_ids(request)) for request in trace.requests]
+    hasher = BlockHasher(TINY.block_size)
+    bench = PoolReplayBench(
+        trace, token_ids, hasher.hash_prefix, lambda n: BlockPool(n, enable_caching=True)
+    )
+    plain = replay_through_pool(
+        BlockPool(TINY.num_gpu_blocks, enable_caching=True),
+        trace,
+        replay_plan(trace),
+        token_ids,
+        hasher.hash_prefix,
+        count_evictions=True,
+    )
+    assert bench.result == plain
+    bench.checked_pool.check_invariants()
+    bench.sample(2)
+    bench.check_invariants()
+    assert len(bench.total_s) == len(bench.pool_only_s) == 2
+    figures = bench.figures()
+    assert figures["num_hit_blocks"] == plain.num_hit_blocks > 0
+    assert figures["num_evicted_blocks"] == plain.num_evicted_blocks > 0
+    assert figures["us_per_request"] > 0 and figures["pool_only_us_per_request"] > 0
+
+
+def test_scheduler_workloads_run_every_workload_on_a_fresh_bench() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=1)
+    add_workload_arguments(parser)
+    tiny = ["--decode-sizes=2,3", "--steps=2", "--num-blocks=64", "--max-model-len=256"]
+    mix = ["--max-num-seqs=16", "--mix-arrivals=2", "--mix-prompt-len=20", "--mix-warmup-steps=2"]
+    args = parser.parse_args([*tiny, *mix])
+    assert all(hasattr(args, key) for key in workload_keys())  # every flag the peer is sent
+    benches: list[KvserveBench] = []
+
+    def new_bench() -> KvserveBench:
+        benches.append(KvserveBench(args))
+        return benches[-1]
+
+    figures = measure_workloads(new_bench, args)
+    assert len(benches) == 3  # one per decode size, one for the prefill mix
+    assert sorted(figures) == [
+        "decode_2_us_per_step",
+        "decode_3_us_per_step",
+        "prefill_mix_num_running_reqs",
+        "prefill_mix_us_per_step",
+    ]
+    assert [num_decoding(bench) for bench in benches[:2]] == [2, 3]
+    assert figures["prefill_mix_num_running_reqs"] == len(benches[2].scheduler.running) > 0
