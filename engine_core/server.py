@@ -5,7 +5,9 @@ It owns sockets and the process lifecycle; scheduling lives in EngineCore, the Z
 WorkerGroup. It never waits without a deadline, and a failed rank takes the engine down (exit 1).
 """
 
+import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 METRICS_UPDATE_S = 0.5  # how often the gauges follow the scheduler's stats
 IDLE_POLL_MS = 100  # how long an idle loop sleeps in poll; client input wakes it at once
 CLIENT_LINGER_MS = 2000  # time given to final outputs to reach their clients at exit
+IPC_PREFIX = "ipc://"
 MALFORMED_REQ_ID = "<malformed>"  # names a rejected frame that carried no readable req_id
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -336,6 +339,25 @@ def run(config: EngineConfig) -> int:
         workers.close()
         clients.close()
         ctx.term()
+        remove_ipc_files(_bound_addresses(config))
+
+
+def _bound_addresses(config: EngineConfig) -> list[str]:
+    addresses = [config.client_address, config.worker_address]
+    if config.kv_events.enable_kv_cache_events:
+        addresses.append(config.kv_events.endpoint)
+        if config.kv_events.replay_endpoint is not None:
+            addresses.append(config.kv_events.replay_endpoint)
+    return addresses
+
+
+def remove_ipc_files(addresses: list[str]) -> None:
+    """libzmq leaves the file of a bound ipc:// socket behind; the engine removes its own."""
+    for address in addresses:
+        path = address.removeprefix(IPC_PREFIX)
+        if address.startswith(IPC_PREFIX) and not path.startswith("@"):  # @: abstract, no file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _start_and_serve(

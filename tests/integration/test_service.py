@@ -287,6 +287,8 @@ def test_kv_events_are_published_in_order_and_replayed(
     assert replayed == list(range(len(replayed))) and replayed[-1] >= seqs[-1]
     ctx.destroy(linger=0)
     stop_launch(processes)
+    leftovers = sorted(path.name for path in ipc_folder.glob("*.sock"))
+    assert leftovers == [], f"the engine left its ipc socket files behind: {leftovers}"
 
 
 def receive_batches(
