@@ -5,13 +5,14 @@ results table (requests, output tokens per second, TTFT p50/p99, prefix-cache hi
 import argparse
 import random
 import statistics
+import sys
 import time
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine_core.client import EngineClient, RequestResult, make_request
+from engine_core.client import EngineClient, EngineDeadError, RequestResult, make_request
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 
@@ -38,10 +39,14 @@ def bench_command(args: argparse.Namespace) -> int:
     console = Console()
     with EngineClient(args.address, timeout_s=args.timeout_s) as client:
         start = time.monotonic()
-        req_ids = submit_prompts(client, args)
-        wait_with_progress(client, req_ids, console, start + args.timeout_s)
-        elapsed_s = time.monotonic() - start
-        stats = client.get_stats()
+        try:
+            req_ids = submit_prompts(client, args)
+            wait_with_progress(client, req_ids, console, start + args.timeout_s)
+            elapsed_s = time.monotonic() - start
+            stats = client.get_stats()
+        except (TimeoutError, EngineDeadError) as exc:
+            print(f"kvserve bench: {exc}", file=sys.stderr)
+            return 1
         results = [client.result(req_id) for req_id in req_ids]
     console.print(results_table(results, stats, elapsed_s))
     return 0 if all(result.error is None for result in results) else 1

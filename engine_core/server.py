@@ -6,6 +6,7 @@ WorkerGroup. It never waits without a deadline, and a failed rank takes the engi
 """
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -387,6 +388,9 @@ def _start_and_serve(
         workers.shutdown("the engine was stopped during startup")
         return EXIT_OK
     server = EngineServer(config, core, clients, workers, metrics, kv_events)
+    # The pool's blocks live as long as the engine: keep full collections from walking them.
+    gc.collect()
+    gc.freeze()
     if metrics is not None:
         metrics.is_healthy = True
     return server.serve()

@@ -233,7 +233,7 @@ def test_bench_stats_and_reset_commands_talk_to_a_running_engine(
 
 
 @pytest.mark.timeout(60)
-def test_stats_and_reset_without_an_engine_exit_1_with_the_reason(
+def test_stats_reset_and_bench_without_an_engine_exit_1_with_the_reason(
     processes: Processes, addresses: dict
 ) -> None:
     """They used to end in a TimeoutError traceback."""
@@ -243,6 +243,11 @@ def test_stats_and_reset_without_an_engine_exit_1_with_the_reason(
         assert processes.wait_exit(name, 30) == 1, processes.log(name)
         log = processes.log(name)
         assert f"no answer to {method} from the engine" in log and "Traceback" not in log, log
+    bench_args = ["bench", "--address", addresses["client"], "--timeout-s", "1"]
+    processes.start("bench", "kvserve_main", [*bench_args, "--num-requests", "2"])
+    assert processes.wait_exit("bench", 30) == 1, processes.log("bench")
+    log = processes.log("bench")
+    assert "kvserve bench: 2 requests unfinished" in log and "Traceback" not in log, log
 
 
 @pytest.mark.timeout(90)
