@@ -54,13 +54,7 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_head = head
         self.fake_free_list_tail = tail
         self.num_free_blocks = len(blocks)
-        prev = head
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = tail
-        tail.prev_free_block = prev
+        _link_run(head, blocks, tail)
 
     def popleft(self) -> KVCacheBlock:
         """Take the block at the head."""
@@ -122,13 +116,7 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         tail = self.fake_free_list_tail
-        prev = tail.prev_free_block
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = tail
-        tail.prev_free_block = prev
+        _link_run(tail.prev_free_block, blocks, tail)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -136,14 +124,7 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         head = self.fake_free_list_head
-        first = head.next_free_block
-        prev = head
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev
+        _link_run(head, blocks, head.next_free_block)
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
@@ -177,3 +158,14 @@ class FreeKVCacheBlockQueue:
 
     def __len__(self) -> int:
         return self.num_free_blocks
+
+
+def _link_run(before: KVCacheBlock, blocks: Sequence[KVCacheBlock], after: KVCacheBlock) -> None:
+    """Splice `blocks`, in order, between the adjacent queue nodes `before` and `after`."""
+    prev = before
+    for block in blocks:
+        block.prev_free_block = prev
+        prev.next_free_block = block
+        prev = block
+    prev.next_free_block = after
+    after.prev_free_block = prev
