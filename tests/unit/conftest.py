@@ -1,4 +1,4 @@
-"""Fixtures shared by the unit tests of the scheduler and the engine core."""
+"""Fixtures shared by the unit tests: scheduler harnesses and the torch thread setting."""
 
 from collections.abc import Iterator
 
@@ -19,3 +19,14 @@ def make_harness() -> Iterator[MakeHarness]:
     yield make
     for harness in made:
         harness.check_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The models are tiny: intra-op threads would only contend for the shared cores."""
+    import torch  # only the model tests need it
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -6,7 +6,6 @@ read by the worker exactly as meant, or the paged tokens drift from the unpaged 
 """
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,13 +31,7 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """The models are tiny: intra-op threads would only contend for the shared cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(count: int) -> list[list[int]]:

@@ -1,10 +1,12 @@
 """Hybrid models: a full-attention group and sliding-window groups sharing one BlockPool."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_specs import BLOCK_SIZE, full_spec, window_spec
 
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import (
@@ -25,18 +27,8 @@ from engine_core.kv_cache.spec import (
 from engine_core.sched.request import Request
 from protocol.sampling import SamplingParams
 
-BLOCK_SIZE = 2
-FULL = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32")
-
-
-def _window(sliding_window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=1,
-        head_dim=4,
-        dtype="float32",
-        sliding_window=sliding_window,
-    )
+FULL = full_spec(BLOCK_SIZE)
+_window = functools.partial(window_spec, block_size=BLOCK_SIZE)
 
 
 def _config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:

@@ -1,7 +1,6 @@
 """ModelRunner fed hand-written SchedulerOutputs: new, cached, resumed, finished, preempted."""
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -26,13 +25,7 @@ PROMPT_A = [11, 12, 13, 14, 15, 16]
 PROMPT_B = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """The models are tiny: intra-op threads would only contend for the shared cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_runner(model_name: str = "checksum", num_blocks: int = 16) -> ModelRunner:

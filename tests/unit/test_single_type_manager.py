@@ -1,8 +1,10 @@
 """Per-group managers: hit scans as tables of cached blocks, capacity, skipping, tail-first free."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
+from kv_specs import BLOCK_SIZE, full_spec, window_spec
 
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash
@@ -11,20 +13,9 @@ from engine_core.kv_cache.single_type_manager import (
     SlidingWindowManager,
     make_single_type_manager,
 )
-from engine_core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
-BLOCK_SIZE = 2
-FULL = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32")
-
-
-def _window(sliding_window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=1,
-        head_dim=4,
-        dtype="float32",
-        sliding_window=sliding_window,
-    )
+FULL = full_spec(BLOCK_SIZE)
+_window = functools.partial(window_spec, block_size=BLOCK_SIZE)
 
 
 def _hashes(num_blocks: int) -> list[BlockHash]:

@@ -1,0 +1,19 @@
+"""Tiny KV-cache specs for the manager and coordinator tests: block size 2, one head of dim 4."""
+
+from engine_core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+
+BLOCK_SIZE = 2
+
+
+def full_spec(block_size: int = BLOCK_SIZE) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_dim=4, dtype="float32")
+
+
+def window_spec(sliding_window: int, block_size: int = BLOCK_SIZE) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype="float32",
+        sliding_window=sliding_window,
+    )
