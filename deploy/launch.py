@@ -119,13 +119,6 @@ class Deployment:
     def engine(self) -> BaseProcess:
         return self.processes[0]
 
-    def first_failure(self) -> BaseProcess | None:
-        """A child that exited non-zero, or None; checks without waiting."""
-        for process in self.processes:
-            if process.exitcode not in (None, EXIT_OK):
-                return process
-        return None
-
     def supervise(self) -> int:
         """Block until the deployment ends: 0 when it stopped cleanly, 1 when a child failed."""
         sentinels = {process.sentinel: process for process in self.processes}
