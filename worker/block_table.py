@@ -16,6 +16,7 @@ class BlockTable:
     - `block_table` is [max_num_reqs, max_num_blocks_per_req] int32 and `num_blocks_per_row` is
       [max_num_reqs] int32 with 0 <= num_blocks_per_row[r] <= max_num_blocks_per_req.
     - Entries at or past `num_blocks_per_row[r]` in row r are 0 and are never read.
+    - No entry is negative (block ids index the paged cache; 0 is the null block).
     """
 
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int) -> None:
@@ -78,10 +79,6 @@ class BlockTable:
         self.num_blocks_per_row[tgt] = num_blocks
         self.clear_row(src)
 
-    def swap_row(self, src: int, tgt: int) -> None:
-        self.block_table[[src, tgt]] = self.block_table[[tgt, src]]
-        self.num_blocks_per_row[[src, tgt]] = self.num_blocks_per_row[[tgt, src]]
-
     def row(self, row_idx: int) -> np.ndarray:
         """The block ids row `row_idx` holds (a view)."""
         return self.block_table[row_idx, : self.num_blocks_per_row[row_idx]]
@@ -105,13 +102,25 @@ class BlockTable:
         return block_ids * self.block_size + positions % self.block_size
 
     def check_invariants(self) -> None:
-        counts = self.num_blocks_per_row
-        assert counts.shape == (self.max_num_reqs,), f"num_blocks_per_row shape {counts.shape}"
-        assert (counts >= 0).all() and (counts <= self.max_num_blocks_per_req).all(), (
-            f"row block counts out of [0, {self.max_num_blocks_per_req}]: {counts.tolist()}"
+        """Walk every row: shapes, block counts in range, no negative id, zeros past the count."""
+        table, counts = self.block_table, self.num_blocks_per_row
+        expected = (len(counts), self.max_num_blocks_per_req)
+        assert table.shape == expected and table.dtype == np.int32, (
+            f"block_table is {table.dtype} {table.shape}, expected int32 {expected}"
+        )
+        assert counts.dtype == np.int32, f"num_blocks_per_row is {counts.dtype}, expected int32"
+        bad_rows = np.flatnonzero((counts < 0) | (counts > self.max_num_blocks_per_req))
+        assert not len(bad_rows), (
+            f"row {int(bad_rows[0])} holds {int(counts[bad_rows[0]])} blocks, expected 0 to "
+            f"max_num_blocks_per_req={self.max_num_blocks_per_req}"
         )
         beyond = np.arange(self.max_num_blocks_per_req)[None, :] >= counts[:, None]
-        assert not self.block_table[beyond].any(), "a row holds block ids past its block count"
+        for mask, what in ((beyond & (table != 0), "past its block count"), (table < 0, "< 0")):
+            rows, cols = np.nonzero(mask)
+            assert not len(rows), (
+                f"row {int(rows[0])} holds block id {int(table[rows[0], cols[0]])} at index "
+                f"{int(cols[0])}, {what}: the row holds {int(counts[rows[0]])} blocks"
+            )
 
 
 class MultiGroupBlockTable:
@@ -153,10 +162,6 @@ class MultiGroupBlockTable:
     def move_row(self, src: int, tgt: int) -> None:
         for table in self.tables:
             table.move_row(src, tgt)
-
-    def swap_row(self, src: int, tgt: int) -> None:
-        for table in self.tables:
-            table.swap_row(src, tgt)
 
     def check_invariants(self) -> None:
         sizes = {table.max_num_reqs for table in self.tables}

@@ -1,5 +1,7 @@
 """BlockTable row operations and slot mapping, against a list-of-lists model and a naive loop."""
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -51,11 +53,6 @@ class BlockTableMachine(RuleBasedStateMachine):
         self.table.move_row(src, tgt)
         if src != tgt:
             self.rows[tgt], self.rows[src] = self.rows[src], []
-
-    @rule(src=row_idx, tgt=row_idx)
-    def swap_row(self, src: int, tgt: int) -> None:
-        self.table.swap_row(src, tgt)
-        self.rows[src], self.rows[tgt] = self.rows[tgt], self.rows[src]
 
     @rule(row=row_idx)
     def clear_row(self, row: int) -> None:
@@ -132,3 +129,32 @@ def test_multi_group_table_moves_every_group_and_checks_group_count() -> None:
 def test_bad_sizes_are_rejected() -> None:
     with pytest.raises(ValueError, match="must be positive"):
         BlockTable(0, 4, 4)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda t: t.block_table.__setitem__((0, 3), 9), "block id 9 at index 3, past its block"),
+        (lambda t: t.block_table.__setitem__((1, 0), -2), "block id -2 at index 0, < 0"),
+        (lambda t: t.num_blocks_per_row.__setitem__(1, 5), "row 1 holds 5 blocks, expected 0 to"),
+        (lambda t: t.num_blocks_per_row.__setitem__(0, -1), "row 0 holds -1 blocks"),
+    ],
+)
+def test_check_invariants_catches_a_planted_corruption(
+    corrupt: Callable[[BlockTable], None], message: str
+) -> None:
+    table = BlockTable(2, 4, BLOCK_SIZE)
+    table.add_row([7, 3], 0)
+    table.add_row([5], 1)
+    table.check_invariants()
+    corrupt(table)
+    with pytest.raises(AssertionError, match=message):
+        table.check_invariants()
+
+
+def test_multi_group_check_invariants_walks_every_group() -> None:
+    tables = MultiGroupBlockTable(2, max_model_len=16, block_sizes=[4, 4])
+    tables.add_row(([1, 2], [3]), 0)
+    tables[1].block_table[0, 2] = 6
+    with pytest.raises(AssertionError, match="block id 6 at index 2, past its block count"):
+        tables.check_invariants()
