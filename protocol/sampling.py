@@ -14,8 +14,9 @@ SEED_LIMIT = (1 << 63) - 1
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Sampling and stop settings of one request.
 
-    Bounds are declared on the fields and checked on decode; `validate()` checks them for objects
-    built in-process, where msgspec does not validate constructor arguments.
+    Bounds are declared on the fields and checked on decode (or by `msgspec.convert` for objects
+    built in-process, where msgspec does not check constructor arguments); `__post_init__` runs on
+    every construction, decode and convert, so no instance has `min_tokens > max_tokens`.
     """
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
@@ -30,10 +31,3 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
             raise ValueError(
                 f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
             )
-
-    def validate(self) -> "SamplingParams":
-        """Return a checked copy, or raise `ValueError` naming the first bad field."""
-        try:
-            return msgspec.convert(msgspec.to_builtins(self), SamplingParams)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad sampling parameters: {exc}") from None

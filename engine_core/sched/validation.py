@@ -44,12 +44,9 @@ def validate_request(
             f"token id {bad} in the prompt of {request.req_id!r} is out of the vocabulary: "
             f"expected 0 <= id < {vocab_size}"
         )
+    # min_tokens > max_tokens cannot reach here: SamplingParams.__post_init__ refuses it on every
+    # construction and convert, so _checked_sampling_params reports it as a bad sampling parameter
     params = _checked_sampling_params(request.sampling_params)
-    if params.min_tokens > params.max_tokens:
-        raise ValueError(
-            f"bad sampling parameters: min_tokens={params.min_tokens} exceeds "
-            f"max_tokens={params.max_tokens}"
-        )
     for token_id in params.stop_token_ids:
         if token_id >= vocab_size:
             raise ValueError(
