@@ -11,6 +11,7 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
@@ -18,7 +19,6 @@ from engine_core.kv_cache.single_type_manager import (
     spec_manager_class,
 )
 from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from engine_core.sched.request import Request
 
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
 
@@ -85,7 +85,7 @@ class KVCacheCoordinator(ABC):
             ]
         )
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         for manager in self.single_type_managers:
             manager.cache_blocks(request, num_tokens)
 
@@ -190,7 +190,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         return (self._manager.allocate_new_blocks(req_id, num_tokens),)
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         self._manager.cache_blocks(request, num_tokens)
 
     def free(self, req_id: str) -> None:

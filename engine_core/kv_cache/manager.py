@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
+from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import KVCacheConfig
-from engine_core.sched.request import Request
 from protocol.kv_events import KVCacheEvent
 
 
@@ -103,7 +103,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         return stats
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a waiting request and its length in tokens.
 
         The hit stops at `num_tokens - 1`: the last token is always computed, for its logits.
@@ -120,7 +120,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: KVCacheRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
@@ -165,7 +165,9 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
 
-    def _can_allocate(self, request: Request, num_tokens: int, computed: BlocksPerGroup) -> bool:
+    def _can_allocate(
+        self, request: KVCacheRequest, num_tokens: int, computed: BlocksPerGroup
+    ) -> bool:
         """Whether slots up to `num_tokens` fit, counting evictable hits as consumed."""
         coordinator = self.coordinator
         num_blocks = coordinator.get_num_blocks_to_allocate(request.req_id, num_tokens, computed)
@@ -178,7 +180,9 @@ class KVCacheManager:
         )
         return num_blocks <= num_free_blocks + num_freed
 
-    def _admit(self, request: Request, num_hit_tokens: int, computed: BlocksPerGroup) -> None:
+    def _admit(
+        self, request: KVCacheRequest, num_hit_tokens: int, computed: BlocksPerGroup
+    ) -> None:
         """Start the tables of a request that holds none, with its hits, and count its lookup.
 
         Stats count here rather than at lookup, so a request that waits for room is counted
@@ -190,7 +194,7 @@ class KVCacheManager:
             )
         self.coordinator.save_new_computed_blocks(request.req_id, computed)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVCacheRequest) -> None:
         """Release every block of the request, tail first in each group."""
         self.coordinator.free(request.req_id)
 
