@@ -18,6 +18,7 @@ DTYPE_SIZES_BYTES = {
 }
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NULL_BLOCK_ID = 0  # the placeholder for skipped positions: never hashed, never holds live K/V
 
 
 class _AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -71,6 +72,12 @@ class KVCacheConfig(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
     num_blocks: PositiveInt  # blocks in the one shared pool, the null block 0 included
     kv_cache_groups: list[KVCacheGroupSpec]
+    check_invariants: bool = False  # workers walk their ModelRunner and BlockTables after each step
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division: the number of blocks of `denominator` tokens that hold `numerator`."""
+    return -(numerator // -denominator)
 
 
 def dtype_size_bytes(dtype: str) -> int:

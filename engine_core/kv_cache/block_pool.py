@@ -13,17 +13,17 @@ from engine_core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from engine_core.kv_cache.block_hash_map import BlockHashToBlockMap
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
 from engine_core.kv_cache.hashing import (
-    GROUP_ID_NUM_BYTES,
     BlockHash,
     get_block_hash,
     get_group_id,
+    group_id_suffix,
 )
-from engine_core.sched.request import Request
+from engine_core.kv_cache.kv_request import KVCacheRequest
+from protocol.kv_cache_spec import NULL_BLOCK_ID
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
-NULL_BLOCK_ID = 0
 __all__ = ["BlockHashToBlockMap", "BlockPool"]
 
 
@@ -31,7 +31,7 @@ class _GroupIdSuffixes(dict[int, bytes]):
     """group_id -> its 4 big-endian key bytes, made once per group, not once per lookup."""
 
     def __missing__(self, group_id: int) -> bytes:
-        suffix = self[group_id] = group_id.to_bytes(GROUP_ID_NUM_BYTES, "big")
+        suffix = self[group_id] = group_id_suffix(group_id)
         return suffix
 
 
@@ -106,9 +106,29 @@ class BlockPool:
             cached_blocks.append(block)
         return cached_blocks
 
+    def get_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], num_blocks: int, kv_cache_group_id: int
+    ) -> list[KVCacheBlock]:
+        """The cached blocks of the longest run of `block_hashes[:num_blocks]` from block 0.
+
+        One group's left-to-right scan, with the key suffix looked up once: the common case of a
+        full-attention hit, so it skips the per-block list that `get_cached_block` builds.
+        """
+        if not self.enable_caching:
+            return []
+        suffix = self._group_id_suffixes[kv_cache_group_id]
+        get_one_block = self._get_one_block
+        hits: list[KVCacheBlock] = []
+        for idx in range(num_blocks):
+            block = get_one_block(block_hashes[idx] + suffix)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def cache_full_blocks(
         self,
-        request: Request,
+        request: KVCacheRequest,
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
@@ -329,7 +349,7 @@ class BlockPool:
 
     def _record_block_stored(
         self,
-        request: Request,
+        request: KVCacheRequest,
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,

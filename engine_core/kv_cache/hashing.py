@@ -119,9 +119,14 @@ def first_block_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:
     return () if cache_salt is None else (("cache_salt", cache_salt),)
 
 
+def group_id_suffix(group_id: int) -> bytes:
+    """What a prefix-cache key appends to a block hash: the group id as 4 big-endian bytes."""
+    return group_id.to_bytes(GROUP_ID_NUM_BYTES, "big")
+
+
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
-    """The prefix-cache key: the hash bytes followed by the group id as 4 big-endian bytes."""
-    return BlockHashWithGroupId(block_hash + group_id.to_bytes(GROUP_ID_NUM_BYTES, "big"))
+    """The prefix-cache key: the hash bytes followed by `group_id_suffix(group_id)`."""
+    return BlockHashWithGroupId(block_hash + group_id_suffix(group_id))
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:

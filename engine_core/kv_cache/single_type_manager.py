@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHash, make_block_hash_with_group_id
+from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
-from engine_core.sched.request import Request
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -78,7 +78,7 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Hash and publish the request's blocks that the first `num_tokens` tokens fill."""
         req_id = request.req_id
         num_cached = self.num_cached_block[req_id]
@@ -194,8 +194,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     ) -> tuple[list[KVCacheBlock], ...]:
         """Scan left to right and stop at the first block that misses in any group."""
         num_blocks = min(max_length // kv_cache_spec.block_size, len(block_hashes))
-        if len(kv_cache_group_ids) == 1 and block_pool.enable_caching:
-            return (_scan_one_group(block_hashes, num_blocks, kv_cache_group_ids[0], block_pool),)
+        if len(kv_cache_group_ids) == 1:
+            return (block_pool.get_cached_prefix(block_hashes, num_blocks, kv_cache_group_ids[0]),)
         hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         get_cached_block = block_pool.get_cached_block
         for idx in range(num_blocks):
@@ -205,21 +205,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for group_hits, block in zip(hits, cached, strict=True):
                 group_hits.append(block)
         return hits
-
-
-def _scan_one_group(
-    block_hashes: Sequence[BlockHash], num_blocks: int, group_id: int, block_pool: BlockPool
-) -> list[KVCacheBlock]:
-    """The left-to-right scan for one group, with its key suffix built once: the common case."""
-    suffix = make_block_hash_with_group_id(b"", group_id)
-    get_one_block = block_pool.cached_block_hash_to_block.get_one_block
-    hits: list[KVCacheBlock] = []
-    for idx in range(num_blocks):
-        block = get_one_block(block_hashes[idx] + suffix)
-        if block is None:
-            break
-        hits.append(block)
-    return hits
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):

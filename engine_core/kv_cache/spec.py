@@ -14,6 +14,7 @@ from protocol.kv_cache_spec import (
     KVCacheSpec,
     SlidingWindowSpec,
     bytes_per_block,
+    cdiv,
 )
 
 __all__ = [
@@ -32,11 +33,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NUM_NULL_BLOCKS = 1  # block 0 is the placeholder for skipped positions and holds no tokens
-
-
-def cdiv(numerator: int, denominator: int) -> int:
-    """Ceiling division: the number of blocks of `denominator` tokens that hold `numerator`."""
-    return -(numerator // -denominator)
 
 
 @dataclass(frozen=True, slots=True)
