@@ -117,9 +117,9 @@ class BlockMetricsCollector:
         return BlockResidencySummary(
             num_samples=len(lifetimes),
             lifetime_p50_s=statistics.median(lifetimes),
-            lifetime_p90_s=_percentile(lifetimes, 0.9),
+            lifetime_p90_s=percentile(lifetimes, 0.9),
             idle_before_eviction_p50_s=statistics.median(idle),
-            idle_before_eviction_p90_s=_percentile(idle, 0.9),
+            idle_before_eviction_p90_s=percentile(idle, 0.9),
             accesses_per_block_mean=statistics.fmean(self._num_accesses),
         )
 
@@ -133,7 +133,7 @@ class BlockMetricsCollector:
         assert len(set(lengths)) == 1, f"sample queues have unequal lengths {lengths}"
 
 
-def _percentile(sorted_values: list[float], fraction: float) -> float:
+def percentile(sorted_values: list[float], fraction: float) -> float:
     """The nearest-rank percentile of an ascending, non-empty list."""
     rank = min(len(sorted_values) - 1, int(fraction * len(sorted_values)))
     return sorted_values[rank]
