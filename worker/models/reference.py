@@ -22,7 +22,8 @@ from worker.sampler import Sampler, SampleRequest
 class DenseKV:
     """One whole sequence's K/V in contiguous tensors: entry i is position i. No blocks, no slots.
 
-    Invariants: after `write(name, ...)`, the stored K/V of `name` cover every position.
+    It lives for one dense forward, which writes every layer's K/V of all positions at once, so
+    there is no state to walk between steps.
     """
 
     def __init__(self, num_tokens: int, windows: dict[str, int | None]) -> None:
@@ -46,10 +47,6 @@ class DenseKV:
     def gather(self, layer_name: str, chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.store[layer_name]
         return k[None], v[None]
-
-    def check_invariants(self) -> None:
-        for name, (k, _) in self.store.items():
-            assert k.shape[0] == self.num_tokens, f"layer {name} holds {k.shape[0]} positions"
 
 
 def _stops(token_id: int, output: list[int], params: SamplingParams, eos: int | None) -> bool:
