@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 QUEUE_LIMIT = 100_000  # batches waiting for the thread; beyond it the newest are dropped, logged
 POLL_MS = 50  # how often the thread looks at its queue and its replay socket
+CLOSE_TIMEOUT_S = 2.0  # close() returns within this, plus LOCK_TIMEOUT_S
+DRAIN_SHARE = 0.5  # share of close()'s timeout the thread may spend publishing what is queued
+LOCK_TIMEOUT_S = 0.5  # the thread holds the socket lock for one send or one replay answer
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -27,15 +30,24 @@ class KVEventPublisher:
     """Publishes each step's events as one numbered batch and keeps the last ones for replay.
 
     Invariants: sequence numbers start at 0 and grow by one per batch published; `_buffer` holds
-    at most `buffer_steps` (seq, payload) pairs, oldest first.
+    at most `buffer_steps` (seq, payload) pairs, oldest first. Both belong to the thread, which
+    uses the sockets only under `_lock` and only while `_is_closed` is False.
+
+    Neither socket ever blocks a send: PUB drops a message for a subscriber at its high-water mark,
+    and ROUTER (without ROUTER_MANDATORY) drops one for a peer that is full or gone. So the lock is
+    held only briefly, and close() can always take it and close the sockets.
     """
 
     def __init__(self, ctx: zmq.Context, config: KVEventsConfig) -> None:
         self.config = config
         self.num_dropped = 0
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(QUEUE_LIMIT)
+        self._queue: queue.Queue[KVEventBatch] = queue.Queue(QUEUE_LIMIT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
+        self._lock = threading.Lock()  # held around every zmq call, so close() never races one
+        self._is_closed = False
+        self._stop = threading.Event()
+        self._drain_until_s = 0.0  # monotonic; set by close() before _stop
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(config.endpoint)
@@ -58,49 +70,79 @@ class KVEventPublisher:
             self.num_dropped += 1
             logger.warning("KV event queue full: dropped a batch of %d events", len(events))
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Publish what is queued, then stop the thread and close the sockets."""
-        self._queue.put(None, timeout=timeout_s)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("KV event thread still busy after %.1f s", timeout_s)
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Publish what is queued while time allows, stop the thread and close both sockets.
+
+        Returns within about `timeout_s` + LOCK_TIMEOUT_S whatever state the thread is in, and
+        never raises: batches still queued then are dropped (logged), and the sockets are closed
+        with linger 0 even when the thread has not finished, so that `ctx.term()` returns.
+        """
+        if self._is_closed:
             return
-        self._pub.close()
-        if self._replay is not None:
-            self._replay.close()
+        start_s = time.monotonic()
+        deadline_s = start_s + timeout_s
+        self._drain_until_s = start_s + timeout_s * DRAIN_SHARE
+        self._stop.set()  # after _drain_until_s: the Event orders the two for the thread
+        self._thread.join(max(0.0, deadline_s - time.monotonic()))
+        if self._thread.is_alive():
+            logger.warning("KV event thread still busy after %.1f s: closing under it", timeout_s)
+        is_locked = self._lock.acquire(timeout=LOCK_TIMEOUT_S)
+        if not is_locked:  # unreachable while every zmq call of the thread is non-blocking
+            logger.error("KV event sockets still in use after %.1f s: closing", LOCK_TIMEOUT_S)
+        try:
+            self._is_closed = True
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+        finally:
+            if is_locked:
+                self._lock.release()
+        num_unsent = self._queue.qsize()
+        if num_unsent:
+            self.num_dropped += num_unsent
+            logger.warning("KV event publisher closed with %d batches unsent", num_unsent)
 
     def _run(self) -> None:
         encoder = make_encoder()
         topic = self.config.topic.encode()
         while True:
-            self._answer_replays()
+            if not self._answer_replays():
+                return
+            if self._stop.is_set() and (
+                self._queue.empty() or time.monotonic() >= self._drain_until_s
+            ):
+                return
             try:
                 batch = self._queue.get(timeout=POLL_MS / 1000)
             except queue.Empty:
                 continue
-            if batch is None:
-                return
             payload = encoder.encode(batch)
-            seq = self._next_seq
-            self._next_seq += 1
-            self._buffer.append((seq, payload))
-            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+            with self._lock:
+                if self._is_closed:
+                    return
+                seq = self._next_seq
+                self._next_seq += 1
+                self._buffer.append((seq, payload))
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
 
-    def _answer_replays(self) -> None:
-        """Answer `(identity, b"", start_seq)` with every kept batch from start_seq, then -1."""
-        replay = self._replay
-        while replay is not None and replay.poll(0):
-            frames = replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                logger.warning("ignored a replay request of %d frames", len(frames))
-                continue
-            identity, start_seq = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+    def _answer_replays(self) -> bool:
+        """Answer each `(identity, b"", start_seq)` with every kept batch from start_seq, then -1.
 
-    def check_invariants(self) -> None:
-        seqs = [seq for seq, _ in self._buffer]
-        assert seqs == sorted(seqs), f"replay buffer out of order: {seqs[:5]}"
-        assert not seqs or seqs[-1] < self._next_seq, f"seq {seqs[-1]} >= next {self._next_seq}"
+        Takes the lock per request, so close() waits at most one answer; False once closed.
+        """
+        while True:
+            with self._lock:
+                if self._is_closed:
+                    return False
+                replay = self._replay
+                if replay is None or not replay.poll(0):
+                    return True
+                frames = replay.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    logger.warning("ignored a replay request of %d frames", len(frames))
+                    continue
+                identity, start_seq = frames[0], int.from_bytes(frames[2], "big")
+                for seq, payload in list(self._buffer):
+                    if seq >= start_seq:
+                        replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
