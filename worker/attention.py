@@ -12,8 +12,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from protocol.kv_cache_spec import KVCacheConfig, SlidingWindowSpec
-from worker.block_table import NULL_BLOCK_ID, BlockTable, MultiGroupBlockTable
+from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheConfig, SlidingWindowSpec
+from worker.block_table import BlockTable, MultiGroupBlockTable
 
 GATHER_BUDGET = 1 << 15  # query x context entries per chunk; bounds the gathered K/V and scores
 

@@ -6,7 +6,7 @@ the one BlockPool and sends the ids; this table only records them row by row.
 
 import numpy as np
 
-NULL_BLOCK_ID = 0  # the engine's placeholder for skipped positions; never holds live K/V
+from protocol.kv_cache_spec import cdiv
 
 
 class BlockTable:
@@ -131,7 +131,7 @@ class MultiGroupBlockTable:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_sizes: list[int]) -> None:
         self.tables = [
-            BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size)
+            BlockTable(max_num_reqs, cdiv(max_model_len, block_size), block_size)
             for block_size in block_sizes
         ]
 
