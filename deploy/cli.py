@@ -1,8 +1,8 @@
-"""The console scripts: `kvserve-core`, `kvserve-worker` and `kvserve` (launch, demo, bench,
-stats, reset-prefix-cache).
+"""The console scripts `kvserve-core`, `kvserve-worker` and `kvserve` (subcommands: commands.py).
 
-All argument and environment parsing lives here. Bad flags are usage errors (exit 2); a process
-that failed exits 1. Each entry sets up logging, then calls the engine's or the worker's `run`.
+Each entry parses argv and the environment (the engine flags come from commands.py, shared with
+`kvserve launch`), sets up logging, then calls the engine's or the worker's `run`. Bad flags are
+usage errors (exit 2); a process that failed exits 1.
 """
 
 import argparse
@@ -10,19 +10,16 @@ import os
 import sys
 from collections.abc import Mapping
 
-import msgspec
-
-from deploy.flags import (
-    ENGINE_FLAGS,
-    KV_EVENTS_FLAG,
-    WORKER_FLAGS,
-    UsageError,
-    add_flags,
-    build_config,
-    parse_kv_events_config,
+from deploy.commands import (
+    add_common,
+    add_engine_flags,
+    add_subcommands,
+    check_model_name,
+    engine_config_from,
 )
-from deploy.logs import LOG_LEVELS, setup_logging
-from protocol.config import EngineConfig, WorkerConfig
+from deploy.flags import WORKER_FLAGS, UsageError, add_flags, build_config
+from deploy.logs import setup_logging
+from protocol.config import WorkerConfig
 
 EXIT_USAGE = 2
 TORCHRUN_ENV = {
@@ -31,42 +28,6 @@ TORCHRUN_ENV = {
     "MASTER_ADDR": "master_addr",
     "MASTER_PORT": "master_port",
 }
-LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest follow the engine
-    "model",
-    "dtype",
-    "device",
-    "master_addr",
-    "master_port",
-    "dist_timeout_s",
-    "engine_timeout_s",
-    "seed",
-)
-LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
-
-
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="default INFO")
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, ENGINE_FLAGS, EngineConfig)
-    parser.add_argument(
-        "--host", help="serve clients on tcp://HOST:PORT instead of --client-address"
-    )
-    parser.add_argument("--port", type=int, help="TCP port of the client socket (with --host)")
-    parser.add_argument(KV_EVENTS_FLAG, help="JSON of the KV events publisher config")
-
-
-def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    extra: dict = {}
-    if args.host is not None or args.port is not None:
-        if args.port is None or not 1 <= args.port <= 65535:
-            raise UsageError(f"--port {args.port}: expected a TCP port in [1, 65535] with --host")
-        extra["client_address"] = f"tcp://{args.host or '*'}:{args.port}"
-    kv_events = parse_kv_events_config(getattr(args, "kv_events_config", None))
-    if kv_events is not None:
-        extra["kv_events"] = msgspec.to_builtins(kv_events)
-    return build_config(args, ENGINE_FLAGS, EngineConfig, **extra)
 
 
 def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
@@ -81,14 +42,6 @@ def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> 
                     f"${field.upper()} {extra[field]!r}: expected an integer"
                 ) from None
     return check_model_name(build_config(args, WORKER_FLAGS, WorkerConfig, **extra))
-
-
-def check_model_name(config: WorkerConfig) -> WorkerConfig:
-    from worker.models.registry import MODEL_NAMES
-
-    if config.model not in MODEL_NAMES:
-        raise UsageError(f"--model {config.model}: expected one of {list(MODEL_NAMES)}")
-    return config
 
 
 def core_parser() -> argparse.ArgumentParser:
@@ -144,8 +97,6 @@ def worker_main(argv: list[str] | None = None) -> None:
 
 
 def kvserve_main(argv: list[str] | None = None) -> None:
-    from deploy.commands import add_subcommands
-
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: launch, demo, bench.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_subcommands(commands)

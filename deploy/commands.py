@@ -1,23 +1,75 @@
 """The subcommands of `kvserve`: launch, demo, bench, stats and reset-prefix-cache.
 
 Each adds its flags to a subparser and names a handler that returns the process exit code.
+The engine flags and model check live here, as `kvserve-core` (cli.py) imports them too.
 """
 
 import argparse
 import json
 import sys
 
-from deploy.flags import UsageError, build_config
+import msgspec
+
+from deploy.flags import (
+    ENGINE_FLAGS,
+    KV_EVENTS_FLAG,
+    WORKER_FLAGS,
+    UsageError,
+    add_flags,
+    build_config,
+    parse_kv_events_config,
+)
 from deploy.logs import LOG_LEVELS
 from protocol.config import EngineConfig, WorkerConfig
 
 DEFAULT_CLIENT_ADDRESS = EngineConfig().client_address
+LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest follow the engine
+    "model",
+    "dtype",
+    "device",
+    "master_addr",
+    "master_port",
+    "dist_timeout_s",
+    "engine_timeout_s",
+    "seed",
+)
+LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="default INFO")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, ENGINE_FLAGS, EngineConfig)
+    parser.add_argument(
+        "--host", help="serve clients on tcp://HOST:PORT instead of --client-address"
+    )
+    parser.add_argument("--port", type=int, help="TCP port of the client socket (with --host)")
+    parser.add_argument(KV_EVENTS_FLAG, help="JSON of the KV events publisher config")
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    extra: dict = {}
+    if args.host is not None or args.port is not None:
+        if args.port is None or not 1 <= args.port <= 65535:
+            raise UsageError(f"--port {args.port}: expected a TCP port in [1, 65535] with --host")
+        extra["client_address"] = f"tcp://{args.host or '*'}:{args.port}"
+    kv_events = parse_kv_events_config(getattr(args, "kv_events_config", None))
+    if kv_events is not None:
+        extra["kv_events"] = msgspec.to_builtins(kv_events)
+    return build_config(args, ENGINE_FLAGS, EngineConfig, **extra)
+
+
+def check_model_name(config: WorkerConfig) -> WorkerConfig:
+    from worker.models.registry import MODEL_NAMES
+
+    if config.model not in MODEL_NAMES:
+        raise UsageError(f"--model {config.model}: expected one of {list(MODEL_NAMES)}")
+    return config
 
 
 def add_subcommands(commands: argparse._SubParsersAction) -> None:
-    from deploy.cli import LAUNCH_WORKER_FLAGS, add_common, add_engine_flags
-    from deploy.flags import add_flags
-
     launch = commands.add_parser("launch", help="start and supervise an engine and N workers")
     add_engine_flags(launch)
     add_flags(launch, LAUNCH_WORKER_FLAGS, WorkerConfig)
@@ -47,7 +99,6 @@ def add_subcommands(commands: argparse._SubParsersAction) -> None:
 
 
 def launch_command(args: argparse.Namespace) -> int:
-    from deploy.cli import LAUNCH_WORKER_FLAGS, check_model_name, engine_config_from
     from deploy.launch import run_launch
     from deploy.logs import setup_logging
 
