@@ -1,4 +1,7 @@
-"""The import rules of DESIGN.md §2, checked by parsing every module's imports."""
+"""The import rules of DESIGN.md §2, checked by parsing every module's imports under a root.
+
+Each checking function takes the root directory, so the tests below also run it on planted trees.
+"""
 
 import ast
 import pathlib
@@ -19,41 +22,218 @@ FORBIDDEN = {
 }
 PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
 
+# (importer, imported): edges inside a package that must not exist; each side is a module or a
+# package, and a package stands for every module under it.
+FORBIDDEN_EDGES = (
+    ("engine_core.kv_cache", "engine_core.sched"),  # the pool knows nothing of scheduling
+    ("engine_core.server", "engine_core.sched"),  # the server reaches it only through EngineCore
+    ("engine_core.server", "engine_core.kv_cache"),
+)
+# Known violations of FORBIDDEN_EDGES; each entry goes when its import does.
+ALLOWED_EDGES = (
+    # TODO(#10): startup planning moves out of the server
+    ("engine_core.server", "engine_core.kv_cache.spec"),
+)
+ACYCLIC_PACKAGES = ("deploy",)  # no two modules of these import each other, even indirectly
 
-def _imported_top_levels(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str, root: pathlib.Path) -> bool:
+    path = root.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _is_within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _imported_modules(path: pathlib.Path, root: pathlib.Path) -> set[str]:
+    """Every module `path` imports, at any depth (lazy imports too), as absolute dotted names.
+
+    `from a import b` names `a.b` when that is a module under `root`, else `a`.
+    """
+    package = _module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base_parts = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join([*base_parts, *([node.module] if node.module else [])])
+            for alias in node.names:
+                member = f"{base}.{alias.name}"
+                names.add(member if _is_module(member, root) else base)
     return names
 
 
-def _modules(package: str) -> list[pathlib.Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+def _modules(root: pathlib.Path, name: str) -> list[pathlib.Path]:
+    """The files of module or package `name` under `root`."""
+    path = root.joinpath(*name.split("."))
+    if path.with_suffix(".py").is_file():
+        return [path.with_suffix(".py")]
+    return sorted(path.rglob("*.py"))
+
+
+def _imported_top_levels(path: pathlib.Path, root: pathlib.Path) -> set[str]:
+    return {name.split(".")[0] for name in _imported_modules(path, root)}
+
+
+def package_violations(root: pathlib.Path, package: str) -> list[str]:
+    """Imports of top-level modules that FORBIDDEN (or protocol's stdlib rule) refuses."""
+    violations = []
+    for path in _modules(root, package):
+        imported = _imported_top_levels(path, root)
+        for name in sorted(imported & FORBIDDEN[package]):
+            violations.append(f"{path.relative_to(root)} imports {name}")
+        if package == "protocol":
+            for name in sorted(imported - STDLIB - PROTOCOL_ALLOWED_THIRD_PARTY - {"protocol"}):
+                violations.append(f"{path.relative_to(root)} imports {name}, not stdlib or msgspec")
+    return violations
+
+
+def edges(root: pathlib.Path, importer: str, imported: str) -> list[str]:
+    """Each import by a module within `importer` of a module within `imported`, as text."""
+    return [
+        f"{path.relative_to(root)} imports {name}"
+        for path in _modules(root, importer)
+        for name in sorted(_imported_modules(path, root))
+        if _is_within(name, imported)
+    ]
+
+
+def forbidden_edges(
+    root: pathlib.Path,
+    forbidden: tuple[tuple[str, str], ...] = FORBIDDEN_EDGES,
+    allowed: tuple[tuple[str, str], ...] = ALLOWED_EDGES,
+) -> list[str]:
+    """The imports that `forbidden` refuses and `allowed` does not excuse."""
+    excused = {edge for importer, target in allowed for edge in edges(root, importer, target)}
+    return [
+        edge
+        for importer, target in forbidden
+        for edge in edges(root, importer, target)
+        if edge not in excused
+    ]
+
+
+def import_cycles(root: pathlib.Path, package: str) -> list[list[str]]:
+    """The sets of modules of `package` that import each other, directly or through others.
+
+    Tarjan's strongly connected components over the package's own import graph; each set of two
+    or more modules is a cycle, reported sorted.
+    """
+    paths = {_module_name(path, root): path for path in _modules(root, package)}
+    graph = {
+        module: sorted(name for name in _imported_modules(path, root) if name in paths)
+        for module, path in paths.items()
+    }
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(cycles)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_respects_import_rules(package: str) -> None:
-    violations = []
-    for path in _modules(package):
-        imported = _imported_top_levels(path)
-        for name in sorted(imported & FORBIDDEN[package]):
-            violations.append(f"{path.relative_to(ROOT)} imports {name}")
-        if package == "protocol":
-            for name in sorted(imported - STDLIB - PROTOCOL_ALLOWED_THIRD_PARTY - {"protocol"}):
-                violations.append(f"{path.relative_to(ROOT)} imports {name}, not stdlib or msgspec")
+    violations = package_violations(ROOT, package)
     assert not violations, "\n".join(violations)
+
+
+def test_packages_keep_their_inner_edges() -> None:
+    """kv_cache never imports sched; server.py reaches the scheduler only through EngineCore."""
+    violations = forbidden_edges(ROOT)
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("package", ACYCLIC_PACKAGES)
+def test_package_has_no_import_cycle(package: str) -> None:
+    cycles = import_cycles(ROOT, package)
+    assert not cycles, cycles
+
+
+def _plant(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_reports_a_planted_kv_cache_to_sched_import(tmp_path: pathlib.Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "engine_core/__init__.py": "",
+            "engine_core/kv_cache/__init__.py": "",
+            "engine_core/kv_cache/block_pool.py": "from engine_core.sched.request import Request\n",
+            "engine_core/kv_cache/manager.py": "def f() -> None:\n    from ..sched import queues\n",
+            "engine_core/kv_cache/hashing.py": "import hashlib\n",
+            "engine_core/sched/__init__.py": "",
+            "engine_core/sched/request.py": "from ..kv_cache.hashing import BlockHasher\n",
+            "engine_core/sched/queues.py": "",
+            "engine_core/server.py": (
+                "from engine_core.kv_cache.spec import plan_kv_cache\n"
+                "from engine_core.sched import scheduler\n"
+            ),
+            "engine_core/sched/scheduler.py": "",
+            "engine_core/kv_cache/spec.py": "",
+        },
+    )
+    assert forbidden_edges(root) == [
+        "engine_core/kv_cache/block_pool.py imports engine_core.sched.request",
+        "engine_core/kv_cache/manager.py imports engine_core.sched.queues",
+        "engine_core/server.py imports engine_core.sched.scheduler",
+    ]
+
+
+def test_checker_reports_a_planted_deploy_cycle(tmp_path: pathlib.Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "deploy/__init__.py": "",
+            "deploy/cli.py": "from deploy import commands\nfrom deploy.logs import setup\n",
+            "deploy/commands.py": "def f() -> None:\n    import deploy.cli\n",
+            "deploy/logs.py": "import logging\n",
+        },
+    )
+    assert import_cycles(root, "deploy") == [["deploy.cli", "deploy.commands"]]
+    (root / "deploy" / "commands.py").write_text("from deploy.logs import setup\n")
+    assert import_cycles(root, "deploy") == []
 
 
 def test_nothing_imports_deploy() -> None:
     offenders = [
         str(path.relative_to(ROOT))
         for package in ("protocol", "engine_core", "worker", "bench")
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if "deploy" in _imported_top_levels(path)
+        for path in _modules(ROOT, package)
+        if "deploy" in _imported_top_levels(path, ROOT)
     ]
     assert not offenders, offenders
 
@@ -61,22 +241,20 @@ def test_nothing_imports_deploy() -> None:
 def test_engine_and_worker_never_read_argv_or_environment() -> None:
     offenders = []
     for package in ("protocol", "engine_core", "worker"):
-        for path in _modules(package):
+        for path in _modules(ROOT, package):
             text = path.read_text()
             if "os.environ" in text or "sys.argv" in text or "os.getenv" in text:
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
 
 
-def _bench_modules_imported(path: pathlib.Path) -> set[str]:
+def _bench_modules_imported(path: pathlib.Path, root: pathlib.Path) -> set[str]:
     """The `bench.X` modules `path` imports, as names relative to bench/ (`trace`, `replay`)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        module = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else None
-        if module and module.startswith("bench."):
-            names.add(module.removeprefix("bench."))
-    return names
+    return {
+        name.removeprefix("bench.")
+        for name in _imported_modules(path, root)
+        if name.startswith("bench.")
+    }
 
 
 def test_benchmark_peers_never_import_kvserve() -> None:
@@ -84,20 +262,21 @@ def test_benchmark_peers_never_import_kvserve() -> None:
     shares (bench/trace.py, bench/replay.py, ...) must stay standard library only, transitively."""
     peers = sorted((ROOT / "bench" / "peers").glob("*.py"))
     shared: set[str] = set()
-    pending = [name for path in peers for name in _bench_modules_imported(path)]
+    pending = [name for path in peers for name in _bench_modules_imported(path, ROOT)]
     while pending:
         name = pending.pop()
         if name not in shared and not name.startswith("peers."):  # peers are checked below
             shared.add(name)
-            pending += _bench_modules_imported(ROOT / "bench" / f"{name.replace('.', '/')}.py")
+            path = ROOT / "bench" / f"{name.replace('.', '/')}.py"
+            pending += _bench_modules_imported(path, ROOT)
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in peers
-        for name in sorted(_imported_top_levels(path) & set(PACKAGES))
+        for name in sorted(_imported_top_levels(path, ROOT) & set(PACKAGES))
     ]
     for name in sorted(shared):
         path = ROOT / "bench" / f"{name.replace('.', '/')}.py"
-        imports = _imported_top_levels(path) - {"bench"}
+        imports = _imported_top_levels(path, ROOT) - {"bench"}
         offenders += [f"{path.relative_to(ROOT)} imports {other}" for other in imports - STDLIB]
     assert len(peers) >= 3 and {"trace", "replay", "scheduler_workloads"} <= shared, shared
     assert not offenders, offenders
