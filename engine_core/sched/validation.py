@@ -9,6 +9,7 @@ from array import array
 
 import msgspec
 
+from protocol.bounds import checked_copy
 from protocol.buffers import unpack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.sampling import SamplingParams
@@ -59,7 +60,7 @@ def validate_request(
 def _checked_sampling_params(params: SamplingParams) -> SamplingParams:
     """A bounds-checked copy; the error names the field, not its array position."""
     try:
-        return msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+        return checked_copy(params)
     except msgspec.ValidationError as exc:
         fields = SamplingParams.__struct_fields__
         reason = re.sub(
