@@ -61,8 +61,10 @@ class ScheduledRequest:
 class ModelRunner:
     """One rank's runner over its paged KV cache.
 
-    Invariants: the batch rows are compact and hold exactly the running requests; a parked
-    (preempted) request has no row; `last_step_id` is the step_id of the last executed step.
+    Invariants: the batch rows are compact and hold exactly the running requests (InputBatch and
+    its BlockTables hold their own); a parked (preempted) request has no row and 1 to
+    max_model_len tokens; there is one block table per KV-cache group, and every block id in them
+    is below num_blocks. With `check_each_step` they are walked after every step.
     """
 
     def __init__(
@@ -99,13 +101,14 @@ class ModelRunner:
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
         req_ids = pack_int32(req.req_id for req in scheduled)
+        if self.check_each_step:  # the step's deltas are applied; forward and sampling keep them
+            self.check_invariants()
         if not scheduled:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
             return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, b"")
         token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
         if self.check_each_step:
-            self.check_invariants()
-            kv.check_invariants()
+            kv.check_invariants()  # before the forward writes K/V through the slot mapping
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         modelled = time.perf_counter()
@@ -188,7 +191,7 @@ class ModelRunner:
     def _resume(
         self, req_id: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
     ) -> int:
-        """A resumed request gets its row back, with `block_ids` replacing its old table."""
+        """A parked (preempted) request gets a row back, with `block_ids` as its whole table."""
         if block_ids is None:
             raise ValueError(f"resumed request {req_id} comes without block ids")
         batch = self.input_batch
@@ -196,12 +199,12 @@ class ModelRunner:
             parked = self.parked.pop(req_id)
             token_ids = np.concatenate((parked.token_ids, tokens))
             return batch.add_request(req_id, token_ids, parked.sampling_params, block_ids)
-        if req_id not in batch.req_id_to_row:
-            raise ValueError(f"resumed request {req_id} is unknown to rank {self.rank}")
-        row = batch.req_id_to_row[req_id]
-        batch.append_token_ids(row, tokens)
-        batch.block_table.add_row(block_ids, row)
-        return row
+        if req_id in batch.req_id_to_row:
+            raise ValueError(
+                f"resumed request {req_id} is still in the batch of rank {self.rank} at row "
+                f"{batch.req_id_to_row[req_id]}: only a preempted request can resume"
+            )
+        raise ValueError(f"resumed request {req_id} is unknown to rank {self.rank}")
 
     def _append(
         self, req_id: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
@@ -255,9 +258,26 @@ class ModelRunner:
         )
 
     def check_invariants(self) -> None:
-        self.input_batch.check_invariants()
-        overlap = set(self.parked) & set(self.input_batch.req_id_to_row)
+        """Walk the batch (and through it every BlockTable), the parked requests and block ids."""
+        batch = self.input_batch
+        batch.check_invariants()
+        overlap = set(self.parked) & set(batch.req_id_to_row)
         assert not overlap, f"requests both parked and in the batch: {sorted(overlap)}"
+        for req_id, parked in self.parked.items():
+            assert 0 < len(parked.token_ids) <= batch.max_model_len, (
+                f"parked request {req_id} holds {len(parked.token_ids)} tokens, expected 1 to "
+                f"max_model_len={batch.max_model_len}"
+            )
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        assert len(batch.block_table) == num_groups, (
+            f"{len(batch.block_table)} block tables for {num_groups} KV-cache groups"
+        )
+        num_blocks = self.kv_cache_config.num_blocks
+        for group_idx, table in enumerate(batch.block_table.tables):
+            max_id = int(table.block_table.max(initial=0))
+            assert max_id < num_blocks, (
+                f"group {group_idx} holds block id {max_id}, past num_blocks={num_blocks}"
+            )
 
 
 def build_model_runner(
@@ -267,4 +287,12 @@ def build_model_runner(
     model = build_model(config.model, tp_group, device, config.seed)
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     info = get_model_info(config.model, config.block_size, config.dtype)
-    return ModelRunner(model, kv_cache_config, kv_caches, config.rank, info.max_model_len, device)
+    return ModelRunner(
+        model,
+        kv_cache_config,
+        kv_caches,
+        config.rank,
+        info.max_model_len,
+        device,
+        check_each_step=kv_cache_config.check_invariants,  # the engine's --check-invariants
+    )

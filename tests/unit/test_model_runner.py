@@ -1,19 +1,21 @@
 """ModelRunner fed hand-written SchedulerOutputs: new, cached, resumed, finished, preempted."""
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from protocol.buffers import pack_int32, unpack_int32
+from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
 from worker.distributed import single_rank_group
-from worker.input_batch import InputBatch
+from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches
-from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner
+from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner, build_model_runner
 from worker.models.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
 from worker.sampler import Sampler, SampleRequest, uniform_draw
@@ -191,6 +193,64 @@ def test_mismatched_cached_columns_and_resume_without_blocks_are_rejected() -> N
         runner.execute_model(step(3, [3], cached_reqs=cached([(1, [9], None, 0)], resumed=(1,))))
     with pytest.raises(ValueError, match="already known"):
         make_runner().execute_model(step(1, [2, 2], new=[new_req(1, [1, 2], [1])] * 2))
+
+
+def test_resume_of_a_request_still_in_the_batch_is_rejected() -> None:
+    """Guards against an engine bug passing silently: resuming a request that was never preempted
+    used to append its tokens and replace its table in place, so the ranks ran on a wrong batch."""
+    runner = make_runner()
+    sampled(runner, step(1, [2], new=[new_req(1, [1, 2], [1])]))
+    resumed = cached([(1, [9], [2], 0)], resumed=(1,))
+    with pytest.raises(
+        ValueError, match="resumed request 1 is still in the batch of rank 0 at row 0"
+    ):
+        runner.execute_model(step(2, [3], cached_reqs=resumed))
+
+
+def _plant_block_id_past_num_blocks(runner: ModelRunner) -> None:
+    runner.input_batch.block_table[0].block_table[0, 0] = runner.kv_cache_config.num_blocks
+
+
+def _plant_a_parked_copy_of_a_running_request(runner: ModelRunner) -> None:
+    runner.parked[1] = ParkedRequest(np.array([1, 2], dtype=np.int32), GREEDY)
+
+
+def _plant_an_empty_parked_request(runner: ModelRunner) -> None:
+    runner.parked[7] = ParkedRequest(np.zeros(0, dtype=np.int32), GREEDY)
+
+
+def _plant_an_id_past_a_row_of_the_block_table(runner: ModelRunner) -> None:
+    runner.input_batch.block_table[0].block_table[1, 3] = 5
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (_plant_block_id_past_num_blocks, "group 0 holds block id 16, past num_blocks=16"),
+        (_plant_a_parked_copy_of_a_running_request, r"both parked and in the batch: \[1\]"),
+        (_plant_an_empty_parked_request, "parked request 7 holds 0 tokens"),
+        (_plant_an_id_past_a_row_of_the_block_table, "row 1 holds block id 5 at index 3"),
+    ],
+)
+def test_check_invariants_catches_a_planted_corruption_on_the_next_step(
+    corrupt: Callable[[ModelRunner], None], message: str
+) -> None:
+    runner = make_runner()
+    sampled(runner, step(1, [2, 2], new=[new_req(1, [1, 2], [1]), new_req(2, [3, 4], [2])]))
+    corrupt(runner)
+    with pytest.raises(AssertionError, match=message):
+        runner.check_invariants()
+    with pytest.raises(AssertionError, match=message):  # check_each_step walks them every step
+        runner.execute_model(step(2, []))
+
+
+@pytest.mark.parametrize("check_invariants", [False, True])
+def test_built_runner_checks_each_step_as_the_kv_cache_config_says(check_invariants: bool) -> None:
+    config = WorkerConfig(model="checksum", block_size=BLOCK_SIZE, device="cpu")
+    groups = get_model_info("checksum", BLOCK_SIZE).kv_cache_groups
+    kv_cache_config = KVCacheConfig(8, groups, check_invariants=check_invariants)
+    runner = build_model_runner(config, kv_cache_config, single_rank_group(), CPU)
+    assert runner.check_each_step is check_invariants
 
 
 def test_greedy_takes_the_first_maximum() -> None:

@@ -1,5 +1,6 @@
 """Round trip of every wire message: decode(encode(m)) == m through each socket's own decoder."""
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,7 +65,9 @@ specs = st.one_of(
     st.builds(SlidingWindowSpec, positives, positives, positives, st.just("bfloat16"), positives),
 )
 group_specs = st.builds(KVCacheGroupSpec, st.lists(texts, max_size=3), specs)
-kv_cache_configs = st.builds(KVCacheConfig, positives, st.lists(group_specs, max_size=3))
+kv_cache_configs = st.builds(
+    KVCacheConfig, positives, st.lists(group_specs, max_size=3), st.booleans()
+)
 model_infos = st.builds(
     ModelInfo, texts, positives, st.none() | naturals, positives, st.lists(group_specs, max_size=2)
 )
@@ -76,11 +79,11 @@ client_to_engine = st.one_of(
         int32_bytes,
         sampling_params(),
         floats,
-        ints,
-        st.none() | texts,
+        st.integers(-(2**31), 2**31 - 1),  # priority: an int32 on the wire
+        st.none() | st.text(min_size=1, max_size=20),
     ),
-    st.builds(AbortRequests, st.lists(texts, max_size=4)),
-    st.builds(UtilityCall, ints, texts, st.lists(stat_values, max_size=4)),
+    st.builds(AbortRequests, st.lists(req_ids, max_size=4)),
+    st.builds(UtilityCall, st.integers(0, 2**63 - 1), texts, st.lists(stat_values, max_size=4)),
 )
 
 engine_outputs = st.builds(
@@ -174,3 +177,11 @@ def test_worker_to_engine_round_trip(message: object) -> None:
 @given(kv_event_batches)
 def test_kv_event_batch_round_trip(message: KVEventBatch) -> None:
     assert codec.kv_event_decoder().decode(ENCODER.encode(message)) == message
+
+
+def test_kv_cache_config_without_check_invariants_decodes_with_checks_off() -> None:
+    """A KVCacheConfig from an engine that predates the flag leaves the workers' checks off."""
+    groups = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(4, 2, 8, "float32"))]
+    old_wire = ENCODER.encode(["KVCacheConfig", 7, msgspec.to_builtins(groups)])
+    decoded = codec.engine_to_worker_decoder().decode(old_wire)
+    assert decoded == KVCacheConfig(7, groups) and decoded.check_invariants is False
