@@ -14,7 +14,7 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import KVCacheConfig
+from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheConfig
 from protocol.worker_messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -64,7 +64,8 @@ class ModelRunner:
     Invariants: the batch rows are compact and hold exactly the running requests (InputBatch and
     its BlockTables hold their own); a parked (preempted) request has no row and 1 to
     max_model_len tokens; there is one block table per KV-cache group, and every block id in them
-    is below num_blocks. With `check_each_step` they are walked after every step.
+    is below num_blocks; every layer's cache is [num_blocks, 2, block_size, heads, head_dim] and
+    its null block is all zeros. With `check_each_step` they are walked after every step.
     """
 
     def __init__(
@@ -107,8 +108,6 @@ class ModelRunner:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
             return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, b"")
         token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
-        if self.check_each_step:
-            kv.check_invariants()  # before the forward writes K/V through the slot mapping
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         modelled = time.perf_counter()
@@ -278,6 +277,25 @@ class ModelRunner:
             assert max_id < num_blocks, (
                 f"group {group_idx} holds block id {max_id}, past num_blocks={num_blocks}"
             )
+        self._check_kv_caches()
+
+    def _check_kv_caches(self) -> None:
+        """Every layer's tensor has the agreed shape, and its null block was never written."""
+        num_blocks = self.kv_cache_config.num_blocks
+        for group in self.kv_cache_config.kv_cache_groups:
+            spec = group.spec
+            for name in group.layer_names:
+                cache = self.kv_caches[name]
+                shape = tuple(cache.shape)
+                assert (
+                    len(shape) == 5
+                    and shape[:3] == (num_blocks, 2, spec.block_size)
+                    and shape[4] == spec.head_dim
+                ), (
+                    f"layer {name} cache is {shape}, expected ({num_blocks}, 2, "
+                    f"{spec.block_size}, num_kv_heads_per_rank, {spec.head_dim})"
+                )
+                assert not cache[NULL_BLOCK_ID].any(), f"layer {name} wrote into the null block"
 
 
 def build_model_runner(

@@ -223,6 +223,19 @@ def _plant_an_id_past_a_row_of_the_block_table(runner: ModelRunner) -> None:
     runner.input_batch.block_table[0].block_table[1, 3] = 5
 
 
+def _plant_a_row_naming_another_request(runner: ModelRunner) -> None:
+    runner.input_batch.req_ids[0] = 9
+
+
+def _plant_a_write_into_the_null_block(runner: ModelRunner) -> None:
+    next(iter(runner.kv_caches.values()))[0, 1, 2] = 1.0
+
+
+def _plant_a_cache_of_the_wrong_size(runner: ModelRunner) -> None:
+    name, cache = next(iter(runner.kv_caches.items()))
+    runner.kv_caches[name] = cache[:-1]
+
+
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
@@ -230,6 +243,9 @@ def _plant_an_id_past_a_row_of_the_block_table(runner: ModelRunner) -> None:
         (_plant_a_parked_copy_of_a_running_request, r"both parked and in the batch: \[1\]"),
         (_plant_an_empty_parked_request, "parked request 7 holds 0 tokens"),
         (_plant_an_id_past_a_row_of_the_block_table, "row 1 holds block id 5 at index 3"),
+        (_plant_a_row_naming_another_request, "row 0 names 9, not 1"),
+        (_plant_a_write_into_the_null_block, "wrote into the null block"),
+        (_plant_a_cache_of_the_wrong_size, r"cache is \(15, 2, 4, .*expected \(16, 2, 4,"),
     ],
 )
 def test_check_invariants_catches_a_planted_corruption_on_the_next_step(
