@@ -5,9 +5,11 @@ environment. `checked()` validates bounds, since msgspec checks them only on dec
 """
 
 import enum
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal, Self, get_args
 
 import msgspec
+
+from protocol.bounds import checked_copy
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -15,6 +17,9 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=64)]
+HashAlgo = Literal["sha256", "xxhash"]  # the prefix-caching block hash algorithms
+HASH_ALGOS: tuple[HashAlgo, ...] = get_args(HashAlgo)
+DEFAULT_HASH_SEED = "kvserve"
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -26,7 +31,7 @@ class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def checked(self) -> Self:
         """Return a copy whose bounds were checked, or raise ValueError naming the field."""
         try:
-            return msgspec.convert(msgspec.to_builtins(self), type(self))
+            return checked_copy(self)
         except msgspec.ValidationError as exc:
             raise ValueError(f"bad {type(self).__name__}: {exc}") from None
 
@@ -37,8 +42,8 @@ class CacheConfig(_Config, frozen=True):
     kv_cache_memory_bytes: PositiveInt | None = None  # KV budget per rank; required on the CPU
     num_gpu_blocks_override: Annotated[int, msgspec.Meta(ge=2)] | None = None  # forces num_blocks
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["sha256", "xxhash"] = "sha256"
-    hash_seed: str = "kvserve"  # NONE_HASH derives from it; all engines of a fleet must agree
+    prefix_caching_hash_algo: HashAlgo = "sha256"
+    hash_seed: str = DEFAULT_HASH_SEED  # NONE_HASH derives from it; a fleet's engines must agree
 
 
 class SchedulerConfig(_Config, frozen=True):

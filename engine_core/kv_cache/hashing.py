@@ -7,16 +7,14 @@ the bytes). Prefix-cache keys append the KV-cache group id to the hash.
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Literal, NewType
+from typing import NewType
 
 import msgspec
 import xxhash
 
 from protocol.buffers import pack_int32
+from protocol.config import DEFAULT_HASH_SEED, HASH_ALGOS, HashAlgo
 
-HashAlgo = Literal["sha256", "xxhash"]
-HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "xxhash")
-DEFAULT_HASH_SEED = "kvserve"
 GROUP_ID_NUM_BYTES = 4
 
 BlockHash = NewType("BlockHash", bytes)  # the digest of one full block and its whole prefix
