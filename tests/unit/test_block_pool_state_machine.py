@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
+from engine_core.kv_cache.spec import cdiv
 from engine_core.sched.request import Request
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from protocol.sampling import SamplingParams
@@ -137,7 +138,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def admit(self, tokens: list[int]) -> None:
         request = Request(str(self.next_req_id), tokens, SamplingParams(), block_hasher=HASHER)
         hits = self._lookup(request)
-        num_new = -(-len(tokens) // BLOCK_SIZE) - len(hits)
+        num_new = cdiv(len(tokens), BLOCK_SIZE) - len(hits)
         num_evictable_hits = sum(self.model.ref_cnt[b.block_id] == 0 for b in hits)
         if num_new > len(self.model.free) - num_evictable_hits:
             with pytest.raises(ValueError, match="cannot get"):

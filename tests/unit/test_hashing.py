@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from engine_core.kv_cache.hashing import (
     DEFAULT_HASH_SEED,
+    HASH_ALGOS,
     BlockHasher,
     first_block_extra_keys,
     get_block_hash,
@@ -29,10 +30,10 @@ SUBPROCESS_TIMEOUT_S = 60.0
 # Recomputes the hashes of one token sequence in a fresh interpreter and prints them as hex.
 SUBPROCESS_SCRIPT = """
 import json, sys
-from engine_core.kv_cache.hashing import BlockHasher
+from engine_core.kv_cache.hashing import HASH_ALGOS, BlockHasher
 tokens, salt = json.loads(sys.argv[1]), sys.argv[2]
 out = {}
-for algo in ("sha256", "xxhash"):
+for algo in HASH_ALGOS:
     hasher = BlockHasher(4, algo)
     out[algo] = [h.hex() for h in hasher.hash_prefix(tokens, (("cache_salt", salt),))]
 print(json.dumps(out))
@@ -50,7 +51,7 @@ def spec_digest(algo: str, parent: bytes, token_ids: list[int], extra_keys: list
     return xxhash.xxh3_128_digest(data)
 
 
-@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("algo", HASH_ALGOS)
 def test_block_hash_follows_the_documented_encoding(algo: str) -> None:
     hasher = BlockHasher(BLOCK_SIZE, algo)
     salt = [("cache_salt", "tenant-a")]
@@ -148,7 +149,7 @@ def test_hashes_are_identical_in_another_interpreter() -> None:
         check=True,
     )
     theirs = json.loads(result.stdout)
-    for algo in ("sha256", "xxhash"):
+    for algo in HASH_ALGOS:
         ours = BlockHasher(BLOCK_SIZE, algo).hash_prefix(tokens, first_block_extra_keys(salt))
         assert theirs[algo] == [h.hex() for h in ours]
         assert len(ours) == 3

@@ -23,6 +23,7 @@ from engine_core.kv_cache.spec import (
     KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
+    cdiv,
 )
 from engine_core.sched.request import Request
 from protocol.sampling import SamplingParams
@@ -175,7 +176,7 @@ def test_hybrid_decode_frees_only_the_window_groups_old_blocks() -> None:
 def _agrees(cached: list[bool], spec: KVCacheSpec, num_blocks: int) -> bool:
     """Whether one group can serve a hit of `num_blocks` blocks, from its cached pattern alone."""
     if isinstance(spec, SlidingWindowSpec):
-        num_needed = -(-(spec.sliding_window - 1) // BLOCK_SIZE)
+        num_needed = cdiv(spec.sliding_window - 1, BLOCK_SIZE)
         return all(cached[max(0, num_blocks - num_needed) : num_blocks])
     return all(cached[:num_blocks])
 
