@@ -1,8 +1,8 @@
-"""Workload: a fixed set of requests run through ModelRunners on 1..N tensor-parallel ranks.
+"""Workload: fixed requests run by the engine's Scheduler through ModelRunners on 1..N ranks.
 
-Each rank process runs its own ScriptedScheduler copy; since every rank samples the same tokens,
-the copies stay in lockstep and only the models' all-reduces cross processes. Ranks are started with
-torch.multiprocessing's spawn method and joined against a deadline; none is left alive.
+Each rank process drives its own in-process EngineCore (the real Scheduler, no sockets) over its
+ModelRunner; every rank samples the same tokens, so the copies stay in lockstep and only the models'
+all-reduces cross processes. Ranks are spawned and joined against a deadline; none is left alive.
 """
 
 import queue
@@ -13,15 +13,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from bench.scripted_scheduler import ScriptedScheduler, run_to_completion
-from protocol.config import WorkerConfig
+from engine_core.core import EngineCore
+from protocol.buffers import pack_int32
+from protocol.client_messages import EngineCoreRequest
+from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
+from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from worker.distributed import TPGroup, destroy_tp_group, init_tp_group, single_rank_group
-from worker.model_runner import build_model_runner
+from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.registry import get_model_info
 
 JOIN_TIMEOUT_S = 10.0
+MAX_STEPS = 100_000  # a workload still unfinished after this many steps is stuck
 
 
 @dataclass(frozen=True)
@@ -36,16 +40,17 @@ class Workload:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     seed: int = 0
-    check_invariants: bool = False  # walk the runner's invariants every step (tests)
+    check_invariants: bool = False  # walk the scheduler's and runner's invariants every step
+    reserve_full_prompt: bool = True  # False admits a prompt chunk by chunk, so it can be preempted
 
 
 @dataclass
 class RankResult:
     rank: int
-    outputs: dict[int, list[int]]  # req_id -> generated tokens
+    outputs: dict[int, list[int]]  # request handle (1, 2, ... in prompt order) -> generated tokens
     num_steps: int
     num_preemptions: int
-    num_hit_tokens: int
+    num_hit_tokens: int  # prompt tokens served from the prefix cache, recomputations included
     runner_s: float  # wall time inside execute_model, all steps
     prepare_s: float  # of which batch building, slot mapping and context indices
     model_s: float
@@ -53,21 +58,56 @@ class RankResult:
     step_tokens: list[int] = field(default_factory=list)  # scheduled tokens per step
 
 
-def run_workload(workload: Workload, tp_group: TPGroup, device: torch.device) -> RankResult:
-    """Run every request to completion on this rank and time the runner's parts."""
-    info = get_model_info(workload.model, workload.block_size, workload.dtype)
-    scheduler = ScriptedScheduler(
-        info,
-        workload.num_blocks,
-        max_num_batched_tokens=workload.max_num_batched_tokens,
-        max_num_seqs=workload.max_num_seqs,
-        enable_prefix_caching=workload.enable_prefix_caching,
+class TimedRunner:
+    """The EngineCore's executor on one rank: runs the ModelRunner and adds up where time went."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.runner_s = 0.0
+        self.prepare_s = 0.0
+        self.model_s = 0.0
+        self.sample_s = 0.0
+        self.step_tokens: list[int] = []
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        output = self.runner.execute_model(scheduler_output)
+        self.runner_s += time.perf_counter() - start
+        timings = self.runner.timings
+        self.prepare_s += timings.prepare_s
+        self.model_s += timings.model_s
+        self.sample_s += timings.sample_s
+        self.step_tokens.append(scheduler_output.total_num_scheduled_tokens)
+        return output
+
+
+def engine_config(workload: Workload, model_max_len: int) -> EngineConfig:
+    """The workload's limits; sequences are capped at the longest one it can produce."""
+    longest = max(
+        len(prompt) + params.max_tokens
+        for prompt, params in zip(workload.prompts, workload.sampling_params, strict=True)
     )
-    for req_id, (prompt, params) in enumerate(
-        zip(workload.prompts, workload.sampling_params, strict=True)
-    ):
-        scheduler.add_request(req_id + 1, prompt, params)
-    config = WorkerConfig(
+    scheduler = SchedulerConfig(
+        max_num_seqs=workload.max_num_seqs,
+        max_num_batched_tokens=workload.max_num_batched_tokens,
+        max_model_len=min(longest, model_max_len),
+        reserve_full_prompt=workload.reserve_full_prompt,
+    )
+    cache = CacheConfig(
+        block_size=workload.block_size, enable_prefix_caching=workload.enable_prefix_caching
+    )
+    return EngineConfig(
+        check_invariants=workload.check_invariants, cache=cache, scheduler=scheduler
+    ).checked()
+
+
+def build_rank(
+    workload: Workload, tp_group: TPGroup, device: torch.device
+) -> tuple[EngineCore, TimedRunner]:
+    """This rank's ModelRunner and an EngineCore over it, with every request queued in order."""
+    info = get_model_info(workload.model, workload.block_size, workload.dtype)
+    kv_cache_config = KVCacheConfig(workload.num_blocks, info.kv_cache_groups)
+    worker_config = WorkerConfig(
         rank=tp_group.rank,
         tp_size=tp_group.tp_size,
         model=workload.model,
@@ -75,26 +115,54 @@ def run_workload(workload: Workload, tp_group: TPGroup, device: torch.device) ->
         block_size=workload.block_size,
         seed=workload.seed,
     )
-    runner = build_model_runner(config, scheduler.kv_cache_config(), tp_group, device)
+    runner = build_model_runner(worker_config, kv_cache_config, tp_group, device)
     runner.check_each_step = workload.check_invariants
-    result = RankResult(tp_group.rank, {}, 0, 0, 0, 0.0, 0.0, 0.0, 0.0)
+    executor = TimedRunner(runner)
+    config = engine_config(workload, info.max_model_len)
+    core = EngineCore(config, kv_cache_config, info, executor)
+    requests = zip(workload.prompts, workload.sampling_params, strict=True)
+    for idx, (prompt, params) in enumerate(requests):
+        request = EngineCoreRequest(str(idx + 1), pack_int32(prompt), params, float(idx))
+        rejection = core.add_request(request)
+        if rejection is not None:
+            raise ValueError(f"request {idx + 1} rejected: {rejection.outputs[0].error}")
+    return core, executor
 
-    def execute(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
-        output = runner.execute_model(scheduler_output)
-        result.runner_s += time.perf_counter() - start
-        result.prepare_s += runner.timings.prepare_s
-        result.model_s += runner.timings.model_s
-        result.sample_s += runner.timings.sample_s
-        result.step_tokens.append(scheduler_output.total_num_scheduled_tokens)
-        return output
 
-    result.outputs = run_to_completion(scheduler, execute)
-    runner.check_invariants()
-    result.num_steps = scheduler.step_id
-    result.num_preemptions = scheduler.num_preemptions
-    result.num_hit_tokens = scheduler.num_hit_tokens
-    return result
+def run_to_completion(core: EngineCore, max_steps: int = MAX_STEPS) -> dict[int, list[int]]:
+    """Step until every request finished and the workers forgot it; tokens by request handle."""
+    scheduler = core.scheduler
+    handles = {req_id: request.handle for req_id, request in scheduler.requests.items()}
+    outputs: dict[int, list[int]] = {handle: [] for handle in handles.values()}
+    num_steps = 0
+    while scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+        if num_steps >= max_steps:
+            raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+        for client_outputs in core.step().values():
+            for output in client_outputs.outputs:
+                outputs[handles[output.req_id]].extend(output.new_token_ids)
+        num_steps += 1
+    return outputs
+
+
+def run_workload(workload: Workload, tp_group: TPGroup, device: torch.device) -> RankResult:
+    """Run every request to completion on this rank and time the runner's parts."""
+    core, executor = build_rank(workload, tp_group, device)
+    outputs = run_to_completion(core)
+    executor.runner.check_invariants()
+    stats = core.get_stats()
+    return RankResult(
+        rank=tp_group.rank,
+        outputs=outputs,
+        num_steps=int(stats["num_steps"]),
+        num_preemptions=int(stats["num_preemptions"]),
+        num_hit_tokens=int(stats["prefix_cache_hits"]),
+        runner_s=executor.runner_s,
+        prepare_s=executor.prepare_s,
+        model_s=executor.model_s,
+        sample_s=executor.sample_s,
+        step_tokens=executor.step_tokens,
+    )
 
 
 def rank_main(

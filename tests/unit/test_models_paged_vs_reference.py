@@ -1,7 +1,7 @@
 """Paged tokens equal the unpaged reference for every model, block size, caching mode and schedule.
 
-A ScriptedScheduler drives one ModelRunner through chunked prefill, prefix hits (shared blocks,
-same-step sharing), sliding-window blocks freed and reused, and preemption with recompute.
+The engine's own Scheduler drives one ModelRunner through chunked prefill, prefix hits (shared
+blocks, same-step sharing), sliding-window blocks freed and reused, and preemption with recompute.
 """
 
 import functools
@@ -10,15 +10,12 @@ import random
 import pytest
 import torch
 
-from bench.scripted_scheduler import ScriptedScheduler
-from bench.workload import RankResult, Workload, run_workload
+from bench.workload import RankResult, Workload, build_rank, run_to_completion, run_workload
+from engine_core.sched.request import RequestStatus
 from protocol.sampling import SamplingParams
 from worker.distributed import TPGroup, single_rank_group
-from worker.kv_cache import allocate_kv_caches
-from worker.model_runner import ModelRunner
 from worker.models.checksum import CHECKSUM, ChecksumModel
 from worker.models.reference import reference_generate
-from worker.models.registry import build_model, get_model_info
 from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
 CPU = torch.device("cpu")
@@ -86,9 +83,10 @@ def test_paged_tokens_equal_reference(
     assert max(len(p) for p in PROMPTS) > 24
 
 
-# Pools too small for the batch at each block size; the hybrid's window group needs more blocks.
-TIGHT_NUM_BLOCKS = {1: 129, 4: 40, 16: 11, 32: 6}
-TIGHT_HYBRID_NUM_BLOCKS = {1: 193, 4: 40, 16: 11, 32: 7}
+# Pools too small for the batch at each block size, yet holding the longest request alone (the
+# Scheduler refuses less); the hybrid's window group needs blocks of its own.
+TIGHT_NUM_BLOCKS = {1: 87, 4: 23, 16: 9, 32: 4}
+TIGHT_HYBRID_NUM_BLOCKS = {1: 173, 4: 45, 16: 17, 32: 7}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -109,6 +107,7 @@ def test_tokens_survive_preemption_and_recompute(
         pools[block_size],
         max_num_batched_tokens=32,
         enable_prefix_caching=enable_prefix_caching,
+        reserve_full_prompt=False,  # admit chunk by chunk, so prefills are preempted too
     )
     result = run_workload(work, single_rank_group(), CPU)
     assert result.num_preemptions > 0
@@ -122,51 +121,51 @@ def test_float64_kv_cache_gives_the_same_tokens() -> None:
     assert_matches_reference("tiny-llama-hybrid", result)
 
 
-def test_explicit_preemption_of_a_decoding_request() -> None:
-    info = get_model_info("tiny-llama", 4)
-    scheduler = ScriptedScheduler(info, num_blocks=80, max_num_batched_tokens=200)
-    for i in range(3):
-        scheduler.add_request(i + 1, PROMPTS[i], PARAMS[0])
-    runner = make_runner("tiny-llama", scheduler)
-    for step_idx in range(40):
-        if not scheduler.has_unfinished():
+def test_preemption_of_a_decoding_request_keeps_its_tokens() -> None:
+    """Three requests outgrow a 23-block pool while decoding: two are preempted after sampling
+    some tokens, recompute them and go on to the reference tokens."""
+    prompts = PROMPTS[:3]  # 8, 70 and 57 tokens: 20 blocks of 4 for the longest
+    work = Workload("tiny-llama", 4, 23, prompts, [PARAMS[0]] * 3, 200, check_invariants=True)
+    core, _ = build_rank(work, single_rank_group(), CPU)
+    scheduler = core.scheduler
+    tokens: dict[str, list[int]] = {str(i + 1): [] for i in range(3)}
+    preempted_while_decoding: set[str] = set()
+    for _ in range(100):
+        if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
             break
-        if step_idx in (3, 6):
-            scheduler.request_preemption()
-        scheduler.update_from_output(runner.execute_model(scheduler.schedule()))
-        runner.check_invariants()
-    assert scheduler.num_preemptions == 2
+        for client_outputs in core.step().values():
+            for output in client_outputs.outputs:
+                tokens[output.req_id].extend(output.new_token_ids)
+        preempted_while_decoding |= {
+            request.req_id
+            for request in scheduler.waiting
+            if request.status is RequestStatus.PREEMPTED and tokens[request.req_id]
+        }
+    assert preempted_while_decoding == {"2", "3"} and scheduler.num_preemptions == 2
     for i in range(3):
-        assert scheduler.outputs[i + 1] == reference("tiny-llama", i, 0)
-
-
-def make_runner(model: str, scheduler: ScriptedScheduler) -> ModelRunner:
-    config = scheduler.kv_cache_config()
-    model_obj = build_model(model, single_rank_group(), CPU)
-    caches = allocate_kv_caches(config, 1, CPU)
-    return ModelRunner(
-        model_obj, config, caches, 0, scheduler.model_info.max_model_len, CPU, check_each_step=True
-    )
+        assert tokens[str(i + 1)] == reference("tiny-llama", i, 0)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     """Proves the models read K/V through the block table: one wrong entry, different tokens."""
-    info = get_model_info(model, 4)
-    scheduler = ScriptedScheduler(info, num_blocks=60, max_num_batched_tokens=200)
-    scheduler.add_request(1, PROMPTS[0], PARAMS[0])  # 8 tokens: blocks 0 and 1 of 4 tokens
-    scheduler.add_request(4, PROMPTS[3], PARAMS[0])  # 9 tokens, another context
-    runner = make_runner(model, scheduler)
-    scheduler.update_from_output(runner.execute_model(scheduler.schedule()))  # both prefills
-    table = runner.input_batch.block_table[0]
-    row = runner.input_batch.req_id_to_row[1]
-    other = runner.input_batch.req_id_to_row[4]
-    table.block_table[row, 1] = table.block_table[
-        other, 1
-    ]  # positions 4..7 now read another request
-    while scheduler.has_unfinished():
-        scheduler.update_from_output(runner.execute_model(scheduler.schedule()))
-    assert scheduler.outputs[1] != reference(model, 0, 0)
+    prompts = [PROMPTS[0], PROMPTS[3]]  # 8 tokens (blocks 0 and 1 of 4 tokens), then 9 tokens
+    work = Workload(model, 4, 60, prompts, [PARAMS[0]] * 2, 200, check_invariants=True)
+    core, executor = build_rank(work, single_rank_group(), CPU)
+    first_step = core.step()  # both prefills, each with its first token
+    tokens = [
+        token_id
+        for client_outputs in first_step.values()
+        for output in client_outputs.outputs
+        if output.req_id == "1"
+        for token_id in output.new_token_ids
+    ]
+    input_batch = executor.runner.input_batch
+    table = input_batch.block_table[0]
+    row, other = input_batch.req_id_to_row[1], input_batch.req_id_to_row[2]
+    table.block_table[row, 1] = table.block_table[other, 1]  # positions 4..7 read the other's
+    outputs = run_to_completion(core)
+    assert tokens and tokens + outputs[1] != reference(model, 0, 0)
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
