@@ -32,7 +32,7 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-python",
         default=DEFAULT_PEER_PYTHON,
-        help="python of the vLLM peer environment (built by shared/peers/setup-vllm-peer.sh)",
+        help="python of the vLLM peer environment (built by bash bench/peers/setup.sh DIR)",
     )
 
 
@@ -52,7 +52,7 @@ def run_peer(peer_python: str, script: str, args: list[str], timeout_s: float = 
     if not os.path.exists(peer_python):
         sys.exit(
             f"peer python {peer_python} not found: build it with "
-            "shared/peers/setup-vllm-peer.sh DIR and pass --peer-python DIR/bin/python"
+            "bash bench/peers/setup.sh DIR and pass --peer-python DIR/bin/python"
         )
     env = dict(
         os.environ,
