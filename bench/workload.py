@@ -41,7 +41,7 @@ class Workload:
     dtype: str = "float32"
     seed: int = 0
     check_invariants: bool = False  # walk the scheduler's and runner's invariants every step
-    reserve_full_prompt: bool = True  # False admits a prompt chunk by chunk, so it can be preempted
+    reserve_full_prompt: bool = False  # admit chunk by chunk, so tight pools preempt prefills too
 
 
 @dataclass

@@ -107,7 +107,6 @@ def test_tokens_survive_preemption_and_recompute(
         pools[block_size],
         max_num_batched_tokens=32,
         enable_prefix_caching=enable_prefix_caching,
-        reserve_full_prompt=False,  # admit chunk by chunk, so prefills are preempted too
     )
     result = run_workload(work, single_rank_group(), CPU)
     assert result.num_preemptions > 0
