@@ -7,7 +7,7 @@ supplies an Executor that broadcasts each SchedulerOutput and gathers the ranks'
 import logging
 from typing import Protocol
 
-from engine_core.sched.request import RequestStatus
+from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.scheduler import Scheduler
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
 from protocol.config import EngineConfig
@@ -56,9 +56,42 @@ class EngineCore:
         """Queue a request; a rejection output for its client when the input is bad."""
         return self.scheduler.add_request(request, client_id)
 
-    def abort_requests(self, req_ids: list[str]) -> dict[bytes, EngineCoreOutputs]:
-        """Abort live requests between steps; unknown ids are ignored. Final outputs by client."""
-        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+    def abort_requests(
+        self, req_ids: list[str], client_id: bytes = b""
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Abort a client's own live requests between steps, by the ids that client gave them;
+        ids it does not hold are ignored. Final outputs by client."""
+        return self.scheduler.abort_client_requests(client_id, req_ids)
+
+    def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
+        """Abort every live request of a client that left or stopped reading, freeing blocks."""
+        return self.scheduler.abort_client(client_id, error)
+
+    def is_live(self, client_id: bytes, req_id: str) -> bool:
+        """Whether the client holds a live request it named `req_id`."""
+        return scoped_req_id(client_id, req_id) in self.scheduler.requests
+
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the workers must still be told to drop."""
+        scheduler = self.scheduler
+        return scheduler.has_unfinished_requests() or scheduler.has_finished_requests()
+
+    def client_ids(self) -> list[bytes]:
+        """The clients that hold live requests."""
+        return list(self.scheduler.admission.num_live_by_client)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence served: the configured bound, or the model's own."""
+        return self.scheduler.max_model_len
 
     def step(self) -> dict[bytes, EngineCoreOutputs]:
         """Schedule, execute and update once; outputs keyed by client id.

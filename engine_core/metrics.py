@@ -54,29 +54,31 @@ class EngineMetrics:
             registry=r,
         )
         self.is_healthy = False
-        self._first_seen: dict[str, float] = {}  # req_id -> arrival at the engine, then last token
-        self._has_token: set[str] = set()
+        # (client id, req_id) -> arrival at the engine, then the time of its last token
+        self._first_seen: dict[tuple[bytes, str], float] = {}
+        self._has_token: set[tuple[bytes, str]] = set()
         self._totals = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
-    def on_request(self, req_id: str) -> None:
-        self._first_seen[req_id] = time.monotonic()
+    def on_request(self, client_id: bytes, req_id: str) -> None:
+        self._first_seen[client_id, req_id] = time.monotonic()
 
     def on_outputs(self, outputs: dict[bytes, EngineCoreOutputs]) -> None:
         """Record TTFT and inter-token latency from one step's outputs."""
         now = time.monotonic()
-        for client_outputs in outputs.values():
+        for client_id, client_outputs in outputs.items():
             for output in client_outputs.outputs:
-                last = self._first_seen.get(output.req_id)
+                key = (client_id, output.req_id)
+                last = self._first_seen.get(key)
                 if last is None:
                     continue
                 if output.new_token_ids:
-                    latency = self.itl if output.req_id in self._has_token else self.ttft
+                    latency = self.itl if key in self._has_token else self.ttft
                     latency.observe(now - last)
-                    self._has_token.add(output.req_id)
-                    self._first_seen[output.req_id] = now
+                    self._has_token.add(key)
+                    self._first_seen[key] = now
                 if output.finish_reason is not None:
-                    del self._first_seen[output.req_id]
-                    self._has_token.discard(output.req_id)
+                    del self._first_seen[key]
+                    self._has_token.discard(key)
 
     def on_stats(self, stats: dict[str, StatValue]) -> None:
         """Set the gauges and advance the counters to the engine's cumulative totals."""

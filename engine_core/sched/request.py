@@ -52,6 +52,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "client_id",
+        "client_req_id",
         "eos_token_id",
         "handle",
         "num_cached_tokens",
@@ -77,8 +78,10 @@ class Request:
         block_hasher: BlockHasher | None = None,
         client_id: bytes = b"",
         handle: int = 0,
+        client_req_id: str | None = None,
     ) -> None:
-        self.req_id = req_id
+        self.req_id = req_id  # unique in the engine: the client's own id, scoped by its client
+        self.client_req_id = req_id if client_req_id is None else client_req_id  # in outputs
         self.all_token_ids = array("i", prompt_token_ids)  # prompt, then generated tokens
         self.num_prompt_tokens = len(self.all_token_ids)
         self.sampling_params = sampling_params

@@ -11,6 +11,7 @@ from array import array
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.sched.admission import Admission, scoped_req_id
 from engine_core.sched.limits import resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
@@ -71,7 +72,8 @@ class Scheduler:
             if cache_config.enable_prefix_caching
             else None
         )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by scoped_req_id
+        self.admission = Admission(scheduler_config)
         self.running: list[Request] = []
         self.waiting = create_request_queue(self.policy)
         self._handles = itertools.count(1)  # 0 is never a live handle
@@ -86,17 +88,20 @@ class Scheduler:
     # ---- admission and aborts -------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest, client_id: bytes) -> EngineCoreOutputs | None:
-        """Queue a client's request; a rejection output when its input is bad, else None."""
+        """Queue a client's request; a rejection output when its input is bad or the engine is
+        full, else None. Ids are scoped by client: two clients may both use "req-1"."""
+        req_id = scoped_req_id(client_id, request.req_id)
         try:
+            self.admission.check(client_id, request.req_id, len(self.waiting))
             prompt, params = validate_request(
-                request, self.max_model_len, self.vocab_size, request.req_id in self.requests
+                request, self.max_model_len, self.vocab_size, req_id in self.requests
             )
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)
             output = EngineCoreOutput(request.req_id, [], FinishReason.ERROR, error=str(exc))
             return EngineCoreOutputs([output], timestamp=time.time())
         state = Request(
-            request.req_id,
+            req_id,
             prompt,
             params,
             arrival_time=request.arrival_time,
@@ -106,8 +111,10 @@ class Scheduler:
             block_hasher=self._block_hasher,
             client_id=client_id,
             handle=next(self._handles),
+            client_req_id=request.req_id,
         )
-        self.requests[state.req_id] = state
+        self.requests[req_id] = state
+        self.admission.on_admitted(client_id)
         self.waiting.add_request(state)
         return None
 
@@ -131,10 +138,28 @@ class Scheduler:
         for request in doomed:
             self._free_request(request, status)
             output = EngineCoreOutput(
-                request.req_id, [], status.finish_reason, request.num_cached_tokens or 0, error
+                request.client_req_id,
+                [],
+                status.finish_reason,
+                request.num_cached_tokens or 0,
+                error,
             )
             outputs.setdefault(request.client_id, []).append(output)
         return _by_client(outputs)
+
+    def abort_client_requests(
+        self, client_id: bytes, client_req_ids: list[str], error: str | None = None
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Abort a client's own live requests by the ids it gave them; others' are untouchable."""
+        req_ids = [scoped_req_id(client_id, req_id) for req_id in client_req_ids]
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED, error)
+
+    def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
+        """Abort every live request of one client (it left, or stopped reading its outputs)."""
+        if not self.admission.num_live(client_id):
+            return {}
+        req_ids = [r.req_id for r in self.requests.values() if r.client_id == client_id]
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED, error)
 
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error` (a worker died); outputs keyed by client."""
@@ -285,7 +310,7 @@ class Scheduler:
                 request.status = status
                 finished.append(request)
             output = EngineCoreOutput(
-                request.req_id, [token_id], finish_reason, request.num_cached_tokens
+                request.client_req_id, [token_id], finish_reason, request.num_cached_tokens
             )
             client_outputs = outputs.get(request.client_id)
             if client_outputs is None:
@@ -329,6 +354,7 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.req_id]
+        self.admission.on_finished(request.client_id)
         if request.num_tokens_sent:
             self._finished_handles.append(request.handle)
 
@@ -376,6 +402,7 @@ class Scheduler:
         )
         for request in self.requests.values():
             request.check_invariants()
+        self.admission.check_invariants([r.client_id for r in self.requests.values()])
         self.waiting.check_invariants()
         self.kv_cache_manager.check_invariants()
 

@@ -9,6 +9,8 @@ from array import array
 from collections.abc import Callable
 
 from engine_core.core import EngineCore
+from engine_core.sched.admission import scoped_req_id
+from engine_core.sched.request import Request
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -201,6 +203,7 @@ class Harness:
         self.errors: dict[str, str | None] = {}
         self.num_cached_tokens: dict[str, int] = {}
         self.scheduler_outputs: list[SchedulerOutput] = []
+        self.client_ids: dict[str, bytes] = {}  # the client that submitted each request
         self.executor.on_step = self.scheduler_outputs.append
 
     def add(
@@ -219,12 +222,17 @@ class Harness:
         rejection = self.core.add_request(request, client_id)
         if rejection is None:
             self.tokens[req_id] = []
+            self.client_ids[req_id] = client_id
         else:
             self._record(rejection)
         return rejection
 
+    def request(self, req_id: str) -> Request:
+        """The scheduler's state of a request this harness submitted (ids are client-scoped)."""
+        return self.scheduler.requests[scoped_req_id(self.client_ids[req_id], req_id)]
+
     def handle(self, req_id: str) -> int:
-        return self.scheduler.requests[req_id].handle
+        return self.request(req_id).handle
 
     def step(self) -> dict[bytes, EngineCoreOutputs]:
         outputs = self.core.step()
@@ -232,8 +240,8 @@ class Harness:
             self._record(client_outputs)
         return outputs
 
-    def abort(self, req_ids: list[str]) -> None:
-        for client_outputs in self.core.abort_requests(req_ids).values():
+    def abort(self, req_ids: list[str], client_id: bytes = b"client") -> None:
+        for client_outputs in self.core.abort_requests(req_ids, client_id).values():
             self._record(client_outputs)
 
     def _record(self, outputs: EngineCoreOutputs) -> None:

@@ -16,7 +16,7 @@ def outputs(*items: EngineCoreOutput) -> dict[bytes, EngineCoreOutputs]:
 
 def test_first_token_is_ttft_and_later_tokens_are_inter_token_latency() -> None:
     metrics = EngineMetrics()
-    metrics.on_request("a")
+    metrics.on_request(b"client", "a")
     metrics.on_outputs(outputs(EngineCoreOutput("a", [5])))
     metrics.on_outputs(outputs(EngineCoreOutput("a", [6])))
     metrics.on_outputs(outputs(EngineCoreOutput("a", [7], FinishReason.LENGTH)))
@@ -25,6 +25,17 @@ def test_first_token_is_ttft_and_later_tokens_are_inter_token_latency() -> None:
     metrics.check_invariants()
     metrics.on_outputs(outputs(EngineCoreOutput("a", [8])))  # finished: no longer tracked
     assert sample(metrics, "vllm:inter_token_latency_seconds_count") == 2
+
+
+def test_two_clients_with_the_same_req_id_are_timed_apart() -> None:
+    """Guards against one client's request id shadowing another's: ids are scoped by client."""
+    metrics = EngineMetrics()
+    metrics.on_request(b"one", "a")
+    metrics.on_request(b"two", "a")
+    metrics.on_outputs({b"one": EngineCoreOutputs([EngineCoreOutput("a", [5], FinishReason.STOP)])})
+    metrics.on_outputs({b"two": EngineCoreOutputs([EngineCoreOutput("a", [5])])})
+    assert sample(metrics, "vllm:time_to_first_token_seconds_count") == 2
+    metrics.check_invariants()
 
 
 def test_a_rejected_request_records_no_latency() -> None:

@@ -1,0 +1,62 @@
+"""Admission: which client requests may queue (the waiting bound and each client's share), and the
+engine's key for a client's request id. Pure bookkeeping, no I/O; the Scheduler calls it.
+"""
+
+from protocol.config import SchedulerConfig
+
+
+def scoped_req_id(client_id: bytes, req_id: str) -> str:
+    """The engine's key of a client's request. The in-process caller (client id b"") keeps its
+    own ids; a socket client's identity is never empty, so keys of two clients never collide."""
+    return f"{client_id.hex()}/{req_id}" if client_id else req_id
+
+
+class Admission:
+    """Bounds on queued work, checked before a request is accepted.
+
+    Invariants: `num_live_by_client` holds, per client, the number of its requests the scheduler
+    holds (waiting or running), and no zero entries.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.max_num_waiting_requests = config.max_num_waiting_requests
+        self.max_num_requests_per_client = config.max_num_requests_per_client
+        self.num_live_by_client: dict[bytes, int] = {}
+
+    def check(self, client_id: bytes, client_req_id: str, num_waiting: int) -> None:
+        """ValueError with a "busy, retry" reason when the queue or the client's share is full."""
+        if num_waiting >= self.max_num_waiting_requests:
+            raise ValueError(
+                f"engine busy: {num_waiting} requests are waiting "
+                f"(max_num_waiting_requests={self.max_num_waiting_requests}); "
+                f"retry {client_req_id!r} later"
+            )
+        num_live = self.num_live_by_client.get(client_id, 0)
+        if num_live >= self.max_num_requests_per_client:
+            raise ValueError(
+                f"client busy: it has {num_live} live requests "
+                f"(max_num_requests_per_client={self.max_num_requests_per_client}); "
+                f"retry {client_req_id!r} when one finishes"
+            )
+
+    def on_admitted(self, client_id: bytes) -> None:
+        self.num_live_by_client[client_id] = self.num_live_by_client.get(client_id, 0) + 1
+
+    def on_finished(self, client_id: bytes) -> None:
+        num_live = self.num_live_by_client[client_id] - 1
+        if num_live:
+            self.num_live_by_client[client_id] = num_live
+        else:
+            del self.num_live_by_client[client_id]
+
+    def num_live(self, client_id: bytes) -> int:
+        return self.num_live_by_client.get(client_id, 0)
+
+    def check_invariants(self, client_ids: list[bytes]) -> None:
+        """`client_ids`: the client of every live request, one entry per request."""
+        counted: dict[bytes, int] = {}
+        for client_id in client_ids:
+            counted[client_id] = counted.get(client_id, 0) + 1
+        assert counted == self.num_live_by_client, (
+            f"live requests per client {counted}, admission counted {self.num_live_by_client}"
+        )
