@@ -11,6 +11,13 @@ import msgspec
 from protocol.sampling import SamplingParams
 
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]  # an int32
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+MAX_ABORT_REQ_IDS = 4096  # req_ids in one AbortRequests
+MAX_UTILITY_ARGS = 16
+# What a request frame may carry beyond its prompt's int32 ids: req_id, salt, sampling params and
+# msgpack framing fit in far less; the client socket refuses larger frames before Python sees them.
+REQUEST_FRAME_HEADROOM_BYTES = 64 * 1024
 
 
 class FinishReason(enum.IntEnum):
@@ -32,20 +39,25 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fi
     prompt_token_ids: bytes  # int32 little-endian
     sampling_params: SamplingParams
     arrival_time: float  # seconds since the epoch, as the client saw it
-    priority: int = 0  # lower runs first under the priority policy
-    cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    priority: Priority = 0  # lower runs first under the priority policy
+    cache_salt: CacheSalt | None = None  # isolates this request's prefix-cache entries
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    req_ids: list[str]
+    """Abort the sender's own live requests; ids the sender does not hold are ignored."""
+
+    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_ABORT_REQ_IDS)]
 
 
 class UtilityCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     """A management call: `reset_prefix_cache`, `get_stats` or `check_health`."""
 
-    call_id: int
-    method: str
-    args: list[str | int | float | bool | None] = []
+    call_id: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    method: Annotated[str, msgspec.Meta(max_length=64)]
+    args: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=1024)] | int | float | bool | None],
+        msgspec.Meta(max_length=MAX_UTILITY_ARGS),
+    ] = []
 
 
 ClientToEngine = EngineCoreRequest | AbortRequests | UtilityCall

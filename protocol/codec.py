@@ -26,7 +26,15 @@ class MessageDecoder(Generic[T]):
     def decode(self, frame: bytes | memoryview) -> T:
         try:
             return self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        # RecursionError: msgspec decodes nested containers recursively, so a frame of a thousand
+        # nested arrays exhausts the stack; it is a bad frame like any other.
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            ValueError,
+            TypeError,
+            RecursionError,
+        ) as exc:
             raise ProtocolError(
                 f"malformed frame on the {self._socket_name} socket: {exc}"
             ) from None

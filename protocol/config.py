@@ -54,6 +54,9 @@ class SchedulerConfig(_Config, frozen=True):
     long_prefill_token_threshold: PositiveInt | None = None  # cap on one prefill's tokens per step
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     reserve_full_prompt: bool = True  # admit a request only when its whole prompt fits
+    # Past either bound a new request is refused at once with a "busy, retry" reason.
+    max_num_waiting_requests: PositiveInt = 4096  # queued, not yet running, over all clients
+    max_num_requests_per_client: PositiveInt = 1024  # live (waiting or running) per client
 
 
 class KVEventsConfig(_Config, frozen=True):
@@ -75,6 +78,11 @@ class EngineConfig(_Config, frozen=True):
     check_invariants: bool = False  # walk the block pool after every step (slow; for debugging)
     log_stats_interval_s: Seconds = 5.0
     metrics_port: Port | None = None  # HTTP /metrics and /health
+    shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # drain time on SIGTERM
+    # A client that reads its outputs slower than they come gets a backlog of encoded outputs;
+    # past this many bytes its requests are aborted (it sees why) rather than memory growing.
+    max_client_backlog_bytes: PositiveInt = 64 * 1024 * 1024
+    max_client_frames_per_step: PositiveInt = 256  # client frames read between two steps
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
@@ -94,4 +102,5 @@ class WorkerConfig(_Config, frozen=True):
     master_port: Port = 29500
     dist_timeout_s: Seconds = 60.0
     engine_timeout_s: Seconds = 60.0  # exit when the engine is silent so long
+    shutdown_grace_s: Seconds = 30.0  # after SIGTERM, wait so long for the engine's Shutdown
     seed: int = 0  # model weights
