@@ -7,6 +7,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 
 from rich.console import Console
 from rich.progress import Progress
@@ -68,9 +69,10 @@ def submit_prompts(client: EngineClient, args: argparse.Namespace) -> list[str]:
     prefix = [rng.randrange(3, args.vocab_size) for _ in range(prefix_len)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     req_ids = []
+    run_id = uuid.uuid4().hex[:12]  # ids are unique per run, so runs never collide in logs
     for i in range(args.num_requests):
         tail = [rng.randrange(3, args.vocab_size) for _ in range(args.prompt_len - prefix_len)]
-        req_ids.append(f"bench-{i}")
+        req_ids.append(f"bench-{run_id}-{i}")
         client.add_request(make_request(req_ids[-1], prefix + tail, params))
     return req_ids
 

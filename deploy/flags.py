@@ -57,6 +57,21 @@ ENGINE_FLAGS = [
     ),
     Flag(("--log-stats-interval-s",), ("log_stats_interval_s",), "seconds between stats log lines"),
     Flag(("--metrics-port",), ("metrics_port",), "TCP port of HTTP /metrics and /health"),
+    Flag(
+        ("--shutdown-timeout-s",),
+        ("shutdown_timeout_s",),
+        "seconds to finish in-flight requests after SIGTERM before aborting them",
+    ),
+    Flag(
+        ("--max-client-backlog-bytes",),
+        ("max_client_backlog_bytes",),
+        "bytes of outputs kept for a slow client before its requests are aborted",
+    ),
+    Flag(
+        ("--max-client-frames-per-step",),
+        ("max_client_frames_per_step",),
+        "client messages read between two steps at most",
+    ),
     Flag(("--block-size",), ("cache", "block_size"), "tokens per KV-cache block"),
     Flag(
         ("--gpu-memory-utilization",),
@@ -113,6 +128,16 @@ ENGINE_FLAGS = [
         ("scheduler", "reserve_full_prompt"),
         "admit a request only when its whole prompt fits",
     ),
+    Flag(
+        ("--max-num-waiting-requests",),
+        ("scheduler", "max_num_waiting_requests"),
+        "queued requests at most; past it new ones are refused as busy",
+    ),
+    Flag(
+        ("--max-num-requests-per-client",),
+        ("scheduler", "max_num_requests_per_client"),
+        "live requests of one client at most; past it its new ones are refused as busy",
+    ),
 ]
 
 WORKER_FLAGS = [
@@ -146,6 +171,11 @@ WORKER_FLAGS = [
     Flag(("--dist-timeout-s",), ("dist_timeout_s",), "seconds for the process group to form"),
     Flag(
         ("--engine-timeout-s",), ("engine_timeout_s",), "seconds of engine silence before exiting"
+    ),
+    Flag(
+        ("--shutdown-grace-s",),
+        ("shutdown_grace_s",),
+        "seconds to wait for the engine's Shutdown after SIGTERM",
     ),
     Flag(("--seed",), ("seed",), "seed of the model weights"),
 ]

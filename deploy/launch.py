@@ -16,16 +16,19 @@ import sys
 import time
 from multiprocessing.process import BaseProcess
 
+from deploy.flags import UsageError
 from deploy.logs import setup_logging
+from engine_core.endpoints import AddressInUseError, check_free
 from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 5.0  # a child gets this long to exit on its own before SIGTERM
+DEFAULT_MASTER_PORT = WorkerConfig().master_port
 TERMINATE_TIMEOUT_S = 3.0  # then this long after SIGTERM before SIGKILL
 SUPERVISE_POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
-EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def die_with_parent() -> None:
@@ -134,22 +137,25 @@ class Deployment:
                         process.exitcode,
                     )
                     self.stop()
-                    return EXIT_FAILED
+                    is_usage = process is self.engine and process.exitcode == EXIT_USAGE
+                    return EXIT_USAGE if is_usage else EXIT_FAILED
                 if process is self.engine:
                     return self.stop()
         return EXIT_OK
 
     def stop(self) -> int:
-        """Stop the engine (it stops the workers), then join, terminate and kill what remains."""
+        """Stop the engine (it drains, then stops the workers), then join, terminate and kill
+        what remains."""
         if self.engine.is_alive():
-            self.engine.terminate()  # SIGTERM: the engine fails what is in flight, then Shutdown
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+            self.engine.terminate()  # SIGTERM: the engine drains what is in flight, then Shutdown
+        join_timeout_s = self.engine_config.shutdown_timeout_s + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + join_timeout_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.is_alive():
                 logger.warning(
-                    "%s still alive after %.0f s: terminating", process.name, JOIN_TIMEOUT_S
+                    "%s still alive after %.0f s: terminating", process.name, join_timeout_s
                 )
                 process.terminate()
                 process.join(TERMINATE_TIMEOUT_S)
@@ -166,8 +172,37 @@ class Deployment:
         assert ranks == [f"worker-{r}" for r in range(len(ranks))], f"workers out of order: {ranks}"
 
 
+def check_addresses(engine_config: EngineConfig, base_worker: WorkerConfig) -> WorkerConfig:
+    """Refuse, before anything starts, addresses another deployment serves on (AddressInUseError
+    naming the flag); the worker config, with a free rendezvous port when the default is taken."""
+    check_free(engine_config.client_address, "--client-address")
+    check_free(engine_config.worker_address, "--worker-address")
+    if engine_config.metrics_port is not None:
+        check_free(f"tcp://0.0.0.0:{engine_config.metrics_port}", "--metrics-port")
+    kv_events = engine_config.kv_events
+    if kv_events.enable_kv_cache_events:
+        for address in filter(None, [kv_events.endpoint, kv_events.replay_endpoint]):
+            check_free(address, "--kv-events-config")
+    if engine_config.tp_size == 1:
+        return base_worker  # one rank forms no group: the port is never bound
+    rendezvous = f"tcp://{base_worker.master_addr}:{base_worker.master_port}"
+    try:
+        check_free(rendezvous, "--master-port")
+    except AddressInUseError:
+        if base_worker.master_port != DEFAULT_MASTER_PORT:
+            raise
+        port = free_tcp_port()
+        logger.info("rendezvous port %d is taken: the ranks meet on %d", DEFAULT_MASTER_PORT, port)
+        return _replace(base_worker, master_port=port)
+    return base_worker
+
+
 def run_launch(engine_config: EngineConfig, base_worker: WorkerConfig, log_level: str) -> int:
     """`kvserve launch`: start, supervise until the end or Ctrl-C, and tear everything down."""
+    try:
+        base_worker = check_addresses(engine_config, base_worker)
+    except AddressInUseError as exc:
+        raise UsageError(str(exc)) from None
     deployment = Deployment(engine_config, worker_configs(engine_config, base_worker), log_level)
 
     def on_signal(signum: int, frame: object) -> None:

@@ -31,8 +31,13 @@ from protocol.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
-HEARTBEAT_INTERVAL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 10_000
+CLOSE_LINGER_MS = 1000  # close() delivers what was sent (an abort, say) within this long
+# A dead engine on this host closes the connection, which the socket monitor reports. A vanished
+# remote host is found by TCP keepalive, not ZMQ heartbeats: under backpressure those trip a
+# libzmq assertion that aborts the client process.
+TCP_KEEPALIVE_IDLE_S = 10
+TCP_KEEPALIVE_INTERVAL_S = 2
+TCP_KEEPALIVE_COUNT = 5
 
 
 class EngineDeadError(RuntimeError):
@@ -89,9 +94,11 @@ def make_request(
 
 
 def _configure(sock: zmq.Socket, address: str) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_COUNT)
     sock.connect(address)
 
 
@@ -250,9 +257,10 @@ class EngineClient:
         raise self._dead  # type: ignore[misc]  # set above or by an earlier call
 
     def close(self) -> None:
+        """Close, first giving what was sent up to CLOSE_LINGER_MS to reach a live engine."""
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._sock.close(linger=0 if self._dead is not None else CLOSE_LINGER_MS)
         self._ctx.term()
 
     def __enter__(self) -> "EngineClient":
@@ -368,7 +376,7 @@ class AsyncEngineClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._sock.close(linger=0 if self._dead is not None else CLOSE_LINGER_MS)
         self._ctx.term()
 
     def check_invariants(self) -> None:

@@ -5,7 +5,13 @@ reason is testable without processes.
 """
 
 from protocol import PROTOCOL_VERSION
-from protocol.worker_messages import ModelInfo, ModelRunnerOutput, WorkerHello, WorkerReady
+from protocol.worker_messages import (
+    ModelInfo,
+    ModelRunnerOutput,
+    WorkerHello,
+    WorkerReady,
+    WorkerToEngine,
+)
 
 
 class HandshakeError(RuntimeError):
@@ -75,3 +81,12 @@ def describe_disagreement(step_id: int, outputs: list[ModelRunnerOutput]) -> str
         f"ranks disagree on the tokens of step {step_id}: "
         f"rank(s) {differing} differ from rank {reference.rank}"
     )
+
+
+def describe_message(message: WorkerToEngine) -> str:
+    """A short name of a message for an error: its type, and the step of a reply."""
+    match message:
+        case ModelRunnerOutput():
+            return f"a reply to step {message.step_id} as rank {message.rank}"
+        case _:
+            return type(message).__name__

@@ -1,26 +1,31 @@
-"""The engine process: binds the client and worker sockets, runs the handshake of DESIGN.md §6, then
-a blocking step loop that reads client input, steps the EngineCore and streams outputs back.
+"""The engine process: binds its sockets, runs the startup of DESIGN.md §6, then a blocking step
+loop that reads a bounded share of client input, steps the EngineCore and streams outputs back.
 
-It owns sockets and the process lifecycle; scheduling lives in EngineCore, the ZMQ executor in
-WorkerGroup. It never waits without a deadline, and a failed rank takes the engine down (exit 1).
+It owns the process lifecycle; scheduling lives in EngineCore, the ZMQ executor in WorkerGroup and
+the client socket's rules in ClientRouter. It never waits without a deadline.
 """
 
-import contextlib
 import gc
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
 
-import msgspec
 import zmq
 
+from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
+from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
-from engine_core.kv_cache.spec import bytes_per_block, plan_kv_cache
 from engine_core.kv_events import KVEventPublisher
-from engine_core.metrics import EngineMetrics, MetricsServer
+from engine_core.metrics import EngineMetrics
+from engine_core.startup import (
+    CLIENT_LINGER_MS,
+    bind_clients,
+    serve_metrics,
+    start_engine_core,
+    start_kv_event_publisher,
+)
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
     AbortRequests,
@@ -32,68 +37,30 @@ from protocol.client_messages import (
     UtilityCall,
     UtilityResult,
 )
-from protocol.codec import client_to_engine_decoder, make_encoder
 from protocol.config import EngineConfig
-from protocol.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
 METRICS_UPDATE_S = 0.5  # how often the gauges follow the scheduler's stats
 IDLE_POLL_MS = 100  # how long an idle loop sleeps in poll; client input wakes it at once
-CLIENT_LINGER_MS = 2000  # time given to final outputs to reach their clients at exit
-IPC_PREFIX = "ipc://"
-MALFORMED_REQ_ID = "<malformed>"  # names a rejected frame that carried no readable req_id
-EXIT_OK, EXIT_FAILED = 0, 1
-
-
-def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
-    """DESIGN.md §6: every rank says hello, they agree on num_blocks, and every rank is ready."""
-    deadline = time.monotonic() + config.handshake_timeout_s
-    hellos = workers.wait_for_hellos(deadline)
-    model_info = hellos[0].model_info
-    groups = model_info.kv_cache_groups
-    for group in groups:
-        if group.spec.block_size != config.cache.block_size:
-            raise HandshakeError(
-                f"the workers use block_size={group.spec.block_size}, "
-                f"expected the engine's {config.cache.block_size}"
-            )
-    block_bytes = bytes_per_block(groups, config.tp_size)
-    available = [hellos[rank].num_blocks_available * block_bytes for rank in range(config.tp_size)]
-    max_model_len = min(
-        config.scheduler.max_model_len or model_info.max_model_len, model_info.max_model_len
-    )
-    try:
-        plan = plan_kv_cache(
-            groups, available, config.tp_size, max_model_len, config.cache.num_gpu_blocks_override
-        )
-    except ValueError as exc:
-        raise HandshakeError(str(exc)) from None
-    logger.info(
-        "ranks hold %s blocks; using %d. %s",
-        plan.num_blocks_per_rank,
-        plan.config.num_blocks,
-        plan.summary,
-    )
-    workers.send_kv_cache_config(plan.config)
-    workers.wait_for_ready(plan.config.num_blocks, deadline)
-    logger.info("all %d ranks ready: serving %s", config.tp_size, model_info.name)
-    return EngineCore(config, plan.config, model_info, workers)
+BACKLOG_RETRY_MS = 5  # how often an idle loop retries a slow client's backlog
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class EngineServer:
-    """The step loop and the client socket of a started engine.
+    """The step loop and the client side of a started engine.
 
     Invariants: every client output goes to the identity that submitted the request; the loop
     steps only while the core has work, and otherwise sleeps in poll at most IDLE_POLL_MS; the
-    stats line never reports more steps than were run.
+    stats line never reports more steps than were run; once a stop is requested no request is
+    admitted, and the loop ends by `_stop_deadline` at the latest.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         core: EngineCore,
-        clients: zmq.Socket,
+        router: ClientRouter,
         workers: WorkerGroup,
         metrics: EngineMetrics | None = None,
         kv_events: KVEventPublisher | None = None,
@@ -102,17 +69,16 @@ class EngineServer:
         self.metrics = metrics
         self.kv_events = kv_events
         self.core = core
-        self.clients = clients
+        self.router = router
         self.workers = workers
-        self.is_stop_requested = False
-        self._encoder = make_encoder()
-        self._decoder = client_to_engine_decoder()
+        self.is_stop_requested = False  # set by a signal handler; the loop then drains
+        self._stop_deadline: float | None = None  # time.monotonic() by which draining ends
         self._poller = zmq.Poller()
-        self._poller.register(clients, zmq.POLLIN)
+        self._poller.register(router.sock, zmq.POLLIN)
         self._worker_items = {workers.sock, workers.monitor, *workers.sentinels}
         for item in self._worker_items:
             self._poller.register(item, zmq.POLLIN)
-        self._next_metrics_time = 0.0
+        self._next_metrics_time = self._next_probe_time = 0.0
         self._last_stats_time = time.monotonic()
         self._next_stats_time = self._last_stats_time + config.log_stats_interval_s
         self._num_steps = self._num_steps_logged = 0
@@ -120,9 +86,9 @@ class EngineServer:
         self._peak_kv_cache_usage = 0.0  # the highest usage seen after any step
 
     def serve(self) -> int:
-        """Run until a stop signal (exit 0) or a failure (exit 1, every request failed first)."""
+        """Run until a stop signal (drain, then exit 0) or a failure (every request failed, 1)."""
         try:
-            while not self.is_stop_requested:
+            while not self._is_done():
                 self._serve_once()
         except WorkerGroupError as exc:
             return self._fail(f"worker failure: {exc}")
@@ -130,40 +96,67 @@ class EngineServer:
             logger.exception("engine loop failed")
             return self._fail(f"engine failure: {type(exc).__name__}: {exc}")
         if self.core.has_unfinished_requests():
-            self._send_outputs(self.core.fail_all("the engine is shutting down"))
+            timeout_s = self.config.shutdown_timeout_s
+            error = f"the engine is shutting down: unfinished after {timeout_s} s of draining"
+            self._send_outputs(self.core.fail_all(error))
         self.workers.shutdown("the engine is shutting down")
+        self.router.flush()
         logger.info("engine stopped after %d steps", self._num_steps)
         return EXIT_OK
 
+    def _is_done(self) -> bool:
+        if not self.is_stop_requested:
+            return False
+        now = time.monotonic()
+        if self._stop_deadline is None:
+            self._stop_deadline = now + self.config.shutdown_timeout_s
+            logger.info(
+                "stopping: no new requests; draining %d for up to %.1f s",
+                self.core.num_unfinished_requests,
+                self.config.shutdown_timeout_s,
+            )
+        return not self.core.has_work() or now >= self._stop_deadline
+
     def _serve_once(self) -> None:
-        has_work = self._has_work()
-        events = dict(self._poller.poll(0 if has_work else IDLE_POLL_MS))
-        if self.clients in events:
-            self._drain_clients()
+        router = self.router
+        has_work = self.core.has_work()
+        timeout_ms = 0 if has_work else (BACKLOG_RETRY_MS if router.backlogs else IDLE_POLL_MS)
+        events = dict(self._poller.poll(timeout_ms))
+        if router.sock in events:
+            self._handle_clients()
+        if router.backlogs:
+            router.flush()
+        if router.left or router.stalled:
+            self._abort_troubled_clients()
         if any(item in events for item in self._worker_items):
             self.workers.check_idle_events()
-        if has_work or self._has_work():
-            start = time.perf_counter()
-            outputs = self.core.step()
-            self._num_steps += 1
-            self._num_tokens += sum(
-                len(output.new_token_ids) for batch in outputs.values() for output in batch.outputs
-            )
-            self._send_outputs(outputs)
-            usage = self.core.scheduler.kv_cache_manager.usage
-            self._peak_kv_cache_usage = max(self._peak_kv_cache_usage, usage)
-            if self.config.check_invariants:
-                self.check_invariants()
-            self._publish_kv_events()
-            if self.metrics is not None:
-                self.metrics.step_time.observe(time.perf_counter() - start)
-                self.metrics.on_outputs(outputs)
+        if has_work or self.core.has_work():
+            self._step()
         now = time.monotonic()
+        if now >= self._next_probe_time:
+            self._next_probe_time = now + PROBE_INTERVAL_S
+            router.probe(self.core.client_ids())
         if now >= self._next_stats_time:
             self._log_stats()
         if self.metrics is not None and now >= self._next_metrics_time:
             self._next_metrics_time = now + METRICS_UPDATE_S
             self.metrics.on_stats(self.core.get_stats())
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        outputs = self.core.step()
+        self._num_steps += 1
+        self._num_tokens += sum(
+            len(output.new_token_ids) for batch in outputs.values() for output in batch.outputs
+        )
+        self._send_outputs(outputs)
+        self._peak_kv_cache_usage = max(self._peak_kv_cache_usage, self.core.kv_cache_usage)
+        if self.config.check_invariants:
+            self.check_invariants()
+        self._publish_kv_events()
+        if self.metrics is not None:
+            self.metrics.step_time.observe(time.perf_counter() - start)
+            self.metrics.on_outputs(outputs)
 
     def _log_stats(self) -> None:
         """One INFO line every log_stats_interval_s, only while the engine is doing something."""
@@ -193,64 +186,71 @@ class EngineServer:
         if self.kv_events is not None:
             self.kv_events.publish(self.core.take_kv_events())
 
-    def _has_work(self) -> bool:
-        core = self.core
-        return core.has_unfinished_requests() or core.scheduler.has_finished_requests()
-
     def _fail(self, error: str) -> int:
         if self.metrics is not None:
             self.metrics.is_healthy = False
         logger.error("%s; failing every request and stopping the workers", error)
         self._send_outputs(self.core.fail_all(error))
         self.workers.shutdown(error, is_failure=True)
+        self.router.flush()
         return EXIT_FAILED
 
     # -- clients -------------------------------------------------------------------------------
 
-    def _drain_clients(self) -> None:
-        while True:
-            try:
-                frames = self.clients.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                self._reject_malformed(frames[0], b"", f"expected 1 frame, got {len(frames) - 1}")
-                continue
-            self._handle_client(frames[0], frames[1])
+    def _handle_clients(self) -> None:
+        router = self.router
+        for identity, message in router.receive():
+            match message:
+                case EngineCoreRequest():
+                    self._add_request(identity, message)
+                case AbortRequests():
+                    self._send_outputs(self.core.abort_requests(message.req_ids, identity))
+                case UtilityCall():
+                    router.send(identity, self._call_utility(message))
+                case MalformedFrame():
+                    req_id, call_id = router.frame_ids(message.frame)
+                    if req_id is not None and self.core.is_live(identity, req_id):
+                        req_id = None  # never fail a live request for another frame's fault
+                    router.reject_malformed(identity, message, req_id, call_id)
 
-    def _handle_client(self, identity: bytes, frame: bytes) -> None:
-        try:
-            message = self._decoder.decode(frame)
-        except ProtocolError as exc:
-            self._reject_malformed(identity, frame, str(exc))
-            return
-        match message:
-            case EngineCoreRequest():
-                rejection = self.core.add_request(message, identity)
-                if rejection is not None:
-                    self._send(identity, rejection)
-                elif self.metrics is not None:
-                    self.metrics.on_request(message.req_id)
-            case AbortRequests():
-                self._send_outputs(self.core.abort_requests(message.req_ids))
-            case UtilityCall():
-                self._send(identity, self._call_utility(message))
+    def _add_request(self, identity: bytes, request: EngineCoreRequest) -> None:
+        if self.is_stop_requested:
+            self._reject(identity, request.req_id, "the engine is shutting down: retry elsewhere")
+        elif self.router.is_stalled(identity):
+            self._reject(
+                identity,
+                request.req_id,
+                "the client reads no outputs: its backlog is over max_client_backlog_bytes="
+                f"{self.config.max_client_backlog_bytes}",
+            )
+        else:
+            rejection = self.core.add_request(request, identity)
+            if rejection is not None:
+                self.router.send(identity, rejection)
+            elif self.metrics is not None:
+                self.metrics.on_request(identity, request.req_id)
 
-    def _reject_malformed(self, identity: bytes, frame: bytes, reason: str) -> None:
-        """Answer a frame that failed to decode, naming its req_id or call_id when readable."""
-        logger.warning("rejected a malformed frame: %s", reason)
-        try:
-            fields = msgspec.msgpack.decode(frame)
-        except (msgspec.DecodeError, ValueError):
-            fields = None
-        if isinstance(fields, dict) and isinstance(fields.get("call_id"), int):
-            self._send(identity, UtilityResult(fields["call_id"], False, error=reason))
-            return
-        req_id = fields.get("req_id") if isinstance(fields, dict) else None
-        if not isinstance(req_id, str) or not req_id or req_id in self.core.scheduler.requests:
-            req_id = MALFORMED_REQ_ID  # never fail a live request for another frame's fault
+    def _reject(self, identity: bytes, req_id: str, reason: str) -> None:
+        logger.warning("rejected request %r: %s", req_id, reason)
         output = EngineCoreOutput(req_id, [], FinishReason.ERROR, error=reason)
-        self._send(identity, EngineCoreOutputs([output], timestamp=time.time()))
+        self.router.send(identity, EngineCoreOutputs([output], timestamp=time.time()))
+
+    def _abort_troubled_clients(self) -> None:
+        """Free the blocks of clients that left, and end the requests of those that stalled."""
+        for identity in self.router.take_left():
+            aborted = self.core.abort_client(identity, "the client left")  # nobody to tell
+            self.router.forget(identity)
+            if aborted:
+                num_aborted = len(aborted[identity].outputs)
+                logger.info("aborted %d requests of a client that left", num_aborted)
+        for identity in self.router.take_stalled():
+            backlog_bytes = self.config.max_client_backlog_bytes
+            error = (
+                "aborted: the client read too slowly, and more than max_client_backlog_bytes="
+                f"{backlog_bytes} of outputs waited for it"
+            )
+            logger.warning("client %s stalled: %s", identity.hex(), error)
+            self._send_outputs(self.core.abort_client(identity, error))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         methods: dict[str, Callable[[], tuple[bool, StatValue | dict, str | None]]] = {
@@ -280,6 +280,7 @@ class EngineServer:
         stats["num_engine_steps"] = self._num_steps
         stats["num_output_tokens"] = self._num_tokens
         stats["peak_kv_cache_usage"] = self._peak_kv_cache_usage
+        stats["client_backlog_bytes"] = self.router.backlog_bytes
         return stats
 
     def check_invariants(self) -> None:
@@ -289,26 +290,39 @@ class EngineServer:
             f"logged step {self._num_steps_logged} is ahead of step {self._num_steps}"
         )
         self.workers.check_invariants()
+        self.router.check_invariants()
         if self.metrics is not None:
             self.metrics.check_invariants()
 
     def _send_outputs(self, outputs: dict[bytes, EngineCoreOutputs]) -> None:
+        send = self.router.send
         for identity, client_outputs in outputs.items():
-            self._send(identity, client_outputs)
-
-    def _send(self, identity: bytes, message: EngineCoreOutputs | UtilityResult) -> None:
-        try:
-            self.clients.send_multipart((identity, self._encoder.encode(message)), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("dropped an output to a client that left: %s", exc)
+            send(identity, client_outputs)
 
 
 def run(config: EngineConfig) -> int:
-    """The engine's process main: bind, handshake, serve; 0 on a clean stop, 1 on a failure."""
+    """The engine's process main: bind, handshake, serve; 0 on a clean stop, 1 on a failure, 2
+    when an address is taken."""
     ctx = zmq.Context()
-    clients = ctx.socket(zmq.ROUTER)
-    clients.setsockopt(zmq.LINGER, CLIENT_LINGER_MS)
-    clients.bind(config.client_address)
+    endpoints = Endpoints()
+    parts: list[Callable[[], None]] = []  # closers, run in reverse order at exit
+    try:
+        return _bind_and_serve(config, ctx, endpoints, parts)
+    except AddressInUseError as exc:
+        logger.error("%s", exc)
+        return EXIT_USAGE
+    finally:
+        for close in reversed(parts):
+            close()
+        ctx.term()
+        endpoints.remove_files()
+
+
+def _bind_and_serve(
+    config: EngineConfig, ctx: zmq.Context, endpoints: Endpoints, parts: list[Callable[[], None]]
+) -> int:
+    # The client socket binds once the model's max_model_len is known; check it is free first.
+    check_free(config.client_address, "--client-address")
     workers = WorkerGroup(
         ctx,
         config.worker_address,
@@ -316,54 +330,32 @@ def run(config: EngineConfig) -> int:
         config.step_timeout_s,
         config.heartbeat_interval_s,
         config.heartbeat_timeout_s,
+        endpoints,
     )
+    parts.append(workers.close)
+    metrics = EngineMetrics() if config.metrics_port is not None else None
+    if metrics is not None:
+        http = serve_metrics(metrics, config.metrics_port)  # type: ignore[arg-type]
+        parts.append(http.close)
+        parts.append(lambda: setattr(metrics, "is_healthy", False))
+    kv_events = None
+    if config.kv_events.enable_kv_cache_events:
+        kv_events = start_kv_event_publisher(ctx, config, endpoints)
+        parts.append(kv_events.close)
     logger.info(
         "engine up: clients at %s, %d worker rank(s) at %s",
         config.client_address,
         config.tp_size,
         config.worker_address,
     )
-    metrics = EngineMetrics() if config.metrics_port is not None else None
-    http = MetricsServer(metrics, config.metrics_port) if metrics is not None else None
-    kv_events = None
-    if config.kv_events.enable_kv_cache_events:
-        kv_events = KVEventPublisher(ctx, config.kv_events)
-    try:
-        return _start_and_serve(config, clients, workers, metrics, kv_events)
-    finally:
-        if kv_events is not None:
-            kv_events.close()
-        if metrics is not None:
-            metrics.is_healthy = False
-        if http is not None:
-            http.close()
-        workers.close()
-        clients.close()
-        ctx.term()
-        remove_ipc_files(_bound_addresses(config))
-
-
-def _bound_addresses(config: EngineConfig) -> list[str]:
-    addresses = [config.client_address, config.worker_address]
-    if config.kv_events.enable_kv_cache_events:
-        addresses.append(config.kv_events.endpoint)
-        if config.kv_events.replay_endpoint is not None:
-            addresses.append(config.kv_events.replay_endpoint)
-    return addresses
-
-
-def remove_ipc_files(addresses: list[str]) -> None:
-    """libzmq leaves the file of a bound ipc:// socket behind; the engine removes its own."""
-    for address in addresses:
-        path = address.removeprefix(IPC_PREFIX)
-        if address.startswith(IPC_PREFIX) and not path.startswith("@"):  # @: abstract, no file
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    return _start_and_serve(config, ctx, endpoints, parts, workers, metrics, kv_events)
 
 
 def _start_and_serve(
     config: EngineConfig,
-    clients: zmq.Socket,
+    ctx: zmq.Context,
+    endpoints: Endpoints,
+    parts: list[Callable[[], None]],
     workers: WorkerGroup,
     metrics: EngineMetrics | None,
     kv_events: KVEventPublisher | None,
@@ -380,17 +372,20 @@ def _start_and_serve(
     signal.signal(signal.SIGINT, request_stop)
     try:
         core = start_engine_core(config, workers)
-    except (HandshakeError, WorkerGroupError) as exc:
+        router = bind_clients(config, ctx, endpoints, core.max_model_len)
+    except (HandshakeError, WorkerGroupError, AddressInUseError) as exc:
         logger.error("startup failed: %s", exc)
         workers.shutdown(f"engine startup failed: {exc}", is_failure=True)
-        return EXIT_FAILED
+        return EXIT_USAGE if isinstance(exc, AddressInUseError) else EXIT_FAILED
     except KeyboardInterrupt:
         workers.shutdown("the engine was stopped during startup")
         return EXIT_OK
-    server = EngineServer(config, core, clients, workers, metrics, kv_events)
+    parts.append(lambda: router.sock.close(linger=CLIENT_LINGER_MS))
+    server = EngineServer(config, core, router, workers, metrics, kv_events)
     # The pool's blocks live as long as the engine: keep full collections from walking them.
     gc.collect()
     gc.freeze()
     if metrics is not None:
         metrics.is_healthy = True
+    logger.info("serving clients at %s", config.client_address)
     return server.serve()

@@ -13,11 +13,13 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from engine_core.endpoints import Endpoints
 from engine_core.handshake import (
     HandshakeError,
     check_hello,
     check_ready,
     describe_disagreement,
+    describe_message,
     missing_ranks,
 )
 from protocol.codec import make_encoder, worker_to_engine_decoder
@@ -47,8 +49,8 @@ class WorkerGroupError(RuntimeError):
 class WorkerGroup:
     """The ranks of one tensor-parallel group, as the engine sees them.
 
-    Invariants: `ranks_by_identity` and `identities` are inverse maps over the ranks that said
-    hello; after `wait_for_ready` they hold exactly ranks 0..tp_size-1; `last_step_id` counts the
+    Invariants: `ranks_by_identity` maps distinct identities to distinct ranks that said hello;
+    after `wait_for_ready` it holds exactly ranks 0..tp_size-1; `last_step_id` counts the
     steps broadcast so far, and every gathered reply echoes it.
     """
 
@@ -60,7 +62,10 @@ class WorkerGroup:
         step_timeout_s: float,
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
+        endpoints: Endpoints | None = None,
     ) -> None:
+        """Binds at `address`, through `endpoints` when given (the engine: a busy address is
+        refused by name, and its ipc file is removed at exit), else directly (benchmarks)."""
         self.tp_size = tp_size
         self.step_timeout_s = step_timeout_s
         self.sock = ctx.socket(zmq.ROUTER)
@@ -69,15 +74,18 @@ class WorkerGroup:
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout_s * 1000))
-        self.sock.bind(address)
+        if endpoints is None:
+            self.sock.bind(address)
+        else:
+            endpoints.bind(self.sock, address, "--worker-address")
         self.monitor = self.sock.get_monitor_socket(MONITOR_EVENTS)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.hellos: dict[int, WorkerHello] = {}
-        self.identities: list[bytes] = []  # indexed by rank once every rank is ready
         self.ranks_by_identity: dict[bytes, int] = {}
         self.peers: set[bytes] = set()  # every worker identity heard from, refused ones included
+        self.refusals: list[str] = []  # why peers were refused during startup
         self.sentinels: dict[int, int] = {}  # pidfd of a local worker process -> its rank
         self.fd_ranks: dict[int, int] = {}  # connection fd of a rank's hello -> its rank
         self.last_step_id = 0
@@ -88,29 +96,49 @@ class WorkerGroup:
     # -- handshake -----------------------------------------------------------------------------
 
     def wait_for_hellos(self, deadline: float) -> dict[int, WorkerHello]:
-        """Collect one valid WorkerHello per rank before `deadline` (a time.monotonic() value)."""
+        """Collect one valid WorkerHello per rank before `deadline` (a time.monotonic() value).
+
+        A peer that cannot join (a duplicate rank, another model, garbage) is refused by itself:
+        it is told to exit and the engine keeps waiting for the real rank until the deadline.
+        """
         while len(self.hellos) < self.tp_size:
-            identity, message = self._recv_handshake(deadline, "WorkerHello")
+            identity, message = self._recv_handshake(deadline, "WorkerHello", set(self.hellos))
             match message:
                 case WorkerHello():
-                    check_hello(message, self.tp_size, self.hellos)
-                    self.hellos[message.rank] = message
-                    self.ranks_by_identity[identity] = message.rank
-                    self._watch_process(message)
-                    logger.info(
-                        "rank %d joined: pid %d on %s, %s, %d blocks available",
-                        message.rank,
-                        message.pid,
-                        message.host,
-                        message.device,
-                        message.num_blocks_available,
-                    )
+                    try:
+                        check_hello(message, self.tp_size, self.hellos)
+                    except HandshakeError as exc:
+                        self._refuse(identity, str(exc))
+                        continue
+                    self._accept_hello(identity, message)
                 case _:
-                    raise HandshakeError(f"expected WorkerHello, got {type(message).__name__}")
-        self.identities = [b""] * self.tp_size
-        for identity, rank in self.ranks_by_identity.items():
-            self.identities[rank] = identity
+                    self._refuse(identity, f"expected WorkerHello, got {type(message).__name__}")
         return self.hellos
+
+    def _accept_hello(self, identity: bytes, hello: WorkerHello) -> None:
+        self.hellos[hello.rank] = hello
+        self.ranks_by_identity[identity] = hello.rank
+        self._watch_process(hello)
+        logger.info(
+            "rank %d joined: pid %d on %s, %s, %d blocks available",
+            hello.rank,
+            hello.pid,
+            hello.host,
+            hello.device,
+            hello.num_blocks_available,
+        )
+
+    def _refuse(self, identity: bytes, reason: str) -> None:
+        """Tell one peer to exit, remember why for the timeout's message, and go on waiting."""
+        if identity in self.ranks_by_identity:
+            raise HandshakeError(reason)  # an accepted rank misbehaving is a broken group
+        logger.warning("refused a worker: %s", reason)
+        self.refusals.append(reason)
+        frame = self._encoder.encode(Shutdown(reason=reason, is_failure=True))
+        try:
+            self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("refusal not delivered: %s", exc)
 
     def send_kv_cache_config(self, config: KVCacheConfig) -> None:
         self._broadcast(self._encoder.encode(config))
@@ -119,10 +147,13 @@ class WorkerGroup:
         """Require WorkerReady with exactly `num_blocks` from every rank before `deadline`."""
         ready_ranks: set[int] = set()
         while len(ready_ranks) < self.tp_size:
-            identity, message = self._recv_handshake(deadline, "WorkerReady")
+            identity, message = self._recv_handshake(deadline, "WorkerReady", ready_ranks)
+            sender = self.ranks_by_identity.get(identity)
+            if sender is None:
+                self._refuse(identity, f"the engine already has all {self.tp_size} ranks")
+                continue
             match message:
                 case WorkerReady():
-                    sender = self.ranks_by_identity.get(identity)
                     if sender != message.rank:
                         raise HandshakeError(
                             f"WorkerReady names rank {message.rank} but came from rank {sender}"
@@ -133,29 +164,45 @@ class WorkerGroup:
                     raise HandshakeError(f"expected WorkerReady, got {type(message).__name__}")
         self._is_serving = True
 
-    def _recv_handshake(self, deadline: float, awaited: str) -> tuple[bytes, WorkerToEngine]:
+    def _recv_handshake(
+        self, deadline: float, awaited: str, answered: set[int]
+    ) -> tuple[bytes, WorkerToEngine]:
+        """The next decodable message; a frame from an unknown peer that does not decode is
+        logged and dropped, since a stray or hostile connection must not abort startup."""
         while True:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                have = self.hellos if awaited == "WorkerHello" else {}
+                refused = f"; refused: {'; '.join(self.refusals[-3:])}" if self.refusals else ""
                 raise HandshakeError(
                     f"timed out waiting for {awaited}: missing rank(s) "
-                    f"{missing_ranks(self.tp_size, have)} of tp_size={self.tp_size}"
+                    f"{missing_ranks(self.tp_size, answered)} of tp_size={self.tp_size}{refused}"
                 )
             events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
             self._check_side_events(events)
-            if self.sock in events:
-                identity_frame, frame = self.sock.recv_multipart(copy=False)
-                identity = identity_frame.bytes
-                self.peers.add(identity)
-                message = self._decode(identity, frame.bytes)
-                if isinstance(message, WorkerHello):
-                    self._remember_connection(frame, message.rank)
-                if isinstance(message, WorkerFailed):
-                    raise HandshakeError(
-                        f"rank {message.rank} failed during startup: {message.error}"
-                    )
-                return identity, message
+            if self.sock not in events:
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            self.peers.add(identity)
+            if len(frames) != 2:
+                self._drop_stray(identity, f"{len(frames) - 1} frames instead of 1")
+                continue
+            try:
+                message = self._decoder.decode(frames[1].bytes)
+            except ProtocolError as exc:
+                self._drop_stray(identity, str(exc))
+                continue
+            if isinstance(message, WorkerHello):
+                self._remember_connection(frames[1], message.rank)
+            if isinstance(message, WorkerFailed) and identity in self.ranks_by_identity:
+                raise HandshakeError(f"rank {message.rank} failed during startup: {message.error}")
+            return identity, message
+
+    def _drop_stray(self, identity: bytes, reason: str) -> None:
+        rank = self.ranks_by_identity.get(identity)
+        if rank is not None:
+            raise HandshakeError(f"rank {rank} sent a bad frame during startup: {reason}")
+        logger.warning("dropped a frame from an unknown peer during startup: %s", reason[:200])
 
     def _remember_connection(self, frame: zmq.Frame, rank: int) -> None:
         """Map the connection a rank's hello came on to that rank, so a disconnect names it."""
@@ -346,14 +393,3 @@ class WorkerGroup:
         )
         if self._is_serving:
             assert sorted(inverse) == list(range(self.tp_size)), f"ranks {sorted(inverse)}"
-            assert all(self.identities[r] == i for r, i in inverse.items()), (
-                "identities out of order"
-            )
-
-
-def describe_message(message: WorkerToEngine) -> str:
-    match message:
-        case ModelRunnerOutput():
-            return f"a reply to step {message.step_id} as rank {message.rank}"
-        case _:
-            return type(message).__name__

@@ -7,6 +7,7 @@ WorkerFailed and exits 1; when the engine disconnects or goes silent, it exits 1
 
 import logging
 import os
+import signal
 import socket
 import time
 
@@ -36,12 +37,17 @@ from worker.models.registry import get_model_info
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_FACTOR = 1  # the engine may go this many heartbeat timeouts without a ping
+STOP_CHECK_S = 1.0  # an idle wait looks at a pending SIGTERM at least this often
 FAILED_LINGER_MS = 1000  # how long a closing socket may still deliver WorkerFailed
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
 class EngineGoneError(RuntimeError):
     """The engine disconnected, stopped answering, or told this worker to stop on a failure."""
+
+
+class StopSignalGraceError(RuntimeError):
+    """SIGTERM came, and the engine's Shutdown did not follow within the grace period."""
 
 
 class Worker:
@@ -64,6 +70,7 @@ class Worker:
         self.last_step_id = 0
         self.tp_group: TPGroup | None = None
         self.runner: ModelRunner | None = None
+        self.stop_signal_time: float | None = None  # time.monotonic() of a SIGTERM while serving
 
     def run(self) -> int:
         """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
@@ -128,6 +135,10 @@ class Worker:
         logger.info("ready: %d blocks per layer", kv_cache_config.num_blocks)
 
     def serve(self) -> int:
+        """Run steps until Shutdown. SIGTERM (a container stop reaches every process at once)
+        does not end the rank: the engine drains its requests and then sends Shutdown, which
+        the rank awaits for shutdown_grace_s before it gives up and exits."""
+        signal.signal(signal.SIGTERM, self._note_stop_signal)
         while True:
             match self.recv(None, "a step"):
                 case SchedulerOutput() as step:
@@ -147,6 +158,15 @@ class Worker:
         output = self.runner.execute_model(step)
         self.sock.send(self.encoder.encode(output))
 
+    def _note_stop_signal(self, signum: int, frame: object) -> None:
+        if self.stop_signal_time is None:
+            self.stop_signal_time = time.monotonic()
+            logger.info(
+                "signal %d: waiting up to %.0f s for the engine's Shutdown",
+                signum,
+                self.config.shutdown_grace_s,
+            )
+
     def stop(self, shutdown: Shutdown) -> int:
         if shutdown.is_failure:
             logger.error("stopping: %s", shutdown.reason)
@@ -161,15 +181,22 @@ class Worker:
         watch the engine: a silent or dead engine closes the connection, which the monitor reports.
         """
         while True:
-            wait_s = (
-                self.config.engine_timeout_s if deadline is None else deadline - time.monotonic()
-            )
-            if wait_s <= 0:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise EngineGoneError(
                     f"no {awaited} from the engine at {self.config.engine_address} "
                     f"in {self.config.engine_timeout_s} s"
                 )
-            events = dict(self.poller.poll(int(wait_s * 1000)))
+            wait_until = now + self.config.engine_timeout_s if deadline is None else deadline
+            if self.stop_signal_time is not None:
+                wait_until = min(wait_until, self.stop_signal_time + self.config.shutdown_grace_s)
+                if now >= wait_until:
+                    raise StopSignalGraceError(
+                        f"no Shutdown from the engine within shutdown_grace_s="
+                        f"{self.config.shutdown_grace_s} s of SIGTERM"
+                    )
+            wait_ms = int(min(wait_until - now, STOP_CHECK_S) * 1000)
+            events = dict(self.poller.poll(max(1, wait_ms)))
             if self.sock in events:  # before the monitor: a Shutdown precedes the disconnect
                 return self.decoder.decode(self.sock.recv())
             if self.monitor in events:
@@ -203,6 +230,9 @@ def run(config: WorkerConfig) -> int:
     except EngineGoneError as exc:
         logger.error("%s; exiting", exc)
         return EXIT_FAILED
+    except StopSignalGraceError as exc:
+        logger.warning("%s; exiting as asked", exc)
+        return EXIT_OK
     except Exception as exc:
         logger.exception("rank %d failed", config.rank)
         error = f"{type(exc).__name__}: {exc}"

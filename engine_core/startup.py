@@ -1,0 +1,99 @@
+"""Startup of an engine: binding its sockets (a busy address is one clear error), the handshake of
+DESIGN.md §6 (every rank says hello, they agree on num_blocks, every rank is ready), and only then
+the EngineCore and the client socket, sized to the model's max_model_len.
+"""
+
+import logging
+import time
+
+import msgspec
+import zmq
+
+from engine_core.client_router import ClientRouter
+from engine_core.core import EngineCore
+from engine_core.endpoints import AddressInUseError, Endpoints, check_free
+from engine_core.handshake import HandshakeError
+from engine_core.kv_cache.spec import bytes_per_block, plan_kv_cache
+from engine_core.kv_events import KVEventPublisher
+from engine_core.metrics import EngineMetrics, MetricsServer
+from engine_core.worker_group import WorkerGroup
+from protocol.client_messages import REQUEST_FRAME_HEADROOM_BYTES
+from protocol.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+CLIENT_LINGER_MS = 2000  # time given to final outputs to reach their clients at exit
+
+
+def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
+    """DESIGN.md §6: every rank says hello, they agree on num_blocks, and every rank is ready."""
+    deadline = time.monotonic() + config.handshake_timeout_s
+    hellos = workers.wait_for_hellos(deadline)
+    model_info = hellos[0].model_info
+    groups = model_info.kv_cache_groups
+    for group in groups:
+        if group.spec.block_size != config.cache.block_size:
+            raise HandshakeError(
+                f"the workers use block_size={group.spec.block_size}, "
+                f"expected the engine's {config.cache.block_size}"
+            )
+    block_bytes = bytes_per_block(groups, config.tp_size)
+    available = [hellos[rank].num_blocks_available * block_bytes for rank in range(config.tp_size)]
+    max_model_len = min(
+        config.scheduler.max_model_len or model_info.max_model_len, model_info.max_model_len
+    )
+    try:
+        plan = plan_kv_cache(
+            groups, available, config.tp_size, max_model_len, config.cache.num_gpu_blocks_override
+        )
+    except ValueError as exc:
+        raise HandshakeError(str(exc)) from None
+    logger.info(
+        "ranks hold %s blocks; using %d. %s",
+        plan.num_blocks_per_rank,
+        plan.config.num_blocks,
+        plan.summary,
+    )
+    # the ranks walk their own invariants after each step when the engine does
+    kv_cache_config = msgspec.structs.replace(plan.config, check_invariants=config.check_invariants)
+    workers.send_kv_cache_config(kv_cache_config)
+    workers.wait_for_ready(kv_cache_config.num_blocks, deadline)
+    logger.info("all %d ranks ready: serving %s", config.tp_size, model_info.name)
+    return EngineCore(config, kv_cache_config, model_info, workers)
+
+
+def serve_metrics(metrics: EngineMetrics, port: int) -> MetricsServer:
+    try:
+        return MetricsServer(metrics, port)
+    except OSError as exc:
+        raise AddressInUseError(f"cannot serve --metrics-port {port}: {exc.strerror}") from None
+
+
+def start_kv_event_publisher(
+    ctx: zmq.Context, config: EngineConfig, endpoints: Endpoints
+) -> KVEventPublisher:
+    addresses = [config.kv_events.endpoint, config.kv_events.replay_endpoint]
+    for address in filter(None, addresses):
+        check_free(address, "--kv-events-config")
+    try:
+        publisher = KVEventPublisher(ctx, config.kv_events)
+    except zmq.ZMQError as exc:
+        raise AddressInUseError(f"cannot bind --kv-events-config: {exc.strerror}") from None
+    for address in filter(None, addresses):
+        endpoints.adopt(address)
+    return publisher
+
+
+def bind_clients(
+    config: EngineConfig, ctx: zmq.Context, endpoints: Endpoints, max_model_len: int
+) -> ClientRouter:
+    """The client socket, refusing frames longer than a max_model_len prompt plus headroom."""
+    sock = ctx.socket(zmq.ROUTER)
+    max_frame_bytes = 4 * max_model_len + REQUEST_FRAME_HEADROOM_BYTES  # int32 token ids
+    ClientRouter.configure(sock, max_frame_bytes, CLIENT_LINGER_MS)
+    try:
+        endpoints.bind(sock, config.client_address, "--client-address")
+    except AddressInUseError:
+        sock.close(linger=0)
+        raise
+    return ClientRouter(sock, config.max_client_backlog_bytes, config.max_client_frames_per_step)
