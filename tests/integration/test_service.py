@@ -219,10 +219,14 @@ def test_bench_stats_and_reset_commands_talk_to_a_running_engine(
 ) -> None:
     launch(processes, addresses, 2, "checksum")
     address = ["--address", addresses["client"]]
-    processes.start("bench", "kvserve_main", ["bench", *address, "--num-requests", "16"])
-    assert processes.wait_exit("bench", 90) == 0, processes.log("bench")
-    bench_log = processes.log("bench")
-    assert "requests" in bench_log and "prefix-cache hit rate" in bench_log
+    # Two benches at once, as from two shells: request ids are scoped per client and per run.
+    for name in ("bench", "bench-2"):
+        processes.start(name, "kvserve_main", ["bench", *address, "--num-requests", "16"])
+    for name in ("bench", "bench-2"):
+        assert processes.wait_exit(name, 90) == 0, processes.log(name)
+        bench_log = processes.log(name)
+        assert "requests" in bench_log and "prefix-cache hit rate" in bench_log
+        assert "duplicate" not in bench_log, bench_log
     processes.start("stats", "kvserve_main", ["stats", *address])
     assert processes.wait_exit("stats", 30) == 0, processes.log("stats")
     assert '"tp_size": 2' in processes.log("stats")
