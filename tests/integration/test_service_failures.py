@@ -88,22 +88,43 @@ def test_missing_rank_fails_startup_naming_it(processes: Processes, addresses: d
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_missing_in_the_ready_phase_is_named_alone(
+    processes: Processes, addresses: dict
+) -> None:
+    """Guards against a WorkerReady timeout naming every rank, the ready ones too."""
+    start_core(processes, addresses, 2, "--handshake-timeout-s", "4", "--max-model-len", "256")
+    ctx = zmq.Context()
+    ranks = [FakeRank(ctx, addresses["worker"]) for _ in range(2)]
+    for rank, fake in enumerate(ranks):
+        fake.hello(rank, 2, "checksum")
+    configs = [fake.expect(KVCacheConfig) for fake in ranks]
+    ranks[0].send(WorkerReady(0, configs[0].num_blocks))  # rank 1 never says Ready
+    assert ranks[0].expect_shutdown().is_failure
+    assert processes.wait_exit("core", 30) == 1
+    assert "timed out waiting for WorkerReady: missing rank(s) [1] of" in processes.log("core")
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("second_rank", "second_model", "reason"),
     [(0, "checksum", "duplicate rank 0"), (1, "tiny-llama", "runs another model than rank 0")],
 )
-def test_duplicate_rank_or_other_model_is_refused_with_the_reason(
+def test_duplicate_rank_or_other_model_is_refused_without_giving_up_on_the_real_one(
     processes: Processes, addresses: dict, second_rank: int, second_model: str, reason: str
 ) -> None:
-    start_core(processes, addresses, 2)
+    """Guards against one bad hello aborting startup: only that peer is told to exit."""
+    start_core(processes, addresses, 2, "--handshake-timeout-s", "4")
     ctx = zmq.Context()
     first, second = FakeRank(ctx, addresses["worker"]), FakeRank(ctx, addresses["worker"])
     first.hello(0, 2, "checksum")
     wait_for(lambda: "rank 0 joined" in processes.log("core"), 20, "rank 0 joining")
     second.hello(second_rank, 2, second_model)
-    for rank in (first, second):
-        shutdown = rank.expect_shutdown()
-        assert shutdown.is_failure and reason in shutdown.reason, shutdown
+    shutdown = second.expect_shutdown()
+    assert shutdown.is_failure and reason in shutdown.reason, shutdown
+    assert not first.sock.poll(500), "the real rank 0 was refused too"
+    shutdown = first.expect_shutdown()  # only once the handshake deadline passed
+    assert shutdown.is_failure and "missing rank(s) [1]" in shutdown.reason, shutdown
     assert processes.wait_exit("core", 30) == 1
     assert reason in processes.log("core")
     ctx.destroy(linger=0)
