@@ -14,6 +14,7 @@ from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group
 from engine_core.sched.request import Request
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from protocol.sampling import SamplingParams
+from protocol.stats import BlockResidencyStats
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
@@ -316,7 +317,7 @@ def test_no_events_are_recorded_unless_enabled() -> None:
     assert pool.take_events() == []
 
 
-def test_metrics_collector_reports_lifetime_and_idle_time_before_eviction() -> None:
+def test_metrics_collector_reports_lifetime_idle_time_and_reuse_gap() -> None:
     now = [0.0]
     collector = BlockMetricsCollector(sample_every=1, clock=lambda: now[0])
     pool = make_pool(metrics_collector=collector)
@@ -327,10 +328,8 @@ def test_metrics_collector_reports_lifetime_and_idle_time_before_eviction() -> N
     pool.free_blocks(blocks)
     now[0] = 5.0
     pool.evict_blocks([1])  # evicted at t=5
-    summary = collector.summary()
-    assert summary is not None and summary.num_samples == 1
-    assert summary.lifetime_p50_s == 5.0 and summary.idle_before_eviction_p50_s == 3.0
-    assert summary.accesses_per_block_mean == 1.0
+    assert collector.take_stats() == BlockResidencyStats([5.0], [3.0], [2.0])
+    assert collector.take_stats() == BlockResidencyStats()  # drained
     assert collector.num_tracked_blocks == 0
     collector.check_invariants()
 
@@ -340,7 +339,7 @@ def test_metrics_collector_samples_one_allocation_in_n() -> None:
     pool = make_pool(metrics_collector=collector)
     pool.get_new_blocks(7)
     assert collector.num_tracked_blocks == 2
-    assert collector.summary() is None
+    assert collector.take_stats() == BlockResidencyStats()  # nothing evicted yet
 
 
 def test_check_invariants_catches_a_hash_missing_from_the_map() -> None:
@@ -374,9 +373,7 @@ def test_metrics_collector_drops_a_block_reused_without_ever_being_cached() -> N
     admit(pool, make_request("a", list(range(4))), 1)  # allocation 4: block 2, sampled at t=4
     now[0] = 9.0
     pool.evict_blocks([2])
-    summary = collector.summary()
-    assert summary is not None and summary.num_samples == 1
-    assert summary.lifetime_p50_s == 5.0
+    assert collector.take_stats().lifetimes_s == [5.0]
     collector.check_invariants()
 
 
