@@ -6,12 +6,13 @@ tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 
 import itertools
 import logging
-import time
 from array import array
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import Admission, scoped_req_id
+from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
+from engine_core.sched.in_flight_step import InFlightStep
 from engine_core.sched.limits import resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
@@ -19,12 +20,7 @@ from engine_core.sched.request import Request, RequestStatus
 from engine_core.sched.stop import check_stop
 from engine_core.sched.validation import validate_request
 from protocol.buffers import pack_int32, unpack_int32
-from protocol.client_messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-)
+from protocol.client_messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
@@ -79,7 +75,7 @@ class Scheduler:
         self._handles = itertools.count(1)  # 0 is never a live handle
         self._finished_handles: list[int] = []  # seen by the workers, to forget next step
         self._step_id = 0
-        self._in_flight: tuple[int, list[Request], bytes] | None = None
+        self._in_flight: InFlightStep | None = None
         self.num_preemptions = 0
         self.num_prefix_cache_queries = 0  # prompt tokens looked up, since start
         self.num_prefix_cache_hits = 0  # of those, tokens served from the cache
@@ -98,8 +94,7 @@ class Scheduler:
             )
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)
-            output = EngineCoreOutput(request.req_id, [], FinishReason.ERROR, error=str(exc))
-            return EngineCoreOutputs([output], timestamp=time.time())
+            return rejection(request.req_id, str(exc))
         state = Request(
             req_id,
             prompt,
@@ -134,18 +129,9 @@ class Scheduler:
         self.running = [request for request in self.running if id(request) not in doomed_ids]
         if any(request.status is not _RUNNING for request in doomed):
             self.waiting.remove_requests(doomed)
-        outputs: dict[bytes, list[EngineCoreOutput]] = {}
         for request in doomed:
             self._free_request(request, status)
-            output = EngineCoreOutput(
-                request.client_req_id,
-                [],
-                status.finish_reason,
-                request.num_cached_tokens or 0,
-                error,
-            )
-            outputs.setdefault(request.client_id, []).append(output)
-        return _by_client(outputs)
+        return final_outputs(doomed, status.finish_reason, error)
 
     def abort_client_requests(
         self, client_id: bytes, client_req_ids: list[str], error: str | None = None
@@ -178,7 +164,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work: running requests first, then admission from the queue."""
         if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight[0]} is still in flight: update it first")
+            raise RuntimeError(f"step {self._in_flight.step_id} is in flight: update it first")
         plan = StepPlan()
         budget = self._schedule_running(plan, self.scheduler_config.max_num_batched_tokens)
         if not plan.preempted_handles:  # admitting now would only thrash the pool again
@@ -190,7 +176,7 @@ class Scheduler:
         finished, self._finished_handles = self._finished_handles, []
         output = plan.build(self._step_id, finished)
         handles = pack_int32(array("i", [request.handle for request in requests]))
-        self._in_flight = (self._step_id, requests, handles)
+        self._in_flight = InFlightStep(self._step_id, requests, handles)
         return output
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -321,7 +307,7 @@ class Scheduler:
             self.running = [request for request in self.running if request.status is _RUNNING]
             for request in finished:
                 self._free_request(request, request.status)
-        return _by_client(outputs)
+        return group_by_client(outputs)
 
     def _check_step(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -329,24 +315,8 @@ class Scheduler:
         """The requests of the step in flight, after checking that the output answers it."""
         if self._in_flight is None:
             raise RuntimeError("update_from_output called with no step in flight")
-        step_id, requests, handles = self._in_flight
-        if scheduler_output.step_id != step_id or model_runner_output.step_id != step_id:
-            raise ValueError(
-                f"output for step {model_runner_output.step_id} (scheduled "
-                f"{scheduler_output.step_id}): expected step {step_id}"
-            )
-        if len(model_runner_output.sampled_token_ids) != len(handles):
-            raise ValueError(
-                f"rank {model_runner_output.rank} sampled "
-                f"{len(model_runner_output.sampled_token_ids) // 4} tokens for step {step_id}: "
-                f"expected one for each of its {len(requests)} requests"
-            )
-        if model_runner_output.req_ids != handles:
-            raise ValueError(
-                f"rank {model_runner_output.rank} answered step {step_id} for other requests: "
-                f"expected {len(requests)} handles in SchedulerOutput order"
-            )
-        self._in_flight = None
+        self._in_flight.check_reply(scheduler_output, model_runner_output)
+        requests, self._in_flight = self._in_flight.requests, None
         return requests
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
@@ -405,8 +375,3 @@ class Scheduler:
         self.admission.check_invariants([r.client_id for r in self.requests.values()])
         self.waiting.check_invariants()
         self.kv_cache_manager.check_invariants()
-
-
-def _by_client(outputs: dict[bytes, list[EngineCoreOutput]]) -> dict[bytes, EngineCoreOutputs]:
-    now = time.time()
-    return {client_id: EngineCoreOutputs(outs, now) for client_id, outs in outputs.items()}
