@@ -1,6 +1,7 @@
 """StepPlan: what one schedule() decided, turned into the SchedulerOutput broadcast to workers.
 
-The wire Structs are built once per step from int32 columns; nothing here allocates blocks.
+The wire Structs are built once per step from int32 columns. Nothing here allocates blocks or
+changes a request: the Scheduler advances requests once the message is built.
 """
 
 from array import array
@@ -57,18 +58,18 @@ class StepPlan:
         return self.new_reqs + self.running_reqs + self.resumed_reqs
 
     def build(self, step_id: int, finished_handles: list[int]) -> SchedulerOutput:
-        """The wire message; advances each request's `num_computed_tokens` and `num_tokens_sent`."""
+        """The wire message, read from each request as it stood before this step; writes nothing.
+
+        The Scheduler advances `num_computed_tokens` and `num_tokens_sent` once it is built.
+        """
         new_reqs_data = [
-            _new_request_data(request, num_tokens, block_ids)
-            for request, num_tokens, block_ids in zip(
-                self.new_reqs, self.new_num_tokens, self.new_block_ids, strict=True
-            )
+            _new_request_data(request, block_ids)
+            for request, block_ids in zip(self.new_reqs, self.new_block_ids, strict=True)
         ]
         cached_reqs = self.running_reqs + self.resumed_reqs
         cached_num_tokens = self.running_num_tokens + self.resumed_num_tokens
         cached = _cached_request_data(
             cached_reqs,
-            cached_num_tokens,
             self.running_block_ids + self.resumed_block_ids,
             [request.handle for request in self.resumed_reqs],
         )
@@ -85,22 +86,18 @@ class StepPlan:
         )
 
 
-def _new_request_data(request: Request, num_tokens: int, block_ids: BlockIds) -> NewRequestData:
-    data = NewRequestData(
+def _new_request_data(request: Request, block_ids: BlockIds) -> NewRequestData:
+    return NewRequestData(
         req_id=request.handle,
         prompt_token_ids=pack_int32(request.all_token_ids),
         sampling_params=request.sampling_params,
         block_ids=block_ids,
         num_computed_tokens=request.num_computed_tokens,
     )
-    request.num_tokens_sent = len(request.all_token_ids)
-    request.num_computed_tokens += num_tokens
-    return data
 
 
 def _cached_request_data(
     requests: list[Request],
-    num_scheduled_tokens: list[int],
     new_block_ids: list[BlockIds | None],
     resumed_handles: list[int],
 ) -> CachedRequestData:
@@ -109,7 +106,7 @@ def _cached_request_data(
     num_computed = array("i")
     new_token_ids = array("i")
     num_new_token_ids = array("i")
-    for request, num_tokens in zip(requests, num_scheduled_tokens, strict=True):
+    for request in requests:
         handles.append(request.handle)
         num_computed.append(request.num_computed_tokens)
         tokens = request.all_token_ids
@@ -119,8 +116,6 @@ def _cached_request_data(
         elif num_unsent:
             new_token_ids.extend(tokens[request.num_tokens_sent :])
         num_new_token_ids.append(num_unsent)
-        request.num_tokens_sent = len(tokens)
-        request.num_computed_tokens += num_tokens
     return CachedRequestData(
         req_ids=pack_int32(handles),
         resumed_req_ids=resumed_handles,

@@ -6,7 +6,6 @@ tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 
 import itertools
 import logging
-from array import array
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
@@ -175,7 +174,13 @@ class Scheduler:
         requests = plan.requests_in_order()
         finished, self._finished_handles = self._finished_handles, []
         output = plan.build(self._step_id, finished)
-        handles = pack_int32(array("i", [request.handle for request in requests]))
+        # Advance only once the message is built: it carries each request's state before the step.
+        num_tokens = plan.new_num_tokens + plan.running_num_tokens + plan.resumed_num_tokens
+        for request, num_new_tokens in zip(requests, num_tokens, strict=True):
+            request.num_computed_tokens += num_new_tokens
+            request.num_tokens_sent = len(request.all_token_ids)
+        new_handles = pack_int32([new.req_id for new in output.scheduled_new_reqs])
+        handles = new_handles + output.scheduled_cached_reqs.req_ids  # as the wire names them
         self._in_flight = InFlightStep(self._step_id, requests, handles)
         return output
 

@@ -1,6 +1,7 @@
 """Scheduler scenarios: batching order, budgets, chunked prefill, preemption and resumption."""
 
 import random
+from array import array
 
 import pytest
 from fake_executor import MakeHarness, reference_tokens
@@ -265,3 +266,44 @@ def test_step_plan_invariants_catch_a_request_scheduled_twice() -> None:
     plan.running_block_ids.append(None)
     with pytest.raises(AssertionError, match="scheduled twice"):
         plan.check_invariants()
+
+
+def _fields(request: Request) -> dict[str, object]:
+    """Every slot of a request, with lists and arrays copied so later writes show."""
+    return {
+        name: list(value) if isinstance(value, list | array) else value
+        for name in Request.__slots__
+        for value in [getattr(request, name)]
+    }
+
+
+def test_building_a_step_plan_changes_no_request() -> None:
+    """Guards against the serializer advancing request state: the scheduler advances it once, at
+    schedule time, so a second build (a retry, a log, a check) would otherwise skip tokens."""
+    new = Request("new", [1, 2, 3, 4, 5], SamplingParams(), handle=1)
+    new.num_computed_tokens = 4  # a prefix-cache hit
+    running = Request("running", [1, 2, 3], SamplingParams(), handle=2)
+    running.num_computed_tokens = running.num_tokens_sent = 3
+    running.append_output_token_id(7)  # sampled last step, not yet sent to the workers
+    resumed = Request("resumed", [4, 5, 6, 7], SamplingParams(), handle=3)
+    resumed.num_tokens_sent = 4  # preempted: the workers hold its tokens, the cache does not
+    plan = StepPlan(
+        new_reqs=[new],
+        new_num_tokens=[1],
+        new_block_ids=[([1, 2],)],
+        running_reqs=[running],
+        running_num_tokens=[1],
+        running_block_ids=[None],
+        resumed_reqs=[resumed],
+        resumed_num_tokens=[4],
+        resumed_block_ids=[([3],)],
+        preempted_handles=[4],
+    )
+    before = [_fields(request) for request in plan.requests_in_order()]
+    first = plan.build(7, [5])
+    assert [_fields(request) for request in plan.requests_in_order()] == before
+    assert plan.build(7, [5]) == first
+    cached = first.scheduled_cached_reqs
+    assert list(unpack_int32(cached.new_token_ids)) == [7]  # only the running request's token
+    assert list(unpack_int32(cached.num_computed_tokens)) == [3, 0]
+    assert first.scheduled_new_reqs[0].num_computed_tokens == 4
