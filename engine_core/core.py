@@ -8,6 +8,7 @@ import logging
 from typing import Protocol
 
 from engine_core.sched.admission import scoped_req_id
+from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
 from protocol.config import EngineConfig
@@ -37,7 +38,9 @@ class EngineCore:
         kv_cache_config: KVCacheConfig,
         model_info: ModelInfo,
         executor: Executor,
+        limits: SchedulerLimits | None = None,
     ) -> None:
+        """`limits`: the startup plan's (engine_core/plan.py); resolved here when not given."""
         self.engine_config = engine_config
         self.executor = executor
         self.scheduler = Scheduler(
@@ -46,6 +49,7 @@ class EngineCore:
             kv_cache_config,
             model_info,
             enable_kv_cache_events=engine_config.kv_events.enable_kv_cache_events,
+            limits=limits,
         )
         self._check_each_step = engine_config.check_invariants
         self.scheduler.check_each_plan = engine_config.check_invariants

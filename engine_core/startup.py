@@ -6,16 +6,15 @@ the EngineCore and the client socket, sized to the model's max_model_len.
 import logging
 import time
 
-import msgspec
 import zmq
 
 from engine_core.client_router import ClientRouter
 from engine_core.core import EngineCore
 from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
-from engine_core.kv_cache.spec import bytes_per_block, plan_kv_cache
 from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics, MetricsServer
+from engine_core.plan import plan_engine
 from engine_core.worker_group import WorkerGroup
 from protocol.client_messages import REQUEST_FRAME_HEADROOM_BYTES
 from protocol.config import EngineConfig
@@ -30,36 +29,22 @@ def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
     deadline = time.monotonic() + config.handshake_timeout_s
     hellos = workers.wait_for_hellos(deadline)
     model_info = hellos[0].model_info
-    groups = model_info.kv_cache_groups
-    for group in groups:
-        if group.spec.block_size != config.cache.block_size:
-            raise HandshakeError(
-                f"the workers use block_size={group.spec.block_size}, "
-                f"expected the engine's {config.cache.block_size}"
-            )
-    block_bytes = bytes_per_block(groups, config.tp_size)
-    available = [hellos[rank].num_blocks_available * block_bytes for rank in range(config.tp_size)]
-    max_model_len = min(
-        config.scheduler.max_model_len or model_info.max_model_len, model_info.max_model_len
-    )
+    num_blocks_per_rank = [hellos[rank].num_blocks_available for rank in range(config.tp_size)]
     try:
-        plan = plan_kv_cache(
-            groups, available, config.tp_size, max_model_len, config.cache.num_gpu_blocks_override
-        )
+        plan = plan_engine(config, model_info, num_blocks_per_rank)
     except ValueError as exc:
         raise HandshakeError(str(exc)) from None
+    kv_cache_config = plan.kv_cache_config
     logger.info(
         "ranks hold %s blocks; using %d. %s",
         plan.num_blocks_per_rank,
-        plan.config.num_blocks,
+        kv_cache_config.num_blocks,
         plan.summary,
     )
-    # the ranks walk their own invariants after each step when the engine does
-    kv_cache_config = msgspec.structs.replace(plan.config, check_invariants=config.check_invariants)
     workers.send_kv_cache_config(kv_cache_config)
     workers.wait_for_ready(kv_cache_config.num_blocks, deadline)
     logger.info("all %d ranks ready: serving %s", config.tp_size, model_info.name)
-    return EngineCore(config, kv_cache_config, model_info, workers)
+    return EngineCore(config, kv_cache_config, model_info, workers, plan.limits)
 
 
 def serve_metrics(metrics: EngineMetrics, port: int) -> MetricsServer:

@@ -7,7 +7,7 @@ progress (a prompt that fits no step, a sequence that fits no pool) is refused h
 import logging
 from dataclasses import dataclass
 
-from engine_core.kv_cache.spec import num_blocks_per_request
+from engine_core.kv_cache.spec import NUM_NULL_BLOCKS, num_blocks_per_request
 from protocol.config import CacheConfig, SchedulerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import ModelInfo
@@ -39,11 +39,14 @@ def resolve_limits(
             f"max_model_len={max_model_len}: without chunked prefill a prompt must fit in one step"
         )
     num_blocks_needed = num_blocks_per_request(kv_cache_config.kv_cache_groups, max_model_len)
-    if num_blocks_needed > kv_cache_config.num_blocks - 1:
+    num_usable_blocks = kv_cache_config.num_blocks - NUM_NULL_BLOCKS
+    if num_blocks_needed > num_usable_blocks:
         # Such a request would preempt itself forever once it grew long enough.
         raise ValueError(
             f"one request of max_model_len={max_model_len} tokens needs {num_blocks_needed} "
-            f"blocks: expected at most the {kv_cache_config.num_blocks - 1} usable blocks"
+            f"blocks, but num_blocks={kv_cache_config.num_blocks} leaves {num_usable_blocks} "
+            "usable: expected more KV-cache memory, a smaller max_model_len or a larger "
+            "num_gpu_blocks_override"
         )
     threshold = scheduler_config.long_prefill_token_threshold
     prefill_cap = threshold if threshold and scheduler_config.enable_chunked_prefill else 0

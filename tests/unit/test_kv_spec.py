@@ -9,6 +9,7 @@ from engine_core.kv_cache.spec import (
     SlidingWindowSpec,
     bytes_per_block,
     cdiv,
+    describe_capacity,
     num_blocks_per_request,
     plan_kv_cache,
 )
@@ -43,56 +44,42 @@ def test_cdiv_rounds_up() -> None:
 
 
 def test_plan_picks_the_minimum_over_ranks() -> None:
-    block_bytes = bytes_per_block(_groups(), tp_size=2)  # 512 per rank
-    plan = plan_kv_cache(_groups(), [40 * block_bytes + 7, 25 * block_bytes], 2, 16)
-    assert plan.num_blocks_per_rank == [40, 25]
-    assert plan.config == KVCacheConfig(num_blocks=25, kv_cache_groups=_groups())
+    config = plan_kv_cache(_groups(), [40, 25])
+    assert config == KVCacheConfig(num_blocks=25, kv_cache_groups=_groups())
     # 24 usable blocks (block 0 is the null block) of 4 tokens; 4 blocks per request of 16
-    assert plan.summary == "KV cache holds 96 tokens; max concurrency 6.00 at max_model_len 16"
+    assert describe_capacity(config, 16) == (
+        "KV cache holds 96 tokens; max concurrency 6.00 at max_model_len 16"
+    )
 
 
 def test_plan_override_replaces_the_measured_count() -> None:
-    block_bytes = bytes_per_block(_groups(), tp_size=1)
-    plan = plan_kv_cache(_groups(), [100 * block_bytes], 1, 16, num_gpu_blocks_override=9)
-    assert plan.config.num_blocks == 9
-    assert plan.num_blocks_per_rank == [100]
-    assert plan.summary == "KV cache holds 32 tokens; max concurrency 2.00 at max_model_len 16"
+    config = plan_kv_cache(_groups(), [100], num_gpu_blocks_override=9)
+    assert config.num_blocks == 9
+    assert describe_capacity(config, 16) == (
+        "KV cache holds 32 tokens; max concurrency 2.00 at max_model_len 16"
+    )
 
 
-def test_plan_raises_when_one_request_of_max_model_len_does_not_fit() -> None:
-    block_bytes = bytes_per_block(_groups(), tp_size=1)
-    # 4 blocks = the null block + 3 usable; a request of 16 tokens needs 4
-    with pytest.raises(ValueError, match=r"max_model_len=16 needs 4 blocks.*num_blocks=4"):
-        plan_kv_cache(_groups(), [4 * block_bytes], 1, 16)
-    assert plan_kv_cache(_groups(), [5 * block_bytes], 1, 16).config.num_blocks == 5
-
-
-def test_hybrid_plan_counts_a_block_per_group_for_every_position() -> None:
+def test_hybrid_capacity_counts_a_block_per_group_for_every_position() -> None:
     groups = [
         KVCacheGroupSpec(layer_names=["full.0"], spec=FULL),
         KVCacheGroupSpec(layer_names=["window.0"], spec=WINDOW),
     ]
     assert num_blocks_per_request(groups, 16) == 8
-    block_bytes = bytes_per_block(groups, tp_size=1)
-    plan = plan_kv_cache(groups, [17 * block_bytes], 1, 16)
     # 16 usable blocks shared by two groups hold 32 token positions
-    assert plan.summary == "KV cache holds 32 tokens; max concurrency 2.00 at max_model_len 16"
+    assert describe_capacity(plan_kv_cache(groups, [17]), 16) == (
+        "KV cache holds 32 tokens; max concurrency 2.00 at max_model_len 16"
+    )
 
 
-@pytest.mark.parametrize(
-    ("memory", "tp_size", "message"),
-    [
-        ([10_000], 2, "expected one per rank of tp_size=2"),
-        ([-1], 1, "expected no negative"),
-    ],
-)
-def test_plan_rejects_inconsistent_inputs(memory: list[int], tp_size: int, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        plan_kv_cache(_groups(), memory, tp_size, 16)
+@pytest.mark.parametrize("num_blocks_per_rank", [[], [-1], [4, -1]])
+def test_plan_rejects_missing_or_negative_capacities(num_blocks_per_rank: list[int]) -> None:
+    with pytest.raises(ValueError, match="expected a count per rank, none negative"):
+        plan_kv_cache(_groups(), num_blocks_per_rank)
 
 
 def test_plan_rejects_groups_of_different_block_sizes() -> None:
     other = FullAttentionSpec(block_size=8, num_kv_heads=2, head_dim=8, dtype="float32")
     groups = [*_groups(), KVCacheGroupSpec(layer_names=["x"], spec=other)]
     with pytest.raises(ValueError, match=r"block sizes \[4, 8\]"):
-        plan_kv_cache(groups, [1 << 20], 1, 16)
+        plan_kv_cache(groups, [1 << 20])

@@ -1,0 +1,54 @@
+"""EnginePlan: the startup decisions made once from the config and the ranks' capacities, and
+each refusal named once, before any rank allocates."""
+
+import pytest
+
+from engine_core.plan import plan_engine
+from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
+from protocol.worker_messages import ModelInfo
+
+GROUPS = [KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32"))]
+MODEL = ModelInfo("tiny", 64, None, 32, GROUPS)  # a model of max_model_len 32
+
+
+def _config(tp_size: int = 2, **scheduler: object) -> EngineConfig:
+    return EngineConfig(
+        tp_size=tp_size, cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(**scheduler)
+    ).checked()
+
+
+def test_the_plan_takes_the_smallest_rank_and_the_models_max_model_len() -> None:
+    plan = plan_engine(_config(), MODEL, [40, 25])
+    assert plan.kv_cache_config.num_blocks == 25
+    assert plan.num_blocks_per_rank == [40, 25]
+    assert plan.limits.max_model_len == 32 and plan.limits.block_size == 4
+    assert plan.summary == "KV cache holds 96 tokens; max concurrency 3.00 at max_model_len 32"
+
+
+def test_a_configured_max_model_len_above_the_models_is_clipped_to_it() -> None:
+    assert plan_engine(_config(max_model_len=1000), MODEL, [40, 40]).limits.max_model_len == 32
+    assert plan_engine(_config(max_model_len=8), MODEL, [40, 40]).limits.max_model_len == 8
+
+
+def test_a_pool_that_cannot_hold_one_request_is_refused_before_allocation() -> None:
+    with pytest.raises(ValueError, match=r"max_model_len=32 tokens needs 8 blocks.*leaves 7"):
+        plan_engine(_config(), MODEL, [8, 20])
+    assert plan_engine(_config(max_model_len=28), MODEL, [8, 20]).kv_cache_config.num_blocks == 8
+
+
+def test_an_engine_block_size_the_model_does_not_use_is_refused() -> None:
+    config = EngineConfig(tp_size=1, cache=CacheConfig(block_size=16)).checked()
+    with pytest.raises(ValueError, match="block_size=4: expected the cache config's 16"):
+        plan_engine(config, MODEL, [100])
+
+
+def test_one_capacity_per_rank_is_required() -> None:
+    with pytest.raises(ValueError, match="expected one per rank of tp_size=2"):
+        plan_engine(_config(), MODEL, [100])
+
+
+def test_the_plan_tells_the_ranks_to_walk_invariants_when_the_engine_does() -> None:
+    config = EngineConfig(tp_size=1, check_invariants=True, cache=CacheConfig(block_size=4))
+    assert plan_engine(config.checked(), MODEL, [100]).kv_cache_config.check_invariants
+    assert not plan_engine(_config(tp_size=1), MODEL, [100]).kv_cache_config.check_invariants
