@@ -80,11 +80,6 @@ class Workload:
         for history, reply in zip(self.histories, replies, strict=True):
             history.extend(reply)
 
-    def check_invariants(self) -> None:
-        prefix_len = self.settings.system_prompt_len
-        for index, history in enumerate(self.histories):
-            assert len(history) >= prefix_len, f"conversation {index} lost its system prompt"
-
 
 def run_workload(
     client: EngineClient, settings: DemoSettings, progress: Progress

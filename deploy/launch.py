@@ -166,11 +166,6 @@ class Deployment:
         failed = [p for p in self.processes if p.exitcode not in (EXIT_OK, -signal.SIGTERM)]
         return EXIT_FAILED if failed else EXIT_OK
 
-    def check_invariants(self) -> None:
-        assert self.processes[0].name == "engine-core", f"first process is {self.processes[0].name}"
-        ranks = [p.name for p in self.processes[1:]]
-        assert ranks == [f"worker-{r}" for r in range(len(ranks))], f"workers out of order: {ranks}"
-
 
 def check_addresses(engine_config: EngineConfig, base_worker: WorkerConfig) -> WorkerConfig:
     """Refuse, before anything starts, addresses another deployment serves on (AddressInUseError
