@@ -64,8 +64,8 @@ class KvserveBench:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled_s = time.perf_counter() - start
-        handles = array("i", [new.req_id for new in scheduler_output.scheduled_new_reqs])
-        handles.extend(unpack_int32(scheduler_output.scheduled_cached_reqs.req_ids))
+        handles = array("i", [new.handle for new in scheduler_output.scheduled_new_reqs])
+        handles.extend(unpack_int32(scheduler_output.scheduled_cached_reqs.handles))
         runner_output = ModelRunnerOutput(
             scheduler_output.step_id,
             0,

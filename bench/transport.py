@@ -52,7 +52,7 @@ def decode_step(step_id: int) -> SchedulerOutput:
     num_computed = [100 + 7 * i for i in range(NUM_DECODE_REQS)]
     new_blocks = [([1000 + i],) if i % BLOCK_SIZE == 0 else None for i in range(NUM_DECODE_REQS)]
     cached = CachedRequestData(
-        req_ids=pack_int32(handles),
+        handles=pack_int32(handles),
         new_token_ids=pack_int32(i % 500 for i in handles),
         num_new_token_ids=pack_int32([1] * NUM_DECODE_REQS),
         new_block_ids=new_blocks,
@@ -68,7 +68,7 @@ def prefill_step(step_id: int) -> SchedulerOutput:
     num_blocks = PREFILL_LEN // BLOCK_SIZE
     new_reqs = [
         NewRequestData(
-            req_id=i + 1,
+            handle=i + 1,
             prompt_token_ids=pack_int32((i * 31 + t) % 500 for t in range(PREFILL_LEN)),
             sampling_params=SamplingParams(max_tokens=16),
             block_ids=(list(range(1 + i * num_blocks, 1 + (i + 1) * num_blocks)),),
@@ -94,8 +94,8 @@ def reply_for(step: SchedulerOutput, rank: int) -> ModelRunnerOutput:
     Built the way a worker holds it: the handles as the int32 bytes they arrived in, the sampled
     tokens as one int32 buffer.
     """
-    new_handles = pack_int32(req.req_id for req in step.scheduled_new_reqs)
-    handles = new_handles + step.scheduled_cached_reqs.req_ids
+    new_handles = pack_int32(req.handle for req in step.scheduled_new_reqs)
+    handles = new_handles + step.scheduled_cached_reqs.handles
     sampled = SAMPLED_TOKEN * (len(handles) // 4)
     return ModelRunnerOutput(step.step_id, rank, handles, sampled)
 

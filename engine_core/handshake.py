@@ -73,7 +73,7 @@ def describe_disagreement(step_id: int, outputs: list[ModelRunnerOutput]) -> str
     differing = [
         out.rank
         for out in outputs[1:]
-        if out.sampled_token_ids != reference.sampled_token_ids or out.req_ids != reference.req_ids
+        if out.sampled_token_ids != reference.sampled_token_ids or out.handles != reference.handles
     ]
     if not differing:
         return None

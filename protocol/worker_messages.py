@@ -47,7 +47,7 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
     """A request the workers have not seen: everything they need to run it."""
 
-    req_id: int  # engine-assigned handle
+    handle: int  # engine-assigned, never reused; the client's req_id stays on the engine
     prompt_token_ids: bytes  # int32 little-endian
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # one list per KV-cache group
@@ -57,10 +57,10 @@ class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
 class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     """Deltas for requests the workers already hold, as int32 columns aligned by position."""
 
-    # int32 handles
-    req_ids: bytes = b""
+    # int32: the engine-assigned handle of each request
+    handles: bytes = b""
     # handles resumed after preemption: their new_block_ids replace their tables
-    resumed_req_ids: list[int] = []
+    resumed_handles: list[int] = []
     # int32: the tokens each request gained since the workers last saw it, concatenated
     new_token_ids: bytes = b""
     # int32 per request: how many of new_token_ids are its own
@@ -79,8 +79,8 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: bytes  # int32 per request: new requests first, then cached ones, in order
     total_num_scheduled_tokens: int
-    finished_req_ids: list[int]  # handles the workers must forget
-    preempted_req_ids: list[int]  # handles whose blocks were freed; a later step resumes them
+    finished_handles: list[int]  # requests the workers must forget
+    preempted_handles: list[int]  # requests whose blocks were freed; a later step resumes them
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -88,7 +88,7 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
     step_id: int
     rank: int
-    req_ids: bytes  # int32 handles, in SchedulerOutput order
+    handles: bytes  # int32, the scheduled requests in SchedulerOutput order
     sampled_token_ids: bytes  # int32, one per request (meaningless for a partial prefill chunk)
 
 

@@ -26,7 +26,7 @@ class InputBatch:
     """The running requests, one row each, rows 0..num_reqs-1 in use.
 
     Invariants:
-    - `req_id_to_row` and `req_ids[:num_reqs]` are inverse maps; rows past num_reqs hold no request.
+    - `handle_to_row` and `handles[:num_reqs]` are inverse maps; rows past num_reqs hold no request.
     - 0 < num_tokens[row] <= max_model_len for live rows, 0 for the others.
     - the block tables have as many rows as the token array.
     """
@@ -36,46 +36,46 @@ class InputBatch:
         rows = INITIAL_MAX_NUM_REQS
         self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)  # [rows, max_model_len]
         self.num_tokens = np.zeros(rows, dtype=np.int32)  # [rows]
-        self.req_ids: list[int | None] = [None] * rows
+        self.handles: list[int | None] = [None] * rows
         self.sampling_params: list[SamplingParams | None] = [None] * rows
-        self.req_id_to_row: dict[int, int] = {}
+        self.handle_to_row: dict[int, int] = {}
         self.block_table = MultiGroupBlockTable(rows, max_model_len, block_sizes)
 
     @property
     def num_reqs(self) -> int:
-        return len(self.req_id_to_row)
+        return len(self.handle_to_row)
 
     def add_request(
         self,
-        req_id: int,
+        handle: int,
         token_ids: np.ndarray,
         sampling_params: SamplingParams,
         block_ids: tuple[list[int], ...],
     ) -> int:
-        """Give `req_id` the next free row and return it."""
-        if req_id in self.req_id_to_row:
-            raise ValueError(f"request {req_id} already has row {self.req_id_to_row[req_id]}")
+        """Give `handle` the next free row and return it."""
+        if handle in self.handle_to_row:
+            raise ValueError(f"request {handle} already has row {self.handle_to_row[handle]}")
         row = self.num_reqs
-        if row == len(self.req_ids):
+        if row == len(self.handles):
             self._grow(2 * row)
-        self.req_id_to_row[req_id] = row
-        self.req_ids[row] = req_id
+        self.handle_to_row[handle] = row
+        self.handles[row] = handle
         self.sampling_params[row] = sampling_params
         self.num_tokens[row] = 0
         self.append_token_ids(row, token_ids)
         self.block_table.add_row(block_ids, row)
         return row
 
-    def remove_request(self, req_id: int) -> ParkedRequest:
-        """Free the row of `req_id`, moving the last row into it, and return what the row held."""
-        row = self.req_id_to_row.pop(req_id)
+    def remove_request(self, handle: int) -> ParkedRequest:
+        """Free the row of `handle`, moving the last row into it, and return what the row held."""
+        row = self.handle_to_row.pop(handle)
         parked = ParkedRequest(
             self.token_ids[row, : self.num_tokens[row]].copy(), self.sampling_params[row]
         )
         last = self.num_reqs  # the row count after the pop
         if row != last:
             self._move_row(last, row)
-        self.req_ids[last] = None
+        self.handles[last] = None
         self.sampling_params[last] = None
         self.num_tokens[last] = 0
         self.block_table.clear_row(last)
@@ -86,7 +86,7 @@ class InputBatch:
         end = start + len(token_ids)
         if end > self.max_model_len:
             raise ValueError(
-                f"request {self.req_ids[row]} would hold {end} tokens, more than "
+                f"request {self.handles[row]} would hold {end} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
         self.token_ids[row, start:end] = token_ids
@@ -96,35 +96,35 @@ class InputBatch:
         num_tokens = int(self.num_tokens[src])
         self.token_ids[tgt, :num_tokens] = self.token_ids[src, :num_tokens]
         self.num_tokens[tgt] = num_tokens
-        self.req_ids[tgt] = self.req_ids[src]
+        self.handles[tgt] = self.handles[src]
         self.sampling_params[tgt] = self.sampling_params[src]
-        self.req_id_to_row[self.req_ids[tgt]] = tgt
+        self.handle_to_row[self.handles[tgt]] = tgt
         self.block_table.move_row(src, tgt)
 
     def _grow(self, rows: int) -> None:
-        extra = rows - len(self.req_ids)
+        extra = rows - len(self.handles)
         # [rows, max_model_len] and [rows]: old rows first, then zeros
         self.token_ids = np.vstack(
             (self.token_ids, np.zeros((extra, self.max_model_len), dtype=np.int32))
         )
         self.num_tokens = np.concatenate((self.num_tokens, np.zeros(extra, dtype=np.int32)))
-        self.req_ids.extend([None] * extra)
+        self.handles.extend([None] * extra)
         self.sampling_params.extend([None] * extra)
         self.block_table.grow(rows)
 
     def check_invariants(self) -> None:
         num_reqs = self.num_reqs
-        for req_id, row in self.req_id_to_row.items():
-            assert row < num_reqs, f"request {req_id} sits at row {row} past num_reqs={num_reqs}"
-            assert self.req_ids[row] == req_id, f"row {row} names {self.req_ids[row]}, not {req_id}"
+        for handle, row in self.handle_to_row.items():
+            assert row < num_reqs, f"request {handle} sits at row {row} past num_reqs={num_reqs}"
+            assert self.handles[row] == handle, f"row {row} names {self.handles[row]}, not {handle}"
             assert 0 < self.num_tokens[row] <= self.max_model_len, (
-                f"request {req_id} holds {self.num_tokens[row]} tokens"
+                f"request {handle} holds {self.num_tokens[row]} tokens"
             )
-        free_rows = range(num_reqs, len(self.req_ids))
-        assert all(self.req_ids[row] is None for row in free_rows), "a free row names a request"
+        free_rows = range(num_reqs, len(self.handles))
+        assert all(self.handles[row] is None for row in free_rows), "a free row names a request"
         assert not self.num_tokens[num_reqs:].any(), "a free row holds tokens"
         for table in self.block_table.tables:
-            assert table.max_num_reqs == len(self.req_ids), (
-                f"block table has {table.max_num_reqs} rows, batch has {len(self.req_ids)}"
+            assert table.max_num_reqs == len(self.handles), (
+                f"block table has {table.max_num_reqs} rows, batch has {len(self.handles)}"
             )
         self.block_table.check_invariants()

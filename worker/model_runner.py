@@ -52,7 +52,7 @@ class StepTimings:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    req_id: int
+    handle: int
     row: int
     num_computed_tokens: int
     num_scheduled_tokens: int
@@ -101,12 +101,12 @@ class ModelRunner:
         start = time.perf_counter()
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
-        req_ids = pack_int32(req.req_id for req in scheduled)
+        handles = pack_int32(req.handle for req in scheduled)
         if self.check_each_step:  # the step's deltas are applied; forward and sampling keep them
             self.check_invariants()
         if not scheduled:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
-            return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, b"")
+            return ModelRunnerOutput(scheduler_output.step_id, self.rank, handles, b"")
         token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
@@ -121,20 +121,20 @@ class ModelRunner:
             model_s=modelled - prepared - kv.build_s,
             sample_s=done - modelled,
         )
-        return ModelRunnerOutput(scheduler_output.step_id, self.rank, req_ids, pack_int32(sampled))
+        return ModelRunnerOutput(scheduler_output.step_id, self.rank, handles, pack_int32(sampled))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> list[ScheduledRequest]:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""
         batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
-            if req_id in batch.req_id_to_row:
-                batch.remove_request(req_id)
-            self.parked.pop(req_id, None)
-        for req_id in scheduler_output.preempted_req_ids:
-            if req_id in batch.req_id_to_row:
-                self.parked[req_id] = batch.remove_request(req_id)
-            elif req_id not in self.parked:
-                raise ValueError(f"preempted request {req_id} is unknown to rank {self.rank}")
+        for handle in scheduler_output.finished_handles:
+            if handle in batch.handle_to_row:
+                batch.remove_request(handle)
+            self.parked.pop(handle, None)
+        for handle in scheduler_output.preempted_handles:
+            if handle in batch.handle_to_row:
+                self.parked[handle] = batch.remove_request(handle)
+            elif handle not in self.parked:
+                raise ValueError(f"preempted request {handle} is unknown to rank {self.rank}")
         counts = _int32_column(scheduler_output.num_scheduled_tokens, "num_scheduled_tokens")
         scheduled = [self._add_new(new) for new in scheduler_output.scheduled_new_reqs]
         scheduled.extend(self._update_cached(scheduler_output.scheduled_cached_reqs))
@@ -149,69 +149,69 @@ class ModelRunner:
                 f"expected total_num_scheduled_tokens={scheduler_output.total_num_scheduled_tokens}"
             )
         return [
-            ScheduledRequest(req_id, row, computed, int(count))
-            for (req_id, row, computed), count in zip(scheduled, counts, strict=True)
+            ScheduledRequest(handle, row, computed, int(count))
+            for (handle, row, computed), count in zip(scheduled, counts, strict=True)
         ]
 
     def _add_new(self, new: NewRequestData) -> tuple[int, int, int]:
-        if new.req_id in self.input_batch.req_id_to_row or new.req_id in self.parked:
-            raise ValueError(f"new request {new.req_id} is already known to rank {self.rank}")
+        if new.handle in self.input_batch.handle_to_row or new.handle in self.parked:
+            raise ValueError(f"new request {new.handle} is already known to rank {self.rank}")
         prompt = _int32_column(new.prompt_token_ids, "prompt_token_ids")
         if len(prompt) == 0:
-            raise ValueError(f"new request {new.req_id} has an empty prompt")
-        row = self.input_batch.add_request(new.req_id, prompt, new.sampling_params, new.block_ids)
-        return new.req_id, row, new.num_computed_tokens
+            raise ValueError(f"new request {new.handle} has an empty prompt")
+        row = self.input_batch.add_request(new.handle, prompt, new.sampling_params, new.block_ids)
+        return new.handle, row, new.num_computed_tokens
 
     def _update_cached(self, cached: CachedRequestData) -> list[tuple[int, int, int]]:
-        req_ids = _int32_column(cached.req_ids, "req_ids")
+        handles = _int32_column(cached.handles, "handles")
         num_new = _int32_column(cached.num_new_token_ids, "num_new_token_ids")
         new_tokens = _int32_column(cached.new_token_ids, "new_token_ids")
         computed = _int32_column(cached.num_computed_tokens, "num_computed_tokens")
-        lengths = {len(req_ids), len(num_new), len(computed), len(cached.new_block_ids)}
+        lengths = {len(handles), len(num_new), len(computed), len(cached.new_block_ids)}
         if len(lengths) != 1 or int(num_new.sum()) != len(new_tokens):
             raise ValueError(
-                f"cached request columns disagree: {len(req_ids)} req_ids, {len(num_new)} counts, "
+                f"cached request columns disagree: {len(handles)} handles, {len(num_new)} counts, "
                 f"{len(computed)} num_computed_tokens, {len(cached.new_block_ids)} block lists, "
                 f"{len(new_tokens)} new tokens for counts summing to {int(num_new.sum())}"
             )
-        resumed = set(cached.resumed_req_ids)
+        resumed = set(cached.resumed_handles)
         ends = np.cumsum(num_new)
         updated = []
-        for i, req_id in enumerate(req_ids.tolist()):
+        for i, handle in enumerate(handles.tolist()):
             tokens = new_tokens[ends[i] - num_new[i] : ends[i]]
             block_ids = cached.new_block_ids[i]
-            if req_id in resumed:
-                row = self._resume(req_id, tokens, block_ids)
+            if handle in resumed:
+                row = self._resume(handle, tokens, block_ids)
             else:
-                row = self._append(req_id, tokens, block_ids)
-            updated.append((req_id, row, int(computed[i])))
+                row = self._append(handle, tokens, block_ids)
+            updated.append((handle, row, int(computed[i])))
         return updated
 
     def _resume(
-        self, req_id: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
+        self, handle: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
     ) -> int:
         """A parked (preempted) request gets a row back, with `block_ids` as its whole table."""
         if block_ids is None:
-            raise ValueError(f"resumed request {req_id} comes without block ids")
+            raise ValueError(f"resumed request {handle} comes without block ids")
         batch = self.input_batch
-        if req_id in self.parked:
-            parked = self.parked.pop(req_id)
+        if handle in self.parked:
+            parked = self.parked.pop(handle)
             token_ids = np.concatenate((parked.token_ids, tokens))
-            return batch.add_request(req_id, token_ids, parked.sampling_params, block_ids)
-        if req_id in batch.req_id_to_row:
+            return batch.add_request(handle, token_ids, parked.sampling_params, block_ids)
+        if handle in batch.handle_to_row:
             raise ValueError(
-                f"resumed request {req_id} is still in the batch of rank {self.rank} at row "
-                f"{batch.req_id_to_row[req_id]}: only a preempted request can resume"
+                f"resumed request {handle} is still in the batch of rank {self.rank} at row "
+                f"{batch.handle_to_row[handle]}: only a preempted request can resume"
             )
-        raise ValueError(f"resumed request {req_id} is unknown to rank {self.rank}")
+        raise ValueError(f"resumed request {handle} is unknown to rank {self.rank}")
 
     def _append(
-        self, req_id: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
+        self, handle: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
     ) -> int:
         batch = self.input_batch
-        if req_id not in batch.req_id_to_row:
-            raise ValueError(f"cached request {req_id} has no row on rank {self.rank}")
-        row = batch.req_id_to_row[req_id]
+        if handle not in batch.handle_to_row:
+            raise ValueError(f"cached request {handle} has no row on rank {self.rank}")
+        row = batch.handle_to_row[handle]
         batch.append_token_ids(row, tokens)
         if block_ids is not None:
             batch.block_table.append_row(block_ids, row)
@@ -230,7 +230,7 @@ class ModelRunner:
         if (counts < 1).any() or (first < 0).any() or (ends > known).any():
             bad = int(np.argmax((counts < 1) | (first < 0) | (ends > known)))
             raise ValueError(
-                f"request {scheduled[bad].req_id} schedules positions [{first[bad]}, {ends[bad]}) "
+                f"request {scheduled[bad].handle} schedules positions [{first[bad]}, {ends[bad]}) "
                 f"but holds {known[bad]} tokens"
             )
         offsets = np.cumsum(counts) - counts
@@ -242,7 +242,7 @@ class ModelRunner:
         kv = PagedKV(self.kv_caches, self.kv_cache_config, batch.block_table, layout, self.device)
         sample_reqs = [
             SampleRequest(
-                scheduled[i].req_id, batch.sampling_params[scheduled[i].row], int(known[i])
+                scheduled[i].handle, batch.sampling_params[scheduled[i].row], int(known[i])
             )
             for i in logits_reqs.tolist()
         ]
@@ -260,11 +260,11 @@ class ModelRunner:
         """Walk the batch (and through it every BlockTable), the parked requests and block ids."""
         batch = self.input_batch
         batch.check_invariants()
-        overlap = set(self.parked) & set(batch.req_id_to_row)
+        overlap = set(self.parked) & set(batch.handle_to_row)
         assert not overlap, f"requests both parked and in the batch: {sorted(overlap)}"
-        for req_id, parked in self.parked.items():
+        for handle, parked in self.parked.items():
             assert 0 < len(parked.token_ids) <= batch.max_model_len, (
-                f"parked request {req_id} holds {len(parked.token_ids)} tokens, expected 1 to "
+                f"parked request {handle} holds {len(parked.token_ids)} tokens, expected 1 to "
                 f"max_model_len={batch.max_model_len}"
             )
         num_groups = len(self.kv_cache_config.kv_cache_groups)

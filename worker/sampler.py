@@ -32,7 +32,7 @@ def uniform_draw(seed: int, position: int) -> float:
 class SampleRequest:
     """What the sampler needs of one row of logits."""
 
-    req_id: int  # the engine's handle; seeds unseeded temperature sampling
+    handle: int  # the request's engine handle; seeds unseeded temperature sampling
     sampling_params: SamplingParams
     position: int  # position the sampled token will take in its sequence
 
@@ -80,4 +80,4 @@ class Sampler:
 
     def _seed(self, req: SampleRequest) -> int:
         seed = req.sampling_params.seed
-        return seed if seed is not None else splitmix64((self.default_seed << 32) ^ req.req_id)
+        return seed if seed is not None else splitmix64((self.default_seed << 32) ^ req.handle)

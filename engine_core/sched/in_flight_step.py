@@ -37,7 +37,7 @@ class InFlightStep:
                 f"{len(model_runner_output.sampled_token_ids) // 4} tokens for step {step_id}: "
                 f"expected one for each of its {len(self.requests)} requests"
             )
-        if model_runner_output.req_ids != self.handles:
+        if model_runner_output.handles != self.handles:
             raise ValueError(
                 f"rank {model_runner_output.rank} answered step {step_id} for other requests: "
                 f"expected {len(self.requests)} handles in SchedulerOutput order"

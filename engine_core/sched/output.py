@@ -81,14 +81,14 @@ class StepPlan:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=pack_int32(num_scheduled_tokens),
             total_num_scheduled_tokens=sum(num_scheduled_tokens),
-            finished_req_ids=finished_handles,
-            preempted_req_ids=self.preempted_handles,
+            finished_handles=finished_handles,
+            preempted_handles=self.preempted_handles,
         )
 
 
 def _new_request_data(request: Request, block_ids: BlockIds) -> NewRequestData:
     return NewRequestData(
-        req_id=request.handle,
+        handle=request.handle,
         prompt_token_ids=pack_int32(request.all_token_ids),
         sampling_params=request.sampling_params,
         block_ids=block_ids,
@@ -117,8 +117,8 @@ def _cached_request_data(
             new_token_ids.extend(tokens[request.num_tokens_sent :])
         num_new_token_ids.append(num_unsent)
     return CachedRequestData(
-        req_ids=pack_int32(handles),
-        resumed_req_ids=resumed_handles,
+        handles=pack_int32(handles),
+        resumed_handles=resumed_handles,
         new_token_ids=pack_int32(new_token_ids),
         num_new_token_ids=pack_int32(num_new_token_ids),
         new_block_ids=new_block_ids,

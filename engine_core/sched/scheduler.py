@@ -179,8 +179,8 @@ class Scheduler:
         for request, num_new_tokens in zip(requests, num_tokens, strict=True):
             request.num_computed_tokens += num_new_tokens
             request.num_tokens_sent = len(request.all_token_ids)
-        new_handles = pack_int32([new.req_id for new in output.scheduled_new_reqs])
-        handles = new_handles + output.scheduled_cached_reqs.req_ids  # as the wire names them
+        new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
+        handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
         self._in_flight = InFlightStep(self._step_id, requests, handles)
         return output
 

@@ -305,7 +305,7 @@ def test_ranks_that_sample_different_tokens_stop_the_engine_naming_them(
         client.add_request(make_request("victim", [5, 6, 7], SamplingParams(max_tokens=4)))
         for rank, fake in enumerate(ranks):
             step = fake.expect(SchedulerOutput)
-            handles = pack_int32(req.req_id for req in step.scheduled_new_reqs)
+            handles = pack_int32(req.handle for req in step.scheduled_new_reqs)
             fake.send(ModelRunnerOutput(step.step_id, rank, handles, pack_int32([10 + rank])))
         result = client.run_until_finished(["victim"], 20)["victim"]
     assert result.finish_reason == "error"

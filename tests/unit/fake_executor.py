@@ -90,11 +90,11 @@ class FakeExecutor:
         return ModelRunnerOutput(out.step_id, 0, pack_int32(handles), pack_int32(sampled))
 
     def _drop(self, out: SchedulerOutput) -> None:
-        for handle in out.finished_req_ids:
+        for handle in out.finished_handles:
             assert handle in self.requests, f"finished handle {handle} is unknown"
             del self.requests[handle]
             self.preempted.discard(handle)
-        for handle in out.preempted_req_ids:
+        for handle in out.preempted_handles:
             assert handle in self.requests, f"preempted handle {handle} is unknown"
             self.requests[handle].block_ids = [[] for _ in self.requests[handle].block_ids]
             self.requests[handle].num_computed_tokens = 0
@@ -103,23 +103,23 @@ class FakeExecutor:
     def _add_new(self, out: SchedulerOutput) -> list[int]:
         handles = []
         for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.seen_handles, f"handle {new.req_id} is not new"
-            self.seen_handles.add(new.req_id)
+            assert new.handle not in self.seen_handles, f"handle {new.handle} is not new"
+            self.seen_handles.add(new.handle)
             tokens = unpack_int32(new.prompt_token_ids)
-            self.requests[new.req_id] = _WorkerRequest(
+            self.requests[new.handle] = _WorkerRequest(
                 tokens, [list(ids) for ids in new.block_ids], new.num_computed_tokens
             )
-            handles.append(new.req_id)
+            handles.append(new.handle)
         return handles
 
     def _apply_cached(self, out: SchedulerOutput) -> list[int]:
         cached = out.scheduled_cached_reqs
-        handles = list(unpack_int32(cached.req_ids))
+        handles = list(unpack_int32(cached.handles))
         num_computed = unpack_int32(cached.num_computed_tokens)
         num_new_tokens = unpack_int32(cached.num_new_token_ids)
         new_tokens = unpack_int32(cached.new_token_ids)
         assert sum(num_new_tokens) == len(new_tokens)
-        resumed = set(cached.resumed_req_ids)
+        resumed = set(cached.resumed_handles)
         assert resumed <= set(handles), "a resumed handle is not scheduled"
         start = 0
         for idx, handle in enumerate(handles):

@@ -18,7 +18,7 @@ from protocol.codec import engine_to_worker_decoder, make_encoder
 
 def test_decode_step_schedules_one_token_for_each_of_256_requests() -> None:
     step = decode_step(3)
-    handles = unpack_int32(step.scheduled_cached_reqs.req_ids)
+    handles = unpack_int32(step.scheduled_cached_reqs.handles)
     assert step.step_id == 3 and not step.scheduled_new_reqs
     assert list(handles) == list(range(1, NUM_DECODE_REQS + 1))
     assert list(unpack_int32(step.num_scheduled_tokens)) == [1] * NUM_DECODE_REQS
@@ -40,7 +40,7 @@ def test_steps_round_trip_and_every_rank_replies_alike() -> None:
         assert decoder.decode(encoder.encode(step)) == step
         replies = [reply_for(step, rank) for rank in range(2)]
         num_reqs = len(step.scheduled_new_reqs) + len(
-            unpack_int32(step.scheduled_cached_reqs.req_ids)
+            unpack_int32(step.scheduled_cached_reqs.handles)
         )
         assert all(len(unpack_int32(r.sampled_token_ids)) == num_reqs for r in replies)
         assert describe_disagreement(step.step_id, replies) is None

@@ -111,7 +111,7 @@ def test_finished_ids_reach_the_workers_in_an_empty_step(make_harness: MakeHarne
     assert not harness.core.has_unfinished_requests()
     harness.step()
     last = harness.scheduler_outputs[-1]
-    assert last.total_num_scheduled_tokens == 0 and last.finished_req_ids == [1]
+    assert last.total_num_scheduled_tokens == 0 and last.finished_handles == [1]
     assert harness.core.step() == {}
 
 

@@ -97,7 +97,7 @@ def test_engine_and_runner_produce_the_reference_tokens(
             prompt,
             PARAMS[idx % len(PARAMS)],
             max_model_len=MAX_MODEL_LEN,
-            req_id=handles[f"r{idx}"],
+            handle=handles[f"r{idx}"],
         )
         assert tokens[f"r{idx}"] == expected, f"r{idx}"
     free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

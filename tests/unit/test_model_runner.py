@@ -39,22 +39,22 @@ def make_runner(model_name: str = "checksum", num_blocks: int = 16) -> ModelRunn
 
 
 def new_req(
-    req_id: int,
+    handle: int,
     prompt: list[int],
     block_ids: list[int],
     num_computed: int = 0,
     params: SamplingParams = GREEDY,
 ) -> NewRequestData:
-    return NewRequestData(req_id, pack_int32(prompt), params, (block_ids,), num_computed)
+    return NewRequestData(handle, pack_int32(prompt), params, (block_ids,), num_computed)
 
 
 def cached(
     entries: list[tuple[int, list[int], list[int] | None, int]], resumed: tuple[int, ...] = ()
 ) -> CachedRequestData:
-    """entries: (req_id, new tokens, new block ids or None, num_computed_tokens)."""
+    """entries: (handle, new tokens, new block ids or None, num_computed_tokens)."""
     return CachedRequestData(
-        req_ids=pack_int32(e[0] for e in entries),
-        resumed_req_ids=list(resumed),
+        handles=pack_int32(e[0] for e in entries),
+        resumed_handles=list(resumed),
         new_token_ids=pack_int32(t for e in entries for t in e[1]),
         num_new_token_ids=pack_int32(len(e[1]) for e in entries),
         new_block_ids=[None if e[2] is None else (e[2],) for e in entries],
@@ -116,7 +116,7 @@ def test_preempted_request_keeps_its_tokens_and_resumes_with_replaced_blocks() -
     sampled(runner, step(4, [5], new=[new_req(2, PROMPT_B[:5], [1, 2])]))
     resumed = cached([(1, [ref[1]], [9, 10], 0)], resumed=(1,))
     assert sampled(runner, step(5, [8], cached_reqs=resumed)) == [ref[2]]
-    assert runner.input_batch.block_table[0].row(runner.input_batch.req_id_to_row[1]).tolist() == [
+    assert runner.input_batch.block_table[0].row(runner.input_batch.handle_to_row[1]).tolist() == [
         9,
         10,
     ]
@@ -128,7 +128,7 @@ def test_finished_request_frees_its_row_and_rows_stay_compact() -> None:
     sampled(runner, step(1, [2, 2, 2], new=news))
     sampled(runner, step(2, [], finished=[2]))
     batch = runner.input_batch
-    assert batch.req_id_to_row == {1: 0, 3: 1}
+    assert batch.handle_to_row == {1: 0, 3: 1}
     assert batch.block_table[0].row(1).tolist() == [3]
     assert batch.token_ids[1, :2].tolist() == [5, 6]
 
@@ -183,7 +183,7 @@ def test_inconsistent_scheduler_output_is_rejected(bad_step: SchedulerOutput, me
 def test_mismatched_cached_columns_and_resume_without_blocks_are_rejected() -> None:
     runner = make_runner()
     sampled(runner, step(1, [2], new=[new_req(1, [1, 2], [1])]))
-    short = CachedRequestData(req_ids=pack_int32([1]), new_block_ids=[None])
+    short = CachedRequestData(handles=pack_int32([1]), new_block_ids=[None])
     with pytest.raises(ValueError, match="cached request columns disagree"):
         runner.execute_model(step(2, [1], cached_reqs=short))
     runner = make_runner()
@@ -224,7 +224,7 @@ def _plant_an_id_past_a_row_of_the_block_table(runner: ModelRunner) -> None:
 
 
 def _plant_a_row_naming_another_request(runner: ModelRunner) -> None:
-    runner.input_batch.req_ids[0] = 9
+    runner.input_batch.handles[0] = 9
 
 
 def _plant_a_write_into_the_null_block(runner: ModelRunner) -> None:
@@ -293,10 +293,10 @@ def test_unseeded_draws_differ_between_requests_but_not_between_ranks() -> None:
     params = SamplingParams(temperature=1.0)
     logits = torch.zeros((1, 64), dtype=torch.float64)
 
-    def draws(runner_seed: int, req_id: int) -> list[int]:
+    def draws(runner_seed: int, handle: int) -> list[int]:
         sampler = Sampler(runner_seed)
         return [
-            int(sampler.sample(logits, [SampleRequest(req_id, params, p)])[0]) for p in range(20)
+            int(sampler.sample(logits, [SampleRequest(handle, params, p)])[0]) for p in range(20)
         ]
 
     assert draws(0, 1) == draws(0, 1)
@@ -305,18 +305,18 @@ def test_unseeded_draws_differ_between_requests_but_not_between_ranks() -> None:
 
 def test_input_batch_grows_past_its_first_rows_and_compacts_on_removal() -> None:
     batch = InputBatch(max_model_len=8, block_sizes=[4, 4])
-    for req_id in range(40):
+    for handle in range(40):
         row = batch.add_request(
-            req_id, np.array([req_id, req_id + 1]), GREEDY, ([req_id + 1], [req_id + 2])
+            handle, np.array([handle, handle + 1]), GREEDY, ([handle + 1], [handle + 2])
         )
-        assert row == req_id
-    for req_id in range(0, 40, 2):
-        parked = batch.remove_request(req_id)
-        assert parked.token_ids.tolist() == [req_id, req_id + 1]
+        assert row == handle
+    for handle in range(0, 40, 2):
+        parked = batch.remove_request(handle)
+        assert parked.token_ids.tolist() == [handle, handle + 1]
         batch.check_invariants()
-    assert batch.num_reqs == 20 and sorted(batch.req_id_to_row.values()) == list(range(20))
-    for req_id, row in batch.req_id_to_row.items():
-        assert batch.token_ids[row, :2].tolist() == [req_id, req_id + 1]
-        assert batch.block_table[1].row(row).tolist() == [req_id + 2]
+    assert batch.num_reqs == 20 and sorted(batch.handle_to_row.values()) == list(range(20))
+    for handle, row in batch.handle_to_row.items():
+        assert batch.token_ids[row, :2].tolist() == [handle, handle + 1]
+        assert batch.block_table[1].row(row).tolist() == [handle + 2]
     with pytest.raises(ValueError, match="would hold 9 tokens, more than max_model_len=8"):
         batch.append_token_ids(0, np.arange(7))

@@ -48,7 +48,7 @@ PROMPTS = make_prompts(seed=3, count=6)
 @functools.cache
 def reference(model: str, prompt_idx: int, params_idx: int) -> list[int]:
     params = PARAMS[params_idx]
-    return reference_generate(model, PROMPTS[prompt_idx], params, req_id=prompt_idx + 1)
+    return reference_generate(model, PROMPTS[prompt_idx], params, handle=prompt_idx + 1)
 
 
 def workload(model: str, block_size: int, num_blocks: int, **options: object) -> Workload:
@@ -161,7 +161,7 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     ]
     input_batch = executor.runner.input_batch
     table = input_batch.block_table[0]
-    row, other = input_batch.req_id_to_row[1], input_batch.req_id_to_row[2]
+    row, other = input_batch.handle_to_row[1], input_batch.handle_to_row[2]
     table.block_table[row, 1] = table.block_table[other, 1]  # positions 4..7 read the other's
     outputs = run_to_completion(core)
     assert tokens and tokens + outputs[1] != reference(model, 0, 0)

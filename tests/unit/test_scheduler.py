@@ -28,7 +28,7 @@ def test_ten_requests_are_scheduled_in_one_step_in_arrival_order(make_harness: M
         harness.add(f"r{idx}", _prompt(rng, 5 + idx), max_tokens=3)
     harness.step()
     first = harness.scheduler_outputs[0]
-    handles = [new.req_id for new in first.scheduled_new_reqs]
+    handles = [new.handle for new in first.scheduled_new_reqs]
     assert handles == sorted(handles) and len(handles) == 10
     assert _num_scheduled(first) == [5 + idx for idx in range(10)]
     assert first.total_num_scheduled_tokens == sum(5 + idx for idx in range(10))
@@ -69,11 +69,11 @@ def test_without_chunked_prefill_a_long_prompt_blocks_the_shorter_ones(
     harness.add("short", _prompt(rng, 8), max_tokens=2)
     harness.step()
     first = harness.scheduler_outputs[0]
-    assert [new.req_id for new in first.scheduled_new_reqs] == [harness.handle("a")]
+    assert [new.handle for new in first.scheduled_new_reqs] == [harness.handle("a")]
     assert _num_scheduled(first) == [40]
     harness.step()
     second = harness.scheduler_outputs[1]
-    assert [new.req_id for new in second.scheduled_new_reqs] == [
+    assert [new.handle for new in second.scheduled_new_reqs] == [
         harness.handle("long"),
         harness.handle("short"),
     ]
@@ -102,15 +102,15 @@ def test_preempted_request_resumes_with_a_replacement_table_and_same_tokens(
     for req_id, prompt in prompts.items():
         harness.add(req_id, prompt, max_tokens=20)
     harness.run()
-    preempting = [out for out in harness.scheduler_outputs if out.preempted_req_ids]
+    preempting = [out for out in harness.scheduler_outputs if out.preempted_handles]
     assert preempting, "the pool of 11 blocks should force a preemption"
-    assert preempting[0].preempted_req_ids == [2]  # the second request (handle 2) is the victim
+    assert preempting[0].preempted_handles == [2]  # the second request (handle 2) is the victim
     resumed = [
-        out for out in harness.scheduler_outputs if out.scheduled_cached_reqs.resumed_req_ids
+        out for out in harness.scheduler_outputs if out.scheduled_cached_reqs.resumed_handles
     ]
-    assert len(resumed) == 1 and resumed[0].scheduled_cached_reqs.resumed_req_ids == [2]
+    assert len(resumed) == 1 and resumed[0].scheduled_cached_reqs.resumed_handles == [2]
     cached = resumed[0].scheduled_cached_reqs
-    position = list(unpack_int32(cached.req_ids)).index(2)
+    position = list(unpack_int32(cached.handles)).index(2)
     (table,) = cached.new_block_ids[position]
     assert len(table) == 6  # 81 tokens of 16 per block: the whole table, replaced
     for req_id, prompt in prompts.items():
@@ -138,7 +138,7 @@ def test_no_request_is_admitted_in_a_step_that_preempted(make_harness: MakeHarne
     harness.add("b", _prompt(rng, 15), max_tokens=16)
     harness.step()
     harness.add("c", _prompt(rng, 2), max_tokens=2)
-    while not any(out.preempted_req_ids for out in harness.scheduler_outputs):
+    while not any(out.preempted_handles for out in harness.scheduler_outputs):
         harness.step()
     assert not harness.scheduler_outputs[-1].scheduled_new_reqs
 
@@ -156,7 +156,7 @@ def test_abort_in_the_middle_frees_blocks_and_tells_the_workers(make_harness: Ma
     assert harness.free_blocks() == free_before + 4  # 14 tokens in blocks of 4
     assert str(harness.finish_reasons["aborted"]) == "abort"
     harness.step()
-    assert harness.scheduler_outputs[-1].finished_req_ids == [handle]
+    assert harness.scheduler_outputs[-1].finished_handles == [handle]
     harness.run()
     assert len(harness.tokens["kept"]) == 8
     assert len(harness.tokens["aborted"]) == 4
@@ -169,7 +169,7 @@ def test_abort_of_a_waiting_request_tells_no_worker(make_harness: MakeHarness) -
     harness.step()
     harness.abort(["waiting"])
     harness.run()
-    assert all(not out.finished_req_ids for out in harness.scheduler_outputs[:2])
+    assert all(not out.finished_handles for out in harness.scheduler_outputs[:2])
     assert harness.tokens["waiting"] == []
 
 

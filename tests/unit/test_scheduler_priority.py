@@ -18,7 +18,7 @@ def test_priority_admits_lowest_priority_value_first_with_arrival_as_tiebreak(
         harness.add(req_id, [1, 2, 3], priority=priority, arrival_time=arrival_time, max_tokens=2)
     handles = {req_id: harness.handle(req_id) for req_id in arrivals}
     harness.step()
-    admitted = [new.req_id for new in harness.scheduler_outputs[0].scheduled_new_reqs]
+    admitted = [new.handle for new in harness.scheduler_outputs[0].scheduled_new_reqs]
     assert admitted == [handles[req_id] for req_id in ("r2", "r1", "r0", "r4", "r3")]
 
 
@@ -27,7 +27,7 @@ def test_fcfs_admits_in_arrival_order_whatever_the_priority(make_harness: MakeHa
     for idx, priority in enumerate([3, 0, 2]):
         harness.add(f"r{idx}", [1, 2, 3], priority=priority, max_tokens=2)
     harness.step()
-    admitted = [new.req_id for new in harness.scheduler_outputs[0].scheduled_new_reqs]
+    admitted = [new.handle for new in harness.scheduler_outputs[0].scheduled_new_reqs]
     assert admitted == [harness.handle(f"r{idx}") for idx in range(3)]
 
 
@@ -39,7 +39,7 @@ def _two_requests_in_a_full_pool(
     harness.step()
     harness.add("b", [6, 5, 4, 3, 2, 1], priority=second[0], arrival_time=second[1], max_tokens=8)
     handles = harness.handle("a"), harness.handle("b")
-    while not harness.scheduler_outputs[-1].preempted_req_ids:
+    while not harness.scheduler_outputs[-1].preempted_handles:
         harness.step()
     return handles
 
@@ -63,11 +63,11 @@ def test_preemption_victim_follows_the_policy(
     harness = make_harness(num_blocks=5, block_size=4, max_model_len=16, scheduling_policy=policy)
     handles = dict(zip("ab", _two_requests_in_a_full_pool(harness, first, second), strict=True))
     preempting = harness.scheduler_outputs[-1]
-    assert preempting.preempted_req_ids == [handles[victim]]
+    assert preempting.preempted_handles == [handles[victim]]
     assert not preempting.scheduled_new_reqs
     # The survivor still runs in the step that preempted, even when the victim came first.
     survivor = "a" if victim == "b" else "b"
-    assert list(unpack_int32(preempting.scheduled_cached_reqs.req_ids)) == [handles[survivor]]
+    assert list(unpack_int32(preempting.scheduled_cached_reqs.handles)) == [handles[survivor]]
     harness.run()
     for req_id, prompt in (("a", [1, 2, 3, 4, 5, 6]), ("b", [6, 5, 4, 3, 2, 1])):
         assert harness.tokens[req_id] == reference_tokens(prompt, 8, harness.vocab_size)

@@ -81,15 +81,16 @@ class ReferenceModel:
         sampling_params: SamplingParams,
         *,
         max_model_len: int | None = None,
-        req_id: int = 0,
+        handle: int = 0,
     ) -> list[int]:
-        """The tokens the engine must produce for this prompt; `req_id` is the engine handle."""
+        """The tokens the engine must produce for this prompt; `handle`, the request's engine
+        handle, seeds unseeded sampling."""
         info = self.info
         limit = min(max_model_len or info.max_model_len, info.max_model_len)
         sequence, output = list(prompt_token_ids), []
         while len(sequence) < limit:
             logits = self._logits_of(sequence)
-            request = SampleRequest(req_id, sampling_params, len(sequence))
+            request = SampleRequest(handle, sampling_params, len(sequence))
             token_id = int(self._sampler.sample(logits[None], [request])[0])
             sequence.append(token_id)
             output.append(token_id)
@@ -105,13 +106,13 @@ def reference_generate(
     *,
     seed: int = 0,
     max_model_len: int | None = None,
-    req_id: int = 0,
+    handle: int = 0,
     sampling_seed: int = 0,
 ) -> list[int]:
     """The tokens the engine must produce for one prompt (see ReferenceModel for many)."""
     model = ReferenceModel(model_name, seed, sampling_seed)
     return model.generate(
-        prompt_token_ids, sampling_params, max_model_len=max_model_len, req_id=req_id
+        prompt_token_ids, sampling_params, max_model_len=max_model_len, handle=handle
     )
 
 
