@@ -99,6 +99,16 @@ ENGINE_FLAGS = [
         "block hash algorithm",
     ),
     Flag(("--hash-seed",), ("cache", "hash_seed"), "seed string of the block hashes (fleet-wide)"),
+    Flag(
+        ("--kv-cache-metrics",),
+        ("cache", "kv_cache_metrics"),
+        "export KV-cache block lifetime, idle-before-eviction and reuse-gap histograms (s)",
+    ),
+    Flag(
+        ("--kv-cache-metrics-sample",),
+        ("cache", "kv_cache_metrics_sample"),
+        "share of block allocations timed for --kv-cache-metrics, 0..1",
+    ),
     Flag(("--max-num-seqs",), ("scheduler", "max_num_seqs"), "running requests at most"),
     Flag(
         ("--max-num-batched-tokens",),

@@ -10,10 +10,11 @@ from typing import Protocol
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
-from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
+from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, StatValue
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
+from protocol.stats import BlockResidencyStats, SchedulerStats, stat_values
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class EngineCore:
         )
         self._check_each_step = engine_config.check_invariants
         self.scheduler.check_each_plan = engine_config.check_invariants
+        if engine_config.cache.kv_cache_metrics:
+            self.scheduler.kv_cache_manager.enable_block_metrics(
+                engine_config.cache.kv_cache_metrics_sample
+            )
 
     def add_request(
         self, request: EngineCoreRequest, client_id: bytes = b""
@@ -120,8 +125,16 @@ class EngineCore:
         """Clear the prefix cache; (False, reason) while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
 
-    def get_stats(self) -> dict[str, int | float]:
+    def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def get_stats(self) -> dict[str, StatValue]:
+        """`make_stats` flattened, for callers that read figures by key (`"num_steps"`)."""
+        return stat_values(self.scheduler.make_stats())
+
+    def take_block_residency(self) -> BlockResidencyStats:
+        """Sampled KV-cache block timings since the last call (empty without --kv-cache-metrics)."""
+        return self.scheduler.kv_cache_manager.take_block_residency()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """KV-cache events since the last call, for the publisher (empty when events are off)."""

@@ -38,6 +38,7 @@ from protocol.client_messages import (
     UtilityResult,
 )
 from protocol.config import EngineConfig
+from protocol.stats import EngineStats, stat_values
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class EngineServer:
             self._log_stats()
         if self.metrics is not None and now >= self._next_metrics_time:
             self._next_metrics_time = now + METRICS_UPDATE_S
-            self.metrics.on_stats(self.core.get_stats())
+            self.metrics.on_stats(self.core.make_stats())
+            self.metrics.on_block_residency(self.core.take_block_residency())
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -168,17 +170,17 @@ class EngineServer:
         steps_per_s = (self._num_steps - self._num_steps_logged) / interval_s
         tokens_per_s = (self._num_tokens - self._num_tokens_logged) / interval_s
         self._num_steps_logged, self._num_tokens_logged = self._num_steps, self._num_tokens
-        stats = self.core.get_stats()
-        queries = stats.get("prefix_cache_queries", 0) or 0
-        hit_rate = (stats.get("prefix_cache_hits", 0) or 0) / queries if queries else 0.0
+        stats = self.core.make_stats()
+        prefix_cache = stats.prefix_cache
+        hit_rate = prefix_cache.hits / prefix_cache.queries if prefix_cache.queries else 0.0
         logger.info(
-            "%.1f steps/s, %.1f output tokens/s, running %s, waiting %s, KV usage %.1f%%, "
+            "%.1f steps/s, %.1f output tokens/s, running %d, waiting %d, KV usage %.1f%%, "
             "prefix hit rate %.1f%%",
             steps_per_s,
             tokens_per_s,
-            stats.get("num_running_reqs"),
-            stats.get("num_waiting_reqs"),
-            100 * float(stats.get("kv_cache_usage", 0.0)),
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            100 * stats.kv_cache_usage,
             100 * hit_rate,
         )
 
@@ -275,13 +277,15 @@ class EngineServer:
         return ok, ok, reason
 
     def _stats(self) -> dict[str, StatValue]:
-        stats: dict[str, StatValue] = dict(self.core.get_stats())
-        stats["tp_size"] = self.config.tp_size
-        stats["num_engine_steps"] = self._num_steps
-        stats["num_output_tokens"] = self._num_tokens
-        stats["peak_kv_cache_usage"] = self._peak_kv_cache_usage
-        stats["client_backlog_bytes"] = self.router.backlog_bytes
-        return stats
+        stats = EngineStats(
+            scheduler=self.core.make_stats(),
+            tp_size=self.config.tp_size,
+            num_engine_steps=self._num_steps,
+            num_output_tokens=self._num_tokens,
+            peak_kv_cache_usage=self._peak_kv_cache_usage,
+            client_backlog_bytes=self.router.backlog_bytes,
+        )
+        return stat_values(stats)
 
     def check_invariants(self) -> None:
         """The loop's own counters and the invariants of what it drives; the core walks its own

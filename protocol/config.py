@@ -44,6 +44,8 @@ class CacheConfig(_Config, frozen=True):
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: HashAlgo = "sha256"
     hash_seed: str = DEFAULT_HASH_SEED  # NONE_HASH derives from it; a fleet's engines must agree
+    kv_cache_metrics: bool = False  # time sampled blocks: lifetime, idle before eviction, reuse
+    kv_cache_metrics_sample: Fraction = 0.01  # share of block allocations timed
 
 
 class SchedulerConfig(_Config, frozen=True):

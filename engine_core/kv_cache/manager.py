@@ -1,18 +1,21 @@
 """KVCacheManager: the scheduler's one door to the KV cache (prefix hits, slots, frees, stats).
 
 It turns token counts into block counts, keeps a failed allocation free of side effects, and
-records prefix-cache statistics. It never sizes memory and never talks to workers.
+owns the prefix-cache totals. It never sizes memory and never talks to workers.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from engine_core.kv_cache.block import KVCacheBlock
-from engine_core.kv_cache.block_metrics import BlockMetricsHook
+from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
+from protocol.stats import BlockResidencyStats, PrefixCacheStats
 
 
 @dataclass(slots=True, eq=False)
@@ -30,33 +33,6 @@ class KVCacheBlocks:
         return tuple([block.block_id for block in group] for group in self.blocks)
 
 
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since the last report; queries and hits count tokens.
-
-    Requests re-admitted after preemption are counted apart: their hits are their own
-    recomputation, not sharing between requests.
-    """
-
-    requests: int = 0
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of those, tokens found in the cache
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-    reset: bool = False  # the prefix cache was cleared since the last report
-
-    def record(self, num_tokens: int, num_hits: int, is_preempted: bool) -> None:
-        if is_preempted:
-            self.preempted_requests += 1
-            self.preempted_queries += num_tokens
-            self.preempted_hits += num_hits
-        else:
-            self.requests += 1
-            self.queries += num_tokens
-            self.hits += num_hits
-
-
 class KVCacheManager:
     """Prefix hits, slot allocation and freeing for the scheduler, over one shared BlockPool.
 
@@ -71,7 +47,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_block_size: int | None = None,
         enable_kv_cache_events: bool = False,
-        metrics_collector: BlockMetricsHook | None = None,
+        metrics_collector: BlockMetricsCollector | None = None,
     ) -> None:
         block_sizes = sorted({group.spec.block_size for group in kv_cache_config.kv_cache_groups})
         if hash_block_size is not None and block_sizes != [hash_block_size]:
@@ -90,7 +66,8 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.metrics_collector = metrics_collector
+        self._prefix_cache_stats = PrefixCacheStats()  # totals since start; readers get copies
 
     @property
     def usage(self) -> float:
@@ -98,10 +75,19 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The stats of the admissions since the last call; counting starts over."""
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+        """A copy of the prefix-cache totals since start; calling it changes nothing."""
+        return msgspec.structs.replace(self._prefix_cache_stats)
+
+    def enable_block_metrics(self, sample_rate: float) -> None:
+        """Time a `sample_rate` share of newly allocated blocks from now on."""
+        self.metrics_collector = BlockMetricsCollector.from_sample_rate(sample_rate)
+        self.block_pool.metrics_collector = self.metrics_collector
+
+    def take_block_residency(self) -> BlockResidencyStats:
+        """The sampled block timings since the last call; empty when block metrics are off."""
+        if self.metrics_collector is None:
+            return BlockResidencyStats()
+        return self.metrics_collector.take_stats()
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a waiting request and its length in tokens.
@@ -189,9 +175,15 @@ class KVCacheManager:
         once, not on every step it is looked up.
         """
         if self.enable_caching:
-            self.prefix_cache_stats.record(
-                request.num_tokens, num_hit_tokens, request.num_preemptions > 0
-            )
+            stats = self._prefix_cache_stats
+            if request.num_preemptions:
+                stats.preempted_requests += 1
+                stats.preempted_queries += request.num_tokens
+                stats.preempted_hits += num_hit_tokens
+            else:
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_hit_tokens
         self.coordinator.save_new_computed_blocks(request.req_id, computed)
 
     def free(self, request: KVCacheRequest) -> None:
@@ -208,7 +200,7 @@ class KVCacheManager:
         """Clear the prefix cache; False (with a logged reason) while a request holds blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        self.prefix_cache_stats.reset = True
+        self._prefix_cache_stats.resets += 1
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -216,3 +208,5 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.coordinator.check_invariants()
+        if self.metrics_collector is not None:
+            self.metrics_collector.check_invariants()

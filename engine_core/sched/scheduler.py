@@ -22,6 +22,7 @@ from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from protocol.kv_cache_spec import KVCacheConfig
+from protocol.stats import SchedulerStats
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,6 @@ class Scheduler:
         self._step_id = 0
         self._in_flight: InFlightStep | None = None
         self.num_preemptions = 0
-        self.num_prefix_cache_queries = 0  # prompt tokens looked up, since start
-        self.num_prefix_cache_hits = 0  # of those, tokens served from the cache
         self.check_each_plan = False  # walk each step's plan before it is built (debugging)
 
     # ---- admission and aborts -------------------------------------------------------------
@@ -343,20 +342,17 @@ class Scheduler:
             return False, "cannot reset the prefix cache: blocks are still in use"
         return True, None
 
-    def make_stats(self) -> dict[str, int | float]:
-        stats: dict[str, int | float] = {
-            "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.waiting),
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "num_preemptions": self.num_preemptions,
-            "num_steps": self._step_id,
-        }
-        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        self.num_prefix_cache_queries += prefix_stats.queries
-        self.num_prefix_cache_hits += prefix_stats.hits
-        stats["prefix_cache_queries"] = self.num_prefix_cache_queries
-        stats["prefix_cache_hits"] = self.num_prefix_cache_hits
-        return stats
+    def make_stats(self) -> SchedulerStats:
+        """Current counts and totals since start; the KV-cache manager owns the prefix-cache
+        totals, so this only reads and may be called any number of times."""
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            num_steps=self._step_id,
+            prefix_cache=self.kv_cache_manager.make_prefix_cache_stats(),
+        )
 
     def check_invariants(self) -> None:
         running_ids = {id(request) for request in self.running}

@@ -90,7 +90,7 @@ def test_engine_and_runner_produce_the_reference_tokens(
             for output in outputs.outputs:
                 tokens[output.req_id].extend(output.new_token_ids)
     assert scheduler.num_preemptions > 0, "the pool should force a preemption"
-    assert scheduler.make_stats()["prefix_cache_hits"] > 0, "shared prefixes should hit"
+    assert scheduler.make_stats().prefix_cache.hits > 0, "shared prefixes should hit"
     for idx, prompt in enumerate(prompts):
         expected = reference_generate(
             model,

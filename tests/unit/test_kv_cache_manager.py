@@ -13,6 +13,7 @@ from engine_core.kv_cache.spec import (
 from engine_core.sched.request import Request
 from protocol.kv_events import AllBlocksCleared, BlockStored
 from protocol.sampling import SamplingParams
+from protocol.stats import PrefixCacheStats
 
 
 def _config(block_size: int, num_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
@@ -265,9 +266,9 @@ def test_prefix_cache_stats_count_preempted_readmissions_apart() -> None:
     stats = manager.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 20, 8)
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 9, 8)
-    assert not stats.reset
-    fresh = manager.make_prefix_cache_stats()
-    assert (fresh.requests, fresh.queries, fresh.preempted_requests) == (0, 0, 0)
+    assert stats.resets == 0
+    stats.queries = 0  # a copy: the reader cannot change the manager's totals
+    assert manager.make_prefix_cache_stats() == PrefixCacheStats(2, 20, 8, 1, 9, 8, 0)
 
 
 def test_prefix_cache_stats_count_a_request_once_at_admission() -> None:
@@ -291,7 +292,7 @@ def test_reset_prefix_cache_refuses_while_a_request_holds_blocks() -> None:
     manager.free(request)
     assert manager.usage == 0.0
     assert manager.reset_prefix_cache()
-    assert _hashed_ids(manager) == [] and manager.make_prefix_cache_stats().reset
+    assert _hashed_ids(manager) == [] and manager.make_prefix_cache_stats().resets == 1
     events = manager.take_events()
     assert isinstance(events[0], BlockStored) and events[0].block_hashes == request.block_hashes
     assert isinstance(events[-1], AllBlocksCleared)

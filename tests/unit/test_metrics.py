@@ -2,6 +2,13 @@
 
 from engine_core.metrics import EngineMetrics
 from protocol.client_messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from protocol.stats import BlockResidencyStats, PrefixCacheStats, SchedulerStats
+
+BLOCK_HISTOGRAMS = (
+    "vllm:kv_block_lifetime_seconds",
+    "vllm:kv_block_idle_before_evict_seconds",
+    "vllm:kv_block_reuse_gap_seconds",
+)
 
 
 def sample(metrics: EngineMetrics, name: str) -> float:
@@ -44,21 +51,59 @@ def test_a_rejected_request_records_no_latency() -> None:
     assert sample(metrics, "vllm:time_to_first_token_seconds_count") == 0
 
 
+def scheduler_stats(
+    num_running_reqs: int = 0, num_preemptions: int = 0, **prefix_cache: int
+) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=num_running_reqs,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        num_preemptions=num_preemptions,
+        num_steps=7,
+        prefix_cache=PrefixCacheStats(**prefix_cache),
+    )
+
+
 def test_counters_follow_the_cumulative_stats_and_gauges_the_current_ones() -> None:
     metrics = EngineMetrics()
-    stats = {
-        "num_running_reqs": 3,
-        "num_waiting_reqs": 1,
-        "kv_cache_usage": 0.25,
-        "prefix_cache_queries": 100,
-        "prefix_cache_hits": 40,
-        "num_preemptions": 2,
-    }
-    metrics.on_stats(stats)
-    metrics.on_stats({**stats, "prefix_cache_queries": 150, "num_running_reqs": 0})
+    metrics.on_stats(scheduler_stats(3, 2, queries=100, hits=40))
+    metrics.on_stats(scheduler_stats(0, 2, queries=150, hits=40))
     assert sample(metrics, "vllm:num_requests_running") == 0
     assert sample(metrics, "vllm:num_requests_waiting") == 1
     assert sample(metrics, "vllm:kv_cache_usage_perc") == 0.25
     assert sample(metrics, "vllm:prefix_cache_queries_total") == 150
     assert sample(metrics, "vllm:prefix_cache_hits_total") == 40
     assert sample(metrics, "vllm:num_preemptions_total") == 2
+    metrics.check_invariants()
+
+
+def test_each_growth_of_a_total_is_counted_once_and_counters_never_fall() -> None:
+    """Guards against counting a total twice when the same stats are reported again (the
+    loop reports every half second whether or not anything changed)."""
+    metrics = EngineMetrics()
+    totals = {"preempted_queries": 30, "preempted_hits": 20, "resets": 1}
+    for _ in range(3):
+        metrics.on_stats(scheduler_stats(num_preemptions=4, queries=9, **totals))
+    assert sample(metrics, "vllm:num_preemptions_total") == 4
+    assert sample(metrics, "vllm:prefix_cache_queries_total") == 9
+    assert sample(metrics, "kvserve:prefix_cache_preempted_queries_total") == 30
+    assert sample(metrics, "kvserve:prefix_cache_preempted_hits_total") == 20
+    assert sample(metrics, "kvserve:prefix_cache_resets_total") == 1
+    metrics.on_stats(scheduler_stats(num_preemptions=1, queries=3))  # a shrunken total is ignored
+    assert sample(metrics, "vllm:num_preemptions_total") == 4
+    assert sample(metrics, "kvserve:prefix_cache_resets_total") == 1
+    metrics.on_stats(scheduler_stats(num_preemptions=6, queries=9, resets=2))
+    assert sample(metrics, "vllm:num_preemptions_total") == 6
+    assert sample(metrics, "kvserve:prefix_cache_resets_total") == 2
+    metrics.check_invariants()
+
+
+def test_block_residency_observations_fill_the_three_histograms() -> None:
+    metrics = EngineMetrics()
+    for name in BLOCK_HISTOGRAMS:
+        assert sample(metrics, f"{name}_count") == 0
+    metrics.on_block_residency(BlockResidencyStats([5.0, 7.0], [3.0], [2.0, 0.5, 1.0]))
+    metrics.on_block_residency(BlockResidencyStats())
+    counts = [sample(metrics, f"{name}_count") for name in BLOCK_HISTOGRAMS]
+    assert counts == [2, 1, 3]
+    assert sample(metrics, "vllm:kv_block_lifetime_seconds_sum") == 12.0
