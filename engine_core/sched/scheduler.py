@@ -376,3 +376,5 @@ class Scheduler:
         self.admission.check_invariants([r.client_id for r in self.requests.values()])
         self.waiting.check_invariants()
         self.kv_cache_manager.check_invariants()
+        if self._in_flight is not None:
+            self._in_flight.check_invariants()

@@ -6,9 +6,10 @@ from array import array
 import pytest
 from fake_executor import MakeHarness, reference_tokens
 
+from engine_core.sched.in_flight_step import InFlightStep
 from engine_core.sched.output import StepPlan
 from engine_core.sched.request import Request
-from protocol.buffers import unpack_int32
+from protocol.buffers import pack_int32, unpack_int32
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import SchedulerOutput
 
@@ -307,3 +308,10 @@ def test_building_a_step_plan_changes_no_request() -> None:
     assert list(unpack_int32(cached.new_token_ids)) == [7]  # only the running request's token
     assert list(unpack_int32(cached.num_computed_tokens)) == [3, 0]
     assert first.scheduled_new_reqs[0].num_computed_tokens == 4
+
+
+def test_in_flight_step_invariants_catch_handles_that_name_other_requests() -> None:
+    request = Request("r", [1, 2, 3], SamplingParams(), handle=1)
+    InFlightStep(1, [request], pack_int32([1])).check_invariants()
+    with pytest.raises(AssertionError, match="handles"):
+        InFlightStep(1, [request], pack_int32([2])).check_invariants()
