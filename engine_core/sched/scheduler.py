@@ -12,7 +12,7 @@ from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import Admission, scoped_req_id
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
 from engine_core.sched.in_flight_step import InFlightStep
-from engine_core.sched.limits import resolve_limits
+from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.request import Request, RequestStatus
@@ -45,9 +45,11 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         model_info: ModelInfo,
         enable_kv_cache_events: bool = False,
+        limits: SchedulerLimits | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
-        limits = resolve_limits(scheduler_config, cache_config, kv_cache_config, model_info)
+        if limits is None:  # the engine passes its startup plan's; in-process callers need not
+            limits = resolve_limits(scheduler_config, cache_config, kv_cache_config, model_info)
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
         self._prefill_cap = limits.prefill_cap
