@@ -1,4 +1,5 @@
-"""The console scripts `kvserve-core`, `kvserve-worker` and `kvserve` (subcommands: commands.py).
+"""The console scripts `kvserve-core`, `kvserve-worker`, `kvserve` (subcommands: commands.py) and
+`kvserve-api` (the same as `kvserve serve`).
 
 Each entry parses argv and the environment (the engine flags come from commands.py, shared with
 `kvserve launch`), sets up logging, then calls the engine's or the worker's `run`. Bad flags are
@@ -13,9 +14,11 @@ from collections.abc import Mapping
 from deploy.commands import (
     add_common,
     add_engine_flags,
+    add_serve_flags,
     add_subcommands,
     check_model_name,
     engine_config_from,
+    serve_command,
 )
 from deploy.flags import WORKER_FLAGS, UsageError, add_flags, build_config
 from deploy.logs import setup_logging
@@ -107,4 +110,17 @@ def kvserve_main(argv: list[str] | None = None) -> None:
         parser.exit(EXIT_USAGE, f"kvserve {args.command}: error: {exc}\n")
     except KeyboardInterrupt:
         code = 130
+    sys.exit(code)
+
+
+def api_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="kvserve-api", description="An OpenAI-compatible HTTP server over kvserve engines."
+    )
+    add_serve_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        code = serve_command(args)
+    except UsageError as exc:
+        parser.exit(EXIT_USAGE, f"kvserve-api: error: {exc}\n")
     sys.exit(code)

@@ -1,4 +1,4 @@
-"""The subcommands of `kvserve`: launch, demo, bench, stats and reset-prefix-cache.
+"""The subcommands of `kvserve`: launch, serve, demo, bench, stats and reset-prefix-cache.
 
 Each adds its flags to a subparser and names a handler that returns the process exit code.
 The engine flags and model check live here, as `kvserve-core` (cli.py) imports them too.
@@ -7,6 +7,7 @@ The engine flags and model check live here, as `kvserve-core` (cli.py) imports t
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -22,6 +23,9 @@ from deploy.flags import (
 from deploy.logs import LOG_LEVELS
 from protocol.config import EngineConfig, WorkerConfig
 
+if TYPE_CHECKING:  # imported at run time only by `serve`, so other commands never load fastapi
+    from api_server.app import ApiSettings
+
 DEFAULT_CLIENT_ADDRESS = EngineConfig().client_address
 LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest follow the engine
     "model",
@@ -34,6 +38,9 @@ LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest fol
     "seed",
 )
 LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
+DEFAULT_HTTP_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +83,12 @@ def add_subcommands(commands: argparse._SubParsersAction) -> None:
     add_common(launch)
     launch.set_defaults(handler=launch_command)
 
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server over engines it connects to or launches"
+    )
+    add_serve_flags(serve)
+    serve.set_defaults(handler=serve_command)
+
     demo = commands.add_parser("demo", help="serve a built-in workload on CPU, TP=2, tiny-llama")
     demo.add_argument("--tensor-parallel-size", "-tp", type=int, default=2, help="ranks; default 2")
     demo.add_argument("--model", default="tiny-llama", help="model name; default tiny-llama")
@@ -108,6 +121,86 @@ def launch_command(args: argparse.Namespace) -> int:
         raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
     setup_logging("launcher", args.log_level)
     return run_launch(engine_config, base_worker, args.log_level)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """`kvserve launch`'s flags (used when no --engine-address is given) and the HTTP ones;
+    --host and --port name the HTTP socket here, as in `vllm serve`."""
+    add_flags(parser, ENGINE_FLAGS, EngineConfig)
+    add_flags(parser, LAUNCH_WORKER_FLAGS, WorkerConfig)
+    parser.add_argument(KV_EVENTS_FLAG, help="JSON of the KV events publisher config")
+    parser.add_argument(
+        "--engine-address",
+        action="append",
+        default=[],
+        help="client socket of a running engine; repeat it to spread requests over several "
+        "engines. Without it, serve launches one engine and its workers like `kvserve launch`",
+    )
+    parser.add_argument(
+        "--host", default=DEFAULT_HTTP_HOST, help="HTTP interface; default %(default)s"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP TCP port; default %(default)s"
+    )
+    parser.add_argument("--served-model-name", help="the model name clients send; default --model")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    parser.add_argument(
+        "--tokenizer", help="folder holding tokenizer.json; default the shipped byte-level one"
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="bytes; a larger request body is refused with 413; default %(default)s",
+    )
+    add_common(parser)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from deploy.logs import setup_logging
+    from deploy.serve_cmd import serve_http, serve_with_deployment
+
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: expected a TCP port in [1, 65535]")
+    if args.max_request_body_bytes < 1:
+        raise UsageError(f"--max-request-body-bytes {args.max_request_body_bytes}: expected >= 1")
+    # --host and --port are the HTTP socket's here, not the engine's client socket
+    engine_config = engine_config_from(
+        argparse.Namespace(**{**vars(args), "host": None, "port": None})
+    )
+    base_worker = check_model_name(build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig))
+    is_launching = not args.engine_address
+    has_no_kv_budget = engine_config.cache.kv_cache_memory_bytes is None
+    if is_launching and has_no_kv_budget and base_worker.device == "cpu":
+        raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
+    settings = _api_settings(args, engine_config, base_worker)
+    setup_logging("api-server", args.log_level)
+    if not is_launching:
+        return serve_http(settings, args.host, args.port)
+    return serve_with_deployment(
+        settings, args.host, args.port, engine_config, base_worker, args.log_level
+    )
+
+
+def _api_settings(
+    args: argparse.Namespace, engine_config: EngineConfig, base_worker: WorkerConfig
+) -> "ApiSettings":
+    from pathlib import Path
+
+    from api_server.app import ApiSettings
+
+    extra: dict = {"api_key": args.api_key, "max_body_bytes": args.max_request_body_bytes}
+    if args.tokenizer is not None:
+        folder = Path(args.tokenizer)
+        if not (folder / "tokenizer.json").is_file():
+            raise UsageError(f"--tokenizer {folder}: expected a folder holding tokenizer.json")
+        extra["tokenizer_dir"] = folder
+    return ApiSettings(
+        engine_addresses=tuple(args.engine_address or [engine_config.client_address]),
+        model=args.served_model_name or base_worker.model,
+        block_size=engine_config.cache.block_size,
+        **extra,
+    )
 
 
 def demo_command(args: argparse.Namespace) -> int:

@@ -10,15 +10,16 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "engine_core", "worker", "deploy")
+PACKAGES = ("protocol", "engine_core", "worker", "deploy", "api_server")
 STDLIB = set(sys.stdlib_module_names)
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
-    "protocol": {"engine_core", "worker", "deploy", "torch", "numpy", "zmq"},
-    "engine_core": {"torch", "worker", "deploy"},
-    "worker": {"engine_core", "deploy"},
+    "protocol": {"engine_core", "worker", "deploy", "torch", "numpy", "zmq", "api_server"},
+    "engine_core": {"torch", "worker", "deploy", "api_server"},
+    "worker": {"engine_core", "deploy", "api_server"},
     "deploy": set(),
+    "api_server": {"worker", "deploy", "torch"},  # and of engine_core, only its client
 }
 PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
 
@@ -166,6 +167,15 @@ def test_package_respects_import_rules(package: str) -> None:
 def test_packages_keep_their_inner_edges() -> None:
     """kv_cache never imports sched; server.py reaches the scheduler only through EngineCore."""
     violations = forbidden_edges(ROOT)
+    assert not violations, "\n".join(violations)
+
+
+def test_api_server_reaches_engines_only_through_the_client() -> None:
+    violations = [
+        edge
+        for edge in edges(ROOT, "api_server", "engine_core")
+        if not edge.endswith(" imports engine_core.client")
+    ]
     assert not violations, "\n".join(violations)
 
 

@@ -1,0 +1,264 @@
+"""The FastAPI app of `kvserve serve`: OpenAI routes over an EnginePool, the API key check, body
+limits, and every error in OpenAI's shape. No route blocks the event loop or waits undeadlined.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TypeVar
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from api_server.engine_pool import EnginePool
+from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new_response_id
+from api_server.errors import ApiError, validation_error
+from api_server.metrics import ApiMetrics, MetricsMiddleware
+from api_server.openai_types import ChatCompletionRequest, CompletionRequest, check_model
+from api_server.serving import ResponseShape, Serving
+from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
+from engine_core.client import DEFAULT_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+HEALTH_CHECK_TIMEOUT_S = 5.0  # /health waits at most this long for every engine
+RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest)
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/version",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """Configuration of one front end; deploy/serve_cmd.py builds it from flags."""
+
+    engine_addresses: tuple[str, ...]
+    model: str  # the name clients must send as `model`
+    block_size: int  # tokens per KV block: prefix affinity hashes the first block
+    tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR
+    api_key: str | None = None  # when set, /v1/ routes need `Authorization: Bearer KEY`
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine_timeout_s: float = DEFAULT_TIMEOUT_S  # longest wait for a request's next output
+
+
+class ApiState:
+    """What the routes share: settings, tokenizer, and (while the app runs) pool and metrics."""
+
+    def __init__(self, settings: ApiSettings) -> None:
+        self.settings = settings
+        self.tokenizer = ByteTokenizer(settings.tokenizer_dir)
+        self.created = int(time.time())
+        self.serving: Serving | None = None
+        self.metrics: ApiMetrics | None = None
+
+    def running(self) -> tuple[Serving, ApiMetrics]:
+        if self.serving is None or self.metrics is None:
+            raise ApiError(503, "the server is starting or stopping", code="engine_unavailable")
+        return self.serving, self.metrics
+
+
+class EventStreamResponse(StreamingResponse):
+    """A stream that is closed however it ends, so leaving it aborts its engine requests now
+    rather than when the garbage collector finalizes it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with contextlib.aclosing(self.body_iterator):  # type: ignore[type-var]
+            await super().__call__(scope, receive, send)
+
+
+def _state(request: Request) -> ApiState:
+    return request.app.state.kvserve
+
+
+def _check_api_key(request: Request, state: ApiState) -> None:
+    expected = state.settings.api_key
+    if expected is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise ApiError(401, "missing or wrong API key: expected 'Authorization: Bearer KEY'")
+
+
+async def _read_body(request: Request, limit_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise ApiError(413, f"body of {declared} bytes: expected at most {limit_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise ApiError(413, f"body over {limit_bytes} bytes: expected at most {limit_bytes}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[RequestBody]) -> RequestBody:
+    state = _state(request)
+    _check_api_key(request, state)
+    body = await _read_body(request, state.settings.max_body_bytes)
+    try:
+        parsed = model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc) from None
+    check_model(getattr(parsed, "model", None), state.settings.model)
+    return parsed
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: asyncio.Future[dict]) -> dict:
+    """The result of `work`, or cancel it (aborting its engine requests) when the client leaves."""
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ApiError(499, "the client disconnected", code="client_closed_request")
+    return work.result()
+
+
+async def completions(request: Request) -> Response:
+    body = await _parse(request, CompletionRequest)
+    serving, _ = _state(request).running()
+    shape = ResponseShape(new_response_id("cmpl"), serving.model, is_chat=False)
+    jobs = completion_jobs(body, serving.tokenizer, shape.response_id)
+    return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
+
+
+async def chat_completions(request: Request) -> Response:
+    body = await _parse(request, ChatCompletionRequest)
+    serving, _ = _state(request).running()
+    shape = ResponseShape(new_response_id("chatcmpl"), serving.model, is_chat=True)
+    jobs = [chat_job(body, serving.tokenizer, shape.response_id)]
+    return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
+
+
+async def _respond(
+    request: Request,
+    serving: Serving,
+    jobs: list[EngineJob],
+    shape: ResponseShape,
+    is_stream: bool,
+    include_usage: bool,
+) -> Response:
+    if not is_stream:
+        work = asyncio.ensure_future(serving.complete(jobs, shape))
+        return JSONResponse(await _unless_disconnected(request, work))
+    started = await serving.first_outputs(jobs)
+    events = serving.stream(started, shape, include_usage)
+    return EventStreamResponse(events, media_type="text/event-stream")
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    _check_api_key(request, state)
+    card = {
+        "id": state.settings.model,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kvserve",
+        "root": state.settings.model,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    serving, _ = _state(request).running()
+    answered = await asyncio.wait_for(serving.pool.check_health(), HEALTH_CHECK_TIMEOUT_S)
+    engines = {
+        handle.address: is_up for handle, is_up in zip(serving.pool.handles, answered, strict=True)
+    }
+    return JSONResponse({"engines": engines}, status_code=200 if any(answered) else 503)
+
+
+async def metrics(request: Request) -> Response:
+    _, api_metrics = _state(request).running()
+    text = await api_metrics.render()
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def version_info(request: Request) -> Response:
+    try:
+        kvserve_version = version("kvserve")
+    except PackageNotFoundError:
+        kvserve_version = "unknown"
+    return JSONResponse({"version": kvserve_version})
+
+
+def _error_response(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    if exc.status >= 500:
+        logger.warning("%s %s answered %d: %s", request.method, request.url.path, exc.status, exc)
+    return _error_response(exc.status, exc.body())
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    message = f"{request.method} {request.url.path}: {str(exc.detail).lower()}"
+    return _error_response(exc.status_code, ApiError(exc.status_code, message).body())
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("%s %s failed", request.method, request.url.path)
+    return _error_response(500, ApiError(500, f"internal error: {exc}").body())
+
+
+def create_app(settings: ApiSettings) -> FastAPI:
+    """The app; its lifespan connects to the engines and closes the connections."""
+    state = ApiState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = EnginePool(
+            list(settings.engine_addresses), settings.block_size, settings.engine_timeout_s
+        )
+        pool.start()
+        state.serving = Serving(pool, state.tokenizer, settings.model)
+        state.metrics = ApiMetrics(pool, set(ROUTES))
+        logger.info("serving %s from %d engine(s)", settings.model, len(pool.handles))
+        try:
+            yield
+        finally:
+            state.serving = None
+            await pool.close()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvserve = state
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/version", version_info, methods=["GET"])
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+    app.add_middleware(MetricsMiddleware, metrics=lambda: state.metrics)
+    return app

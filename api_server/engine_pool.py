@@ -1,0 +1,133 @@
+"""EnginePool: one AsyncEngineClient per engine address, their health, and routing through
+PrefixAffinityRouter. It owns the clients; it never decodes engine messages itself.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from api_server.router import PrefixAffinityRouter
+from engine_core.client import AsyncEngineClient, EngineDeadError, UtilityCallError
+from protocol.client_messages import EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 1.0  # between two health checks of every engine
+HEALTH_TIMEOUT_S = 2.0  # an engine that does not answer check_health in this long is down
+STATS_TIMEOUT_S = 2.0
+
+
+class EngineHandle:
+    """One engine: its address, its client (replaced after a disconnect) and whether it answers."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.client = AsyncEngineClient(address, timeout_s=timeout_s)
+        self.is_healthy = False  # until its first check_health answer
+
+    async def reconnect(self) -> None:
+        """A fresh client: a client that saw its engine disconnect stays dead."""
+        old, self.client = self.client, AsyncEngineClient(self.address, timeout_s=self.timeout_s)
+        await old.close()
+
+    async def check_health(self) -> bool:
+        try:
+            await asyncio.wait_for(self.client.call_utility("check_health"), HEALTH_TIMEOUT_S)
+        except EngineDeadError:
+            if self.is_healthy:
+                logger.warning("engine at %s disconnected", self.address)
+            self.is_healthy = False
+            await self.reconnect()
+            return False
+        except (TimeoutError, UtilityCallError) as exc:
+            if self.is_healthy:
+                logger.warning("engine at %s did not answer check_health: %s", self.address, exc)
+            self.is_healthy = False
+            return False
+        if not self.is_healthy:
+            logger.info("engine at %s is serving", self.address)
+        self.is_healthy = True
+        return True
+
+
+class EnginePool:
+    """Several engines behind one front end.
+
+    Invariants: `router` counts exactly the requests inside `generate` on each engine; a handle
+    is healthy only after its engine answered check_health, and stops being so at its first
+    disconnect or unanswered check.
+    """
+
+    def __init__(self, addresses: list[str], block_size: int, timeout_s: float) -> None:
+        if not addresses:
+            raise ValueError("engine pool of 0 addresses: expected at least one")
+        self.handles = [EngineHandle(address, timeout_s) for address in addresses]
+        self.router = PrefixAffinityRouter(len(addresses), block_size)
+        self.num_requests = [0] * len(addresses)  # routed to each engine since the start
+        self._health_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._health_task = asyncio.ensure_future(self._watch_health())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for handle in self.handles:
+            await handle.client.close()
+
+    async def _watch_health(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def check_health(self) -> list[bool]:
+        """Ask every engine now; whether each answered."""
+        return list(await asyncio.gather(*(handle.check_health() for handle in self.handles)))
+
+    @property
+    def has_healthy_engine(self) -> bool:
+        return any(handle.is_healthy for handle in self.handles)
+
+    async def get_stats(self) -> list[dict[str, object] | None]:
+        """Each engine's get_stats, or None for one that did not answer in STATS_TIMEOUT_S."""
+
+        async def one(handle: EngineHandle) -> dict[str, object] | None:
+            if not handle.is_healthy:
+                return None
+            try:
+                stats = await asyncio.wait_for(
+                    handle.client.call_utility("get_stats"), STATS_TIMEOUT_S
+                )
+            except (TimeoutError, EngineDeadError, UtilityCallError):
+                return None
+            return stats if isinstance(stats, dict) else None
+
+        return list(await asyncio.gather(*(one(handle) for handle in self.handles)))
+
+    async def generate(
+        self, request: EngineCoreRequest, prompt_token_ids: list[int], num_tokens: int
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """Route a request, yield its outputs; a request left early (its consumer disconnected or
+        was cancelled) is aborted in its engine, so that its blocks are freed."""
+        is_available = [handle.is_healthy for handle in self.handles]
+        engine_idx = self.router.choose(prompt_token_ids, num_tokens, is_available)
+        self.num_requests[engine_idx] += 1
+        handle = self.handles[engine_idx]
+        is_finished = False
+        try:
+            async for output in handle.client.generate(request):
+                is_finished = output.finish_reason is not None
+                yield output
+        except EngineDeadError:
+            handle.is_healthy = False  # the health loop reconnects it
+            is_finished = True
+            raise
+        finally:
+            self.router.release(engine_idx, num_tokens)
+            if not is_finished:
+                logger.debug("aborting %s on the engine at %s", request.req_id, handle.address)
+                await handle.client.abort([request.req_id])

@@ -1,0 +1,124 @@
+"""ApiMetrics: Prometheus text for /metrics, with the front end's own HTTP request counts and
+latencies, and each engine's get_stats under vLLM's metric names (label `engine`).
+
+One registry per app, never prometheus-client's global one.
+"""
+
+import time
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from api_server.engine_pool import EnginePool
+
+ASGIMessage = MutableMapping[str, object]
+ASGIApp = Callable[
+    [ASGIMessage, Callable[[], Awaitable[ASGIMessage]], Callable[[ASGIMessage], Awaitable[None]]],
+    Awaitable[None],
+]
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# get_stats key -> (vLLM's metric name, help, is a counter)
+ENGINE_METRICS = {
+    "num_running_reqs": ("vllm:num_requests_running", "Requests in the running batch", False),
+    "num_waiting_reqs": ("vllm:num_requests_waiting", "Requests waiting to run", False),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means full", False),
+    "num_preemptions": ("vllm:num_preemptions", "Preemptions", True),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up", True),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found cached", True),
+    "num_output_tokens": ("vllm:generation_tokens", "Tokens generated", True),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Reports the engine statistics the last scrape fetched; it never waits itself."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.latest: list[dict[str, object] | None] = [None] * len(addresses)
+
+    def collect(self) -> Iterator[Metric]:
+        for key, (name, helptext, is_counter) in ENGINE_METRICS.items():
+            family_type = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = family_type(name, helptext, labels=["engine"])
+            for idx, stats in enumerate(self.latest):
+                value = None if stats is None else stats.get(key)
+                if isinstance(value, int | float):
+                    family.add_metric([str(idx)], float(value))
+            yield family
+        healthy = GaugeMetricFamily(
+            "kvserve:engine_up", "1 while the engine answers", labels=["engine", "address"]
+        )
+        for idx, stats in enumerate(self.latest):
+            healthy.add_metric([str(idx), self.addresses[idx]], 0.0 if stats is None else 1.0)
+        yield healthy
+
+
+class ApiMetrics:
+    """The registry of one front end. `handlers` bounds the `handler` label: any other path
+    counts as `other`."""
+
+    def __init__(self, pool: EnginePool, handlers: set[str]) -> None:
+        self.pool = pool
+        self.handlers = handlers
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "http_requests",
+            "HTTP requests answered by the front end",
+            ["handler", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "http_request_duration_seconds",
+            "Time from a request's arrival to its last response byte, in seconds",
+            ["handler", "method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.engines = EngineStatsCollector([handle.address for handle in pool.handles])
+        self.registry.register(self.engines)
+
+    def observe(self, path: str, method: str, status: int, duration_s: float) -> None:
+        handler = path if path in self.handlers else "other"
+        self.requests.labels(handler, method, str(status)).inc()
+        self.latency.labels(handler, method).observe(duration_s)
+
+    async def render(self) -> bytes:
+        """The exposition text, with engine statistics fetched now."""
+        self.engines.latest = await self.pool.get_stats()
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """ASGI middleware that times every HTTP request and records its status."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], ApiMetrics | None]) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(
+        self,
+        scope: ASGIMessage,
+        receive: Callable[[], Awaitable[ASGIMessage]],
+        send: Callable[[ASGIMessage], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start_s = time.perf_counter()
+        status = 500  # unless a response starts
+
+        async def recording_send(message: ASGIMessage) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])  # type: ignore[call-overload]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            metrics = self.metrics()
+            if metrics is not None:
+                elapsed_s = time.perf_counter() - start_s
+                metrics.observe(str(scope["path"]), str(scope["method"]), status, elapsed_s)

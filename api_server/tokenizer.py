@@ -1,0 +1,94 @@
+"""ByteTokenizer: text to token ids with the shipped tokenizer.json, ids back to text, and the
+chat template. Decoding never raises: an id outside the vocabulary becomes a visible placeholder.
+"""
+
+import codecs
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from api_server.build_tokenizer import (
+    CHAT_ROLES,
+    END_OF_TURN,
+    GENERATION_PROMPT,
+    NUM_BYTE_TOKENS,
+    TOKENIZER_DIR,
+)
+
+DEFAULT_TOKENIZER_DIR = TOKENIZER_DIR
+
+
+def placeholder(token_id: int) -> str:
+    """The text of an id the tokenizer has no token for."""
+    return f"<|tok_{token_id}|>"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's ids into text piece by piece; a character split across two steps'
+    bytes comes out whole in the later piece. Invariant: `_pending` holds only an incomplete
+    UTF-8 prefix."""
+
+    def __init__(self, special_texts: dict[int, str]) -> None:
+        self._special_texts = special_texts
+        self._pending = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text that `token_ids` complete."""
+        pieces = []
+        for token_id in token_ids:
+            if 0 <= token_id < NUM_BYTE_TOKENS:
+                pieces.append(self._pending.decode(bytes((token_id,))))
+                continue
+            pieces.append(self._pending.decode(b"", final=True))  # a cut-off character is U+FFFD
+            text = self._special_texts.get(token_id)
+            pieces.append(placeholder(token_id) if text is None else text)
+        return "".join(pieces)
+
+    def finish(self) -> str:
+        """What remains: an incomplete character at the end becomes U+FFFD."""
+        return self._pending.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    """The byte-level tokenizer of the fake models: ids 0-255 are UTF-8 bytes, specials follow."""
+
+    def __init__(self, folder: Path = DEFAULT_TOKENIZER_DIR) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}: expected a tokenizer folder")
+        self.folder = folder
+        self._tokenizer = Tokenizer.from_file(str(path))
+        self._special_texts = {
+            token_id: added.content
+            for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
+        }
+        config_path = folder / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in it (`<|user|>`) become their ids."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._special_texts)
+
+    def decode(self, token_ids: list[int]) -> str:
+        detokenizer = self.detokenizer()
+        return detokenizer.push(token_ids) + detokenizer.finish()
+
+    def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
+        """The prompt of a chat: `<|role|>content<|end|>` per message, then `<|assistant|>`.
+
+        The same text as the Jinja `chat_template` of tokenizer_config.json, which HF clients use.
+        """
+        turns = []
+        for role, content in messages:
+            if role not in CHAT_ROLES:
+                raise ValueError(f"chat role {role!r}: expected one of {list(CHAT_ROLES)}")
+            turns.append(f"<|{role}|>{content}{END_OF_TURN}")
+        return "".join(turns) + GENERATION_PROMPT

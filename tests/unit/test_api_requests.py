@@ -1,0 +1,157 @@
+"""Request validation of the OpenAI routes, without a server: every refusal is a 400 (or 404)
+in OpenAI's error shape that names the parameter at fault."""
+
+import json
+
+import pydantic
+import pytest
+
+from api_server.engine_requests import chat_job, completion_jobs, engine_refusal
+from api_server.errors import ApiError, validation_error
+from api_server.openai_types import ChatCompletionRequest, CompletionRequest, check_model
+from api_server.tokenizer import ByteTokenizer
+from protocol.buffers import unpack_int32
+
+TOKENIZER = ByteTokenizer()
+
+
+def _refusal(body: str, model: type[pydantic.BaseModel] = CompletionRequest) -> ApiError:
+    try:
+        parsed = model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        return validation_error(exc)
+    try:
+        if isinstance(parsed, CompletionRequest):
+            completion_jobs(parsed, TOKENIZER, "cmpl-test")
+        else:
+            chat_job(parsed, TOKENIZER, "chatcmpl-test")
+    except ApiError as exc:
+        return exc
+    raise AssertionError(f"{body} was accepted")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ('{"prompt": "x", "bogus": 1}', "bogus"),
+        ('{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+        ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ('{"prompt": "x", "max_tokens": 5, "min_tokens": 6}', "min_tokens"),
+        ('{"prompt": "x", "temperature": -1}', "temperature"),
+        ('{"prompt": "x", "temperature": "hot"}', "temperature"),
+        ('{"prompt": "x", "seed": -1}', "seed"),
+        ('{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids"),
+        ('{"prompt": "x", "stop_token_ids": "2"}', "stop_token_ids"),
+        ('{"prompt": "x", "ignore_eos": 1}', "ignore_eos"),
+        ('{"prompt": "x", "n": 2}', "n"),
+        ('{"prompt": "x", "stream": "yes"}', "stream"),
+        ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
+        ('{"prompt": "x", "stream": true, "stream_options": {"bogus": 1}}', "stream_options.bogus"),
+        ('{"prompt": "x", "echo": true}', "echo"),
+        ('{"prompt": "x", "logprobs": 2}', "logprobs"),
+        ('{"prompt": "x", "priority": 3000000000}', "priority"),
+        ('{"prompt": "x", "cache_salt": ""}', "cache_salt"),
+        ('{"prompt": "x", "top_p": 0.5}', "top_p"),
+        ('{"prompt": "x", "repetition_penalty": 1.2}', "repetition_penalty"),
+        ('{"prompt": "x", "stop": ["\\n"]}', "stop"),
+        ('{"max_tokens": 5}', "prompt"),
+        ('{"prompt": 5}', "prompt"),
+        ('{"prompt": [1, "a"]}', "prompt"),
+        ('{"prompt": []}', "prompt"),
+        ('{"prompt": ""}', "prompt"),
+        ('{"prompt": [[1], []]}', "prompt"),
+        ('{"prompt": [1, -2]}', "prompt"),
+        ('{"prompt": [4294967296]}', "prompt"),
+    ],
+)
+def test_a_bad_completion_parameter_is_a_400_naming_it(body: str, param: str) -> None:
+    error = _refusal(body)
+    assert error.status == 400
+    assert error.param == param
+    assert param in error.message
+    shape = error.body()["error"]
+    assert set(shape) == {"message", "type", "param", "code"}
+    assert shape["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ('{"messages": []}', "messages"),
+        ('{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].role"),
+        ('{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        ('{"messages": [{"role": "user"}]}', "messages[0].content"),
+        ('{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, '
+            '"max_completion_tokens": 1}',
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_a_bad_chat_parameter_is_a_400_naming_it(body: str, param: str) -> None:
+    error = _refusal(body, ChatCompletionRequest)
+    assert (error.status, error.param) == (400, param)
+
+
+@pytest.mark.parametrize("body", ["{", "[1, 2]", "null", "\xff"])
+def test_a_body_that_is_not_a_json_object_is_a_400(body: str) -> None:
+    error = _refusal(body)
+    assert error.status == 400
+    assert error.param is None
+    assert "json" in error.message.lower() or "object" in error.message
+
+
+def test_an_unknown_model_is_a_404() -> None:
+    check_model(None, "tiny-llama")
+    check_model("tiny-llama", "tiny-llama")
+    with pytest.raises(ApiError) as info:
+        check_model("gpt-4", "tiny-llama")
+    assert info.value.status == 404
+    assert info.value.body()["error"]["code"] == "model_not_found"
+
+
+def test_a_batch_becomes_one_engine_request_per_prompt() -> None:
+    body = CompletionRequest.model_validate_json(
+        json.dumps({"prompt": ["hi", "yo"], "max_tokens": 3, "temperature": 0, "priority": -1})
+    )
+    jobs = completion_jobs(body, TOKENIZER, "cmpl-x")
+    assert [job.request.req_id for job in jobs] == ["cmpl-x-0", "cmpl-x-1"]
+    assert list(unpack_int32(jobs[1].request.prompt_token_ids)) == [121, 111]
+    assert jobs[0].request.sampling_params.max_tokens == 3
+    assert jobs[0].request.priority == -1
+    assert jobs[0].num_tokens == 2 + 3
+
+
+def test_token_id_prompts_and_batches_of_them_are_accepted() -> None:
+    for prompt, expected in (([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])):
+        body = CompletionRequest.model_validate_json(json.dumps({"prompt": prompt}))
+        assert [job.prompt_token_ids for job in completion_jobs(body, TOKENIZER, "c")] == expected
+
+
+def test_chat_uses_the_template_and_max_completion_tokens() -> None:
+    body = ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], '
+        '"max_completion_tokens": 7}'
+    )
+    job = chat_job(body, TOKENIZER, "chatcmpl-x")
+    assert TOKENIZER.decode(job.prompt_token_ids) == "<|user|>hi<|end|><|assistant|>"
+    assert job.request.sampling_params.max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        ("engine busy: 4096 requests waiting, retry later", 503),
+        ("client busy: 1024 live requests", 503),
+        (
+            "token id 600 in the prompt of 'c-0' is out of the vocabulary: expected 0 <= id < 512",
+            400,
+        ),
+        ("prompt of 'c-0' has 9000 tokens: expected at most max_model_len=4096", 400),
+        ("worker 1 died", 500),
+        (None, 500),
+    ],
+)
+def test_an_engine_refusal_gets_the_status_of_its_cause(error: str | None, status: int) -> None:
+    assert engine_refusal(error).status == status
