@@ -13,6 +13,7 @@ from bench.report import add_peer_arguments, base_parser, report, run_peer
 from bench.trace import Trace, TraceConfig, config_to_json, make_trace, trace_digest
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher
+from protocol.config import HASH_ALGOS, CacheConfig
 
 TITLE = (
     "BlockPool on a seeded serving trace. ratio_throughput: vLLM's time over ours (target >= 1); "
@@ -62,7 +63,9 @@ def main() -> None:
     add_peer_arguments(parser)
     parser.add_argument("--num-requests", type=int, default=TraceConfig.num_requests)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hash-algo", choices=["sha256", "xxhash"], default="sha256")
+    parser.add_argument(
+        "--hash-algo", choices=HASH_ALGOS, default=CacheConfig().prefix_caching_hash_algo
+    )
     args = parser.parse_args()
     config = TraceConfig(seed=args.seed, num_requests=args.num_requests)
     trace = make_trace(config)

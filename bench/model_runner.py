@@ -12,6 +12,7 @@ import torch
 
 from bench.report import base_parser, report
 from bench.workload import RankResult, Workload, run_tensor_parallel
+from protocol.kv_cache_spec import cdiv
 from protocol.sampling import SamplingParams
 
 MODELS = ("checksum", "tiny-llama")
@@ -23,7 +24,7 @@ def make_workload(model: str, num_requests: int, prompt_len: int, output_len: in
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(prompt_len)] for _ in range(num_requests)]
     params = [SamplingParams(max_tokens=output_len, ignore_eos=True)] * num_requests
-    blocks_per_req = -(-(prompt_len + output_len) // 16)
+    blocks_per_req = cdiv(prompt_len + output_len, 16)
     return Workload(
         model,
         block_size=16,

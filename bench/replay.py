@@ -126,10 +126,6 @@ class ManagerReplay:
         self.manager_s = 0.0
         self.num_hit_tokens = self.num_preemptions = self.num_allocations = self.num_failed = 0
 
-    def check_invariants(self) -> None:
-        assert not set(self.waiting) & set(self.running), "a request both waits and runs"
-        assert len(set(self.waiting)) == len(self.waiting), "a request waits twice"
-
     def run(self, max_running: int) -> ManagerReplayResult:
         start = time.perf_counter()
         while self.waiting or self.running:
