@@ -31,6 +31,15 @@ pytestmark = pytest.mark.integration
 FAST_EXIT_S = 15  # a refused start exits at once; this only bounds a slow, loaded machine
 
 
+def _launch_args(tp_size: int, addresses: dict) -> list[str]:
+    """`kvserve launch` at the test's addresses, with no --master-port (its default is used)."""
+    return [
+        "launch", "-tp", str(tp_size), "--model", MODEL, "--device", "cpu",
+        "--client-address", addresses["client"], "--worker-address", addresses["worker"],
+        "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
+    ]  # fmt: skip
+
+
 def _assert_one_line_usage_error(log: str, *needles: str) -> None:
     assert "Traceback" not in log, log[-3000:]
     errors = [line for line in log.splitlines() if " ERROR " in line or "error:" in line]
@@ -45,12 +54,7 @@ def test_a_second_deployment_on_the_same_ipc_addresses_is_refused(
     on exit unlinked the first one's socket files, leaving it running but unreachable."""
     launch(processes, addresses, 1, MODEL)
     assert_served_exactly(addresses["client"], "first")
-    second = [
-        "launch", "-tp", "1", "--model", MODEL, "--device", "cpu",
-        "--client-address", addresses["client"], "--worker-address", addresses["worker"],
-        "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
-    ]  # fmt: skip
-    processes.start("second", "kvserve_main", second)
+    processes.start("second", "kvserve_main", _launch_args(1, addresses))
     assert processes.wait_exit("second", FAST_EXIT_S) == 2
     _assert_one_line_usage_error(processes.log("second"), "--client-address", "in use")
     core = ["-tp", "1", "--client-address", f"ipc://{tmp_path}/other.sock"]
@@ -83,12 +87,7 @@ def test_a_busy_rendezvous_port_fails_at_once_or_is_replaced_when_it_is_the_defa
         except OSError:
             pytest.skip("the default rendezvous port 29500 is held by another process here")
         default_port.listen()
-        args = [
-            "launch", "-tp", "2", "--model", MODEL, "--device", "cpu",
-            "--client-address", addresses["client"], "--worker-address", addresses["worker"],
-            "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
-        ]  # fmt: skip
-        processes.start("launch", "kvserve_main", args)
+        processes.start("launch", "kvserve_main", _launch_args(2, addresses))
         assert_served_exactly(addresses["client"], "moved-port")
     assert "rendezvous port 29500 is taken" in processes.log("launch")
     stop_launch(processes)
