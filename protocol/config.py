@@ -88,6 +88,9 @@ class EngineConfig(_Config, frozen=True):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    # Host bytes the block pool's bookkeeping may take (about 120 per block); a larger pool is
+    # refused at startup. None: deploy/ fills in a quarter of physical memory; left None, no limit.
+    max_pool_host_memory_bytes: PositiveInt | None = None
 
 
 class WorkerConfig(_Config, frozen=True):
@@ -102,7 +105,13 @@ class WorkerConfig(_Config, frozen=True):
     kv_cache_memory_bytes: PositiveInt | None = None  # KV budget of this rank; required on the CPU
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous, as torchrun names it
     master_port: Port = 29500
-    dist_timeout_s: Seconds = 60.0
+    dist_timeout_s: Seconds = 60.0  # for the group to form, and for each collective to finish
     engine_timeout_s: Seconds = 60.0  # exit when the engine is silent so long
     shutdown_grace_s: Seconds = 30.0  # after SIGTERM, wait so long for the engine's Shutdown
     seed: int = 0  # model weights
+    max_num_batched_tokens: PositiveInt = 2048  # the engine's; the profiling step runs this many
+    # auto: gloo when ranks share a device or run on the CPU, nccl when each has a device of its own
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # this rank's CUDA device; None: local_rank modulo the visible devices (0 without local_rank)
+    device_index: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    local_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None  # index on this host (LOCAL_RANK)

@@ -1,10 +1,14 @@
 """The worker's paged KV tensors: how many blocks fit, and their allocation per layer.
 
-Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU), otherwise from
-`gpu_memory_utilization` of the CUDA device. Allocation uses exactly the num_blocks the engine sent.
+Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU), otherwise from the
+device's memory once the model and one profiling step have run (pure arithmetic over DeviceMemory
+readings). Allocation uses exactly the num_blocks the engine sent.
 """
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,6 +25,7 @@ TORCH_DTYPES = {
     "int64": torch.int64,
 }
 MIN_NUM_BLOCKS = 2  # the null block plus one usable block
+GIB = 1 << 30
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -29,33 +34,122 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def kv_cache_budget_bytes(
-    device: torch.device, gpu_memory_utilization: float, kv_cache_memory_bytes: int | None
-) -> int:
-    """Bytes this rank may give the KV cache."""
-    if kv_cache_memory_bytes is not None:
-        return kv_cache_memory_bytes
-    if device.type != "cuda":
-        raise ValueError(f"kv_cache_memory_bytes is required on device {device}, got None")
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    used_bytes = total_bytes - free_bytes  # weights, activations and other processes
-    return int(total_bytes * gpu_memory_utilization) - used_bytes
+class DeviceMemory(Protocol):
+    """The few readings of one device that capacity needs: torch.cuda's, or a fake in tests."""
+
+    def mem_get_info(self) -> tuple[int, int]: ...  # (free, total) bytes of the whole device
+    def memory_reserved(self) -> int: ...  # bytes this process's caching allocator holds
+    def memory_allocated(self) -> int: ...  # bytes of this process's live tensors
+    def max_memory_allocated(self) -> int: ...  # peak of memory_allocated since the reset
+    def reset_peak_memory_stats(self) -> None: ...
+    def empty_cache(self) -> None: ...  # hand cached, unused blocks back to the device
 
 
-def num_blocks_available(
-    kv_cache_groups: list[KVCacheGroupSpec],
-    tp_size: int,
-    device: torch.device,
-    gpu_memory_utilization: float,
-    kv_cache_memory_bytes: int | None,
+class CudaMemory:
+    """DeviceMemory of one CUDA device, read through torch.cuda."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryAtStart:
+    """The device as this rank found it, before it built anything."""
+
+    total_bytes: int
+    other_bytes: int  # used, but not by this process's allocator: other processes, CUDA contexts
+
+
+def memory_at_start(memory: DeviceMemory) -> MemoryAtStart:
+    free_bytes, total_bytes = memory.mem_get_info()
+    return MemoryAtStart(total_bytes, total_bytes - free_bytes - memory.memory_reserved())
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySplit:
+    """How this rank's share of the device divides, in bytes."""
+
+    share_bytes: int  # total x this rank's utilization
+    other_bytes: int  # held by others when the rank started
+    weights_bytes: int
+    activations_bytes: int  # peak of the profiling step above the weights
+    kv_budget_bytes: int  # what is left for the KV cache
+
+    def describe(self) -> str:
+        return (
+            f"share {_gib(self.share_bytes)}: others {_gib(self.other_bytes)}, "
+            f"weights {_gib(self.weights_bytes)}, activations peak "
+            f"{_gib(self.activations_bytes)}, KV cache {_gib(self.kv_budget_bytes)}"
+        )
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.3f} GiB"
+
+
+def capacity_split(
+    start: MemoryAtStart,
+    weights_bytes: int,
+    peak_bytes: int,
+    profile_kv_bytes: int,
+    utilization: float,
+) -> CapacitySplit:
+    """The KV budget: total x utilization - peak of a step - what others held at start.
+
+    `peak_bytes` was measured with the profiling step's small KV cache in place; the real cache
+    replaces it, so it is taken off the peak.
+    """
+    share_bytes = int(start.total_bytes * utilization)
+    activations_bytes = max(0, peak_bytes - weights_bytes - profile_kv_bytes)
+    kv_budget_bytes = share_bytes - start.other_bytes - weights_bytes - activations_bytes
+    return CapacitySplit(
+        share_bytes, start.other_bytes, weights_bytes, activations_bytes, kv_budget_bytes
+    )
+
+
+def profile_capacity(
+    memory: DeviceMemory,
+    start: MemoryAtStart,
+    run_profile_step: Callable[[], int],
+    utilization: float,
+) -> CapacitySplit:
+    """Run one profiling step (it returns the bytes of its own KV cache) with the peak reset
+    before it; the weights are what this process held just before."""
+    weights_bytes = memory.memory_allocated()
+    memory.reset_peak_memory_stats()
+    profile_kv_bytes = run_profile_step()
+    peak_bytes = memory.max_memory_allocated()
+    memory.empty_cache()  # the profiling step's cache and activations go back to the device
+    return capacity_split(start, weights_bytes, peak_bytes, profile_kv_bytes, utilization)
+
+
+def num_blocks_in_budget(
+    kv_cache_groups: list[KVCacheGroupSpec], tp_size: int, budget_bytes: int
 ) -> int:
-    """Blocks this rank can hold: every layer of every group keeps a page per block id."""
+    """Blocks a budget holds: every layer of every group keeps a page per block id."""
     per_block = bytes_per_block(kv_cache_groups, tp_size)
-    budget = kv_cache_budget_bytes(device, gpu_memory_utilization, kv_cache_memory_bytes)
-    num_blocks = budget // per_block
+    num_blocks = max(0, budget_bytes) // per_block
     if num_blocks < MIN_NUM_BLOCKS:
         raise ValueError(
-            f"a KV budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes, "
+            f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes, "
             f"expected at least {MIN_NUM_BLOCKS}"
         )
     return num_blocks

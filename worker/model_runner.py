@@ -299,10 +299,15 @@ class ModelRunner:
 
 
 def build_model_runner(
-    config: WorkerConfig, kv_cache_config: KVCacheConfig, tp_group: TPGroup, device: torch.device
+    config: WorkerConfig,
+    kv_cache_config: KVCacheConfig,
+    tp_group: TPGroup,
+    device: torch.device,
+    model: Model | None = None,  # built already (capacity was profiled on it); None builds it
 ) -> ModelRunner:
     """The model of `config`, its KV tensors of exactly kv_cache_config.num_blocks, and a runner."""
-    model = build_model(config.model, tp_group, device, config.seed)
+    if model is None:
+        model = build_model(config.model, tp_group, device, config.seed)
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     info = get_model_info(config.model, config.block_size, config.dtype)
     return ModelRunner(

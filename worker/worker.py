@@ -30,9 +30,16 @@ from protocol.worker_messages import (
     WorkerReady,
 )
 from worker.distributed import TPGroup, destroy_tp_group, init_tp_group, resolve_device
-from worker.kv_cache import num_blocks_available
+from worker.kv_cache import (
+    CudaMemory,
+    MemoryAtStart,
+    memory_at_start,
+    num_blocks_in_budget,
+    profile_capacity,
+)
 from worker.model_runner import ModelRunner, build_model_runner
-from worker.models.registry import get_model_info
+from worker.models.registry import Model, build_model, get_model_info
+from worker.profiling import run_profile_step
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +76,16 @@ class Worker:
         self.decoder = engine_to_worker_decoder()
         self.last_step_id = 0
         self.tp_group: TPGroup | None = None
+        self.model: Model | None = None  # built before WorkerHello, so capacity is measured on it
         self.runner: ModelRunner | None = None
         self.stop_signal_time: float | None = None  # time.monotonic() of a SIGTERM while serving
 
     def run(self) -> int:
         """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
-        device = resolve_device(self.config.device, self.config.rank)
+        config = self.config
+        device = resolve_device(config.device, config.device_index, config.local_rank)
         model_info = self.say_hello(device)
-        deadline = time.monotonic() + self.config.engine_timeout_s
+        deadline = time.monotonic() + config.engine_timeout_s
         match self.recv(deadline, "a KVCacheConfig"):
             case KVCacheConfig() as kv_cache_config:
                 self.allocate(kv_cache_config, model_info, device)
@@ -87,8 +96,11 @@ class Worker:
         return self.serve()
 
     def say_hello(self, device: torch.device) -> ModelInfo:
-        """Form the TP group, measure capacity, send WorkerHello; the model's info."""
+        """Form the TP group, build the model, measure capacity, send WorkerHello; the model's
+        info."""
         config = self.config
+        # what others hold is read before this rank allocates anything on the device
+        start = memory_at_start(CudaMemory(device)) if device.type == "cuda" else None
         # the TP group forms before WorkerHello (DESIGN.md §6), so a missing peer fails here
         self.tp_group = init_tp_group(
             config.rank,
@@ -97,15 +109,11 @@ class Worker:
             config.master_port,
             config.dist_timeout_s,
             device,
+            config.distributed_backend,
         )
         model_info = get_model_info(config.model, config.block_size, config.dtype)
-        num_blocks = num_blocks_available(
-            model_info.kv_cache_groups,
-            config.tp_size,
-            device,
-            config.gpu_memory_utilization,
-            config.kv_cache_memory_bytes,
-        )
+        self.model = build_model(config.model, self.tp_group, device, config.seed)
+        num_blocks = self.measure_num_blocks(model_info, device, start)
         hello = WorkerHello(
             PROTOCOL_VERSION,
             config.rank,
@@ -119,6 +127,43 @@ class Worker:
         self.sock.send(self.encoder.encode(hello))
         return model_info
 
+    def measure_num_blocks(
+        self, model_info: ModelInfo, device: torch.device, start: MemoryAtStart | None
+    ) -> int:
+        """Blocks this rank can hold: kv_cache_memory_bytes when given, else this rank's share
+        of the CUDA device less the peak of one profiling step and what others held at start."""
+        config = self.config
+        groups = model_info.kv_cache_groups
+        if config.kv_cache_memory_bytes is not None:
+            return num_blocks_in_budget(groups, config.tp_size, config.kv_cache_memory_bytes)
+        if start is None:
+            raise ValueError(f"kv_cache_memory_bytes is required on device {device}, got None")
+        assert self.tp_group is not None and self.model is not None, "measured before the model"
+        model, group = self.model, self.tp_group
+        # ranks that share a device share its utilization too
+        utilization = config.gpu_memory_utilization / group.num_ranks_on_device
+        split = profile_capacity(
+            CudaMemory(device),
+            start,
+            lambda: run_profile_step(
+                model,
+                model_info,
+                config.rank,
+                config.tp_size,
+                device,
+                config.max_num_batched_tokens,
+            ),
+            utilization,
+        )
+        logger.info(
+            "memory of %s for %d ranks on it, profiled at %d tokens: %s",
+            device,
+            group.num_ranks_on_device,
+            config.max_num_batched_tokens,
+            split.describe(),
+        )
+        return num_blocks_in_budget(groups, config.tp_size, split.kv_budget_bytes)
+
     def allocate(
         self, kv_cache_config: KVCacheConfig, model_info: ModelInfo, device: torch.device
     ) -> None:
@@ -129,7 +174,9 @@ class Worker:
                 f"from its model {self.config.model}'s"
             )
         assert self.tp_group is not None, "allocate before the TP group formed"
-        self.runner = build_model_runner(self.config, kv_cache_config, self.tp_group, device)
+        self.runner = build_model_runner(
+            self.config, kv_cache_config, self.tp_group, device, self.model
+        )
         ready = WorkerReady(self.config.rank, kv_cache_config.num_blocks)
         self.sock.send(self.encoder.encode(ready))
         logger.info("ready: %d blocks per layer", kv_cache_config.num_blocks)

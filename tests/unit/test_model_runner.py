@@ -12,6 +12,7 @@ from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches
@@ -20,7 +21,7 @@ from worker.models.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
 from worker.sampler import Sampler, SampleRequest, uniform_draw
 
-CPU = torch.device("cpu")
+DEVICE = torch.device(worker_test_device())
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPT_A = [11, 12, 13, 14, 15, 16]
@@ -33,9 +34,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def make_runner(model_name: str = "checksum", num_blocks: int = 16) -> ModelRunner:
     info = get_model_info(model_name, BLOCK_SIZE)
     config = KVCacheConfig(num_blocks, info.kv_cache_groups)
-    model = build_model(model_name, single_rank_group(), CPU)
-    caches = allocate_kv_caches(config, 1, CPU)
-    return ModelRunner(model, config, caches, 0, info.max_model_len, CPU, check_each_step=True)
+    model = build_model(model_name, single_rank_group(), DEVICE)
+    caches = allocate_kv_caches(config, 1, DEVICE)
+    return ModelRunner(model, config, caches, 0, info.max_model_len, DEVICE, check_each_step=True)
 
 
 def new_req(
@@ -265,7 +266,7 @@ def test_built_runner_checks_each_step_as_the_kv_cache_config_says(check_invaria
     config = WorkerConfig(model="checksum", block_size=BLOCK_SIZE, device="cpu")
     groups = get_model_info("checksum", BLOCK_SIZE).kv_cache_groups
     kv_cache_config = KVCacheConfig(8, groups, check_invariants=check_invariants)
-    runner = build_model_runner(config, kv_cache_config, single_rank_group(), CPU)
+    runner = build_model_runner(config, kv_cache_config, single_rank_group(), DEVICE)
     assert runner.check_each_step is check_invariants
 
 

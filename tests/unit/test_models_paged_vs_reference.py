@@ -13,12 +13,13 @@ import torch
 from bench.workload import RankResult, Workload, build_rank, run_to_completion, run_workload
 from engine_core.sched.request import RequestStatus
 from protocol.sampling import SamplingParams
+from tests.conftest import worker_test_device
 from worker.distributed import TPGroup, single_rank_group
 from worker.models.checksum import CHECKSUM, ChecksumModel
 from worker.models.reference import reference_generate
 from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
-CPU = torch.device("cpu")
+DEVICE = torch.device(worker_test_device())
 MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
 PARAMS = [
     SamplingParams(max_tokens=7, ignore_eos=True),
@@ -77,7 +78,7 @@ def test_paged_tokens_equal_reference(
         max_num_batched_tokens=24,  # every prompt longer than 24 tokens is chunked
         enable_prefix_caching=enable_prefix_caching,
     )
-    result = run_workload(work, single_rank_group(), CPU)
+    result = run_workload(work, single_rank_group(), DEVICE)
     assert_matches_reference(model, result)
     assert (result.num_hit_tokens > 0) == enable_prefix_caching
     assert max(len(p) for p in PROMPTS) > 24
@@ -108,14 +109,14 @@ def test_tokens_survive_preemption_and_recompute(
         max_num_batched_tokens=32,
         enable_prefix_caching=enable_prefix_caching,
     )
-    result = run_workload(work, single_rank_group(), CPU)
+    result = run_workload(work, single_rank_group(), DEVICE)
     assert result.num_preemptions > 0
     assert_matches_reference(model, result)
 
 
 def test_float64_kv_cache_gives_the_same_tokens() -> None:
     result = run_workload(
-        workload("tiny-llama-hybrid", 16, 40, dtype="float64"), single_rank_group(), CPU
+        workload("tiny-llama-hybrid", 16, 40, dtype="float64"), single_rank_group(), DEVICE
     )
     assert_matches_reference("tiny-llama-hybrid", result)
 
@@ -125,7 +126,7 @@ def test_preemption_of_a_decoding_request_keeps_its_tokens() -> None:
     some tokens, recompute them and go on to the reference tokens."""
     prompts = PROMPTS[:3]  # 8, 70 and 57 tokens: 20 blocks of 4 for the longest
     work = Workload("tiny-llama", 4, 23, prompts, [PARAMS[0]] * 3, 200, check_invariants=True)
-    core, _ = build_rank(work, single_rank_group(), CPU)
+    core, _ = build_rank(work, single_rank_group(), DEVICE)
     scheduler = core.scheduler
     tokens: dict[str, list[int]] = {str(i + 1): [] for i in range(3)}
     preempted_while_decoding: set[str] = set()
@@ -150,7 +151,7 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     """Proves the models read K/V through the block table: one wrong entry, different tokens."""
     prompts = [PROMPTS[0], PROMPTS[3]]  # 8 tokens (blocks 0 and 1 of 4 tokens), then 9 tokens
     work = Workload(model, 4, 60, prompts, [PARAMS[0]] * 2, 200, check_invariants=True)
-    core, executor = build_rank(work, single_rank_group(), CPU)
+    core, executor = build_rank(work, single_rank_group(), DEVICE)
     first_step = core.step()  # both prefills, each with its first token
     tokens = [
         token_id
@@ -170,10 +171,10 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
     """Each rank draws the full weights from the seed and keeps its slice; the slices tile them."""
-    full = TinyLlama(TINY_LLAMA, single_rank_group(), 0, CPU)
+    full = TinyLlama(TINY_LLAMA, single_rank_group(), 0, DEVICE)
     placeholder = object()  # a process group is never used: no forward runs here
     shards = [
-        TinyLlama(TINY_LLAMA, TPGroup(r, tp_size, placeholder), 0, CPU) for r in range(tp_size)
+        TinyLlama(TINY_LLAMA, TPGroup(r, tp_size, placeholder), 0, DEVICE) for r in range(tp_size)
     ]
     for shard in shards:
         shard.check_invariants()
@@ -184,7 +185,9 @@ def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
         assert torch.equal(torch.cat([p.wo for p in parts], dim=0), layer.wo)
         assert torch.equal(torch.cat([p.w_gate for p in parts], dim=1), layer.w_gate)
         assert torch.equal(torch.cat([p.w_down for p in parts], dim=0), layer.w_down)
-    heads = [ChecksumModel(CHECKSUM, TPGroup(r, tp_size, placeholder), CPU) for r in range(tp_size)]
+    heads = [
+        ChecksumModel(CHECKSUM, TPGroup(r, tp_size, placeholder), DEVICE) for r in range(tp_size)
+    ]
     for model in heads:
         model.check_invariants()
     assert torch.cat([m.heads for m in heads]).tolist() == list(range(CHECKSUM.num_kv_heads))

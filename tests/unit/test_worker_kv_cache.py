@@ -4,10 +4,20 @@ import pytest
 import torch
 
 from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
-from worker.kv_cache import allocate_kv_caches, num_blocks_available
+from tests.conftest import worker_test_device
+from worker.kv_cache import (
+    CudaMemory,
+    MemoryAtStart,
+    allocate_kv_caches,
+    capacity_split,
+    memory_at_start,
+    num_blocks_in_budget,
+    profile_capacity,
+)
 from worker.models.registry import get_model_info
 
-CPU = torch.device("cpu")
+DEVICE = torch.device(worker_test_device())
+MIB = 1 << 20
 
 
 def test_cpu_capacity_divides_the_byte_budget_by_the_bytes_per_block() -> None:
@@ -15,28 +25,24 @@ def test_cpu_capacity_divides_the_byte_budget_by_the_bytes_per_block() -> None:
     # 4 layers x K and V x 4 tokens x 2 heads per rank x 16 dims x 4 bytes
     assert bytes_per_block(groups, tp_size=2) == 4 * 2 * 4 * 2 * 16 * 4
     budget = 10 * 4096 + 100
-    assert num_blocks_available(groups, 2, CPU, 0.9, budget) == 10
-    assert num_blocks_available(groups, 1, CPU, 0.9, budget) == 5
+    assert num_blocks_in_budget(groups, 2, budget) == 10
+    assert num_blocks_in_budget(groups, 1, budget) == 5
 
 
-def test_cpu_capacity_needs_a_byte_budget() -> None:
-    groups = get_model_info("checksum", block_size=4).kv_cache_groups
-    with pytest.raises(ValueError, match="kv_cache_memory_bytes is required on device cpu"):
-        num_blocks_available(groups, 1, CPU, 0.9, None)
-
-
-def test_a_budget_below_two_blocks_is_rejected() -> None:
+@pytest.mark.parametrize("budget_offset", [1, -(1 << 30)])
+def test_a_budget_below_two_blocks_is_rejected(budget_offset: int) -> None:
+    """A negative budget (the device is already full) is refused, not turned into blocks."""
     groups = get_model_info("checksum", block_size=4).kv_cache_groups
     per_block = bytes_per_block(groups, 1)
-    with pytest.raises(ValueError, match=r"holds 1 blocks .* expected at least 2"):
-        num_blocks_available(groups, 1, CPU, 0.9, per_block + 1)
+    with pytest.raises(ValueError, match=r"holds [01] blocks .* expected at least 2"):
+        num_blocks_in_budget(groups, 1, per_block + budget_offset)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_allocation_gives_every_layer_its_rank_shard(tp_size: int) -> None:
     info = get_model_info("tiny-llama-hybrid", block_size=4, dtype="float64")
     config = KVCacheConfig(num_blocks=6, kv_cache_groups=info.kv_cache_groups)
-    caches = allocate_kv_caches(config, tp_size, CPU)
+    caches = allocate_kv_caches(config, tp_size, DEVICE)
     assert sorted(caches) == [f"layers.{i}.attn" for i in range(4)]
     for tensor in caches.values():
         assert tuple(tensor.shape) == (6, 2, 4, 4 // tp_size, 16)
@@ -46,7 +52,7 @@ def test_allocation_gives_every_layer_its_rank_shard(tp_size: int) -> None:
 
 def test_checksum_stores_int64_values() -> None:
     info = get_model_info("checksum", block_size=2)
-    caches = allocate_kv_caches(KVCacheConfig(3, info.kv_cache_groups), 2, CPU)
+    caches = allocate_kv_caches(KVCacheConfig(3, info.kv_cache_groups), 2, DEVICE)
     assert {tensor.dtype for tensor in caches.values()} == {torch.int64}
     assert {tuple(tensor.shape) for tensor in caches.values()} == {(3, 2, 2, 2, 2)}
 
@@ -54,14 +60,14 @@ def test_checksum_stores_int64_values() -> None:
 def test_allocation_rejects_a_tp_size_that_does_not_divide_the_heads() -> None:
     info = get_model_info("tiny-llama", block_size=4)
     with pytest.raises(ValueError, match="num_kv_heads=4 is not divisible by tp_size=3"):
-        allocate_kv_caches(KVCacheConfig(3, info.kv_cache_groups), 3, CPU)
+        allocate_kv_caches(KVCacheConfig(3, info.kv_cache_groups), 3, DEVICE)
 
 
 def test_a_layer_in_two_groups_is_rejected() -> None:
     info = get_model_info("tiny-llama", block_size=4)
     groups = [info.kv_cache_groups[0], info.kv_cache_groups[0]]
     with pytest.raises(ValueError, match="appears in two KV-cache groups"):
-        allocate_kv_caches(KVCacheConfig(3, groups), 1, CPU)
+        allocate_kv_caches(KVCacheConfig(3, groups), 1, DEVICE)
 
 
 def test_model_info_names_and_groups() -> None:
@@ -74,19 +80,92 @@ def test_model_info_names_and_groups() -> None:
         get_model_info("gpt", 16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_capacity_takes_its_share_of_the_device_less_what_is_in_use() -> None:
-    device = torch.device("cuda", 0)
+class FakeMemory:
+    """A device of `total` bytes: others hold some, this process allocates as the test says."""
+
+    def __init__(self, total: int, others: int, reserved: int = 0) -> None:
+        self.total, self.others, self.reserved = total, others, reserved
+        self.allocated, self.peak = 0, 0
+        self.calls: list[str] = []
+
+    def allocate(self, num_bytes: int) -> None:
+        self.allocated += num_bytes
+        self.peak = max(self.peak, self.allocated)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.total - self.others - self.reserved, self.total
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def max_memory_allocated(self) -> int:
+        self.calls.append("peak")
+        return self.peak
+
+    def reset_peak_memory_stats(self) -> None:
+        self.calls.append("reset")
+        self.peak = self.allocated
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty")
+
+
+def test_memory_held_at_start_by_others_excludes_this_processes_allocator() -> None:
+    memory = FakeMemory(total=1000 * MIB, others=150 * MIB, reserved=30 * MIB)
+    assert memory_at_start(memory) == MemoryAtStart(1000 * MIB, 150 * MIB)
+
+
+def test_kv_budget_is_the_share_less_peak_and_others() -> None:
+    start = MemoryAtStart(total_bytes=1000 * MIB, other_bytes=100 * MIB)
+    # peak 300 MiB: 200 of weights, 4 of the profiling cache, 96 of activations
+    split = capacity_split(start, 200 * MIB, 300 * MIB, 4 * MIB, utilization=0.9)
+    assert split.share_bytes == 900 * MIB
+    assert split.activations_bytes == 96 * MIB
+    assert split.kv_budget_bytes == (900 - 100 - 200 - 96) * MIB
+    assert "KV cache 0.492 GiB" in split.describe()
+
+
+def test_profiling_resets_the_peak_after_the_weights_and_reads_it_after_the_step() -> None:
+    memory = FakeMemory(total=1000 * MIB, others=100 * MIB)
+    start = memory_at_start(memory)
+    memory.allocate(200 * MIB)  # the weights
+    memory.peak = 900 * MIB  # a spike while building the model must not count
+
+    def step() -> int:
+        memory.allocate(50 * MIB)  # the step's cache and activations
+        memory.allocated -= 50 * MIB
+        return 10 * MIB
+
+    split = profile_capacity(memory, start, step, utilization=0.5)
+    assert memory.calls == ["reset", "peak", "empty"]
+    assert (split.weights_bytes, split.activations_bytes) == (200 * MIB, 40 * MIB)
+    assert split.kv_budget_bytes == (500 - 100 - 200 - 40) * MIB
+
+
+def test_a_device_full_at_start_leaves_a_negative_budget_that_holds_no_blocks() -> None:
+    start = MemoryAtStart(total_bytes=1000 * MIB, other_bytes=800 * MIB)
+    split = capacity_split(start, 100 * MIB, 150 * MIB, 0, utilization=0.9)
+    assert split.kv_budget_bytes == (900 - 800 - 150) * MIB < 0
     groups = get_model_info("tiny-llama", block_size=16).kv_cache_groups
-    per_block = bytes_per_block(groups, 1)
-    free_before, total_bytes = torch.cuda.mem_get_info(device)
-    got = num_blocks_available(groups, 1, device, 0.5, None)
-    free_after, _ = torch.cuda.mem_get_info(device)
-    share = int(total_bytes * 0.5)
-    # another process may allocate or free in between: bound by both readings of the free memory
-    lowest = (share - (total_bytes - min(free_before, free_after))) // per_block
-    highest = (share - (total_bytes - max(free_before, free_after))) // per_block
-    assert lowest <= got <= highest
-    assert num_blocks_available(groups, 1, device, 0.5, 10 * per_block) == 10
+    with pytest.raises(ValueError, match="expected at least 2"):
+        num_blocks_in_budget(groups, 1, split.kv_budget_bytes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_memory_readings_follow_an_allocation() -> None:
+    device = torch.device("cuda", 0)
+    memory = CudaMemory(device)
+    start = memory_at_start(memory)
+    assert 0 <= start.other_bytes < start.total_bytes
+    before = memory.memory_allocated()
+    memory.reset_peak_memory_stats()
+    tensor = torch.empty(64 * MIB, dtype=torch.uint8, device=device)  # [64 MiB]
+    assert memory.memory_allocated() - before >= 64 * MIB
+    del tensor
+    assert memory.max_memory_allocated() - before >= 64 * MIB
+    groups = get_model_info("tiny-llama", block_size=16).kv_cache_groups
     caches = allocate_kv_caches(KVCacheConfig(4, groups), 1, device)
     assert all(tensor.is_cuda and tensor.shape[0] == 4 for tensor in caches.values())

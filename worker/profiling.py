@@ -1,0 +1,70 @@
+"""The profiling step: before the real KV cache exists, the model runs one step of
+max_num_batched_tokens dummy tokens over a small throwaway cache, so the peak memory of the
+largest step the engine may schedule can be measured. No sockets; every rank of a group runs it.
+"""
+
+import torch
+
+from protocol.buffers import pack_int32
+from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block, cdiv
+from protocol.sampling import SamplingParams
+from protocol.worker_messages import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
+from worker.kv_cache import allocate_kv_caches
+from worker.model_runner import ModelRunner
+from worker.models.registry import Model
+
+PROFILE_TOKEN_ID = 1  # any id inside the vocabulary: the values do not change the memory used
+
+
+def profile_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the dummy requests: max_num_batched_tokens in all, none past the model."""
+    num_full, rest = divmod(max_num_batched_tokens, max_model_len)
+    return [max_model_len] * num_full + ([rest] if rest else [])
+
+
+def profile_step_output(
+    model_info: ModelInfo, max_num_batched_tokens: int
+) -> tuple[SchedulerOutput, int]:
+    """One step that prefills every dummy request whole, and the num_blocks its cache needs.
+
+    Each request gets block ids of its own (1, 2, ...), so every group's table stays in range.
+    """
+    lengths = profile_lengths(max_num_batched_tokens, model_info.max_model_len)
+    block_size = min(group.spec.block_size for group in model_info.kv_cache_groups)
+    params = SamplingParams(max_tokens=1)
+    requests, next_block_id = [], 1
+    for handle, length in enumerate(lengths, start=1):
+        block_ids = tuple(
+            list(range(next_block_id, next_block_id + cdiv(length, group.spec.block_size)))
+            for group in model_info.kv_cache_groups
+        )
+        next_block_id += cdiv(length, block_size)
+        prompt = pack_int32([PROFILE_TOKEN_ID] * length)
+        requests.append(NewRequestData(handle, prompt, params, block_ids, 0))
+    step = SchedulerOutput(
+        step_id=1,
+        scheduled_new_reqs=requests,
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens=pack_int32(lengths),
+        total_num_scheduled_tokens=sum(lengths),
+        finished_handles=[],
+        preempted_handles=[],
+    )
+    return step, next_block_id
+
+
+def run_profile_step(
+    model: Model,
+    model_info: ModelInfo,
+    rank: int,
+    tp_size: int,
+    device: torch.device,
+    max_num_batched_tokens: int,
+) -> int:
+    """Run the step on a throwaway runner; the bytes of its KV cache (freed on return)."""
+    step, num_blocks = profile_step_output(model_info, max_num_batched_tokens)
+    kv_cache_config = KVCacheConfig(num_blocks, model_info.kv_cache_groups)
+    kv_caches = allocate_kv_caches(kv_cache_config, tp_size, device)
+    runner = ModelRunner(model, kv_cache_config, kv_caches, rank, model_info.max_model_len, device)
+    runner.execute_model(step)
+    return num_blocks * bytes_per_block(model_info.kv_cache_groups, tp_size)
