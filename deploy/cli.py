@@ -28,6 +28,7 @@ EXIT_USAGE = 2
 TORCHRUN_ENV = {
     "RANK": "rank",
     "WORLD_SIZE": "tp_size",
+    "LOCAL_RANK": "local_rank",  # picks the device, unless --device-index does
     "MASTER_ADDR": "master_addr",
     "MASTER_PORT": "master_port",
 }
@@ -36,7 +37,7 @@ TORCHRUN_ENV = {
 def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
     """Flags first, then torchrun's environment variables, then the config's defaults."""
     extra = {field: environ[name] for name, field in TORCHRUN_ENV.items() if name in environ}
-    for field in ("rank", "tp_size", "master_port"):
+    for field in ("rank", "tp_size", "local_rank", "master_port"):
         if field in extra:
             try:
                 extra[field] = int(extra[field])
@@ -73,9 +74,10 @@ def core_main(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         parser.error(str(exc))
     setup_logging("engine", args.log_level)
+    from deploy.launch import with_pool_host_memory_limit
     from engine_core.server import run
 
-    sys.exit(run(config))
+    sys.exit(run(with_pool_host_memory_limit(config)))
 
 
 def worker_main(argv: list[str] | None = None) -> None:
@@ -85,14 +87,14 @@ def worker_main(argv: list[str] | None = None) -> None:
         config = worker_config_from(args, os.environ)
     except UsageError as exc:
         parser.error(str(exc))
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = local_rank  # one device per local rank, as cuda:0
     setup_logging(f"worker-{config.rank}", args.log_level)
+    from deploy.launch import enable_nccl_async_errors, share_cpu_threads
+
+    # CUDA_VISIBLE_DEVICES is left as the user set it: the device comes from LOCAL_RANK (or
+    # --device-index), so local ranks past the device count can share a device
+    enable_nccl_async_errors()
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
     if local_world_size is not None and local_world_size.isdigit() and int(local_world_size) > 0:
-        from deploy.launch import share_cpu_threads
-
         share_cpu_threads(int(local_world_size))
     from worker.worker import run
 

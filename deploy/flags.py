@@ -148,6 +148,11 @@ ENGINE_FLAGS = [
         ("scheduler", "max_num_requests_per_client"),
         "live requests of one client at most; past it its new ones are refused as busy",
     ),
+    Flag(
+        ("--max-pool-host-memory-bytes",),
+        ("max_pool_host_memory_bytes",),
+        "host bytes the block pool's bookkeeping may take (None: a quarter of physical memory)",
+    ),
 ]
 
 WORKER_FLAGS = [
@@ -188,6 +193,24 @@ WORKER_FLAGS = [
         "seconds to wait for the engine's Shutdown after SIGTERM",
     ),
     Flag(("--seed",), ("seed",), "seed of the model weights"),
+    Flag(
+        ("--max-num-batched-tokens",),
+        ("max_num_batched_tokens",),
+        "tokens of the profiling step (must equal the engine's)",
+    ),
+    Flag(
+        ("--distributed-backend",),
+        ("distributed_backend",),
+        "TP backend; auto takes gloo when ranks share a device or run on the CPU, else nccl",
+    ),
+    Flag(
+        ("--device-index",),
+        ("device_index",),
+        "CUDA device of this rank (None: the local rank modulo the visible devices)",
+    ),
+    Flag(
+        ("--local-rank",), ("local_rank",), "index of this rank on its host (default: $LOCAL_RANK)"
+    ),
 ]
 
 KV_EVENTS_FLAG = "--kv-events-config"

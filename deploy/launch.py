@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from multiprocessing.process import BaseProcess
+from typing import TypeVar
 
 from deploy.flags import UsageError
 from deploy.logs import setup_logging
@@ -22,6 +23,7 @@ from engine_core.endpoints import AddressInUseError, check_free
 from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
+C = TypeVar("C", EngineConfig, WorkerConfig)
 
 JOIN_TIMEOUT_S = 5.0  # a child gets this long to exit on its own before SIGTERM
 DEFAULT_MASTER_PORT = WorkerConfig().master_port
@@ -29,6 +31,10 @@ TERMINATE_TIMEOUT_S = 3.0  # then this long after SIGTERM before SIGKILL
 SUPERVISE_POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# A failed or timed-out NCCL collective aborts its communicator and raises instead of waiting on
+# forever; torch reads this once, when the process group forms.
+NCCL_ASYNC_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+POOL_HOST_MEMORY_SHARE = 4  # by default the block pool may take a quarter of physical memory
 
 
 def die_with_parent() -> None:
@@ -40,12 +46,31 @@ def die_with_parent() -> None:
         logger.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
 
 
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def with_pool_host_memory_limit(config: EngineConfig) -> EngineConfig:
+    """The config, with max_pool_host_memory_bytes defaulted to a share of this host's memory
+    (engine_core/ reads no environment, so the engine's process main measures it)."""
+    if config.max_pool_host_memory_bytes is not None:
+        return config
+    limit = physical_memory_bytes() // POOL_HOST_MEMORY_SHARE
+    return _replace(config, max_pool_host_memory_bytes=limit)
+
+
+def enable_nccl_async_errors() -> None:
+    """Set before torch.distributed forms a group; a value the user set is kept."""
+    name, value = NCCL_ASYNC_ERROR_HANDLING
+    os.environ.setdefault(name, value)
+
+
 def engine_entry(config: EngineConfig, log_level: str) -> None:
     die_with_parent()
     setup_logging("engine", log_level)
     from engine_core.server import run
 
-    sys.exit(run(config))
+    sys.exit(run(with_pool_host_memory_limit(config)))
 
 
 def worker_entry(config: WorkerConfig, log_level: str) -> None:
@@ -53,6 +78,7 @@ def worker_entry(config: WorkerConfig, log_level: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
     setup_logging(f"worker-{config.rank}", log_level)
     share_cpu_threads(config.tp_size)
+    enable_nccl_async_errors()
     from worker.worker import run
 
     sys.exit(run(config))
@@ -72,7 +98,9 @@ def free_tcp_port() -> int:
 
 
 def worker_configs(engine_config: EngineConfig, base: WorkerConfig) -> list[WorkerConfig]:
-    """One config per rank: the engine's address, TP size and cache settings, the base's rest."""
+    """One config per rank: the engine's address, TP size, cache settings and step size, the
+    base's rest. Every rank runs on this host, so its local rank is its rank, which picks its
+    device (ranks past the device count share devices)."""
     cache = engine_config.cache
     shared = {
         "tp_size": engine_config.tp_size,
@@ -80,11 +108,15 @@ def worker_configs(engine_config: EngineConfig, base: WorkerConfig) -> list[Work
         "block_size": cache.block_size,
         "gpu_memory_utilization": cache.gpu_memory_utilization,
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+        "max_num_batched_tokens": engine_config.scheduler.max_num_batched_tokens,
     }
-    return [_replace(base, rank=rank, **shared) for rank in range(engine_config.tp_size)]
+    return [
+        _replace(base, rank=rank, local_rank=rank, **shared)
+        for rank in range(engine_config.tp_size)
+    ]
 
 
-def _replace(config: WorkerConfig, **changes: object) -> WorkerConfig:
+def _replace(config: C, **changes: object) -> C:
     import msgspec
 
     return msgspec.structs.replace(config, **changes).checked()
