@@ -1,7 +1,7 @@
 """KVEventPublisher: KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB
 socket in vLLM's layout (topic, 8-byte big-endian sequence number, msgpack KVEventBatch), with a
-ROUTER that replays recent batches. A background thread owns both sockets; the step loop only
-hands batches to a queue and never blocks.
+ROUTER that answers vLLM's replay requests. A background thread owns both sockets; the step loop
+only hands batches to a queue and never blocks.
 """
 
 import logging
@@ -12,6 +12,7 @@ from collections import deque
 
 import zmq
 
+from engine_core.kv_cache.block_pool import BlockPool
 from protocol.codec import make_encoder
 from protocol.config import KVEventsConfig
 from protocol.kv_events import KVCacheEvent, KVEventBatch
@@ -23,7 +24,9 @@ POLL_MS = 50  # how often the thread looks at its queue and its replay socket
 CLOSE_TIMEOUT_S = 2.0  # close() returns within this, plus LOCK_TIMEOUT_S
 DRAIN_SHARE = 0.5  # share of close()'s timeout the thread may spend publishing what is queued
 LOCK_TIMEOUT_S = 0.5  # the thread holds the socket lock for one send or one replay answer
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # the seq frame of a replay's last answer
+SEQ_SIZE_BYTES = 8
+DATA_PARALLEL_RANK = 0  # vLLM's publisher stamps its rank on every batch; kvserve is one engine
 
 
 class KVEventPublisher:
@@ -55,6 +58,9 @@ class KVEventPublisher:
         if config.replay_endpoint is not None:
             self._replay = ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # ZMQ frees room in a peer's queue only every half high-water mark, so a queue of
+            # twice the replay (plus its end marker) never drops part of one answer.
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
             self._replay.bind(config.replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -65,7 +71,8 @@ class KVEventPublisher:
         if not events:
             return
         try:
-            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=events))
+            batch = KVEventBatch(time.time(), events, DATA_PARALLEL_RANK)
+            self._queue.put_nowait(batch)
         except queue.Full:
             self.num_dropped += 1
             logger.warning("KV event queue full: dropped a batch of %d events", len(events))
@@ -123,13 +130,16 @@ class KVEventPublisher:
                 seq = self._next_seq
                 self._next_seq += 1
                 self._buffer.append((seq, payload))
-                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                self._pub.send_multipart((topic, seq.to_bytes(SEQ_SIZE_BYTES, "big"), payload))
 
     def _answer_replays(self) -> bool:
-        """Answer each `(identity, b"", start_seq)` with every kept batch from start_seq, then -1.
+        """Answer each `(identity, b"", start_seq)` as vLLM's replay does, then the -1 marker.
 
-        Takes the lock per request, so close() waits at most one answer; False once closed.
+        Every kept batch from start_seq goes out as `(identity, b"", topic, seq, payload)`, the
+        end as `(identity, b"", b"", -1, b"")`. Takes the lock per request, so close() waits at
+        most one answer; False once closed.
         """
+        topic = self.config.topic.encode()
         while True:
             with self._lock:
                 if self._is_closed:
@@ -138,11 +148,27 @@ class KVEventPublisher:
                 if replay is None or not replay.poll(0):
                     return True
                 frames = replay.recv_multipart()
-                if len(frames) != 3 or len(frames[2]) != 8:
+                if len(frames) != 3 or len(frames[2]) != SEQ_SIZE_BYTES:
                     logger.warning("ignored a replay request of %d frames", len(frames))
                     continue
-                identity, start_seq = frames[0], int.from_bytes(frames[2], "big")
-                for seq, payload in list(self._buffer):
-                    if seq >= start_seq:
-                        replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-                replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+                identity, start_seq = frames[0], int.from_bytes(frames[2], "big", signed=True)
+                if start_seq < 0:  # vLLM reads it unsigned, past every batch: none is replayed
+                    logger.warning("replay from seq %d: answered with the end marker", start_seq)
+                kept = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq >= 0]
+                for seq, payload in kept:
+                    seq_bytes = seq.to_bytes(SEQ_SIZE_BYTES, "big")
+                    replay.send_multipart((identity, b"", topic, seq_bytes, payload))
+                replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
+
+
+def cached_block_counts(pool: BlockPool) -> dict[str, int]:
+    """Hex key (hash then group id) of each hash in the pool's prefix-cache map -> copies cached.
+
+    What a subscriber that applied every event must hold, keyed as `block_hash_with_group_id`.
+    """
+    counts: dict[str, int] = {}
+    for block in pool.blocks:
+        if block.block_hash is not None:
+            key = block.block_hash.hex()
+            counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -20,7 +20,7 @@ from engine_core.kv_cache.hashing import (
 )
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from protocol.kv_cache_spec import NULL_BLOCK_ID
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from protocol.kv_events import AllBlocksCleared, KVCacheEvent, block_removed, block_stored
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,8 @@ class BlockPool:
             )
         suffix = self._group_id_suffixes[kv_cache_group_id]
         insert = self.cached_block_hash_to_block.insert
+        is_recording = self.enable_kv_cache_events
+        announced: list[int] = []  # indices whose hash had no cached copy: routers learn these
         for idx in range(num_cached_blocks, num_full_blocks):
             block = blocks[idx]
             if block.block_hash is not None:
@@ -160,12 +162,12 @@ class BlockPool:
             if block.is_null:
                 continue
             key = block_hashes[idx] + suffix
+            if is_recording and self._get_one_block(key) is None:
+                announced.append(idx)
             block.block_hash = key
             insert(key, block)
-        if self.enable_kv_cache_events:
-            self._record_block_stored(
-                request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id
-            )
+        if announced:
+            self._record_block_stored(request, announced, block_size, kv_cache_group_id)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, drop their stale hashes, ref them."""
@@ -326,10 +328,9 @@ class BlockPool:
         key = block.block_hash
         self.cached_block_hash_to_block.pop(key, block.block_id)
         block.block_hash = None
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[get_block_hash(key)], group_idx=get_group_id(key))
-            )
+        # Announced once for all its copies, a hash is removed only with its last copy.
+        if self.enable_kv_cache_events and self._get_one_block(key) is None:
+            self.kv_event_queue.append(block_removed([get_block_hash(key)], get_group_id(key)))
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
 
@@ -348,30 +349,29 @@ class BlockPool:
                 block.ref_cnt += 1
 
     def _record_block_stored(
-        self,
-        request: KVCacheRequest,
-        blocks: Sequence[KVCacheBlock],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        group_id: int,
+        self, request: KVCacheRequest, announced: list[int], block_size: int, group_id: int
     ) -> None:
-        """One BlockStored event for the blocks that a `cache_full_blocks` call hashed."""
-        stored = [i for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null]
-        if not stored:
-            return
+        """One BlockStored event per run of consecutive announced block indices.
+
+        A run is a chain, each block's parent the one before it, so a gap (a hash already cached,
+        or a null block) starts a new event whose parent is the block just before the run.
+        """
         tokens = request.all_token_ids
-        first, last = stored[0], stored[-1]
-        if last - first + 1 == len(stored):
-            token_ids = tokens[first * block_size : (last + 1) * block_size].tolist()
-        else:
-            token_ids = [t for i in stored for t in tokens[i * block_size : (i + 1) * block_size]]
-        self.kv_event_queue.append(
-            BlockStored(
-                block_hashes=[bytes(request.block_hashes[i]) for i in stored],
-                parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
-                token_ids=token_ids,
-                block_size=block_size,
-                group_idx=group_id,
+        hashes = request.block_hashes
+        runs: list[list[int]] = []
+        for idx in announced:
+            if runs and runs[-1][-1] == idx - 1:
+                runs[-1].append(idx)
+            else:
+                runs.append([idx])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.kv_event_queue.append(
+                block_stored(
+                    [bytes(hashes[i]) for i in range(first, last + 1)],
+                    bytes(hashes[first - 1]) if first > 0 else None,
+                    tokens[first * block_size : (last + 1) * block_size].tolist(),
+                    block_size,
+                    group_id,
+                )
             )
-        )

@@ -13,7 +13,7 @@ import zmq
 from engine_core import kv_events
 from engine_core.kv_events import LOCK_TIMEOUT_S, KVEventPublisher
 from protocol.config import KVEventsConfig
-from protocol.kv_events import BlockStored, KVCacheEvent
+from protocol.kv_events import KVCacheEvent, block_stored
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ CLOSE_TIMEOUT_S = 0.5
 SLACK_S = 0.5  # scheduling noise allowed on top of close()'s own bound
 TERM_TIMEOUT_S = 5.0
 WEDGE_TIMEOUT_S = 20.0  # the wedged encoder gives up by itself, so no test thread outlives us
-EVENTS = [BlockStored([bytes(32)] * 8, None, list(range(128)), 16, 0)]
+EVENTS = [block_stored([bytes(32)] * 8, None, list(range(128)), 16, 0)]
 
 
 class WedgedEncoder:

@@ -288,9 +288,10 @@ def test_kv_events_are_published_in_order_and_replayed(
     replayed = []
     while True:
         assert replay.poll(EVENT_WAIT_MS), "no replay answer"
-        _, seq, payload = replay.recv_multipart()
+        _, topic, seq, payload = replay.recv_multipart()  # vLLM's replay frames
         if int.from_bytes(seq, "big", signed=True) == -1:
             break
+        assert topic == b"kv"
         assert kv_event_decoder().decode(payload).events, "an empty batch was published"
         replayed.append(int.from_bytes(seq, "big"))
     assert replayed == list(range(len(replayed))) and replayed[-1] >= seqs[-1]

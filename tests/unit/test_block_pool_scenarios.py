@@ -12,7 +12,7 @@ from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
 from engine_core.sched.request import Request
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from protocol.kv_events import AllBlocksCleared, block_removed, block_stored
 from protocol.sampling import SamplingParams
 from protocol.stats import BlockResidencyStats
 
@@ -113,7 +113,7 @@ def test_reused_cached_block_loses_its_hash_so_the_old_prefix_does_not_hit_it() 
     reused = pool.get_new_blocks(6)  # 3..7, then block 2: the tail of the old prefix
     assert ids(reused) == [3, 4, 5, 6, 7, 2]
     assert pool.blocks[2].block_hash is None
-    assert pool.take_events() == [BlockRemoved([old.block_hashes[1]], group_idx=0)]
+    assert pool.take_events() == [block_removed([old.block_hashes[1]], 0)]
     assert ids(lookup(pool, make_request("b", list(range(8))))) == [1]
     assert free_ids(pool) == [1]
 
@@ -295,8 +295,8 @@ def test_block_stored_event_carries_the_new_blocks_and_their_parent() -> None:
     pool.cache_full_blocks(request, blocks, 3, 3, BLOCK_SIZE, 0)  # nothing new: no event
     hashes = request.block_hashes
     assert pool.take_events() == [
-        BlockStored([hashes[0]], None, [0, 1, 2, 3], BLOCK_SIZE, 0),
-        BlockStored(hashes[1:3], hashes[0], list(range(4, 12)), BLOCK_SIZE, 0),
+        block_stored([hashes[0]], None, [0, 1, 2, 3], BLOCK_SIZE, 0),
+        block_stored(hashes[1:3], hashes[0], list(range(4, 12)), BLOCK_SIZE, 0),
     ]
     assert pool.take_events() == []
 
@@ -307,7 +307,7 @@ def test_block_stored_event_skips_null_blocks() -> None:
     blocks = [pool.null_block, *pool.get_new_blocks(1), pool.null_block]
     pool.cache_full_blocks(request, blocks, 0, 3, BLOCK_SIZE, 1)
     hashes = request.block_hashes
-    assert pool.take_events() == [BlockStored([hashes[1]], hashes[0], [4, 5, 6, 7], BLOCK_SIZE, 1)]
+    assert pool.take_events() == [block_stored([hashes[1]], hashes[0], [4, 5, 6, 7], BLOCK_SIZE, 1)]
 
 
 def test_no_events_are_recorded_unless_enabled() -> None:

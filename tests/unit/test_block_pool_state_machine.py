@@ -48,9 +48,9 @@ class ReferencePool:
     def drop_hash(self, block_id: int) -> None:
         key = self.hash_of.pop(block_id)
         self.by_key[key].remove(block_id)
-        if not self.by_key[key]:
+        if not self.by_key[key]:  # routers hear of a hash's removal with its last copy only
             del self.by_key[key]
-        self.events.append(("removed", key))
+            self.events.append(("removed", key))
 
     def touch(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -74,11 +74,19 @@ class ReferencePool:
         return True
 
     def cache(self, block_ids: list[int], keys: list[bytes]) -> None:
+        """Routers hear of a hash with its first copy: one event per run of such blocks."""
+        runs: list[list[bytes]] = []
+        was_new = False
         for block_id, key in zip(block_ids, keys, strict=True):
+            is_new = key not in self.by_key
+            if is_new and was_new:
+                runs[-1].append(key)
+            elif is_new:
+                runs.append([key])
+            was_new = is_new
             self.hash_of[block_id] = key
             self.by_key.setdefault(key, []).append(block_id)
-        if block_ids:
-            self.events.append(("stored", *keys))
+        self.events.extend(("stored", *run) for run in runs)
 
     def reset(self) -> bool:
         if any(self.ref_cnt.values()):

@@ -20,7 +20,7 @@ from protocol.kv_cache_spec import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from protocol.kv_events import AllBlocksCleared, KVEventBatch, block_removed, block_stored
 from protocol.sampling import MAX_TOKENS_LIMIT, SEED_LIMIT, SamplingParams
 from protocol.worker_messages import (
     CachedRequestData,
@@ -139,14 +139,14 @@ worker_to_engine = st.one_of(
 )
 kv_events = st.one_of(
     st.builds(
-        BlockStored,
+        block_stored,
         st.lists(st.binary(max_size=32), max_size=3),
         st.none() | st.binary(max_size=32),
         st.lists(naturals, max_size=8),
         positives,
         naturals,
     ),
-    st.builds(BlockRemoved, st.lists(st.binary(max_size=32), max_size=3), naturals),
+    st.builds(block_removed, st.lists(st.binary(max_size=32), max_size=3), naturals),
     st.just(AllBlocksCleared()),
 )
 kv_event_batches = st.builds(KVEventBatch, floats, st.lists(kv_events, max_size=4))
