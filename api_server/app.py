@@ -24,7 +24,7 @@ from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new
 from api_server.errors import ApiError, validation_error
 from api_server.metrics import ApiMetrics, MetricsMiddleware
 from api_server.openai_types import ChatCompletionRequest, CompletionRequest, check_model
-from api_server.serving import ResponseShape, Serving
+from api_server.serving import JSON, ResponseShape, Serving
 from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
 from engine_core.client import DEFAULT_TIMEOUT_S
 
@@ -128,16 +128,15 @@ async def _until_disconnect(request: Request) -> None:
 async def _unless_disconnected(request: Request, work: asyncio.Future[dict]) -> dict:
     """The result of `work`, or cancel it (aborting its engine requests) when the client leaves."""
     watcher = asyncio.ensure_future(_until_disconnect(request))
+    watcher.add_done_callback(lambda _: work.cancel())
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # this handler itself was cancelled
+        raise ApiError(499, "the client disconnected", code="client_closed_request") from None
     finally:
         watcher.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
-        raise ApiError(499, "the client disconnected", code="client_closed_request")
-    return work.result()
 
 
 async def completions(request: Request) -> Response:
@@ -166,7 +165,8 @@ async def _respond(
 ) -> Response:
     if not is_stream:
         work = asyncio.ensure_future(serving.complete(jobs, shape))
-        return JSONResponse(await _unless_disconnected(request, work))
+        body = await _unless_disconnected(request, work)
+        return Response(JSON.encode(body), media_type="application/json")
     started = await serving.first_outputs(jobs)
     events = serving.stream(started, shape, include_usage)
     return EventStreamResponse(events, media_type="text/event-stream")
@@ -251,12 +251,14 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/version", version_info, methods=["GET"])
+    # Plain Starlette routes: each endpoint parses its own body, so FastAPI's per-request
+    # dependency solving would only add latency
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.router.add_route("/v1/models", models, methods=["GET"])
+    app.router.add_route("/health", health, methods=["GET"])
+    app.router.add_route("/metrics", metrics, methods=["GET"])
+    app.router.add_route("/version", version_info, methods=["GET"])
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -119,18 +119,24 @@ class Serving:
 
     async def complete(self, jobs: list[EngineJob], shape: ResponseShape) -> dict:
         """The whole response; an error in one choice cancels (and aborts) the others."""
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._collect(job)) for job in jobs]
-        except BaseExceptionGroup as group_error:  # the first choice's error speaks for all
-            raise group_error.exceptions[0] from None
-        states = [task.result() for task in tasks]
+        if len(jobs) == 1:  # the common case, without a task group
+            states = [await self._collect(jobs[0])]
+        else:
+            states = await self._collect_all(jobs)
         choices = [
             shape.choice(s.index, "".join(s.text), s.finish_reason, is_chunk=False) for s in states
         ]
         response = shape.envelope(choices, is_chunk=False)
         response["usage"] = usage(states)
         return response
+
+    async def _collect_all(self, jobs: list[EngineJob]) -> list[ChoiceState]:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._collect(job)) for job in jobs]
+        except BaseExceptionGroup as group_error:  # the first choice's error speaks for all
+            raise group_error.exceptions[0] from None
+        return [task.result() for task in tasks]
 
     async def first_outputs(
         self, jobs: list[EngineJob]
