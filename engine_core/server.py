@@ -17,7 +17,7 @@ from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedF
 from engine_core.core import EngineCore
 from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher
+from engine_core.kv_events import KVEventPublisher, cached_block_counts
 from engine_core.metrics import EngineMetrics
 from engine_core.startup import (
     CLIENT_LINGER_MS,
@@ -255,10 +255,12 @@ class EngineServer:
             self._send_outputs(self.core.abort_client(identity, error))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        pool = self.core.scheduler.kv_cache_manager.block_pool
         methods: dict[str, Callable[[], tuple[bool, StatValue | dict, str | None]]] = {
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_stats": lambda: (True, self._stats(), None),
             "check_health": lambda: (True, True, None),
+            "get_cached_block_hashes": lambda: (True, cached_block_counts(pool), None),
         }
         method = methods.get(call.method)
         if method is None:
