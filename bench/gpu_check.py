@@ -6,8 +6,7 @@ proven. Run: `python -m bench.gpu_check [--skip CHECK] [--check-timeout-s S]`.
 """
 
 import argparse
-import contextlib
-import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,14 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 
-from deploy.demo import DemoSettings, check_against_reference, run_workload
-from deploy.launch import Deployment, free_tcp_port, worker_configs
-from engine_core.client import EngineClient, RequestResult
+from bench.workload import free_port
+from engine_core.client import EngineClient, make_request
 from engine_core.plan import POOL_HOST_BYTES_PER_BLOCK
-from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
 from protocol.kv_cache_spec import KVCacheConfig
+from protocol.sampling import SamplingParams
 from worker.distributed import single_rank_group
 from worker.kv_cache import (
     CudaMemory,
@@ -34,6 +31,7 @@ from worker.kv_cache import (
     num_blocks_in_budget,
     profile_capacity,
 )
+from worker.models.reference import ReferenceModel
 from worker.models.registry import build_model, get_model_info
 from worker.profiling import run_profile_step
 
@@ -47,7 +45,13 @@ WORKER_TEST_FILES = (
 CHECK_TIMEOUT_S = 150  # one check may take this long; the four take about a minute on an H200
 DEMO_UTILIZATION = 0.3  # of the device, for the demo deployments (split between ranks sharing it)
 DEMO_NUM_BLOCKS = 64  # the pool the demo runs on, as tight as `kvserve demo`'s, so it preempts
-DEMO_HANDSHAKE_TIMEOUT_S = 120.0
+DEMO_MODEL = "tiny-llama"
+DEMO_CONVERSATIONS = 8
+DEMO_TURNS = 4
+DEMO_MAX_TOKENS = 16  # tokens generated per turn
+DEMO_STARTUP_TIMEOUT_S = 120.0  # for the engine and its ranks to be ready, profiling included
+DEMO_TURN_TIMEOUT_S = 60.0  # for one turn's requests to finish
+LAUNCHER_EXIT_TIMEOUT_S = 30.0
 CAPACITY_MODEL = "tiny-llama"
 CAPACITY_UTILIZATION = 0.5  # the capacity check fills this share of the device with KV blocks
 CAPACITY_STEP_TOKENS = 2048  # the engine's default max_num_batched_tokens
@@ -82,68 +86,84 @@ def check_worker_unit_tests(timeout_s: float) -> CheckResult:
     return CheckResult(True, lines[-1])
 
 
-@contextlib.contextmanager
-def stderr_to(path: Path) -> Iterator[None]:
-    """Send this process's stderr (and so its spawned children's logs) to `path`."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with path.open("wb") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+def demo_conversations(num_turns: int) -> Iterator[list[list[int]]]:
+    """Each turn's prompts: eight conversations on two shared system prompts, growing by a user
+    turn each time (the replies are left out, so the prompts need no earlier output)."""
+    rng = random.Random(0)
+    system_prompts = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(2)]
+    histories = [list(system_prompts[c % 2]) for c in range(DEMO_CONVERSATIONS)]
+    for _ in range(num_turns):
+        for history in histories:
+            history.extend(rng.randrange(3, 500) for _ in range(12))
+        yield [list(history) for history in histories]
 
 
-def cuda_demo_configs(
-    settings: DemoSettings, folder: str
-) -> tuple[EngineConfig, list[WorkerConfig]]:
-    """`kvserve demo`'s deployment on cuda: capacity measured by profiling, pool kept small."""
-    engine = EngineConfig(
-        tp_size=settings.tp_size,
-        client_address=f"ipc://{folder}/client.sock",
-        worker_address=f"ipc://{folder}/worker.sock",
-        handshake_timeout_s=DEMO_HANDSHAKE_TIMEOUT_S,
-        cache=CacheConfig(
-            gpu_memory_utilization=DEMO_UTILIZATION, num_gpu_blocks_override=DEMO_NUM_BLOCKS
-        ),
-        scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=512),
-    ).checked()
-    base = WorkerConfig(model=settings.model, device="cuda", master_port=free_tcp_port())
-    return engine, worker_configs(engine, base)
+def launch_args(tp_size: int, folder: str) -> list[str]:
+    """`kvserve launch` on cuda: capacity measured by profiling, the pool kept small."""
+    return [
+        "launch",
+        *("-tp", str(tp_size), "--model", DEMO_MODEL, "--device", "cuda"),
+        *("--client-address", f"ipc://{folder}/client.sock"),
+        *("--worker-address", f"ipc://{folder}/worker.sock"),
+        *("--master-port", str(free_port())),
+        *("--gpu-memory-utilization", str(DEMO_UTILIZATION)),
+        *("--num-gpu-blocks-override", str(DEMO_NUM_BLOCKS)),
+        *("--max-model-len", "512", "--max-num-batched-tokens", "512", "--log-level", "INFO"),
+    ]
 
 
-def serve_demo_workload(
-    address: str, settings: DemoSettings
-) -> list[tuple[list[int], RequestResult]]:
-    with EngineClient(address, timeout_s=DEMO_HANDSHAKE_TIMEOUT_S) as client:
+def serve_and_compare(address: str) -> tuple[int, list[str]]:
+    """Serve every turn and compare each output with the CPU reference; (requests, mismatches)."""
+    torch.set_num_threads(1)  # the reference's matrices are small: more threads only contend
+    reference = ReferenceModel(DEMO_MODEL, seed=0)
+    params = SamplingParams(max_tokens=DEMO_MAX_TOKENS)
+    num_requests, mismatches = 0, []
+    with EngineClient(address, timeout_s=DEMO_STARTUP_TIMEOUT_S) as client:
         client.check_health()
-        with Progress(disable=True) as progress:
-            return run_workload(client, settings, progress)
+        for turn, prompts in enumerate(demo_conversations(DEMO_TURNS)):
+            req_ids = [f"conv{c}-turn{turn}" for c in range(len(prompts))]
+            for req_id, prompt in zip(req_ids, prompts, strict=True):
+                client.add_request(make_request(req_id, prompt, params))
+            results = client.run_until_finished(req_ids, DEMO_TURN_TIMEOUT_S)
+            for req_id, prompt in zip(req_ids, prompts, strict=True):
+                result = results[req_id]
+                expected = reference.generate(prompt, params)
+                if result.error is not None or result.token_ids != expected:
+                    mismatches.append(req_id)
+            num_requests += len(req_ids)
+    return num_requests, mismatches
+
+
+def stop_launcher(launcher: subprocess.Popen) -> int:
+    """SIGTERM, as Ctrl-C would; SIGKILL past the deadline. The launcher's exit code."""
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        return launcher.wait(LAUNCHER_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.wait(LAUNCHER_EXIT_TIMEOUT_S)
+        return -signal.SIGKILL
 
 
 def check_demo(tp_size: int, log_path: Path, expected_lines: list[str]) -> CheckResult:
-    """The demo workload on cuda, its outputs checked against the CPU reference model, and the
-    ranks' logs checked for the device, backend and capacity lines in `expected_lines`."""
-    settings = DemoSettings(tp_size=tp_size)
-    with tempfile.TemporaryDirectory(prefix="kvserve-gpu-") as folder, stderr_to(log_path):
-        engine_config, workers = cuda_demo_configs(settings, folder)
-        deployment = Deployment(engine_config, workers, "INFO")
-        deployment.start()
+    """The demo workload through `kvserve launch` on cuda, its outputs checked against the CPU
+    reference model, and the ranks' log checked for the lines in `expected_lines`."""
+    kvserve = Path(sys.executable).parent / "kvserve"
+    with tempfile.TemporaryDirectory(prefix="kvserve-gpu-") as folder, log_path.open("wb") as log:
+        launcher = subprocess.Popen(
+            [str(kvserve), *launch_args(tp_size, folder)], cwd=ROOT, stdout=log, stderr=log
+        )
         try:
-            done = serve_demo_workload(engine_config.client_address, settings)
+            num_requests, mismatches = serve_and_compare(f"ipc://{folder}/client.sock")
         finally:
-            code = deployment.stop()
+            code = stop_launcher(launcher)
+    text = log_path.read_text(errors="replace")
     if code != 0:
-        return CheckResult(False, f"the deployment exited {code}; its log: {log_path}")
-    mismatches = check_against_reference(done, settings)
-    log = log_path.read_text(errors="replace")
-    missing = [line for line in expected_lines if line not in log]
-    memory_lines = [line.split(": ", 1)[-1] for line in log.splitlines() if "memory of" in line]
+        return CheckResult(False, f"kvserve launch exited {code}; its log: {log_path}")
+    missing = [line for line in expected_lines if line not in text]
+    memory_lines = [line.split(": ", 1)[-1] for line in text.splitlines() if "memory of" in line]
     detail = (
-        f"{len(done)} requests, {len(mismatches)} differ from the CPU reference; "
+        f"{num_requests} requests, {len(mismatches)} differ from the CPU reference; "
         f"missing log lines {missing}; {memory_lines[:tp_size]}"
     )
     return CheckResult(not mismatches and not missing, detail)
