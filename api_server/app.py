@@ -187,11 +187,9 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     serving, _ = _state(request).running()
-    answered = await asyncio.wait_for(serving.pool.check_health(), HEALTH_CHECK_TIMEOUT_S)
-    engines = {
-        handle.address: is_up for handle, is_up in zip(serving.pool.handles, answered, strict=True)
-    }
-    return JSONResponse({"engines": engines}, status_code=200 if any(answered) else 503)
+    await asyncio.wait_for(serving.pool.check_health(), HEALTH_CHECK_TIMEOUT_S)
+    engines = {handle.address: handle.is_healthy for handle in serving.pool.handles}
+    return JSONResponse({"engines": engines}, status_code=200 if any(engines.values()) else 503)
 
 
 async def metrics(request: Request) -> Response:

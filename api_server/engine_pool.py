@@ -5,6 +5,7 @@ PrefixAffinityRouter. It owns the clients; it never decodes engine messages itse
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from api_server.router import PrefixAffinityRouter
@@ -14,41 +15,52 @@ from protocol.client_messages import EngineCoreOutput, EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0  # between two health checks of every engine
-HEALTH_TIMEOUT_S = 2.0  # an engine that does not answer check_health in this long is down
+HEALTH_TIMEOUT_S = 2.0  # one check_health waits this long
+SILENT_LIMIT_S = 15.0  # a serving engine silent this long (no disconnect seen) is down
 STATS_TIMEOUT_S = 2.0
 
 
 class EngineHandle:
-    """One engine: its address, its client (replaced after a disconnect) and whether it answers."""
+    """One engine: its address, its client (replaced after a disconnect) and whether it serves.
+
+    A busy engine answers utility calls only between steps, and a long prefill on a loaded host
+    can take seconds: a serving engine is declared down at once when it disconnects, but only
+    after SILENT_LIMIT_S without an answer otherwise. An engine never heard from is down.
+    """
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.client = AsyncEngineClient(address, timeout_s=timeout_s)
         self.is_healthy = False  # until its first check_health answer
+        self.last_answer_s: float | None = None  # time.monotonic() of its last answer
 
     async def reconnect(self) -> None:
         """A fresh client: a client that saw its engine disconnect stays dead."""
         old, self.client = self.client, AsyncEngineClient(self.address, timeout_s=self.timeout_s)
         await old.close()
 
+    def mark_down(self, reason: str) -> None:
+        if self.is_healthy:
+            logger.warning("engine at %s is down: %s", self.address, reason)
+        self.is_healthy = False
+
     async def check_health(self) -> bool:
         try:
             await asyncio.wait_for(self.client.call_utility("check_health"), HEALTH_TIMEOUT_S)
-        except EngineDeadError:
-            if self.is_healthy:
-                logger.warning("engine at %s disconnected", self.address)
-            self.is_healthy = False
+        except EngineDeadError as exc:
+            self.mark_down(str(exc))
             await self.reconnect()
             return False
         except (TimeoutError, UtilityCallError) as exc:
-            if self.is_healthy:
-                logger.warning("engine at %s did not answer check_health: %s", self.address, exc)
-            self.is_healthy = False
+            silent_s = time.monotonic() - (self.last_answer_s or 0.0)
+            if self.last_answer_s is None or silent_s > SILENT_LIMIT_S:
+                self.mark_down(f"no answer to check_health for {silent_s:.1f} s ({exc!r})")
             return False
         if not self.is_healthy:
             logger.info("engine at %s is serving", self.address)
         self.is_healthy = True
+        self.last_answer_s = time.monotonic()
         return True
 
 
