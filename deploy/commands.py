@@ -35,6 +35,8 @@ LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest fol
     "master_port",
     "dist_timeout_s",
     "engine_timeout_s",
+    "shutdown_grace_s",
+    "distributed_backend",
     "seed",
 )
 LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
