@@ -32,10 +32,12 @@ NUM_THROUGHPUT_REQS = 128  # per round, CONCURRENCY at a time
 CONCURRENCY = 16
 STARTUP_TIMEOUT_S = 90.0
 HTTP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0  # a process's drain after SIGTERM, before it is killed
+KILL_TIMEOUT_S = 10.0
 TARGET_ADDED_LATENCY_MS = 1.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -195,14 +197,23 @@ def _wait_healthy(port: int, processes: list[subprocess.Popen]) -> None:
     raise TimeoutError(f"the front end on port {port} was not healthy in {STARTUP_TIMEOUT_S} s")
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for process in reversed(processes):  # the front end first, then the deployment
-        process.send_signal(signal.SIGTERM)
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """Terminate each process, the last started first (front ends before the engines they use);
+    kill one that outlives its deadline. Raises if one survives even that."""
+    survivors = []
+    for process in reversed(processes):
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait(10)
+            try:
+                process.wait(KILL_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                survivors.append(process.pid)
+    if survivors:
+        raise RuntimeError(f"processes {survivors} outlived SIGKILL by {KILL_TIMEOUT_S} s")
 
 
 def main() -> None:
@@ -210,14 +221,14 @@ def main() -> None:
     parser.add_argument("--log-level", default="WARNING", help="of the launched processes")
     args = parser.parse_args()
     num_rounds = max(5, args.repeats)
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvs-http-", dir="/tmp") as folder:
         processes = _start(Path(folder), port, args.log_level)
         try:
             _wait_healthy(port, processes)
             figures = run_async(_rounds(f"ipc://{folder}/client.sock", port, num_rounds))
         finally:
-            _stop(processes)
+            stop_processes(processes)
     report(
         "HTTP front end over the ZeroMQ client (medians of per-round values)", figures, args.json
     )  # type: ignore[arg-type]
