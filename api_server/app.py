@@ -1,4 +1,4 @@
-"""The FastAPI app of `kvserve serve`: OpenAI routes over an EnginePool, the API key check, body
+"""The Starlette app of `kvserve serve`: OpenAI routes over an EnginePool, the API key check, body
 limits, and every error in OpenAI's shape. No route blocks the event loop or waits undeadlined.
 """
 
@@ -7,16 +7,20 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TypeVar
 
 import pydantic
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from api_server.engine_pool import EnginePool
@@ -81,10 +85,6 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
 
 
-def _state(request: Request) -> ApiState:
-    return request.app.state.kvserve
-
-
 def _check_api_key(request: Request, state: ApiState) -> None:
     expected = state.settings.api_key
     if expected is None:
@@ -108,8 +108,7 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[RequestBody]) -> RequestBody:
-    state = _state(request)
+async def _parse(request: Request, state: ApiState, model: type[RequestBody]) -> RequestBody:
     _check_api_key(request, state)
     body = await _read_body(request, state.settings.max_body_bytes)
     try:
@@ -125,31 +124,42 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: asyncio.Future[dict]) -> dict:
-    """The result of `work`, or cancel it (aborting its engine requests) when the client leaves."""
+async def _unless_disconnected(request: Request, work: Coroutine[object, object, dict]) -> dict:
+    """The result of `work`, run in this task; a watcher cancels it (aborting its engine
+    requests) when the client leaves. One task per request: the watcher."""
+    handler = asyncio.current_task()
+    assert handler is not None  # a route always runs inside the server's task
+    is_answered = False
+
+    def on_disconnect(watcher: asyncio.Future[None]) -> None:
+        if not is_answered and not watcher.cancelled():
+            handler.cancel()
+
     watcher = asyncio.ensure_future(_until_disconnect(request))
-    watcher.add_done_callback(lambda _: work.cancel())
+    watcher.add_done_callback(on_disconnect)
     try:
         return await work
     except asyncio.CancelledError:
-        if not watcher.done():
+        if not watcher.done() or watcher.cancelled():
             raise  # this handler itself was cancelled
+        handler.uncancel()  # the cancel was ours: what follows may await again
         raise ApiError(499, "the client disconnected", code="client_closed_request") from None
     finally:
+        is_answered = True
         watcher.cancel()
 
 
-async def completions(request: Request) -> Response:
-    body = await _parse(request, CompletionRequest)
-    serving, _ = _state(request).running()
+async def completions(state: ApiState, request: Request) -> Response:
+    body = await _parse(request, state, CompletionRequest)
+    serving, _ = state.running()
     shape = ResponseShape(new_response_id("cmpl"), serving.model, is_chat=False)
     jobs = completion_jobs(body, serving.tokenizer, shape.response_id)
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
 
 
-async def chat_completions(request: Request) -> Response:
-    body = await _parse(request, ChatCompletionRequest)
-    serving, _ = _state(request).running()
+async def chat_completions(state: ApiState, request: Request) -> Response:
+    body = await _parse(request, state, ChatCompletionRequest)
+    serving, _ = state.running()
     shape = ResponseShape(new_response_id("chatcmpl"), serving.model, is_chat=True)
     jobs = [chat_job(body, serving.tokenizer, shape.response_id)]
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
@@ -164,16 +174,14 @@ async def _respond(
     include_usage: bool,
 ) -> Response:
     if not is_stream:
-        work = asyncio.ensure_future(serving.complete(jobs, shape))
-        body = await _unless_disconnected(request, work)
+        body = await _unless_disconnected(request, serving.complete(jobs, shape))
         return Response(JSON.encode(body), media_type="application/json")
     started = await serving.first_outputs(jobs)
     events = serving.stream(started, shape, include_usage)
     return EventStreamResponse(events, media_type="text/event-stream")
 
 
-async def models(request: Request) -> Response:
-    state = _state(request)
+async def models(state: ApiState, request: Request) -> Response:
     _check_api_key(request, state)
     card = {
         "id": state.settings.model,
@@ -185,15 +193,15 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
-async def health(request: Request) -> Response:
-    serving, _ = _state(request).running()
+async def health(state: ApiState, request: Request) -> Response:
+    serving, _ = state.running()
     await asyncio.wait_for(serving.pool.check_health(), HEALTH_CHECK_TIMEOUT_S)
     engines = {handle.address: handle.is_healthy for handle in serving.pool.handles}
     return JSONResponse({"engines": engines}, status_code=200 if any(engines.values()) else 503)
 
 
-async def metrics(request: Request) -> Response:
-    _, api_metrics = _state(request).running()
+async def metrics(state: ApiState, request: Request) -> Response:
+    _, api_metrics = state.running()
     text = await api_metrics.render()
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -228,12 +236,12 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     return _error_response(500, ApiError(500, f"internal error: {exc}").body())
 
 
-def create_app(settings: ApiSettings) -> FastAPI:
+def create_app(settings: ApiSettings) -> Starlette:
     """The app; its lifespan connects to the engines and closes the connections."""
     state = ApiState(settings)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool = EnginePool(
             list(settings.engine_addresses), settings.block_size, settings.engine_timeout_s
         )
@@ -247,18 +255,25 @@ def create_app(settings: ApiSettings) -> FastAPI:
             state.serving = None
             await pool.close()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Starlette rather than FastAPI: each endpoint parses its own body, and FastAPI's extra
+    # middleware (telemetry, body limit, exit stack) only added latency to every request
+    routes = [
+        Route("/v1/completions", partial(completions, state), methods=["POST"]),
+        Route("/v1/chat/completions", partial(chat_completions, state), methods=["POST"]),
+        Route("/v1/models", partial(models, state), methods=["GET"]),
+        Route("/health", partial(health, state), methods=["GET"]),
+        Route("/metrics", partial(metrics, state), methods=["GET"]),
+        Route("/version", version_info, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(MetricsMiddleware, metrics=lambda: state.metrics)],
+        exception_handlers={
+            ApiError: _on_api_error,
+            StarletteHTTPException: _on_http_error,
+            Exception: _on_unexpected,
+        },
+        lifespan=lifespan,
+    )
     app.state.kvserve = state
-    # Plain Starlette routes: each endpoint parses its own body, so FastAPI's per-request
-    # dependency solving would only add latency
-    app.router.add_route("/v1/completions", completions, methods=["POST"])
-    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.router.add_route("/v1/models", models, methods=["GET"])
-    app.router.add_route("/health", health, methods=["GET"])
-    app.router.add_route("/metrics", metrics, methods=["GET"])
-    app.router.add_route("/version", version_info, methods=["GET"])
-    app.add_exception_handler(ApiError, _on_api_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)
-    app.add_middleware(MetricsMiddleware, metrics=lambda: state.metrics)
     return app

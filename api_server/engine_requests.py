@@ -2,9 +2,9 @@
 here so that a bad value is a 400 naming its parameter; and the HTTP status of an engine's refusal.
 """
 
+import os
 import re
 import time
-import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -40,7 +40,8 @@ class EngineJob:
 
 
 def new_response_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`prefix-` and 32 random hex digits, as uuid4().hex gives, at a fraction of its cost."""
+    return f"{prefix}-{os.urandom(16).hex()}"
 
 
 def _checked_prompt(prompt: str | list[int], tokenizer: ByteTokenizer, param: str) -> list[int]:

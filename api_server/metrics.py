@@ -76,13 +76,22 @@ class ApiMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}  # by labels
         self.engines = EngineStatsCollector([handle.address for handle in pool.handles])
         self.registry.register(self.engines)
 
     def observe(self, path: str, method: str, status: int, duration_s: float) -> None:
         handler = path if path in self.handlers else "other"
-        self.requests.labels(handler, method, str(status)).inc()
-        self.latency.labels(handler, method).observe(duration_s)
+        key = (handler, method, status)
+        children = self._children.get(key)
+        if children is None:  # labels() parses and locks on every call: look each set up once
+            children = (
+                self.requests.labels(handler, method, str(status)),
+                self.latency.labels(handler, method),
+            )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(duration_s)
 
     async def render(self) -> bytes:
         """The exposition text, with engine statistics fetched now."""
