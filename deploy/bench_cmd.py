@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from deploy.keys import add_keys_flag, keys_from
 from engine_core.client import EngineClient, EngineDeadError, RequestResult, make_request
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
@@ -32,13 +33,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-tokens", type=int, default=32, help="tokens per output; default 32")
     bench.add_argument("--vocab-size", type=int, default=500, help="token ids drawn below it")
     bench.add_argument("--timeout-s", type=float, default=300.0, help="seconds for the whole run")
+    add_keys_flag(bench, "client")
     bench.set_defaults(handler=bench_command)
 
 
 def bench_command(args: argparse.Namespace) -> int:
     check_bench_args(args)
     console = Console()
-    with EngineClient(args.address, timeout_s=args.timeout_s) as client:
+    with EngineClient(args.address, args.timeout_s, keys_from(args, "client")) as client:
         start = time.monotonic()
         try:
             req_ids = submit_prompts(client, args)

@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+import msgspec
+
 from deploy.commands import (
     add_common,
     add_engine_flags,
@@ -21,6 +23,7 @@ from deploy.commands import (
     serve_command,
 )
 from deploy.flags import WORKER_FLAGS, UsageError, add_flags, build_config
+from deploy.keys import add_keys_flag, keys_from
 from deploy.logs import setup_logging
 from protocol.config import WorkerConfig
 
@@ -36,7 +39,7 @@ TORCHRUN_ENV = {
 
 def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
     """Flags first, then torchrun's environment variables, then the config's defaults."""
-    extra = {field: environ[name] for name, field in TORCHRUN_ENV.items() if name in environ}
+    extra: dict = {field: environ[name] for name, field in TORCHRUN_ENV.items() if name in environ}
     for field in ("rank", "tp_size", "local_rank", "master_port"):
         if field in extra:
             try:
@@ -45,6 +48,9 @@ def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> 
                 raise UsageError(
                     f"${field.upper()} {extra[field]!r}: expected an integer"
                 ) from None
+    curve = keys_from(args, "worker")
+    if curve is not None:
+        extra["curve"] = msgspec.to_builtins(curve)
     return check_model_name(build_config(args, WORKER_FLAGS, WorkerConfig, **extra))
 
 
@@ -62,6 +68,7 @@ def worker_parser() -> argparse.ArgumentParser:
         "LOCAL_RANK, MASTER_ADDR and MASTER_PORT.",
     )
     add_flags(parser, WORKER_FLAGS, WorkerConfig)
+    add_keys_flag(parser, "worker")
     add_common(parser)
     return parser
 

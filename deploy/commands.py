@@ -20,6 +20,7 @@ from deploy.flags import (
     build_config,
     parse_kv_events_config,
 )
+from deploy.keys import add_keys_flag, keygen_command, keys_from
 from deploy.logs import LOG_LEVELS
 from protocol.config import EngineConfig, WorkerConfig
 
@@ -56,6 +57,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, help="TCP port of the client socket (with --host)")
     parser.add_argument(KV_EVENTS_FLAG, help="JSON of the KV events publisher config")
+    add_keys_flag(parser, "engine")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -67,6 +69,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     kv_events = parse_kv_events_config(getattr(args, "kv_events_config", None))
     if kv_events is not None:
         extra["kv_events"] = msgspec.to_builtins(kv_events)
+    curve = keys_from(args, "engine")
+    if curve is not None:
+        extra["curve"] = msgspec.to_builtins(curve)
     return build_config(args, ENGINE_FLAGS, EngineConfig, **extra)
 
 
@@ -106,7 +111,13 @@ def add_subcommands(commands: argparse._SubParsersAction) -> None:
         sub = commands.add_parser(name, help=helptext)
         sub.add_argument("--address", default=DEFAULT_CLIENT_ADDRESS, help="engine client socket")
         sub.add_argument("--timeout-s", type=float, default=10.0, help="seconds to wait")
+        add_keys_flag(sub, "client")
         sub.set_defaults(handler=stats_command if name == "stats" else reset_command)
+
+    keygen = commands.add_parser("keygen", help="write CURVE keys for the engine, workers, clients")
+    keygen.add_argument("dir", help="folder to write the keys to (made owner-only)")
+    keygen.add_argument("--force", action="store_true", help="replace existing secret keys")
+    keygen.set_defaults(handler=keygen_command)
 
     from deploy.bench_cmd import add_bench_parser
 
@@ -118,7 +129,10 @@ def launch_command(args: argparse.Namespace) -> int:
     from deploy.logs import setup_logging
 
     engine_config = engine_config_from(args)
-    base_worker = check_model_name(build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig))
+    curve = keys_from(args, "worker")
+    worker_extra = {} if curve is None else {"curve": msgspec.to_builtins(curve)}
+    base_worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig, **worker_extra)
+    check_model_name(base_worker)
     if engine_config.cache.kv_cache_memory_bytes is None and base_worker.device == "cpu":
         raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
     setup_logging("launcher", args.log_level)
@@ -223,7 +237,7 @@ def demo_command(args: argparse.Namespace) -> int:
 def stats_command(args: argparse.Namespace) -> int:
     from engine_core.client import EngineClient, EngineDeadError
 
-    with EngineClient(args.address, timeout_s=args.timeout_s) as client:
+    with EngineClient(args.address, args.timeout_s, keys_from(args, "client")) as client:
         try:
             stats = client.get_stats()
         except (TimeoutError, EngineDeadError) as exc:
@@ -236,7 +250,7 @@ def stats_command(args: argparse.Namespace) -> int:
 def reset_command(args: argparse.Namespace) -> int:
     from engine_core.client import EngineClient, EngineDeadError, UtilityCallError
 
-    with EngineClient(args.address, timeout_s=args.timeout_s) as client:
+    with EngineClient(args.address, args.timeout_s, keys_from(args, "client")) as client:
         try:
             client.reset_prefix_cache()
         except (UtilityCallError, TimeoutError, EngineDeadError) as exc:

@@ -58,6 +58,16 @@ ENGINE_FLAGS = [
     Flag(("--log-stats-interval-s",), ("log_stats_interval_s",), "seconds between stats log lines"),
     Flag(("--metrics-port",), ("metrics_port",), "TCP port of HTTP /metrics and /health"),
     Flag(
+        ("--metrics-host",),
+        ("metrics_host",),
+        "interface of HTTP /metrics and /health (0.0.0.0: reachable from other hosts)",
+    ),
+    Flag(
+        ("--insecure",),
+        ("allow_insecure",),
+        "bind non-loopback tcp addresses without --curve-keys-dir (no authentication)",
+    ),
+    Flag(
         ("--shutdown-timeout-s",),
         ("shutdown_timeout_s",),
         "seconds to finish in-flight requests after SIGTERM before aborting them",

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from deploy.flags import UsageError
 from deploy.logs import setup_logging
+from engine_core.curve import check_secure
 from engine_core.endpoints import AddressInUseError, check_free
 from protocol.config import EngineConfig, WorkerConfig
 
@@ -202,10 +203,12 @@ class Deployment:
 def check_addresses(engine_config: EngineConfig, base_worker: WorkerConfig) -> WorkerConfig:
     """Refuse, before anything starts, addresses another deployment serves on (AddressInUseError
     naming the flag); the worker config, with a free rendezvous port when the default is taken."""
+    check_secure(engine_config)
     check_free(engine_config.client_address, "--client-address")
     check_free(engine_config.worker_address, "--worker-address")
     if engine_config.metrics_port is not None:
-        check_free(f"tcp://0.0.0.0:{engine_config.metrics_port}", "--metrics-port")
+        metrics_address = f"tcp://{engine_config.metrics_host}:{engine_config.metrics_port}"
+        check_free(metrics_address, "--metrics-port")
     kv_events = engine_config.kv_events
     if kv_events.enable_kv_cache_events:
         for address in filter(None, [kv_events.endpoint, kv_events.replay_endpoint]):

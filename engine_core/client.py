@@ -25,6 +25,7 @@ from protocol.client_messages import (
     UtilityResult,
 )
 from protocol.codec import engine_to_client_decoder, make_encoder
+from protocol.config import CurveKeys
 from protocol.errors import ProtocolError
 from protocol.sampling import SamplingParams
 
@@ -93,8 +94,12 @@ def make_request(
     )
 
 
-def _configure(sock: zmq.Socket, address: str) -> None:
+def _configure(sock: zmq.Socket, address: str, curve: CurveKeys | None) -> None:
     sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+    if curve is not None:  # a CURVE client: the client keypair and the engine's public key
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public_key.encode())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key.encode())
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key.encode())
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTERVAL_S)
@@ -110,13 +115,15 @@ class EngineClient:
     raises it at once.
     """
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, curve: CurveKeys | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        _configure(self._sock, address)
+        _configure(self._sock, address, curve)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -279,13 +286,15 @@ class AsyncEngineClient:
     failed with it and every later call raises it at once.
     """
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, curve: CurveKeys | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        _configure(self._sock, address)
+        _configure(self._sock, address, curve)
         self._encoder = make_encoder()
         self._decoder = engine_to_client_decoder()
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}

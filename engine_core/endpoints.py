@@ -1,6 +1,7 @@
 """Endpoints: binding the engine's sockets so that a second deployment never steals the first's
-addresses, a busy address is one clear error naming its flag, and at exit only the ipc:// socket
-files this engine created are removed. No policy beyond that.
+addresses, a busy address is one clear error naming its flag, each socket is a CURVE server when
+keys are configured, ipc:// files are the owner's alone, and at exit only the socket files this
+engine created are removed.
 """
 
 import contextlib
@@ -11,11 +12,15 @@ import socket
 
 import zmq
 
+from protocol.config import CurveKeys
+
 logger = logging.getLogger(__name__)
 
 IPC_PREFIX = "ipc://"
 TCP_PREFIX = "tcp://"
 PROBE_TIMEOUT_S = 0.5  # a live ipc socket accepts at once; a stale file refuses at once
+IPC_FOLDER_MODE = 0o700  # a folder the engine makes for its ipc sockets
+IPC_FILE_MODE = 0o600  # an ipc socket file: only the owner may connect
 
 
 class AddressInUseError(RuntimeError):
@@ -78,19 +83,46 @@ def _check_tcp_free(address: str, flag: str) -> None:
             raise AddressInUseError(f"{flag} {address} {reason}") from None
 
 
+def make_curve_server(sock: zmq.Socket, curve: CurveKeys | None, flag: str) -> None:
+    """Make `sock` a CURVE server before it binds (without keys: leave it as is). Its ZAP domain
+    is `flag`, so the ZAP handler's refusals name the socket."""
+    if curve is None:
+        return
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key.encode())
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key.encode())
+    sock.setsockopt(zmq.ZAP_DOMAIN, flag.encode())
+
+
+def prepare_ipc_folder(address: str) -> None:
+    """Make the folder of an ipc:// socket file, owner-only, when it does not exist yet; a folder
+    that exists is the operator's and is left as it is."""
+    path = ipc_path(address)
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=IPC_FOLDER_MODE, exist_ok=True)
+        os.chmod(folder, IPC_FOLDER_MODE)  # makedirs' mode is masked by the umask
+
+
 class Endpoints:
     """The addresses this engine bound.
 
     Invariants: `owned_files` maps each ipc socket file this engine created to the (device,
-    inode) it had right after the bind, so a file another engine made later is never removed.
+    inode) it had right after the bind, so a file another engine made later is never removed;
+    each of those files has mode IPC_FILE_MODE.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, curve: CurveKeys | None = None) -> None:
         self.owned_files: dict[str, tuple[int, int]] = {}
+        self.curve = curve  # every socket bound here is a CURVE server when set
 
     def bind(self, sock: zmq.Socket, address: str, flag: str) -> None:
         """Bind `sock` after checking nobody serves there; AddressInUseError names the flag."""
         check_free(address, flag)
+        make_curve_server(sock, self.curve, flag)
+        prepare_ipc_folder(address)
         try:
             sock.bind(address)
         except zmq.ZMQError as exc:
@@ -102,6 +134,7 @@ class Endpoints:
         this engine), so that exit removes it."""
         path = ipc_path(address)
         if path is not None:
+            os.chmod(path, IPC_FILE_MODE)
             stat = os.stat(path)
             self.owned_files[path] = (stat.st_dev, stat.st_ino)
 

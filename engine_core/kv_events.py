@@ -12,9 +12,10 @@ from collections import deque
 
 import zmq
 
+from engine_core.endpoints import make_curve_server
 from engine_core.kv_cache.block_pool import BlockPool
 from protocol.codec import make_encoder
-from protocol.config import KVEventsConfig
+from protocol.config import CurveKeys, KVEventsConfig
 from protocol.kv_events import KVCacheEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ DRAIN_SHARE = 0.5  # share of close()'s timeout the thread may spend publishing 
 LOCK_TIMEOUT_S = 0.5  # the thread holds the socket lock for one send or one replay answer
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # the seq frame of a replay's last answer
 SEQ_SIZE_BYTES = 8
+KV_EVENTS_FLAG = "--kv-events-config"  # names both sockets in errors and ZAP refusals
 DATA_PARALLEL_RANK = 0  # vLLM's publisher stamps its rank on every batch; kvserve is one engine
 
 
@@ -41,7 +43,9 @@ class KVEventPublisher:
     held only briefly, and close() can always take it and close the sockets.
     """
 
-    def __init__(self, ctx: zmq.Context, config: KVEventsConfig) -> None:
+    def __init__(
+        self, ctx: zmq.Context, config: KVEventsConfig, curve: CurveKeys | None = None
+    ) -> None:
         self.config = config
         self.num_dropped = 0
         self._queue: queue.Queue[KVEventBatch] = queue.Queue(QUEUE_LIMIT)
@@ -53,6 +57,7 @@ class KVEventPublisher:
         self._drain_until_s = 0.0  # monotonic; set by close() before _stop
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        make_curve_server(self._pub, curve, KV_EVENTS_FLAG)  # subscribers need authorized keys
         self._pub.bind(config.endpoint)
         self._replay: zmq.Socket | None = None
         if config.replay_endpoint is not None:
@@ -61,6 +66,7 @@ class KVEventPublisher:
             # ZMQ frees room in a peer's queue only every half high-water mark, so a queue of
             # twice the replay (plus its end marker) never drops part of one answer.
             self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
+            make_curve_server(self._replay, curve, KV_EVENTS_FLAG)
             self._replay.bind(config.replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()

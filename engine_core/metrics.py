@@ -164,7 +164,7 @@ def _histogram(
 class MetricsServer:
     """HTTP /metrics (Prometheus text) and /health (200 while healthy, else 503) on a port."""
 
-    def __init__(self, metrics: EngineMetrics, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, metrics: EngineMetrics, port: int, host: str = "127.0.0.1") -> None:
         handler = _make_handler(metrics)
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
@@ -172,7 +172,9 @@ class MetricsServer:
             target=self.httpd.serve_forever, name="metrics-http", daemon=True
         )
         self.thread.start()
-        logger.info("serving /metrics and /health on port %d", self.httpd.server_address[1])
+        logger.info(
+            "serving /metrics and /health on %s port %d", host, self.httpd.server_address[1]
+        )
 
     def close(self) -> None:
         self.httpd.shutdown()

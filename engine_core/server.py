@@ -15,6 +15,7 @@ import zmq
 
 from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
+from engine_core.curve import start_zap_guard
 from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
 from engine_core.kv_events import KVEventPublisher, cached_block_counts
@@ -308,9 +309,9 @@ class EngineServer:
 
 def run(config: EngineConfig) -> int:
     """The engine's process main: bind, handshake, serve; 0 on a clean stop, 1 on a failure, 2
-    when an address is taken."""
+    when an address is taken or, without CURVE keys, reachable from other hosts."""
     ctx = zmq.Context()
-    endpoints = Endpoints()
+    endpoints = Endpoints(config.curve)
     parts: list[Callable[[], None]] = []  # closers, run in reverse order at exit
     try:
         return _bind_and_serve(config, ctx, endpoints, parts)
@@ -327,6 +328,8 @@ def run(config: EngineConfig) -> int:
 def _bind_and_serve(
     config: EngineConfig, ctx: zmq.Context, endpoints: Endpoints, parts: list[Callable[[], None]]
 ) -> int:
+    guard = start_zap_guard(ctx, config)  # before any bind, or CURVE sockets admit every key
+    parts.extend([guard.stop] if guard is not None else [])
     # The client socket binds once the model's max_model_len is known; check it is free first.
     check_free(config.client_address, "--client-address")
     workers = WorkerGroup(
@@ -341,7 +344,7 @@ def _bind_and_serve(
     parts.append(workers.close)
     metrics = EngineMetrics() if config.metrics_port is not None else None
     if metrics is not None:
-        http = serve_metrics(metrics, config.metrics_port)  # type: ignore[arg-type]
+        http = serve_metrics(metrics, config)
         parts.append(http.close)
         parts.append(lambda: setattr(metrics, "is_healthy", False))
     kv_events = None

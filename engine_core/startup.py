@@ -10,7 +10,7 @@ import zmq
 
 from engine_core.client_router import ClientRouter
 from engine_core.core import EngineCore
-from engine_core.endpoints import AddressInUseError, Endpoints, check_free
+from engine_core.endpoints import AddressInUseError, Endpoints, check_free, prepare_ipc_folder
 from engine_core.handshake import HandshakeError
 from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics, MetricsServer
@@ -47,11 +47,16 @@ def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
     return EngineCore(config, kv_cache_config, model_info, workers, plan.limits)
 
 
-def serve_metrics(metrics: EngineMetrics, port: int) -> MetricsServer:
+def serve_metrics(metrics: EngineMetrics, config: EngineConfig) -> MetricsServer:
+    """HTTP /metrics and /health on --metrics-host (loopback unless the operator opens it)."""
+    host, port = config.metrics_host, config.metrics_port
+    assert port is not None, "serve_metrics without a --metrics-port"
     try:
-        return MetricsServer(metrics, port)
+        return MetricsServer(metrics, port, host)
     except OSError as exc:
-        raise AddressInUseError(f"cannot serve --metrics-port {port}: {exc.strerror}") from None
+        raise AddressInUseError(
+            f"cannot serve --metrics-host {host} --metrics-port {port}: {exc.strerror}"
+        ) from None
 
 
 def start_kv_event_publisher(
@@ -60,8 +65,9 @@ def start_kv_event_publisher(
     addresses = [config.kv_events.endpoint, config.kv_events.replay_endpoint]
     for address in filter(None, addresses):
         check_free(address, "--kv-events-config")
+        prepare_ipc_folder(address)
     try:
-        publisher = KVEventPublisher(ctx, config.kv_events)
+        publisher = KVEventPublisher(ctx, config.kv_events, endpoints.curve)
     except zmq.ZMQError as exc:
         raise AddressInUseError(f"cannot bind --kv-events-config: {exc.strerror}") from None
     for address in filter(None, addresses):

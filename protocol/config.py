@@ -69,6 +69,16 @@ class KVEventsConfig(_Config, frozen=True):
     buffer_steps: PositiveInt = 10000  # batches kept for replay
 
 
+class CurveKeys(_Config, frozen=True):
+    """One process's CURVE keys, as Z85 text (40 characters each); deploy/ loads them from the
+    folder `kvserve keygen` writes, so engine_core/ and worker/ never read key files."""
+
+    public_key: str  # this process's own
+    secret_key: str  # this process's own
+    server_public_key: str  # the engine's; on the engine, its own public key
+    authorized_keys: list[str] = []  # the engine only: the client and worker keys it admits
+
+
 class EngineConfig(_Config, frozen=True):
     tp_size: TPSize = 1
     client_address: str = "ipc:///tmp/kvserve-client.sock"  # ROUTER the clients connect to
@@ -91,6 +101,9 @@ class EngineConfig(_Config, frozen=True):
     # Host bytes the block pool's bookkeeping may take (about 120 per block); a larger pool is
     # refused at startup. None: deploy/ fills in a quarter of physical memory; left None, no limit.
     max_pool_host_memory_bytes: PositiveInt | None = None
+    curve: CurveKeys | None = None  # None: no CURVE, allowed only on loopback and ipc://
+    allow_insecure: bool = False  # bind a non-loopback tcp address without CURVE anyway
+    metrics_host: str = "127.0.0.1"  # interface of HTTP /metrics and /health
 
 
 class WorkerConfig(_Config, frozen=True):
@@ -115,3 +128,4 @@ class WorkerConfig(_Config, frozen=True):
     # this rank's CUDA device; None: local_rank modulo the visible devices (0 without local_rank)
     device_index: Annotated[int, msgspec.Meta(ge=0)] | None = None
     local_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None  # index on this host (LOCAL_RANK)
+    curve: CurveKeys | None = None  # the worker keypair and the engine's public key

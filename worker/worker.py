@@ -262,6 +262,10 @@ def _connect(ctx: zmq.Context, config: WorkerConfig) -> tuple[zmq.Socket, zmq.So
     sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, timeout_ms))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
     sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms * HEARTBEAT_TTL_FACTOR)
+    if config.curve is not None:  # a CURVE client: the worker keypair, the engine's public key
+        sock.setsockopt(zmq.CURVE_SERVERKEY, config.curve.server_public_key.encode())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, config.curve.public_key.encode())
+        sock.setsockopt(zmq.CURVE_SECRETKEY, config.curve.secret_key.encode())
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(config.engine_address)
     return sock, monitor
