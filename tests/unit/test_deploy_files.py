@@ -1,6 +1,7 @@
 """The deploy files (k8s, compose, systemd, Dockerfile) run commands the CLIs accept, and their
 ports and addresses agree: the workers reach the engine's worker port, the ranks are 0..tp-1 with
-one rendezvous, and probes and Prometheus hit the engine's metrics port. Files are only parsed.
+one rendezvous, probes and Prometheus hit the engine's metrics port, and an engine reachable from
+other hosts has CURVE keys, as its workers do. Files are only parsed; keys come from a keygen.
 """
 
 import argparse
@@ -14,13 +15,29 @@ from pathlib import Path
 import pytest
 import yaml
 
+import deploy.keys
 from deploy.cli import core_parser, worker_config_from, worker_parser
 from deploy.commands import add_subcommands, engine_config_from
-from protocol.config import EngineConfig, WorkerConfig
+from engine_core.curve import bound_addresses, is_loopback
+from protocol.config import CurveKeys, EngineConfig, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 LEADER_ADDRESS = "kvserve-0.kvserve.default"  # a stand-in for what LeaderWorkerSet injects
+KEYS_MOUNT = Path("/etc/kvserve/keys")  # where every deploy file mounts the keygen folder
+
+
+@pytest.fixture(autouse=True)
+def mounted_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--curve-keys-dir reads the keys a real keygen wrote, wherever a deploy file mounts them."""
+    deploy.keys.keygen(tmp_path / "keys")
+    load = deploy.keys.load_curve_keys
+
+    def load_mounted(folder: Path, role: deploy.keys.Role) -> CurveKeys:
+        assert folder == KEYS_MOUNT, f"--curve-keys-dir {folder}: expected {KEYS_MOUNT}"
+        return load(tmp_path / "keys", role)
+
+    monkeypatch.setattr(deploy.keys, "load_curve_keys", load_mounted)
 
 
 def kvserve_parser() -> argparse.ArgumentParser:
@@ -69,6 +86,20 @@ def check_group(engine: EngineConfig, workers: list[WorkerConfig], engine_host: 
         assert tcp_port(worker.engine_address) == tcp_port(engine.worker_address), worker
         assert tcp_host(worker.engine_address) in (engine_host, "127.0.0.1"), worker
     assert len({(w.master_addr, w.master_port) for w in workers}) == 1, "two rendezvous"
+    check_curve(engine, workers)
+
+
+def check_curve(engine: EngineConfig, workers: list[WorkerConfig]) -> None:
+    """An engine bound beyond loopback has keys (never --insecure here), and so do its workers;
+    an engine without keys has workers without keys."""
+    is_exposed = not all(is_loopback(address) for _, address in bound_addresses(engine))
+    assert not engine.allow_insecure, "a deploy file runs --insecure"
+    assert (engine.curve is not None) == is_exposed, f"exposed {is_exposed}, keys {engine.curve}"
+    for worker in workers:
+        assert (worker.curve is None) == (engine.curve is None), f"rank {worker.rank}"
+        if engine.curve is not None:
+            assert worker.curve.server_public_key == engine.curve.public_key, worker.rank
+            assert worker.curve.public_key in engine.curve.authorized_keys, worker.rank
 
 
 def script_names() -> set[str]:
@@ -127,6 +158,7 @@ def test_k8s_probes_service_and_servicemonitor_reach_the_metrics_port() -> None:
     engine_container = lws_containers(leader=True)[0]
     engine = parse(k8s_argv(engine_container, 0))
     assert isinstance(engine, EngineConfig) and engine.metrics_port is not None
+    assert engine.metrics_host == "0.0.0.0", "the kubelet's probes come from outside the pod"
     named_ports = {p["name"]: p["containerPort"] for p in engine_container["ports"]}
     for probe in ("readinessProbe", "livenessProbe"):
         http_get = engine_container[probe]["httpGet"]
@@ -178,6 +210,10 @@ def test_compose_runs_an_engine_and_its_ranks_against_it() -> None:
     rank_0_service = next(name for name, worker in workers.items() if worker.rank == 0)
     assert {w.master_addr for w in workers.values()} == {rank_0_service}
     assert f"{engine.metrics_port}:{engine.metrics_port}" in services["engine"]["ports"]
+    assert engine.metrics_host == "0.0.0.0", "Prometheus scrapes from its own container"
+    for name, service in services.items():
+        if "--curve-keys-dir" in service.get("command", []):
+            assert f"./keys:{KEYS_MOUNT}:ro" in service["volumes"], name
 
 
 def test_prometheus_scrapes_the_engines_metrics_port() -> None:
