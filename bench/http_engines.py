@@ -195,6 +195,7 @@ async def _rounds(ports: dict[str, int], addresses: list[str], num_rounds: int) 
 def figures(passes: dict[str, list[Pass]], model: str) -> dict[str, float | int | str]:
     one, two = passes["one"], passes["two"]
     rounds = list(zip(one, two, strict=True))
+    ratios = [b.output_tokens_per_s / a.output_tokens_per_s for a, b in rounds]
     return {
         "model": model,
         "rounds": len(rounds),
@@ -209,9 +210,9 @@ def figures(passes: dict[str, list[Pass]], model: str) -> dict[str, float | int 
         "two_engine_output_tokens_per_s": statistics.median(p.output_tokens_per_s for p in two),
         "one_engine_requests_per_s": statistics.median(p.requests_per_s for p in one),
         "two_engine_requests_per_s": statistics.median(p.requests_per_s for p in two),
-        "ratio_two_engine_throughput": statistics.median(
-            b.output_tokens_per_s / a.output_tokens_per_s for a, b in rounds
-        ),
+        "ratio_two_engine_throughput": statistics.median(ratios),
+        "ratio_two_engine_throughput_min": min(ratios),  # the spread over rounds
+        "ratio_two_engine_throughput_max": max(ratios),
         "two_engine_engine_b_query_share": statistics.median(
             p.num_queries[1] / max(1, sum(p.num_queries)) for p in two
         ),
