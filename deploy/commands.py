@@ -24,7 +24,7 @@ from deploy.keys import add_keys_flag, keygen_command, keys_from
 from deploy.logs import LOG_LEVELS
 from protocol.config import EngineConfig, WorkerConfig
 
-if TYPE_CHECKING:  # imported at run time only by `serve`, so other commands never load the HTTP stack
+if TYPE_CHECKING:  # imported at run time only by `serve`: other commands never load HTTP
     from api_server.app import ApiSettings
 
 DEFAULT_CLIENT_ADDRESS = EngineConfig().client_address
