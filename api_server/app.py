@@ -246,8 +246,8 @@ def create_app(settings: ApiSettings) -> Starlette:
             list(settings.engine_addresses), settings.block_size, settings.engine_timeout_s
         )
         pool.start()
-        state.serving = Serving(pool, state.tokenizer, settings.model)
         state.metrics = ApiMetrics(pool, set(ROUTES))
+        state.serving = Serving(pool, state.tokenizer, settings.model, state.metrics.token_latency)
         logger.info("serving %s from %d engine(s)", settings.model, len(pool.handles))
         try:
             yield

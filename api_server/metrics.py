@@ -55,6 +55,24 @@ class EngineStatsCollector(Collector):
         yield healthy
 
 
+class TokenLatency:
+    """vLLM's TTFT and inter-token latency histograms, timed where the client sees the tokens."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from a request's start to its first token, in seconds",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two outputs of one request, in seconds",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+
+
 class ApiMetrics:
     """The registry of one front end. `handlers` bounds the `handler` label: any other path
     counts as `other`."""
@@ -77,6 +95,7 @@ class ApiMetrics:
             registry=self.registry,
         )
         self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}  # by labels
+        self.token_latency = TokenLatency(self.registry)
         self.engines = EngineStatsCollector([handle.address for handle in pool.handles])
         self.registry.register(self.engines)
 

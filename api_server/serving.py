@@ -13,6 +13,7 @@ import msgspec
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
+from api_server.metrics import TokenLatency
 from api_server.tokenizer import ByteTokenizer
 from engine_core.client import EngineDeadError
 from protocol.client_messages import EngineCoreOutput, FinishReason
@@ -85,20 +86,33 @@ def _visible_ids(output: EngineCoreOutput) -> list[int]:
 class Serving:
     """Runs responses for the routes: the pool, the tokenizer and the served model's name."""
 
-    def __init__(self, pool: EnginePool, tokenizer: ByteTokenizer, model: str) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        tokenizer: ByteTokenizer,
+        model: str,
+        token_latency: TokenLatency | None = None,
+    ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
+        self.token_latency = token_latency  # TTFT and inter-token latency, when metrics are on
 
     async def _outputs(self, job: EngineJob) -> AsyncIterator[EngineCoreOutput]:
         if not self.pool.has_healthy_engine:
             raise ApiError(503, "no engine is serving: retry later", code="engine_unavailable")
         outputs = self.pool.generate(job.request, job.prompt_token_ids, job.num_tokens)
+        latency, last_s = self.token_latency, time.monotonic()
+        is_first = True
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     if output.finish_reason == FinishReason.ERROR:
                         raise engine_refusal(output.error)
+                    if latency is not None and output.new_token_ids:
+                        now_s = time.monotonic()
+                        (latency.ttft if is_first else latency.itl).observe(now_s - last_s)
+                        last_s, is_first = now_s, False
                     yield output
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), code="engine_unavailable") from None

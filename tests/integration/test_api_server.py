@@ -197,6 +197,17 @@ def test_keys_routes_health_metrics_and_version(served: str) -> None:
     )
     assert "http_request_duration_seconds_bucket" in metrics
     assert 'vllm:kv_cache_usage_perc{engine="0"} 0.0' in metrics
+    good = {"authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(f"{served}/v1/completions", json=body, headers=good).status_code == 200
+    metrics = httpx.get(f"{served}/metrics").text
+    assert _sample(metrics, "vllm:time_to_first_token_seconds_count") >= 1
+    assert _sample(metrics, "vllm:inter_token_latency_seconds_count") >= 2
+
+
+def _sample(metrics: str, name: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(f"{name} "))
+    return float(line.split()[1])
 
 
 def _engine_of(url: str) -> str:
