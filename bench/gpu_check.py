@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bench.workload import free_port
 from engine_core.client import EngineClient, make_request
+from engine_core.endpoints import free_tcp_ports
 from engine_core.plan import POOL_HOST_BYTES_PER_BLOCK
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
@@ -105,7 +105,7 @@ def launch_args(tp_size: int, folder: str) -> list[str]:
         *("-tp", str(tp_size), "--model", DEMO_MODEL, "--device", "cuda"),
         *("--client-address", f"ipc://{folder}/client.sock"),
         *("--worker-address", f"ipc://{folder}/worker.sock"),
-        *("--master-port", str(free_port())),
+        *("--master-port", str(free_tcp_ports(1)[0])),
         *("--gpu-memory-utilization", str(DEMO_UTILIZATION)),
         *("--num-gpu-blocks-override", str(DEMO_NUM_BLOCKS)),
         *("--max-model-len", "512", "--max-num-batched-tokens", "512", "--log-level", "INFO"),

@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import httpx
 
 from bench.report import base_parser, report
 from engine_core.client import AsyncEngineClient, make_request, run_async
+from engine_core.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 MODEL = "checksum"  # the cheapest model: the front end's share of each request shows most
@@ -35,12 +35,6 @@ HTTP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0  # a process's drain after SIGTERM, before it is killed
 KILL_TIMEOUT_S = 10.0
 TARGET_ADDED_LATENCY_MS = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _prompts(rng: random.Random, num_prompts: int) -> list[list[int]]:
@@ -221,7 +215,7 @@ def main() -> None:
     parser.add_argument("--log-level", default="WARNING", help="of the launched processes")
     args = parser.parse_args()
     num_rounds = max(5, args.repeats)
-    port = free_port()
+    port = free_tcp_ports(1)[0]
     with tempfile.TemporaryDirectory(prefix="kvs-http-", dir="/tmp") as folder:
         processes = _start(Path(folder), port, args.log_level)
         try:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.http import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, HttpConnection, free_port, stop_processes
+from bench.http import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, HttpConnection, stop_processes
 from bench.report import base_parser, report
 from engine_core.client import AsyncEngineClient, UtilityCallError, run_async
+from engine_core.endpoints import free_tcp_ports
 
 NUM_PREFIXES = 8  # distinct shared prefixes
 NUM_SUFFIXES = 8  # requests per prefix, each with its own suffix
@@ -79,7 +80,7 @@ def _engine_command(folder: Path, name: str, model: str, log_level: str) -> list
     command = [kvserve, "launch", "-tp", "1", "--model", model, "--device", "cpu"]
     command += ["--client-address", f"ipc://{folder}/{name}-client.sock"]
     command += ["--worker-address", f"ipc://{folder}/{name}-worker.sock"]
-    command += ["--master-port", str(free_port())]
+    command += ["--master-port", str(free_tcp_ports(1)[0])]
     command += ["--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES)]
     return [*command, "--log-level", log_level]
 
@@ -235,7 +236,7 @@ def main() -> None:
     if args.omp_wait_policy != "inherit":
         engine_env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     num_rounds = max(3, args.repeats)
-    ports = {"one": free_port(), "two": free_port()}
+    ports = {"one": free_tcp_ports(1)[0], "two": free_tcp_ports(1)[0]}
     processes: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="kvs-engines-", dir="/tmp") as tmp:
         folder = Path(tmp)

@@ -6,13 +6,11 @@ Run: python -m bench.kv_events_wire --peer-python DIR/bin/python [--json FILE]
 """
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,7 @@ from pathlib import Path
 
 from bench.report import DEFAULT_PEER_PYTHON
 from engine_core.client import EngineClient, make_request
+from engine_core.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 PEER_SCRIPT = Path(__file__).parent / "peers" / "vllm_kv_events_check.py"
@@ -30,16 +29,6 @@ PEER_READY_TIMEOUT_S = 120.0  # importing vLLM takes a while
 PEER_TIMEOUT_S = 120.0  # for the peer to finish once told to stop
 STOP_TIMEOUT_S = 30.0
 GROUP_ID_NUM_BYTES = 4  # the engine's map keys end with the group id, big-endian
-
-
-def free_tcp_ports(num_ports: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(num_ports):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-        return ports
 
 
 def launch(folder: str, events_config: dict) -> subprocess.Popen:

@@ -6,7 +6,6 @@ all-reduces cross processes. Ranks are spawned and joined against a deadline; no
 """
 
 import queue
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine_core.core import EngineCore
+from engine_core.endpoints import free_tcp_ports
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
@@ -178,19 +178,13 @@ def rank_main(
         destroy_tp_group(group)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_tensor_parallel(workload: Workload, tp_size: int, timeout_s: float) -> list[RankResult]:
     """Run the workload on tp_size spawned ranks; results in rank order; raises on a failed rank."""
     if tp_size == 1:
         return [run_workload(workload, single_rank_group(), torch.device("cpu"))]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = free_tcp_ports(1)[0]
     procs = [
         ctx.Process(
             target=rank_main, args=(rank, tp_size, port, workload, results), name=f"worker-{rank}"

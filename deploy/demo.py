@@ -15,8 +15,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from deploy.bench_cmd import percentile
-from deploy.launch import Deployment, free_tcp_port, worker_configs
+from deploy.launch import Deployment, worker_configs
 from engine_core.client import EngineClient, RequestResult, make_request
+from engine_core.endpoints import free_tcp_ports
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
 from protocol.sampling import SamplingParams
 from worker.models.reference import ReferenceModel
@@ -47,7 +48,7 @@ def demo_configs(settings: DemoSettings, folder: str) -> tuple[EngineConfig, lis
         scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=512),
         handshake_timeout_s=60.0,
     ).checked()
-    base = WorkerConfig(model=settings.model, device="cpu", master_port=free_tcp_port())
+    base = WorkerConfig(model=settings.model, device="cpu", master_port=free_tcp_ports(1)[0])
     return engine, worker_configs(engine, base)
 
 

@@ -11,7 +11,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import time
 from multiprocessing.process import BaseProcess
@@ -20,7 +19,7 @@ from typing import TypeVar
 from deploy.flags import UsageError
 from deploy.logs import setup_logging
 from engine_core.curve import check_secure
-from engine_core.endpoints import AddressInUseError, check_free
+from engine_core.endpoints import AddressInUseError, check_free, free_tcp_ports
 from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -90,12 +89,6 @@ def share_cpu_threads(num_local_ranks: int) -> None:
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_configs(engine_config: EngineConfig, base: WorkerConfig) -> list[WorkerConfig]:
@@ -221,7 +214,7 @@ def check_addresses(engine_config: EngineConfig, base_worker: WorkerConfig) -> W
     except AddressInUseError:
         if base_worker.master_port != DEFAULT_MASTER_PORT:
             raise
-        port = free_tcp_port()
+        (port,) = free_tcp_ports(1)
         logger.info("rendezvous port %d is taken: the ranks meet on %d", DEFAULT_MASTER_PORT, port)
         return _replace(base_worker, master_port=port)
     return base_worker

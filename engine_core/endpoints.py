@@ -106,6 +106,19 @@ def prepare_ipc_folder(address: str) -> None:
         os.chmod(folder, IPC_FOLDER_MODE)  # makedirs' mode is masked by the umask
 
 
+def free_tcp_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
+    """`num_ports` distinct free tcp ports on `host`: each probe socket stays bound until all are
+    chosen, so the kernel cannot hand out one port twice (another process may still take one
+    before its user binds it)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(num_ports):
+            probe = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            probe.bind((host, 0))
+            ports.append(probe.getsockname()[1])
+        return ports
+
+
 class Endpoints:
     """The addresses this engine bound.
 

@@ -9,7 +9,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from engine_core.endpoints import free_tcp_ports
+
+__all__ = ["free_tcp_ports"]  # the tests import it from here, with the other helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_CHILD_SUBREAPER = 36
@@ -34,18 +37,6 @@ def _become_subreaper() -> None:
 def free_tcp_port() -> int:
     (port,) = free_tcp_ports(1)
     return port
-
-
-def free_tcp_ports(num_ports: int) -> list[int]:
-    """`num_ports` distinct free ports: each socket stays bound until all are chosen, so the
-    kernel cannot hand out the same port twice."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(num_ports):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-        return ports
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
