@@ -51,6 +51,16 @@ ENGINE_FLAGS = [
         "seconds without heartbeat before a peer is dead",
     ),
     Flag(
+        ("--max-worker-restarts",),
+        ("max_worker_restarts",),
+        "worker generations replaced after a rank fault before the engine fails (0: fail-stop)",
+    ),
+    Flag(
+        ("--worker-rejoin-timeout-s",),
+        ("worker_rejoin_timeout_s",),
+        "seconds for a new worker generation to be ready after a rank fault",
+    ),
+    Flag(
         ("--check-invariants",),
         ("check_invariants",),
         "walk the block pool after every step (slow)",

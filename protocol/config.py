@@ -104,6 +104,10 @@ class EngineConfig(_Config, frozen=True):
     curve: CurveKeys | None = None  # None: no CURVE, allowed only on loopback and ipc://
     allow_insecure: bool = False  # bind a non-loopback tcp address without CURVE anyway
     metrics_host: str = "127.0.0.1"  # interface of HTTP /metrics and /health
+    # Rank recovery (DESIGN.md §8): how many times a failed worker generation is replaced by a
+    # new one over the engine's life; 0 is fail-stop, every request failing with the rank.
+    max_worker_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    worker_rejoin_timeout_s: Seconds = 120.0  # for a new generation to be Ready after a fault
 
 
 class WorkerConfig(_Config, frozen=True):
