@@ -5,6 +5,7 @@ supplies an Executor that broadcasts each SchedulerOutput and gathers the ranks'
 """
 
 import logging
+from time import perf_counter
 from typing import Protocol
 
 from engine_core.sched.admission import scoped_req_id
@@ -53,6 +54,8 @@ class EngineCore:
             limits=limits,
         )
         self._check_each_step = engine_config.check_invariants
+        self.schedule_time_s = 0.0  # total seconds in Scheduler.schedule
+        self.update_time_s = 0.0  # total seconds in Scheduler.update_from_output
         self.scheduler.check_each_plan = engine_config.check_invariants
         if engine_config.cache.kv_cache_metrics:
             self.scheduler.kv_cache_manager.enable_block_metrics(
@@ -111,9 +114,14 @@ class EngineCore:
         scheduler = self.scheduler
         if not scheduler.has_unfinished_requests() and not scheduler.has_finished_requests():
             return {}
+        start = perf_counter()
         scheduler_output = scheduler.schedule()
+        scheduled = perf_counter()
         model_runner_output = self.executor.execute_model(scheduler_output)
+        executed = perf_counter()
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        self.schedule_time_s += scheduled - start
+        self.update_time_s += perf_counter() - executed
         if self._check_each_step:
             scheduler.check_invariants()
         return outputs

@@ -287,6 +287,10 @@ class EngineServer:
             num_output_tokens=self._num_tokens,
             peak_kv_cache_usage=self._peak_kv_cache_usage,
             client_backlog_bytes=self.router.backlog_bytes,
+            step_schedule_s=self.core.schedule_time_s,
+            step_encode_s=self.workers.encode_time_s,
+            step_transport_s=self.workers.transport_time_s,
+            step_update_s=self.core.update_time_s,
         )
         return stat_values(stats)
 

@@ -89,6 +89,8 @@ class WorkerGroup:
         self.sentinels: dict[int, int] = {}  # pidfd of a local worker process -> its rank
         self.fd_ranks: dict[int, int] = {}  # connection fd of a rank's hello -> its rank
         self.last_step_id = 0
+        self.encode_time_s = 0.0  # total seconds encoding steps
+        self.transport_time_s = 0.0  # total seconds from each broadcast to its last reply
         self._encoder = make_encoder()
         self._decoder = worker_to_engine_decoder()
         self._is_serving = False
@@ -232,12 +234,17 @@ class WorkerGroup:
         step_id, expected_id = scheduler_output.step_id, self.last_step_id + 1
         if step_id != expected_id:
             raise WorkerGroupError(f"step {step_id} broadcast, expected step {expected_id}")
-        self._broadcast(self._encoder.encode(scheduler_output))
+        start = time.perf_counter()
+        frame = self._encoder.encode(scheduler_output)
+        encoded = time.perf_counter()
+        self._broadcast(frame)
         self.last_step_id = scheduler_output.step_id
         outputs = self.gather(scheduler_output.step_id)
         disagreement = describe_disagreement(scheduler_output.step_id, outputs)
         if disagreement:
             raise WorkerGroupError(disagreement)
+        self.encode_time_s += encoded - start
+        self.transport_time_s += time.perf_counter() - encoded
         return outputs[0]
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:

@@ -46,6 +46,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_output_tokens: int  # tokens sent to clients, total
     peak_kv_cache_usage: float  # the highest usage seen after any step, 0.0 to 1.0
     client_backlog_bytes: int  # encoded outputs waiting for slow clients now
+    # Where the engine's time per step goes, in seconds, totals since the engine started:
+    step_schedule_s: float = 0.0  # Scheduler.schedule
+    step_encode_s: float = 0.0  # encoding each SchedulerOutput once
+    step_transport_s: float = 0.0  # from the broadcast to the last rank's reply, checks included
+    step_update_s: float = 0.0  # Scheduler.update_from_output
+    num_worker_restarts: int = 0  # worker generations replaced after a rank fault
 
 
 class BlockResidencyStats(msgspec.Struct, frozen=True):

@@ -103,6 +103,11 @@ def test_stat_values_keep_the_flat_keys_that_get_stats_callers_read() -> None:
         "num_output_tokens": 90,
         "peak_kv_cache_usage": 0.75,
         "client_backlog_bytes": 0,
+        "step_schedule_s": 0.0,
+        "step_encode_s": 0.0,
+        "step_transport_s": 0.0,
+        "step_update_s": 0.0,
+        "num_worker_restarts": 0,
     }
     assert stat_values(scheduler).items() <= values.items()
     frame = make_encoder().encode(UtilityResult(7, True, values))
