@@ -181,7 +181,11 @@ WORKER_FLAGS = [
     Flag(
         ("--engine-address",), ("engine_address",), "the engine's worker ROUTER (tcp:// or ipc://)"
     ),
-    Flag(("--model",), ("model",), "model name: checksum, tiny-llama or tiny-llama-hybrid"),
+    Flag(
+        ("--model",),
+        ("model",),
+        "model name: checksum, fixed-time, tiny-llama or tiny-llama-hybrid",
+    ),
     Flag(("--dtype",), ("dtype",), "dtype of the weights and the KV cache"),
     Flag(("--device",), ("device",), "device; auto takes cuda when available"),
     Flag(("--block-size",), ("block_size",), "tokens per KV-cache block (must equal the engine's)"),
@@ -230,6 +234,11 @@ WORKER_FLAGS = [
     ),
     Flag(
         ("--local-rank",), ("local_rank",), "index of this rank on its host (default: $LOCAL_RANK)"
+    ),
+    Flag(
+        ("--model-step-ms",),
+        ("model_step_ms",),
+        "milliseconds each forward of the fixed-time model lasts at least (its GPU time)",
     ),
 ]
 
