@@ -1,8 +1,8 @@
 """Reference generation: each model's tokens computed without paging, from the prompt alone.
 
-tiny-llama runs a dense causal forward over the whole sequence for every token; checksum sums its
-values straight from the token list. Stop rules match the engine's: max_tokens, max_model_len,
-and EOS (unless ignore_eos) or a stop id once min_tokens were generated; the stop token is kept.
+tiny-llama runs a dense causal forward over the whole sequence per token; checksum and fixed-time
+sum their values straight from the token list. Stop rules match the engine's: max_tokens,
+max_model_len, and EOS (unless ignore_eos) or a stop id after min_tokens; the stop token is kept.
 """
 
 from collections.abc import Callable
@@ -14,7 +14,7 @@ from protocol.sampling import SamplingParams
 from worker.attention import ContextChunk
 from worker.distributed import single_rank_group
 from worker.models.checksum import CHECKSUM, context_sum, kv_values, mix_logits
-from worker.models.registry import TINY_LLAMAS, get_model_info
+from worker.models.registry import CHECKSUMS, TINY_LLAMAS, get_model_info
 from worker.models.tiny_llama import TinyLlama
 from worker.sampler import Sampler, SampleRequest
 
@@ -69,9 +69,7 @@ class ReferenceModel:
     def __init__(self, model_name: str, seed: int = 0, sampling_seed: int = 0) -> None:
         self.info = get_model_info(model_name, block_size=16)
         self._logits_of = (
-            _checksum_logits
-            if model_name == CHECKSUM.name
-            else _tiny_llama_logits(model_name, seed)
+            _checksum_logits if model_name in CHECKSUMS else _tiny_llama_logits(model_name, seed)
         )
         self._sampler = Sampler(sampling_seed)
 

@@ -1,25 +1,29 @@
 """The model registry: a name gives the ModelInfo the engine plans with, and the model a rank runs.
 
-Names: `checksum`, `tiny-llama` and `tiny-llama-hybrid` (full plus sliding-window layers, two
-KV-cache groups). kv_cache_groups report the whole model's num_kv_heads, before TP sharding.
-tiny-llama's cached values are exact in float32 and float64; float16 and bfloat16 round them.
+Names: `checksum`, `fixed-time` (checksum held to a set time per forward), `tiny-llama` and
+`tiny-llama-hybrid` (full and sliding-window layers: two KV-cache groups). kv_cache_groups report
+the whole model's num_kv_heads, before TP sharding. tiny-llama's KV is exact in float32 and float64.
 """
 
 from typing import Protocol
 
 import torch
 
+from protocol.config import WorkerConfig
 from protocol.worker_messages import ModelInfo
 from worker.attention import KVContext
 from worker.distributed import TPGroup
-from worker.models.checksum import CHECKSUM, ChecksumModel
+from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
+from worker.models.fixed_time import FIXED_TIME, build_fixed_time
 from worker.models.tiny_llama import TINY_LLAMA, TINY_LLAMA_HYBRID, TinyLlama, TinyLlamaConfig
 
 TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LLAMA.name: TINY_LLAMA,
     TINY_LLAMA_HYBRID.name: TINY_LLAMA_HYBRID,
 }
-MODEL_NAMES = (CHECKSUM.name, *TINY_LLAMAS)
+CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}
+MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS)
+DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 
 
 class Model(Protocol):
@@ -44,11 +48,11 @@ def _check_name(name: str) -> None:
 def get_model_info(name: str, block_size: int, dtype: str = "float32") -> ModelInfo:
     """What the engine needs to plan: vocabulary, EOS, max length and the KV-cache groups.
 
-    `dtype` is the KV-cache dtype of tiny-llama; checksum always stores int64 values.
+    `dtype` is the KV-cache dtype of tiny-llama; checksum and fixed-time always store int64 values.
     """
     _check_name(name)
-    if name == CHECKSUM.name:
-        config = CHECKSUM
+    if name in CHECKSUMS:
+        config = CHECKSUMS[name]
         groups = config.kv_cache_groups(block_size)
     else:
         config = TINY_LLAMAS[name]
@@ -62,9 +66,17 @@ def get_model_info(name: str, block_size: int, dtype: str = "float32") -> ModelI
     )
 
 
-def build_model(name: str, tp_group: TPGroup, device: torch.device, seed: int = 0) -> Model:
+def build_model(
+    name: str,
+    tp_group: TPGroup,
+    device: torch.device,
+    seed: int = 0,
+    model_step_ms: float = DEFAULT_MODEL_STEP_MS,  # fixed-time's least time per forward
+) -> Model:
     """The model `name` on this rank; every rank of a group must pass the same seed."""
     _check_name(name)
     if name == CHECKSUM.name:
         return ChecksumModel(CHECKSUM, tp_group, device)
+    if name == FIXED_TIME.name:
+        return build_fixed_time(tp_group, device, model_step_ms)
     return TinyLlama(TINY_LLAMAS[name], tp_group, seed, device)
