@@ -10,75 +10,82 @@ from engine_core.kv_cache.hashing import BlockHashWithGroupId
 class BlockHashToBlockMap:
     """Prefix-cache keys to the blocks that carry them.
 
-    A key maps to one block, or to `{block_id: block}` when the same content was computed twice
-    (blocks are never deduplicated: block tables only grow). Lookups return the copy inserted
-    earliest among those still cached.
+    A key maps to one block, or to several when the same content was computed twice (blocks are
+    never deduplicated: block tables only grow). Lookups return the copy inserted earliest among
+    those still cached. `_first` holds that copy for every key, so a lookup is one dict probe;
+    `_copies` holds `{block_id: block}`, in insertion order, only for keys with two or more.
 
-    Invariants: a dict entry holds at least two blocks; every block in an entry carries the key.
+    Invariants: `_copies` keys are a subset of `_first` keys; a `_copies` entry holds at least two
+    blocks and its first value is the `_first` block; every block filed carries the key.
     """
 
-    __slots__ = ("_cache", "_get_entry")
+    __slots__ = ("_copies", "_first", "get_one_block")
 
     def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-        self._get_entry = self._cache.get  # bound once: lookups are the hottest path
-
-    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        entry = self._get_entry(key)
-        if entry is None or type(entry) is KVCacheBlock:
-            return entry
-        return next(iter(entry.values()))
+        self._first: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        self._copies: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+        # The earliest cached copy of a key, or None: the dict's own `get`, so that the hottest
+        # call in the pool runs no Python frame.
+        self.get_one_block = self._first.get
 
     def get_block(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         """The copy of `key` held by block `block_id`, if that block is cached under it."""
-        entry = self._cache.get(key)
-        if entry is None or type(entry) is KVCacheBlock:
-            return entry if entry is not None and entry.block_id == block_id else None
-        return entry.get(block_id)
+        copies = self._copies.get(key)
+        if copies is not None:
+            return copies.get(block_id)
+        block = self._first.get(key)
+        return block if block is not None and block.block_id == block_id else None
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        cache = self._cache
-        entry = cache.get(key)
-        if entry is None:
-            cache[key] = block
-        elif type(entry) is KVCacheBlock:
-            cache[key] = {entry.block_id: entry, block.block_id: block}
+        first = self._first.setdefault(key, block)
+        if first is block:
+            return
+        copies = self._copies.get(key)
+        if copies is None:
+            self._copies[key] = {first.block_id: first, block.block_id: block}
         else:
-            entry[block.block_id] = block
+            copies[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         """Remove exactly block `block_id` from `key`; the other copies stay cached."""
-        cache = self._cache
-        entry = cache.get(key)
-        if entry is None:
+        first = self._first.get(key)
+        if first is None:
             return None
-        if type(entry) is KVCacheBlock:
-            if entry.block_id != block_id:
+        copies = self._copies.get(key)
+        if copies is None:
+            if first.block_id != block_id:
                 return None
-            del cache[key]
-            return entry
-        block = entry.pop(block_id, None)
-        if len(entry) == 1:
-            cache[key] = next(iter(entry.values()))
+            del self._first[key]
+            return first
+        block = copies.pop(block_id, None)
+        if block is first:  # the next copy in insertion order becomes the one lookups find
+            self._first[key] = next(iter(copies.values()))
+        if len(copies) == 1:
+            del self._copies[key]
         return block
 
     def clear(self) -> None:
-        self._cache.clear()
+        self._first.clear()
+        self._copies.clear()
 
     def num_blocks(self) -> int:
         """Cached blocks, counting every copy (a walk; not for the hot path)."""
-        return sum(1 if type(e) is KVCacheBlock else len(e) for e in self._cache.values())
+        num_extra = sum(len(copies) - 1 for copies in self._copies.values())
+        return len(self._first) + num_extra
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return len(self._first)
 
     def check_invariants(self) -> None:
-        for key, entry in self._cache.items():
-            if type(entry) is KVCacheBlock:
-                entry = {entry.block_id: entry}
-            else:
-                assert len(entry) >= 2, f"key {key.hex()} holds a dict of {len(entry)} blocks"
-            for block_id, block in entry.items():
+        first = self._first
+        for key, copies in self._copies.items():
+            assert len(copies) >= 2, f"key {key.hex()} holds copies of {len(copies)} blocks"
+            head = next(iter(copies.values()))
+            assert first.get(key) is head, (
+                f"key {key.hex()} finds {first.get(key)!r}, its earliest copy is {head!r}"
+            )
+        for key, head in first.items():
+            for block_id, block in self._copies.get(key, {head.block_id: head}).items():
                 assert block.block_id == block_id and block.block_hash == key, (
                     f"key {key.hex()} maps id {block_id} to {block!r}"
                 )

@@ -7,7 +7,7 @@ the bytes). Prefix-cache keys append the KV-cache group id to the hash.
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
-from typing import NewType
+from typing import NewType, Protocol
 
 import msgspec
 import xxhash
@@ -28,11 +28,16 @@ ExtraKey = tuple[str, str | int]
 _EXTRA_KEY_ENCODER = msgspec.msgpack.Encoder()
 
 
-def _digest_fn(algo: HashAlgo) -> Callable[[bytes], bytes]:
+class _HashObject(Protocol):
+    def digest(self) -> bytes: ...
+
+
+def _hash_constructor(algo: HashAlgo) -> Callable[[bytes], _HashObject]:
+    """The hash object constructor of `algo`; `.digest()` of its result is the block hash."""
     if algo == "sha256":
-        return lambda data: hashlib.sha256(data).digest()
+        return hashlib.sha256
     if algo == "xxhash":
-        return lambda data: xxhash.xxh3_128_digest(data)
+        return xxhash.xxh3_128
     raise ValueError(
         f"unknown prefix-caching hash algorithm {algo!r}: expected one of {HASH_ALGOS}"
     )
@@ -48,7 +53,7 @@ class BlockHasher:
         msgpack             the extra keys, a list of [tag, value] pairs; absent when there are none
     """
 
-    __slots__ = ("_digest", "_header", "algo", "block_size", "none_hash")
+    __slots__ = ("_header", "_new_hash", "algo", "block_size", "none_hash")
 
     def __init__(
         self, block_size: int, algo: HashAlgo = "sha256", seed: str = DEFAULT_HASH_SEED
@@ -57,9 +62,9 @@ class BlockHasher:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.algo = algo
         self.block_size = block_size
-        self._digest = _digest_fn(algo)
+        self._new_hash = _hash_constructor(algo)
         self._header = block_size.to_bytes(4, "little")
-        self.none_hash: bytes = self._digest(b"kvserve.NONE_HASH\x00" + seed.encode())
+        self.none_hash: bytes = self._new_hash(b"kvserve.NONE_HASH\x00" + seed.encode()).digest()
 
     def hash_block(
         self,
@@ -74,7 +79,7 @@ class BlockHasher:
         data = parent + self._header + pack_int32(token_ids)
         if extra_keys:
             data += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
-        return self._digest(data)
+        return self._new_hash(data).digest()
 
     def extend_hashes(
         self,
@@ -85,7 +90,8 @@ class BlockHasher:
         """Append to `block_hashes` the hash of every full block of `token_ids` not hashed yet.
 
         `block_hashes` must hold the hashes of the first blocks of the same sequence; extra keys
-        go on block 0 only. The new blocks' tokens are packed once, not block by block.
+        go on block 0 only. The new blocks' tokens are packed once, not block by block, and cut
+        into the bytes that follow each parent digest before the chain runs.
         """
         block_size = self.block_size
         num_hashed = len(block_hashes)
@@ -94,14 +100,18 @@ class BlockHasher:
             return
         data = pack_int32(token_ids[num_hashed * block_size : num_full * block_size])
         num_bytes = 4 * block_size
-        header, digest = self._header, self._digest
+        header = self._header
+        tails = [
+            header + data[offset : offset + num_bytes] for offset in range(0, len(data), num_bytes)
+        ]
+        if extra_keys and num_hashed == 0:
+            tails[0] += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
+        new_hash, append = self._new_hash, block_hashes.append
         parent = block_hashes[-1] if num_hashed else self.none_hash
-        for offset in range(0, len(data), num_bytes):
-            payload = parent + header + data[offset : offset + num_bytes]
-            if extra_keys and num_hashed == 0 and offset == 0:
-                payload += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
-            parent = BlockHash(digest(payload))
-            block_hashes.append(parent)
+        for tail in tails:
+            # A BlockHash is plain bytes at run time: the NewType call would only cost a frame.
+            parent = new_hash(parent + tail).digest()
+            append(parent)
 
     def hash_prefix(
         self, token_ids: Sequence[int] | array, extra_keys: Sequence[ExtraKey] = ()

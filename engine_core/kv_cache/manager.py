@@ -13,6 +13,7 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
 from engine_core.kv_cache.kv_request import KVCacheRequest
+from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
@@ -68,6 +69,12 @@ class KVCacheManager:
         )
         self.metrics_collector = metrics_collector
         self._prefix_cache_stats = PrefixCacheStats()  # totals since start; readers get copies
+        # With one group that never skips blocks, a request that holds a table and brings no
+        # hits (every decode step) needs no fan-out: its one manager grows it in one call.
+        managers = self.coordinator.single_type_managers
+        self._held_manager: SingleTypeKVCacheManager | None = (
+            managers[0] if len(managers) == 1 and not self.coordinator.can_skip_blocks else None
+        )
 
     @property
     def usage(self) -> float:
@@ -123,6 +130,21 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens={num_new_tokens} for {request.req_id}: expected >= 1")
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > self.max_model_len:
+            num_tokens_need_slot = self.max_model_len
+        held_manager = self._held_manager
+        if new_computed_blocks is None and held_manager is not None:
+            blocks = held_manager.req_to_blocks.get(request.req_id)
+            if blocks is not None:
+                new_held = held_manager.allocate_held(
+                    request, blocks, num_tokens_need_slot, num_computed_tokens + num_new_tokens
+                )
+                if new_held is None:
+                    return None
+                # Most decode steps: the last block has room, and nothing new is handed out.
+                return KVCacheBlocks((new_held,)) if new_held else self.empty_kv_cache_blocks
         computed: BlocksPerGroup = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
@@ -130,10 +152,6 @@ class KVCacheManager:
         )
         req_id = request.req_id
         coordinator = self.coordinator
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(
-            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
         if not self._can_allocate(request, num_tokens_need_slot, computed):
             return None
         coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)

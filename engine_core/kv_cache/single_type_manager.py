@@ -78,6 +78,41 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
+    def allocate_held(
+        self,
+        request: KVCacheRequest,
+        blocks: list[KVCacheBlock],
+        num_tokens: int,
+        num_real_tokens: int,
+    ) -> Sequence[KVCacheBlock] | None:
+        """One call for what a request that holds `blocks` and brings no hits asks on most steps.
+
+        Grows the table to `num_tokens` slots and, with caching on, caches the blocks that the
+        first `num_real_tokens` tokens (the known ones, not lookahead) fill, as
+        `get_num_blocks_to_allocate`, `allocate_new_blocks` and `cache_blocks` would. Returns the
+        blocks it took, or None (nothing changed) if they do not fit. Only for a group that
+        never skips blocks, where nothing else could make room.
+        """
+        block_size = self.block_size
+        block_pool = self.block_pool
+        num_new = -(-num_tokens // block_size) - len(blocks)  # cdiv, inlined
+        new_blocks: Sequence[KVCacheBlock] = ()
+        if num_new > 0:
+            if num_new > block_pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = block_pool.get_new_blocks(num_new)
+            blocks.extend(new_blocks)
+        if block_pool.enable_caching:
+            num_full = min(num_real_tokens, len(request.all_token_ids)) // block_size
+            req_id = request.req_id
+            num_cached = self.num_cached_block[req_id]
+            if num_full > num_cached:
+                block_pool.cache_full_blocks(
+                    request, blocks, num_cached, num_full, block_size, self.kv_cache_group_id
+                )
+                self.num_cached_block[req_id] = num_full
+        return new_blocks
+
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Hash and publish the request's blocks that the first `num_tokens` tokens fill."""
         req_id = request.req_id

@@ -121,9 +121,9 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
-        else:
-            self.all_token_ids.extend(token_ids)
+            self.append_output_token_id(token_ids)
+            return
+        self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
     def append_output_token_id(self, token_id: int) -> None:
