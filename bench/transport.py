@@ -1,13 +1,13 @@
-"""Per-step round trip of the engine-worker transport against the raw ZeroMQ floor.
+"""Per-step round trip of the engine-worker transport, over ZeroMQ and over the shared-memory ring.
 
-A 1-byte ROUTER/DEALER ping-pong over ipc (the floor), interleaved with the engine's real broadcast
-and gather (`WorkerGroup.execute_model`) of a 256-request decode step and an 8 x 2,048-token prefill
-to 1 and 2 rank processes, plus each step's encode + decode time. python -m bench.transport
+Two floors: a 1-byte ROUTER/DEALER ping-pong over ipc (the ZMQ floor), and a 1-byte ping over the
+ring answered over ZMQ (the ring's floor: the cheapest trip a ring step can make, since replies
+stay on ZMQ). Interleaved with them, a 256-request decode step and an 8 x 2,048-token prefill go
+to 1 and 2 rank processes, over ZMQ (`WorkerGroup.execute_model`) and over the ring (its write,
+then `WorkerGroup.gather`), plus each step's encode + decode time. python -m bench.transport
 """
 
 import multiprocessing
-import os
-import socket
 import statistics
 import tempfile
 import time
@@ -16,34 +16,34 @@ from collections.abc import Callable
 import zmq
 
 from bench.report import base_parser, report
+from bench.transport_ranks import (
+    BLOCK_SIZE,
+    GROUPS,
+    QUIT,
+    STEP_TIMEOUT_S,
+    pong_main,
+    rank_main,
+)
+from engine_core.handshake import describe_disagreement
+from engine_core.shm_ring_writer import ShmRingWriter
 from engine_core.worker_group import WorkerGroup
-from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
-from protocol.worker_messages import (
-    CachedRequestData,
-    ModelInfo,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    Shutdown,
-    WorkerHello,
-    WorkerReady,
-)
+from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
 
-BLOCK_SIZE = 16
 NUM_DECODE_REQS = 256
 NUM_PREFILL_REQS = 8
 PREFILL_LEN = 2048
 HANDSHAKE_TIMEOUT_S = 60.0
-STEP_TIMEOUT_S = 10.0
-RANK_IDLE_TIMEOUT_MS = 60_000
-GROUPS = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(BLOCK_SIZE, 2, 8, "float32"))]
-MODEL_INFO = ModelInfo("transport-bench", 512, None, 4096, GROUPS)
-SAMPLED_TOKEN = pack_int32([7])
-TARGETS = {"ratio_tp1_max": 1.5, "ratio_tp2_max": 3.0, "decode_encode_decode_us_max": 25.0}
+TARGETS = {
+    "ratio_tp1_max": 1.5,
+    "ratio_tp2_max": 3.0,
+    "ratio_ring_tp2_max": 1.5,
+    "ratio_ring_tp2_to_ring_floor_max": 2.0,
+    "decode_encode_decode_us_max": 25.0,
+}
 
 
 def decode_step(step_id: int) -> SchedulerOutput:
@@ -88,64 +88,6 @@ def prefill_step(step_id: int) -> SchedulerOutput:
     )
 
 
-def reply_for(step: SchedulerOutput, rank: int) -> ModelRunnerOutput:
-    """What a rank sends back: one token per scheduled request, in SchedulerOutput order.
-
-    Built the way a worker holds it: the handles as the int32 bytes they arrived in, the sampled
-    tokens as one int32 buffer.
-    """
-    new_handles = pack_int32(req.handle for req in step.scheduled_new_reqs)
-    handles = new_handles + step.scheduled_cached_reqs.handles
-    sampled = SAMPLED_TOKEN * (len(handles) // 4)
-    return ModelRunnerOutput(step.step_id, rank, handles, sampled)
-
-
-def rank_main(address: str, rank: int, tp_size: int) -> None:
-    """A rank that decodes every step in full and replies; no model runs."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    encoder, decoder = make_encoder(), engine_to_worker_decoder()
-    hello = WorkerHello(
-        PROTOCOL_VERSION,
-        rank,
-        tp_size,
-        os.getpid(),
-        socket.gethostname(),
-        "cpu",
-        MODEL_INFO,
-        1 << 20,
-    )
-    sock.send(encoder.encode(hello))
-    while sock.poll(RANK_IDLE_TIMEOUT_MS):
-        match decoder.decode(sock.recv()):
-            case KVCacheConfig() as config:
-                sock.send(encoder.encode(WorkerReady(rank, config.num_blocks)))
-            case SchedulerOutput() as step:
-                sock.send(encoder.encode(reply_for(step, rank)))
-            case Shutdown():
-                break
-    sock.close(linger=0)
-    ctx.term()
-
-
-def pong_main(address: str) -> None:
-    """Says hello once so the ROUTER learns its identity, then echoes every frame until "q"."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    sock.send(b"h")
-    while sock.poll(RANK_IDLE_TIMEOUT_MS):
-        frame = sock.recv()
-        if frame == b"q":
-            break
-        sock.send(frame)
-    sock.close(linger=0)
-    ctx.term()
-
-
 def median_us(samples_s: list[float]) -> float:
     return statistics.median(samples_s) * 1e6
 
@@ -157,41 +99,59 @@ def recv_within(sock: zmq.Socket, timeout_s: float, what: str) -> list[bytes]:
 
 
 class PingPong:
-    """A 1-byte ROUTER/DEALER round trip to another process over ipc: the ZMQ floor."""
+    """A 1-byte round trip to an echo process, answered over a ROUTER/DEALER pair over ipc: the
+    ping goes over that pair too (the ZMQ floor) or over a ring of one reader (the ring's floor;
+    `spin_s=0` keeps the reader asleep between pings, so every ping pays its doorbell)."""
 
-    def __init__(self, ctx: zmq.Context, folder: str) -> None:
-        address = f"ipc://{folder}/pingpong"
+    def __init__(
+        self, ctx: zmq.Context, address: str, is_ring: bool, spin_s: float | None = None
+    ) -> None:
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(address)
-        self.proc = multiprocessing.get_context("spawn").Process(target=pong_main, args=(address,))
+        self.ring = ShmRingWriter(1) if is_ring else None
+        ring_name = None if self.ring is None else self.ring.name
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(target=pong_main, args=(address, ring_name, spin_s))
         self.proc.start()
         self.identity, _ = recv_within(self.router, HANDSHAKE_TIMEOUT_S, "hello from pong")
+
+    def ping(self, frame: bytes) -> None:
+        if self.ring is None:
+            self.router.send_multipart((self.identity, frame))
+        else:
+            self.ring.write(frame, STEP_TIMEOUT_S)
 
     def sample(self, num_iters: int) -> list[float]:
         samples = []
         for _ in range(num_iters):
             start = time.perf_counter()
-            self.router.send_multipart((self.identity, b"x"))
+            self.ping(b"x")
             recv_within(self.router, STEP_TIMEOUT_S, "pong")
             samples.append(time.perf_counter() - start)
         return samples
 
     def close(self) -> None:
-        self.router.send_multipart((self.identity, b"q"))
+        self.ping(QUIT)
         self.proc.join(STEP_TIMEOUT_S)
         self.router.close(linger=0)
+        if self.ring is not None:
+            self.ring.close()
 
 
 class RankGroup:
-    """`tp_size` rank processes behind the engine's real WorkerGroup, ready for steps."""
+    """`tp_size` rank processes behind the engine's real WorkerGroup, ready for steps; with
+    `is_ring`, steps go over a shared-memory ring and only the handshake, replies and Shutdown
+    use ZMQ."""
 
-    def __init__(self, ctx: zmq.Context, folder: str, tp_size: int) -> None:
-        address = f"ipc://{folder}/workers-{tp_size}"
+    def __init__(self, ctx: zmq.Context, address: str, tp_size: int, is_ring: bool) -> None:
         self.group = WorkerGroup(ctx, address, tp_size, STEP_TIMEOUT_S, 1.0, 10.0)
+        self.ring = ShmRingWriter(tp_size) if is_ring else None
+        ring_name = None if self.ring is None else self.ring.name
         spawn = multiprocessing.get_context("spawn")
         self.procs = [
-            spawn.Process(target=rank_main, args=(address, r, tp_size)) for r in range(tp_size)
+            spawn.Process(target=rank_main, args=(address, r, tp_size, ring_name))
+            for r in range(tp_size)
         ]
         for proc in self.procs:
             proc.start()
@@ -199,15 +159,26 @@ class RankGroup:
         self.group.wait_for_hellos(deadline)
         self.group.send_kv_cache_config(KVCacheConfig(1 << 16, GROUPS))
         self.group.wait_for_ready(1 << 16, deadline)
+        self._encoder = make_encoder()
+
+    def execute_over_ring(self, step: SchedulerOutput) -> None:
+        """What WorkerGroup.execute_model does, with the ring in place of its ZMQ broadcast."""
+        assert self.ring is not None, "a ring step on a ZMQ group"
+        self.ring.write(self._encoder.encode(step), STEP_TIMEOUT_S)
+        self.group.last_step_id = step.step_id
+        disagreement = describe_disagreement(step.step_id, self.group.gather(step.step_id))
+        if disagreement:
+            raise RuntimeError(disagreement)
 
     def sample(self, make_step: Callable[[int], SchedulerOutput], num_iters: int) -> list[float]:
         """Broadcast + gather times of `num_iters` steps, built ahead (not part of the trip)."""
         first_id = self.group.last_step_id + 1
         steps = [make_step(first_id + i) for i in range(num_iters)]
+        execute = self.group.execute_model if self.ring is None else self.execute_over_ring
         samples = []
         for step in steps:
             start = time.perf_counter()
-            self.group.execute_model(step)
+            execute(step)
             samples.append(time.perf_counter() - start)
         return samples
 
@@ -216,6 +187,8 @@ class RankGroup:
         for proc in self.procs:
             proc.join(STEP_TIMEOUT_S)
         self.group.close()
+        if self.ring is not None:
+            self.ring.close()
 
 
 def measure_codec(make_step: Callable[[int], SchedulerOutput], num_iters: int) -> float:
@@ -231,60 +204,100 @@ def measure_codec(make_step: Callable[[int], SchedulerOutput], num_iters: int) -
 
 
 STEP_KINDS = {"decode_256": decode_step, "prefill_8x2048": prefill_step}
+FLOORS = {  # sample key -> (over the ring, reader spin_s; None: the reader's default)
+    "pingpong": (False, None),
+    "ring_pingpong": (True, None),
+    "ring_pingpong_asleep": (True, 0.0),
+}
+Rounds = list[dict[str, list[float]]]  # per round, per figure: round-trip times in seconds
 
 
 def run(num_iters: int, num_rounds: int) -> dict[str, float | int | str]:
     """Alternate short batches of every figure over `num_rounds`, so that load from other
-    processes falls on the floor and on the steps alike; medians over all samples."""
+    processes falls on the floors and on the steps alike."""
     ctx = zmq.Context()
-    samples: dict[str, list[float]] = {}
+    rounds: Rounds = []
+    batch = max(1, num_iters // num_rounds)
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as folder:
-        floor = PingPong(ctx, folder)
-        groups = {tp_size: RankGroup(ctx, folder, tp_size) for tp_size in (1, 2)}
+        floors, groups = {}, {}
         try:
+            for key, (is_ring, spin_s) in FLOORS.items():
+                floors[key] = PingPong(ctx, f"ipc://{folder}/{key}", is_ring, spin_s)
+            for prefix in ("", "ring_"):
+                for tp_size in (1, 2):
+                    address = f"ipc://{folder}/{prefix}workers-{tp_size}"
+                    groups[prefix, tp_size] = RankGroup(ctx, address, tp_size, prefix == "ring_")
             for _ in range(num_rounds):
-                batch = max(1, num_iters // num_rounds)
-                samples.setdefault("pingpong", []).extend(floor.sample(batch))
+                samples = {key: floor.sample(batch) for key, floor in floors.items()}
                 for name, make_step in STEP_KINDS.items():
-                    steps = batch if name == "decode_256" else max(1, batch // 4)
-                    for tp_size, group in groups.items():
-                        key = f"{name}_tp{tp_size}"
-                        samples.setdefault(key, []).extend(group.sample(make_step, steps))
+                    num_steps = batch if name == "decode_256" else max(1, batch // 4)
+                    for (prefix, tp_size), group in groups.items():
+                        samples[f"{prefix}{name}_tp{tp_size}"] = group.sample(make_step, num_steps)
+                rounds.append(samples)
         finally:
-            floor.close()
-            for group in groups.values():
-                group.close()
+            for closable in [*floors.values(), *groups.values()]:
+                closable.close()
     ctx.term()
-    return figures_from(samples, num_iters)
+    return figures_from(rounds, num_iters)
 
 
-def figures_from(samples: dict[str, list[float]], num_iters: int) -> dict[str, float | int | str]:
-    floor_us = median_us(samples["pingpong"])
-    figures: dict[str, float | int | str] = {"pingpong_1byte_us": floor_us}
+def median_ratio(rounds: Rounds, key: str, floor_key: str) -> float:
+    """The median over rounds of each round's median of `key` over its median of `floor_key`."""
+    return statistics.median(
+        statistics.median(samples[key]) / statistics.median(samples[floor_key])
+        for samples in rounds
+    )
+
+
+def figures_from(rounds: Rounds, num_iters: int) -> dict[str, float | int | str]:
+    """Medians over every sample of a figure; ratios are medians of per-round ratios."""
+    pooled = {key: [s for samples in rounds for s in samples[key]] for key in rounds[0]}
+    figures: dict[str, float | int | str] = {
+        "pingpong_1byte_us": median_us(pooled["pingpong"]),
+        "ring_pingpong_1byte_us": median_us(pooled["ring_pingpong"]),
+        "ring_pingpong_1byte_reader_asleep_us": median_us(pooled["ring_pingpong_asleep"]),
+        "ratio_ring_pingpong_to_floor": median_ratio(rounds, "ring_pingpong", "pingpong"),
+    }
     for name, make_step in STEP_KINDS.items():
         codec_iters = num_iters if name == "decode_256" else max(10, num_iters // 10)
         figures[f"{name}_encode_decode_us"] = measure_codec(make_step, codec_iters)
         figures[f"{name}_frame_bytes"] = len(make_encoder().encode(make_step(1)))
         for tp_size in (1, 2):
-            step_us = median_us(samples[f"{name}_tp{tp_size}"])
-            figures[f"{name}_tp{tp_size}_us_per_step"] = step_us
-            figures[f"ratio_{name}_tp{tp_size}_to_floor"] = step_us / floor_us
+            key = f"{name}_tp{tp_size}"
+            figures[f"{key}_us_per_step"] = median_us(pooled[key])
+            figures[f"ratio_{key}_to_floor"] = median_ratio(rounds, key, "pingpong")
+        for tp_size in (1, 2):
+            key = f"ring_{name}_tp{tp_size}"
+            figures[f"{key}_us_per_step"] = median_us(pooled[key])
+            figures[f"ratio_{key}_to_floor"] = median_ratio(rounds, key, "pingpong")
+            figures[f"ratio_{key}_to_ring_floor"] = median_ratio(rounds, key, "ring_pingpong")
     return figures
 
 
 def verdicts(figures: dict[str, float | int | str]) -> dict[str, str]:
     """Each target of DESIGN.md §1 and §5 against the measured figure."""
-    ratio_1, ratio_2 = (
-        figures["ratio_decode_256_tp1_to_floor"],
-        figures["ratio_decode_256_tp2_to_floor"],
-    )
     codec_us = figures["decode_256_encode_decode_us"]
     codec_max_us = TARGETS["decode_encode_decode_us_max"]
-    return {
-        "target_decode_tp1": f"{ratio_1:.2f}x floor (target <= {TARGETS['ratio_tp1_max']}x)",
-        "target_decode_tp2": f"{ratio_2:.2f}x floor (target <= {TARGETS['ratio_tp2_max']}x)",
-        "target_decode_codec": f"{codec_us:.1f} us (target <= {codec_max_us} us)",
+    checks = {
+        "target_decode_tp1": ("ratio_decode_256_tp1_to_floor", "ratio_tp1_max", "floor"),
+        "target_decode_tp2": ("ratio_decode_256_tp2_to_floor", "ratio_tp2_max", "floor"),
+        "target_ring_decode_tp2": (
+            "ratio_ring_decode_256_tp2_to_floor",
+            "ratio_ring_tp2_max",
+            "floor",
+        ),
+        "target_ring_decode_tp2_own_floor": (
+            "ratio_ring_decode_256_tp2_to_ring_floor",
+            "ratio_ring_tp2_to_ring_floor_max",
+            "ring floor",
+        ),
     }
+    found = {
+        name: f"{figures[key]:.2f}x {floor} (target <= {TARGETS[target]}x)"
+        for name, (key, target, floor) in checks.items()
+    }
+    found["target_decode_codec"] = f"{codec_us:.1f} us (target <= {codec_max_us} us)"
+    return found
 
 
 def main() -> None:

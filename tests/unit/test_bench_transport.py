@@ -1,16 +1,19 @@
 """The transport benchmark measures the steps it names: a 256-request decode step and an
-8 x 2,048-token prefill, each answered the way a rank answers, and round-tripping the codec."""
+8 x 2,048-token prefill, each answered the way a rank answers, and round-tripping the codec; its
+ratios are medians of per-round ratios against the ZMQ floor and the ring's own floor."""
 
 from bench.transport import (
     NUM_DECODE_REQS,
     NUM_PREFILL_REQS,
     PREFILL_LEN,
+    Rounds,
     decode_step,
     figures_from,
+    median_ratio,
     prefill_step,
-    reply_for,
     verdicts,
 )
+from bench.transport_ranks import reply_for
 from engine_core.handshake import describe_disagreement
 from protocol.buffers import unpack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
@@ -46,12 +49,33 @@ def test_steps_round_trip_and_every_rank_replies_alike() -> None:
         assert describe_disagreement(step.step_id, replies) is None
 
 
-def test_figures_are_ratios_to_the_floor_measured_alongside() -> None:
-    samples = {"pingpong": [100e-6, 100e-6]}
+def one_round(floor_s: float, scale: float) -> dict[str, list[float]]:
+    """A round whose ZMQ floor is `floor_s`, ring floor half of it, and steps `scale` times."""
+    samples = {"pingpong": [floor_s], "ring_pingpong": [floor_s / 2]}
+    samples["ring_pingpong_asleep"] = [floor_s]
     for name in ("decode_256", "prefill_8x2048"):
-        samples[f"{name}_tp1"] = [150e-6]
-        samples[f"{name}_tp2"] = [250e-6]
-    figures = figures_from(samples, num_iters=10)
+        for tp_size in (1, 2):
+            samples[f"{name}_tp{tp_size}"] = [floor_s * scale * tp_size]
+            samples[f"ring_{name}_tp{tp_size}"] = [floor_s * scale * tp_size / 2]
+    return samples
+
+
+def test_figures_are_ratios_to_the_floors_measured_alongside() -> None:
+    rounds = [one_round(100e-6, 1.5) for _ in range(5)]
+    figures = figures_from(rounds, num_iters=10)
     assert figures["ratio_decode_256_tp1_to_floor"] == 1.5
-    assert figures["ratio_decode_256_tp2_to_floor"] == 2.5
-    assert verdicts(figures)["target_decode_tp1"] == "1.50x floor (target <= 1.5x)"
+    assert figures["ratio_decode_256_tp2_to_floor"] == 3.0
+    assert figures["ratio_ring_decode_256_tp2_to_floor"] == 1.5
+    assert figures["ratio_ring_decode_256_tp2_to_ring_floor"] == 3.0
+    assert figures["ratio_ring_pingpong_to_floor"] == 0.5
+    found = verdicts(figures)
+    assert found["target_decode_tp1"] == "1.50x floor (target <= 1.5x)"
+    assert found["target_ring_decode_tp2"] == "1.50x floor (target <= 1.5x)"
+    assert found["target_ring_decode_tp2_own_floor"] == "3.00x ring floor (target <= 2.0x)"
+
+
+def test_a_ratio_is_the_median_of_per_round_ratios() -> None:
+    """A round on a loaded machine slows the floor and the step alike; pooling the samples
+    before dividing would mix a slow round's step with a quick round's floor."""
+    rounds: Rounds = [one_round(100e-6, 1.5), one_round(200e-6, 1.5), one_round(100e-6, 2.0)]
+    assert median_ratio(rounds, "decode_256_tp1", "pingpong") == 1.5
