@@ -101,6 +101,23 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
+    def remove_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Unlink each of `blocks` from wherever it sits: `remove` for many, in one call."""
+        num_removed = 0
+        for block in blocks:
+            prev = block.prev_free_block
+            nxt = block.next_free_block
+            if prev is None or nxt is None:
+                self.num_free_blocks -= num_removed
+                raise ValueError(
+                    f"cannot remove block {block.block_id}: it is not in the free queue"
+                )
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+            block.prev_free_block = block.next_free_block = None
+            num_removed += 1
+        self.num_free_blocks -= num_removed
+
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail (reused last)."""
         tail = self.fake_free_list_tail

@@ -175,15 +175,19 @@ class BlockPool:
         if num_blocks < 0 or num_blocks > num_free:
             raise ValueError(f"cannot get {num_blocks} new blocks: {num_free} free")
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        if self.enable_caching:
+        # A reused block may still carry the hash of its old content: drop it, or a later
+        # lookup would hit a block that now holds other tokens.
+        if self.enable_kv_cache_events or self.metrics_collector is not None:
             for block in blocks:
-                # A reused block may still carry the hash of its old content: drop it, or a
-                # later lookup would hit a block that now holds other tokens.
                 if block.block_hash is not None:
                     self._evict_cached_block(block)
                 block.ref_cnt = 1
-        else:
+        else:  # nobody to tell: unmap the stale hash right here
+            pop = self.cached_block_hash_to_block.pop
             for block in blocks:
+                if block.block_hash is not None:
+                    pop(block.block_hash, block.block_id)
+                    block.block_hash = None
                 block.ref_cnt = 1
         collector = self.metrics_collector
         if collector is not None:
@@ -193,13 +197,16 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on each hit block, pulling free ones off the free queue first."""
-        remove = self.free_block_queue.remove
+        evictable: list[KVCacheBlock] = []  # free hits, unlinked from the queue in one call
         for block in blocks:
-            if block.ref_cnt == 0:
-                if block.is_null:  # the null block is never ref-counted
-                    continue
-                remove(block)
-            block.ref_cnt += 1
+            ref_cnt = block.ref_cnt
+            if ref_cnt:
+                block.ref_cnt = ref_cnt + 1
+            elif not block.is_null:  # the null block is never ref-counted
+                evictable.append(block)
+                block.ref_cnt = 1
+        if evictable:
+            self.free_block_queue.remove_n(evictable)
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:

@@ -5,6 +5,7 @@ the bytes). Prefix-cache keys append the KV-cache group id to the hash.
 """
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Callable, Sequence
 from typing import NewType, Protocol
@@ -53,7 +54,7 @@ class BlockHasher:
         msgpack             the extra keys, a list of [tag, value] pairs; absent when there are none
     """
 
-    __slots__ = ("_header", "_new_hash", "algo", "block_size", "none_hash")
+    __slots__ = ("_block_bytes", "_header", "_new_hash", "algo", "block_size", "none_hash")
 
     def __init__(
         self, block_size: int, algo: HashAlgo = "sha256", seed: str = DEFAULT_HASH_SEED
@@ -64,6 +65,7 @@ class BlockHasher:
         self.block_size = block_size
         self._new_hash = _hash_constructor(algo)
         self._header = block_size.to_bytes(4, "little")
+        self._block_bytes = struct.Struct(f"{4 * block_size}s")  # one block's packed tokens
         self.none_hash: bytes = self._new_hash(b"kvserve.NONE_HASH\x00" + seed.encode()).digest()
 
     def hash_block(
@@ -99,11 +101,9 @@ class BlockHasher:
         if num_full <= num_hashed:
             return
         data = pack_int32(token_ids[num_hashed * block_size : num_full * block_size])
-        num_bytes = 4 * block_size
         header = self._header
-        tails = [
-            header + data[offset : offset + num_bytes] for offset in range(0, len(data), num_bytes)
-        ]
+        # iter_unpack cuts the packed tokens into one bytes object per block in C.
+        tails = [header + block for (block,) in self._block_bytes.iter_unpack(data)]
         if extra_keys and num_hashed == 0:
             tails[0] += _EXTRA_KEY_ENCODER.encode([list(key) for key in extra_keys])
         new_hash, append = self._new_hash, block_hashes.append
