@@ -39,6 +39,7 @@ LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest fol
     "shutdown_grace_s",
     "distributed_backend",
     "seed",
+    "model_step_ms",
 )
 LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
 DEFAULT_HTTP_HOST = "127.0.0.1"

@@ -1,8 +1,10 @@
 """`kvserve launch`: start one engine and N worker processes on this host and supervise them.
 
-Any child that fails takes the whole deployment down: the launcher joins every process with a
-deadline, then terminates it, then kills it. Ctrl-C or SIGTERM stops the engine, which stops the
-workers. Children use the spawn start method and are named `engine-core`, `worker-R`.
+A worker that fails is replaced, with the rest of its generation, up to --max-worker-restarts
+times (the engine recovers the requests, DESIGN.md §8); past that, or when the engine fails, the
+whole deployment comes down: the launcher joins every process with a deadline, then terminates
+it, then kills it. Ctrl-C or SIGTERM stops the engine, which stops the workers. Children use the
+spawn start method and are named `engine-core`, `worker-R`.
 """
 
 import ctypes
@@ -29,6 +31,7 @@ JOIN_TIMEOUT_S = 5.0  # a child gets this long to exit on its own before SIGTERM
 DEFAULT_MASTER_PORT = WorkerConfig().master_port
 TERMINATE_TIMEOUT_S = 3.0  # then this long after SIGTERM before SIGKILL
 SUPERVISE_POLL_S = 0.5
+RESTART_BACKOFF_S = (0.5, 8.0)  # the first restart waits the first, doubling up to the second
 PR_SET_PDEATHSIG = 1
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # A failed or timed-out NCCL collective aborts its communicator and raises instead of waiting on
@@ -68,7 +71,7 @@ def enable_nccl_async_errors() -> None:
 def engine_entry(config: EngineConfig, log_level: str) -> None:
     die_with_parent()
     setup_logging("engine", log_level)
-    from engine_core.server import run
+    from engine_core.engine_process import run
 
     sys.exit(run(with_pool_host_memory_limit(config)))
 
@@ -126,18 +129,23 @@ class Deployment:
     def __init__(
         self, engine_config: EngineConfig, workers: list[WorkerConfig], log_level: str
     ) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        engine = spawn.Process(
+        self._spawn = multiprocessing.get_context("spawn")
+        engine = self._spawn.Process(
             target=engine_entry, args=(engine_config, log_level), name="engine-core"
         )
-        self.processes: list[BaseProcess] = [engine]
-        for config in workers:
-            self.processes.append(
-                spawn.Process(
-                    target=worker_entry, args=(config, log_level), name=f"worker-{config.rank}"
-                )
-            )
+        self.worker_configs = workers
+        self.log_level = log_level
+        self.processes: list[BaseProcess] = [engine, *self._worker_processes()]
         self.engine_config = engine_config
+        self.num_restarts = 0  # worker generations replaced so far
+
+    def _worker_processes(self) -> list[BaseProcess]:
+        return [
+            self._spawn.Process(
+                target=worker_entry, args=(config, self.log_level), name=f"worker-{config.rank}"
+            )
+            for config in self.worker_configs
+        ]
 
     def start(self) -> None:
         for process in self.processes:
@@ -149,25 +157,62 @@ class Deployment:
         return self.processes[0]
 
     def supervise(self) -> int:
-        """Block until the deployment ends: 0 when it stopped cleanly, 1 when a child failed."""
+        """Block until the deployment ends: 0 when it stopped cleanly, 1 when a child failed.
+        A failed worker is replaced with its whole generation while restarts remain."""
         sentinels = {process.sentinel: process for process in self.processes}
         while sentinels:
             ready = multiprocessing.connection.wait(list(sentinels), SUPERVISE_POLL_S)
             for sentinel in ready:
                 process = sentinels.pop(sentinel)
                 process.join(JOIN_TIMEOUT_S)
-                if process.exitcode != EXIT_OK:
-                    logger.error(
-                        "%s exited with code %s: stopping the deployment",
-                        process.name,
-                        process.exitcode,
-                    )
-                    self.stop()
-                    is_usage = process is self.engine and process.exitcode == EXIT_USAGE
-                    return EXIT_USAGE if is_usage else EXIT_FAILED
-                if process is self.engine:
-                    return self.stop()
+                if process.exitcode == EXIT_OK:
+                    if process is self.engine:
+                        return self.stop()
+                    continue  # told to stop by the engine, which is stopping too
+                if process is not self.engine and self._can_restart():
+                    self._restart_workers(process)
+                    sentinels = {p.sentinel: p for p in self.processes if p.is_alive()}
+                    break
+                logger.error(
+                    "%s exited with code %s: stopping the deployment",
+                    process.name,
+                    process.exitcode,
+                )
+                self.stop()
+                is_usage = process is self.engine and process.exitcode == EXIT_USAGE
+                return EXIT_USAGE if is_usage else EXIT_FAILED
         return EXIT_OK
+
+    def _can_restart(self) -> bool:
+        max_restarts = self.engine_config.max_worker_restarts
+        return self.num_restarts < max_restarts and self.engine.is_alive()
+
+    def _restart_workers(self, failed: BaseProcess) -> None:
+        """Replace the whole generation: the engine tells the survivors to exit (one may be stuck
+        in a collective with the failed rank), and any still alive after the grace is killed, so
+        the new rank 0 can take the rendezvous port."""
+        self.num_restarts += 1
+        old = self.processes[1:]
+        logger.warning(
+            "%s exited with code %s: replacing the worker ranks (restart %d of %d)",
+            failed.name,
+            failed.exitcode,
+            self.num_restarts,
+            self.engine_config.max_worker_restarts,
+        )
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for process in old:
+            process.join(max(0.0, deadline - time.monotonic()))
+        _end_processes(old, JOIN_TIMEOUT_S)
+        low_s, high_s = RESTART_BACKOFF_S
+        self.engine.join(min(high_s, low_s * 2 ** (self.num_restarts - 1)))
+        if not self.engine.is_alive():
+            self.processes = [self.engine]
+            return  # the engine ended meanwhile: supervise() sees it and stops
+        self.processes = [self.engine, *self._worker_processes()]
+        for process in self.processes[1:]:
+            process.start()
+        logger.info("started %s", ", ".join(f"{p.name} (pid {p.pid})" for p in self.processes[1:]))
 
     def stop(self) -> int:
         """Stop the engine (it drains, then stops the workers), then join, terminate and kill
@@ -178,19 +223,22 @@ class Deployment:
         deadline = time.monotonic() + join_timeout_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
-            if process.is_alive():
-                logger.warning(
-                    "%s still alive after %.0f s: terminating", process.name, join_timeout_s
-                )
-                process.terminate()
-                process.join(TERMINATE_TIMEOUT_S)
-            if process.is_alive():
-                logger.warning("%s ignored SIGTERM: killing", process.name)
-                process.kill()
-                process.join(TERMINATE_TIMEOUT_S)
+        _end_processes(self.processes, join_timeout_s)
         failed = [p for p in self.processes if p.exitcode not in (EXIT_OK, -signal.SIGTERM)]
         return EXIT_FAILED if failed else EXIT_OK
+
+
+def _end_processes(processes: list[BaseProcess], waited_s: float) -> None:
+    """Terminate, then kill, whatever is still alive after it was given `waited_s` to exit."""
+    for process in processes:
+        if process.is_alive():
+            logger.warning("%s still alive after %.0f s: terminating", process.name, waited_s)
+            process.terminate()
+            process.join(TERMINATE_TIMEOUT_S)
+        if process.is_alive():
+            logger.warning("%s ignored SIGTERM: killing", process.name)
+            process.kill()
+            process.join(TERMINATE_TIMEOUT_S)
 
 
 def check_addresses(engine_config: EngineConfig, base_worker: WorkerConfig) -> WorkerConfig:

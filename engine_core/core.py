@@ -44,6 +44,8 @@ class EngineCore:
     ) -> None:
         """`limits`: the startup plan's (engine_core/plan.py); resolved here when not given."""
         self.engine_config = engine_config
+        self.kv_cache_config = kv_cache_config  # as agreed at startup; every generation keeps it
+        self.model_info = model_info
         self.executor = executor
         self.scheduler = Scheduler(
             engine_config.scheduler,
@@ -147,6 +149,14 @@ class EngineCore:
     def take_kv_events(self) -> list[KVCacheEvent]:
         """KV-cache events since the last call, for the publisher (empty when events are off)."""
         return self.scheduler.kv_cache_manager.take_events()
+
+    def requeue_for_new_workers(self) -> None:
+        """The worker generation was lost: every request will recompute on the next one."""
+        self.scheduler.requeue_for_new_workers()
+
+    @property
+    def next_step_id(self) -> int:
+        return self.scheduler.next_step_id
 
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error`, e.g. when a worker died."""

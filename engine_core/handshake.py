@@ -54,7 +54,14 @@ def describe_model_difference(expected: ModelInfo, found: ModelInfo) -> str | No
     return None
 
 
-def check_ready(ready: WorkerReady, num_blocks: int, ready_ranks: set[int]) -> None:
+def check_ready(
+    ready: WorkerReady, num_blocks: int, ready_ranks: set[int], generation: int = 1
+) -> None:
+    if ready.generation != generation:
+        raise HandshakeError(
+            f"rank {ready.rank} is ready for worker generation {ready.generation}, "
+            f"expected {generation}"
+        )
     if ready.rank in ready_ranks:
         raise HandshakeError(f"rank {ready.rank} said WorkerReady twice")
     if ready.num_blocks != num_blocks:

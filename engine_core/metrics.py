@@ -36,6 +36,18 @@ class EngineMetrics:
         self._add_scheduler_metrics(self.registry)
         self._add_latency_metrics(self.registry)
         self._add_block_metrics(self.registry)
+        self.worker_restarts = Counter(
+            "kvserve:worker_restarts",
+            "worker generations replaced after a rank fault, by cause",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.worker_recovery = _histogram(
+            "kvserve:worker_recovery_seconds",
+            "a rank fault to the next worker generation ready, s",
+            (*LATENCY_BUCKETS_S, 60.0, 120.0, 300.0),
+            self.registry,
+        )
         self.is_healthy = False
         # (client id, req_id) -> arrival at the engine, then the time of its last token
         self._first_seen: dict[tuple[bytes, str], float] = {}
@@ -135,6 +147,10 @@ class EngineMetrics:
             if total > last_totals[idx]:  # totals never shrink; a counter must not either
                 counter.inc(total - last_totals[idx])
                 last_totals[idx] = total
+
+    def on_worker_restart(self, cause: str, recovery_s: float) -> None:
+        self.worker_restarts.labels(cause=cause).inc()
+        self.worker_recovery.observe(recovery_s)
 
     def on_block_residency(self, residency: BlockResidencyStats) -> None:
         """Observe the sampled block timings drained from the KV-cache manager."""

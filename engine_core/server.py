@@ -1,13 +1,11 @@
-"""The engine process: binds its sockets, runs the startup of DESIGN.md §6, then a blocking step
-loop that reads a bounded share of client input, steps the EngineCore and streams outputs back.
+"""EngineServer: the engine's blocking step loop, which reads a bounded share of client input,
+steps the EngineCore, streams outputs back, and replaces a lost worker generation (DESIGN.md §8).
 
-It owns the process lifecycle; scheduling lives in EngineCore, the ZMQ executor in WorkerGroup and
-the client socket's rules in ClientRouter. It never waits without a deadline.
+Scheduling lives in EngineCore, the ZMQ executor in WorkerGroup, the client socket's rules in
+ClientRouter, and the process main in engine_process.py. It never waits without a deadline.
 """
 
-import gc
 import logging
-import signal
 import time
 from collections.abc import Callable
 
@@ -15,18 +13,10 @@ import zmq
 
 from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
-from engine_core.curve import start_zap_guard
-from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
 from engine_core.kv_events import KVEventPublisher, cached_block_counts
 from engine_core.metrics import EngineMetrics
-from engine_core.startup import (
-    CLIENT_LINGER_MS,
-    bind_clients,
-    serve_metrics,
-    start_engine_core,
-    start_kv_event_publisher,
-)
+from engine_core.recovery import WorkerRecovery
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
     AbortRequests,
@@ -66,8 +56,11 @@ class EngineServer:
         workers: WorkerGroup,
         metrics: EngineMetrics | None = None,
         kv_events: KVEventPublisher | None = None,
+        recovery: WorkerRecovery | None = None,
     ) -> None:
+        """`recovery`: None is fail-stop (--max-worker-restarts 0)."""
         self.config = config
+        self.recovery = recovery
         self.metrics = metrics
         self.kv_events = kv_events
         self.core = core
@@ -77,9 +70,8 @@ class EngineServer:
         self._stop_deadline: float | None = None  # time.monotonic() by which draining ends
         self._poller = zmq.Poller()
         self._poller.register(router.sock, zmq.POLLIN)
-        self._worker_items = {workers.sock, workers.monitor, *workers.sentinels}
-        for item in self._worker_items:
-            self._poller.register(item, zmq.POLLIN)
+        self._worker_items: list[zmq.Socket | int] = []
+        self._watch_workers()
         self._next_metrics_time = self._next_probe_time = 0.0
         self._last_stats_time = time.monotonic()
         self._next_stats_time = self._last_stats_time + config.log_stats_interval_s
@@ -91,8 +83,12 @@ class EngineServer:
         """Run until a stop signal (drain, then exit 0) or a failure (every request failed, 1)."""
         try:
             while not self._is_done():
-                self._serve_once()
-        except WorkerGroupError as exc:
+                try:
+                    self._serve_once()
+                except WorkerGroupError as exc:
+                    if not self._recover(exc):
+                        raise
+        except (WorkerGroupError, HandshakeError) as exc:
             return self._fail(f"worker failure: {exc}")
         except Exception as exc:
             logger.exception("engine loop failed")
@@ -160,6 +156,42 @@ class EngineServer:
         if self.metrics is not None:
             self.metrics.step_time.observe(time.perf_counter() - start)
             self.metrics.on_outputs(outputs)
+
+    # -- rank recovery -------------------------------------------------------------------------
+
+    def _recover(self, error: WorkerGroupError) -> bool:
+        """Replace the lost generation and resume; False when the engine must fail-stop."""
+        if self.recovery is None or not self.recovery.can_recover(error):
+            return False
+        for item in self._worker_items:  # the retirement closes the old ranks' pidfds
+            self._poller.unregister(item)
+        self._worker_items = []
+        self.workers.on_wait = self._serve_clients_while_waiting
+        try:
+            self.recovery.recover(self.core, self.workers, error)
+        finally:
+            self.workers.on_wait = None
+        self._publish_kv_events()  # AllBlocksCleared: the new ranks' caches hold nothing
+        self._watch_workers()
+        return True
+
+    def _serve_clients_while_waiting(self) -> None:
+        """While a new generation joins: take requests and answer calls, so that clients see
+        latency only. A stop signal ends the wait, since nothing can drain without ranks."""
+        if self.is_stop_requested:
+            raise HandshakeError("the engine was stopped while waiting for new worker ranks")
+        router = self.router
+        if router.sock.poll(0):
+            self._handle_clients()
+        if router.backlogs:
+            router.flush()
+        if router.left or router.stalled:
+            self._abort_troubled_clients()
+
+    def _watch_workers(self) -> None:
+        self._worker_items = self.workers.pollables()
+        for item in self._worker_items:
+            self._poller.register(item, zmq.POLLIN)
 
     def _log_stats(self) -> None:
         """One INFO line every log_stats_interval_s, only while the engine is doing something."""
@@ -291,6 +323,7 @@ class EngineServer:
             step_encode_s=self.workers.encode_time_s,
             step_transport_s=self.workers.transport_time_s,
             step_update_s=self.core.update_time_s,
+            num_worker_restarts=self.recovery.num_restarts if self.recovery is not None else 0,
         )
         return stat_values(stats)
 
@@ -302,6 +335,8 @@ class EngineServer:
         )
         self.workers.check_invariants()
         self.router.check_invariants()
+        if self.recovery is not None:
+            self.recovery.check_invariants()
         if self.metrics is not None:
             self.metrics.check_invariants()
 
@@ -309,96 +344,3 @@ class EngineServer:
         send = self.router.send
         for identity, client_outputs in outputs.items():
             send(identity, client_outputs)
-
-
-def run(config: EngineConfig) -> int:
-    """The engine's process main: bind, handshake, serve; 0 on a clean stop, 1 on a failure, 2
-    when an address is taken or, without CURVE keys, reachable from other hosts."""
-    ctx = zmq.Context()
-    endpoints = Endpoints(config.curve)
-    parts: list[Callable[[], None]] = []  # closers, run in reverse order at exit
-    try:
-        return _bind_and_serve(config, ctx, endpoints, parts)
-    except AddressInUseError as exc:
-        logger.error("%s", exc)
-        return EXIT_USAGE
-    finally:
-        for close in reversed(parts):
-            close()
-        ctx.term()
-        endpoints.remove_files()
-
-
-def _bind_and_serve(
-    config: EngineConfig, ctx: zmq.Context, endpoints: Endpoints, parts: list[Callable[[], None]]
-) -> int:
-    guard = start_zap_guard(ctx, config)  # before any bind, or CURVE sockets admit every key
-    parts.extend([guard.stop] if guard is not None else [])
-    # The client socket binds once the model's max_model_len is known; check it is free first.
-    check_free(config.client_address, "--client-address")
-    workers = WorkerGroup(
-        ctx,
-        config.worker_address,
-        config.tp_size,
-        config.step_timeout_s,
-        config.heartbeat_interval_s,
-        config.heartbeat_timeout_s,
-        endpoints,
-    )
-    parts.append(workers.close)
-    metrics = EngineMetrics() if config.metrics_port is not None else None
-    if metrics is not None:
-        http = serve_metrics(metrics, config)
-        parts.append(http.close)
-        parts.append(lambda: setattr(metrics, "is_healthy", False))
-    kv_events = None
-    if config.kv_events.enable_kv_cache_events:
-        kv_events = start_kv_event_publisher(ctx, config, endpoints)
-        parts.append(kv_events.close)
-    logger.info(
-        "engine up: clients at %s, %d worker rank(s) at %s",
-        config.client_address,
-        config.tp_size,
-        config.worker_address,
-    )
-    return _start_and_serve(config, ctx, endpoints, parts, workers, metrics, kv_events)
-
-
-def _start_and_serve(
-    config: EngineConfig,
-    ctx: zmq.Context,
-    endpoints: Endpoints,
-    parts: list[Callable[[], None]],
-    workers: WorkerGroup,
-    metrics: EngineMetrics | None,
-    kv_events: KVEventPublisher | None,
-) -> int:
-    server: EngineServer | None = None
-
-    def request_stop(signum: int, frame: object) -> None:
-        logger.info("signal %d: stopping", signum)
-        if server is None:
-            raise KeyboardInterrupt
-        server.is_stop_requested = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    try:
-        core = start_engine_core(config, workers)
-        router = bind_clients(config, ctx, endpoints, core.max_model_len)
-    except (HandshakeError, WorkerGroupError, AddressInUseError) as exc:
-        logger.error("startup failed: %s", exc)
-        workers.shutdown(f"engine startup failed: {exc}", is_failure=True)
-        return EXIT_USAGE if isinstance(exc, AddressInUseError) else EXIT_FAILED
-    except KeyboardInterrupt:
-        workers.shutdown("the engine was stopped during startup")
-        return EXIT_OK
-    parts.append(lambda: router.sock.close(linger=CLIENT_LINGER_MS))
-    server = EngineServer(config, core, router, workers, metrics, kv_events)
-    # The pool's blocks live as long as the engine: keep full collections from walking them.
-    gc.collect()
-    gc.freeze()
-    if metrics is not None:
-        metrics.is_healthy = True
-    logger.info("serving clients at %s", config.client_address)
-    return server.serve()

@@ -1,17 +1,16 @@
 """WorkerGroup: the engine's worker ROUTER socket, the handshake with every rank, and the per-step
-broadcast and gather (the ZMQ executor).
+broadcast and gather (the ZMQ executor), for one worker generation at a time.
 
-Every wait has a deadline. A rank that dies, vanishes or fails is a WorkerGroupError naming it; this
-class never retries and never schedules.
+Every wait has a deadline. A rank that dies, vanishes or fails is a WorkerGroupError naming it;
+this class never schedules, and it replaces a generation only when told to (DESIGN.md §8).
 """
 
 import logging
-import os
-import socket
 import time
+from collections.abc import Callable
 
+import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from engine_core.endpoints import Endpoints
 from engine_core.handshake import (
@@ -22,6 +21,7 @@ from engine_core.handshake import (
     describe_message,
     missing_ranks,
 )
+from engine_core.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
 from protocol.codec import make_encoder, worker_to_engine_decoder
 from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import KVCacheConfig
@@ -37,21 +37,18 @@ from protocol.worker_messages import (
 
 logger = logging.getLogger(__name__)
 
-MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
 SHUTDOWN_LINGER_MS = 1000
-SENTINEL_GRACE_MS = 500  # a dead local process closes its sockets just before its pidfd fires
-
-
-class WorkerGroupError(RuntimeError):
-    """A rank died, vanished, failed, diverged or did not answer in time."""
+RETIRE_GRACE_S = 3.0  # a retired local rank gets this long to exit before it is killed
+WAIT_SLICE_MS = 100  # a long handshake wait lets the engine serve its clients this often
 
 
 class WorkerGroup:
     """The ranks of one tensor-parallel group, as the engine sees them.
 
-    Invariants: `ranks_by_identity` maps distinct identities to distinct ranks that said hello;
-    after `wait_for_ready` it holds exactly ranks 0..tp_size-1; `last_step_id` counts the
-    steps broadcast so far, and every gathered reply echoes it.
+    Invariants: `ranks_by_identity` maps distinct identities to distinct ranks of the current
+    `generation` that said hello; after `wait_for_ready` it holds exactly ranks 0..tp_size-1;
+    `retired` holds only identities of earlier generations; `last_step_id` is the last step
+    broadcast, and every gathered reply echoes it and the generation.
     """
 
     def __init__(
@@ -82,12 +79,14 @@ class WorkerGroup:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        self.watch = RankWatch(self.monitor, self.poller, tp_size)
+        self.generation = 1  # one more each time a generation is retired
+        self.retired: dict[bytes, tuple[int, int]] = {}  # identity -> (generation, rank)
+        self.on_wait: Callable[[], None] | None = None  # called every WAIT_SLICE_MS of handshake
         self.hellos: dict[int, WorkerHello] = {}
         self.ranks_by_identity: dict[bytes, int] = {}
         self.peers: set[bytes] = set()  # every worker identity heard from, refused ones included
         self.refusals: list[str] = []  # why peers were refused during startup
-        self.sentinels: dict[int, int] = {}  # pidfd of a local worker process -> its rank
-        self.fd_ranks: dict[int, int] = {}  # connection fd of a rank's hello -> its rank
         self.last_step_id = 0
         self.encode_time_s = 0.0  # total seconds encoding steps
         self.transport_time_s = 0.0  # total seconds from each broadcast to its last reply
@@ -120,7 +119,7 @@ class WorkerGroup:
     def _accept_hello(self, identity: bytes, hello: WorkerHello) -> None:
         self.hellos[hello.rank] = hello
         self.ranks_by_identity[identity] = hello.rank
-        self._watch_process(hello)
+        self.watch.watch_process(hello.rank, hello.pid, hello.host)
         logger.info(
             "rank %d joined: pid %d on %s, %s, %d blocks available",
             hello.rank,
@@ -136,13 +135,12 @@ class WorkerGroup:
             raise HandshakeError(reason)  # an accepted rank misbehaving is a broken group
         logger.warning("refused a worker: %s", reason)
         self.refusals.append(reason)
-        frame = self._encoder.encode(Shutdown(reason=reason, is_failure=True))
-        try:
-            self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.debug("refusal not delivered: %s", exc)
+        self._tell_to_exit([identity], Shutdown(reason=reason, is_failure=True))
 
     def send_kv_cache_config(self, config: KVCacheConfig) -> None:
+        """Admit the ranks that said hello as this generation, starting at config.first_step_id."""
+        config = msgspec.structs.replace(config, generation=self.generation)
+        self.last_step_id = config.first_step_id - 1
         self._broadcast(self._encoder.encode(config))
 
     def wait_for_ready(self, num_blocks: int, deadline: float) -> None:
@@ -160,11 +158,11 @@ class WorkerGroup:
                         raise HandshakeError(
                             f"WorkerReady names rank {message.rank} but came from rank {sender}"
                         )
-                    check_ready(message, num_blocks, ready_ranks)
+                    check_ready(message, num_blocks, ready_ranks, self.generation)
                     ready_ranks.add(message.rank)
                 case _:
                     raise HandshakeError(f"expected WorkerReady, got {type(message).__name__}")
-        self._is_serving = True
+        self._is_serving = self.watch.is_serving = True
 
     def _recv_handshake(
         self, deadline: float, awaited: str, answered: set[int]
@@ -179,12 +177,20 @@ class WorkerGroup:
                     f"timed out waiting for {awaited}: missing rank(s) "
                     f"{missing_ranks(self.tp_size, answered)} of tp_size={self.tp_size}{refused}"
                 )
-            events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
-            self._check_side_events(events)
+            wait_ms = max(1, int(remaining_s * 1000))
+            if self.on_wait is not None:
+                wait_ms = min(wait_ms, WAIT_SLICE_MS)
+            events = dict(self.poller.poll(wait_ms))
+            self.watch.check(events)
             if self.sock not in events:
+                if self.on_wait is not None:
+                    self.on_wait()
                 continue
             frames = self.sock.recv_multipart(copy=False)
             identity = frames[0].bytes
+            if identity in self.retired:
+                self._drop_stale(identity, "a frame")
+                continue
             self.peers.add(identity)
             if len(frames) != 2:
                 self._drop_stray(identity, f"{len(frames) - 1} frames instead of 1")
@@ -195,7 +201,7 @@ class WorkerGroup:
                 self._drop_stray(identity, str(exc))
                 continue
             if isinstance(message, WorkerHello):
-                self._remember_connection(frames[1], message.rank)
+                self.watch.remember_connection(frames[1], message.rank)
             if isinstance(message, WorkerFailed) and identity in self.ranks_by_identity:
                 raise HandshakeError(f"rank {message.rank} failed during startup: {message.error}")
             return identity, message
@@ -206,43 +212,25 @@ class WorkerGroup:
             raise HandshakeError(f"rank {rank} sent a bad frame during startup: {reason}")
         logger.warning("dropped a frame from an unknown peer during startup: %s", reason[:200])
 
-    def _remember_connection(self, frame: zmq.Frame, rank: int) -> None:
-        """Map the connection a rank's hello came on to that rank, so a disconnect names it."""
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except (zmq.ZMQError, AttributeError) as exc:  # SRCFD is deprecated in libzmq
-            logger.debug("cannot tell rank %d's connection: %s", rank, exc)
-            return
-        self.fd_ranks[fd] = rank
-
-    def _watch_process(self, hello: WorkerHello) -> None:
-        """Put a local worker's process in the poller, so its death is seen within milliseconds."""
-        if hello.host != socket.gethostname():
-            return  # a remote rank: ZMQ heartbeats and the step deadline watch it
-        try:
-            pidfd = os.pidfd_open(hello.pid)
-        except (OSError, AttributeError) as exc:
-            logger.debug("cannot watch rank %d pid %d: %s", hello.rank, hello.pid, exc)
-            return
-        self.sentinels[pidfd] = hello.rank
-        self.poller.register(pidfd, zmq.POLLIN)
-
     # -- serving -------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step, gather every rank's reply, and return rank 0's if all agree."""
         step_id, expected_id = scheduler_output.step_id, self.last_step_id + 1
         if step_id != expected_id:
-            raise WorkerGroupError(f"step {step_id} broadcast, expected step {expected_id}")
+            message = f"step {step_id} broadcast, expected step {expected_id}"
+            raise WorkerGroupError(message, "protocol", is_recoverable=False)
         start = time.perf_counter()
+        if scheduler_output.generation != self.generation:
+            scheduler_output = msgspec.structs.replace(scheduler_output, generation=self.generation)
         frame = self._encoder.encode(scheduler_output)
         encoded = time.perf_counter()
         self._broadcast(frame)
         self.last_step_id = scheduler_output.step_id
         outputs = self.gather(scheduler_output.step_id)
         disagreement = describe_disagreement(scheduler_output.step_id, outputs)
-        if disagreement:
-            raise WorkerGroupError(disagreement)
+        if disagreement:  # a new generation would diverge again: a bug, not a fault
+            raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
         self.encode_time_s += encoded - start
         self.transport_time_s += time.perf_counter() - encoded
         return outputs[0]
@@ -257,11 +245,12 @@ class WorkerGroup:
             if remaining_s <= 0:
                 missing = [rank for rank, out in enumerate(outputs) if out is None]
                 raise WorkerGroupError(
-                    f"no reply to step {step_id} from rank(s) {missing} in {self.step_timeout_s} s"
+                    f"no reply to step {step_id} from rank(s) {missing} in {self.step_timeout_s} s",
+                    "timeout",
                 )
             events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
             if len(events) > (self.sock in events):
-                self._check_side_events(events)
+                self.watch.check(events)
             if self.sock in events:
                 num_pending -= self._drain_replies(step_id, outputs, num_pending)
         return outputs  # type: ignore[return-value]  # no None left
@@ -277,34 +266,45 @@ class WorkerGroup:
             except zmq.Again:
                 return num_received
             rank = self.ranks_by_identity.get(identity)
+            if identity in self.retired:
+                self._drop_stale(identity, "a reply")
+                continue
             if rank is None:
                 self._refuse_stranger(identity)
                 continue
+            generation = self.generation
             match self._decode(identity, frame):
-                case ModelRunnerOutput() as out if out.step_id == step_id and out.rank == rank:
+                case ModelRunnerOutput() as out if (
+                    out.step_id == step_id and out.rank == rank and out.generation == generation
+                ):
                     if outputs[rank] is not None:
-                        raise WorkerGroupError(f"rank {rank} replied twice to step {step_id}")
+                        message = f"rank {rank} replied twice to step {step_id}"
+                        raise WorkerGroupError(message, "protocol")
                     outputs[rank] = out
                     num_received += 1
                 case WorkerFailed() as failed:
-                    self._raise_if_a_rank_is_gone()
+                    self.watch.raise_if_a_rank_is_gone()
                     raise WorkerGroupError(
                         f"rank {rank} failed at step {failed.step_id}: {failed.error}"
                     )
                 case other:
                     raise WorkerGroupError(
                         f"rank {rank} sent {describe_message(other)} "
-                        f"while step {step_id} was awaited"
+                        f"while step {step_id} was awaited",
+                        "protocol",
                     )
         return num_received
 
     def check_idle_events(self) -> None:
         """Between steps: raise if a rank died, disconnected or spoke out of turn."""
         events = dict(self.poller.poll(0))
-        self._check_side_events(events)
+        self.watch.check(events)
         if self.sock in events:
             identity, frame = self.sock.recv_multipart()
             rank = self.ranks_by_identity.get(identity)
+            if identity in self.retired:
+                self._drop_stale(identity, "a frame")
+                return
             if rank is None:
                 self._refuse_stranger(identity)
                 return
@@ -312,57 +312,22 @@ class WorkerGroup:
                 case WorkerFailed() as failed:
                     raise WorkerGroupError(f"rank {rank} failed: {failed.error}")
                 case other:
-                    raise WorkerGroupError(
-                        f"rank {rank} sent {describe_message(other)} between steps"
-                    )
-
-    def _check_side_events(self, events: dict) -> None:
-        for pidfd, rank in self.sentinels.items():
-            if pidfd in events:
-                pid = self.hellos[rank].pid
-                raise WorkerGroupError(f"worker rank {rank} (pid {pid}) exited")
-        if self.monitor in events:
-            event = parse_monitor_message(self.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and self._is_serving:
-                rank = self.fd_ranks.get(int(event["value"]))
-                if rank is None and len(self.fd_ranks) == self.tp_size:
-                    return  # a refused latecomer left, not a rank
-                self._name_exited_rank()
-                who = "a worker" if rank is None else f"rank {rank}"
-                raise WorkerGroupError(f"{who} disconnected from {event['endpoint']!r}")
-
-    def _raise_if_a_rank_is_gone(self) -> None:
-        """A rank's failure may echo another rank's death (its all-reduce broke): name the dead."""
-        side = zmq.Poller()
-        side.register(self.monitor, zmq.POLLIN)
-        for pidfd in self.sentinels:
-            side.register(pidfd, zmq.POLLIN)
-        self._check_side_events(dict(side.poll(SENTINEL_GRACE_MS)))
-
-    def _name_exited_rank(self) -> None:
-        """After a disconnect, give a local rank's sentinel a moment, so the error can name it."""
-        sentinels = zmq.Poller()
-        for pidfd in self.sentinels:
-            sentinels.register(pidfd, zmq.POLLIN)
-        if self.sentinels:
-            self._check_side_events(dict(sentinels.poll(SENTINEL_GRACE_MS)))
+                    message = f"rank {rank} sent {describe_message(other)} between steps"
+                    raise WorkerGroupError(message, "protocol")
 
     def _decode(self, identity: bytes, frame: bytes) -> WorkerToEngine:
         try:
             return self._decoder.decode(frame)
         except ProtocolError as exc:
             rank = self.ranks_by_identity.get(identity)
-            raise WorkerGroupError(f"rank {rank} sent a bad frame: {exc}") from None
+            message = f"rank {rank} sent a bad frame: {exc}"
+            raise WorkerGroupError(message, "protocol") from None
 
     def _refuse_stranger(self, identity: bytes) -> None:
         """A worker that joined after startup: tell it to exit and keep serving the group."""
         reason = f"the engine already serves all {self.tp_size} ranks"
         logger.warning("refused a worker that connected after startup: %s", reason)
-        frame = self._encoder.encode(Shutdown(reason=reason, is_failure=True))
-        try:
-            self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.debug("refusal not delivered: %s", exc)
+        self._tell_to_exit([identity], Shutdown(reason=reason, is_failure=True))
 
     def _broadcast(self, frame: bytes) -> None:
         """Send the same encoded frame to every rank that said hello."""
@@ -372,23 +337,52 @@ class WorkerGroup:
                 sock.send(identity, zmq.SNDMORE)
                 sock.send(frame)
             except zmq.ZMQError as exc:
-                raise WorkerGroupError(f"cannot reach rank {rank}: {exc}") from None
+                message = f"cannot reach rank {rank}: {exc}"
+                raise WorkerGroupError(message, "unreachable") from None
+
+    def _drop_stale(self, identity: bytes, what: str) -> None:
+        """A rank of a retired generation woke up (SIGSTOP, a partition): its words are void."""
+        generation, rank = self.retired[identity]
+        msg = "dropped %s from rank %d of retired worker generation %d (serving %d)"
+        logger.warning(msg, what, rank, generation, self.generation)
+
+    # -- generations ---------------------------------------------------------------------------
+
+    def retire_generation(self, reason: str) -> None:
+        """Tell every rank of the current generation to exit, kill local ones that do not within
+        RETIRE_GRACE_S, and forget them: the next hellos form generation + 1 (DESIGN.md §8)."""
+        shutdown = Shutdown(reason=reason, is_failure=True, generation=self.generation)
+        self._tell_to_exit(list(self.ranks_by_identity), shutdown)
+        for identity, rank in self.ranks_by_identity.items():
+            self.retired[identity] = (self.generation, rank)
+        self.watch.retire(RETIRE_GRACE_S)
+        self.hellos.clear()
+        self.ranks_by_identity.clear()
+        self.refusals.clear()
+        self._is_serving = False
+        self.generation += 1
+
+    def pollables(self) -> list[zmq.Socket | int]:
+        """What the engine's own poller must watch between steps for this generation."""
+        return [self.sock, self.monitor, *self.watch.sentinels]
 
     # -- shutdown ------------------------------------------------------------------------------
 
     def shutdown(self, reason: str, is_failure: bool = False) -> None:
         """Tell every worker still reachable to exit, refused ones included."""
-        frame = self._encoder.encode(Shutdown(reason=reason, is_failure=is_failure))
-        for identity in self.peers:
+        self._tell_to_exit(list(self.peers), Shutdown(reason=reason, is_failure=is_failure))
+
+    def _tell_to_exit(self, identities: list[bytes], shutdown: Shutdown) -> None:
+        """Best effort: a peer that is gone or not reading is past telling."""
+        frame = self._encoder.encode(shutdown)
+        for identity in identities:
             try:
                 self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
-                logger.debug("shutdown not delivered to %r: %s", identity, exc)
+                logger.debug("Shutdown not delivered to %r: %s", identity, exc)
 
     def close(self) -> None:
-        for pidfd in self.sentinels:
-            os.close(pidfd)
-        self.sentinels.clear()
+        self.watch.close_sentinels()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=SHUTDOWN_LINGER_MS)  # lets a Shutdown just sent reach the ranks
@@ -400,3 +394,7 @@ class WorkerGroup:
         )
         if self._is_serving:
             assert sorted(inverse) == list(range(self.tp_size)), f"ranks {sorted(inverse)}"
+        stale = self.retired.keys() & self.ranks_by_identity.keys()
+        assert not stale, f"identities {stale} are both retired and current"
+        assert all(gen < self.generation for gen, _ in self.retired.values()), "retired ahead"
+        self.watch.check_invariants()

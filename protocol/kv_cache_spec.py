@@ -73,6 +73,10 @@ class KVCacheConfig(msgspec.Struct, frozen=True, tag=True, array_like=True):
     num_blocks: PositiveInt  # blocks in the one shared pool, the null block 0 included
     kv_cache_groups: list[KVCacheGroupSpec]
     check_invariants: bool = False  # workers walk their ModelRunner and BlockTables after each step
+    # The worker generation this config admits (DESIGN.md §8): 1 at startup, one more after each
+    # rank fault. Every later message between the engine and the rank carries it.
+    generation: int = 1
+    first_step_id: int = 1  # the generation's first SchedulerOutput; step ids never restart
 
 
 def cdiv(numerator: int, denominator: int) -> int:

@@ -42,6 +42,7 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
     rank: Rank
     num_blocks: int
+    generation: int = 1  # the one its KVCacheConfig named
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -81,6 +82,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     total_num_scheduled_tokens: int
     finished_handles: list[int]  # requests the workers must forget
     preempted_handles: list[int]  # requests whose blocks were freed; a later step resumes them
+    generation: int = 1  # the worker generation it is for; a rank of another one refuses it
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -90,17 +92,20 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     rank: int
     handles: bytes  # int32, the scheduled requests in SchedulerOutput order
     sampled_token_ids: bytes  # int32, one per request (meaningless for a partial prefill chunk)
+    generation: int = 1  # the step's; the engine drops replies of an older generation
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     rank: int
     step_id: int | None  # the step being executed, or None during startup
     error: str
+    generation: int | None = None  # the rank's generation, or None before its KVCacheConfig
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str
     is_failure: bool = False  # the deployment failed (a rank died): workers exit non-zero
+    generation: int | None = None  # the generation told to exit; None: whoever receives it
 
 
 EngineToWorker = KVCacheConfig | SchedulerOutput | Shutdown

@@ -89,7 +89,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_sizes)
         self.parked: dict[int, ParkedRequest] = {}
         self.sampler = Sampler(sampling_seed)
-        self.last_step_id = 0
+        self.last_step_id = kv_cache_config.first_step_id - 1  # a later generation starts late
         self.timings = StepTimings()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -106,7 +106,9 @@ class ModelRunner:
             self.check_invariants()
         if not scheduled:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
-            return ModelRunnerOutput(scheduler_output.step_id, self.rank, handles, b"")
+            return ModelRunnerOutput(
+                scheduler_output.step_id, self.rank, handles, b"", scheduler_output.generation
+            )
         token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
@@ -121,7 +123,13 @@ class ModelRunner:
             model_s=modelled - prepared - kv.build_s,
             sample_s=done - modelled,
         )
-        return ModelRunnerOutput(scheduler_output.step_id, self.rank, handles, pack_int32(sampled))
+        return ModelRunnerOutput(
+            scheduler_output.step_id,
+            self.rank,
+            handles,
+            pack_int32(sampled),
+            scheduler_output.generation,
+        )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> list[ScheduledRequest]:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""
@@ -307,7 +315,7 @@ def build_model_runner(
 ) -> ModelRunner:
     """The model of `config`, its KV tensors of exactly kv_cache_config.num_blocks, and a runner."""
     if model is None:
-        model = build_model(config.model, tp_group, device, config.seed)
+        model = build_model(config.model, tp_group, device, config.seed, config.model_step_ms)
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     info = get_model_info(config.model, config.block_size, config.dtype)
     return ModelRunner(

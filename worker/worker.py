@@ -75,6 +75,7 @@ class Worker:
         self.encoder = make_encoder()
         self.decoder = engine_to_worker_decoder()
         self.last_step_id = 0
+        self.generation: int | None = None  # named by the engine's KVCacheConfig (DESIGN.md §8)
         self.tp_group: TPGroup | None = None
         self.model: Model | None = None  # built before WorkerHello, so capacity is measured on it
         self.runner: ModelRunner | None = None
@@ -112,7 +113,9 @@ class Worker:
             config.distributed_backend,
         )
         model_info = get_model_info(config.model, config.block_size, config.dtype)
-        self.model = build_model(config.model, self.tp_group, device, config.seed)
+        self.model = build_model(
+            config.model, self.tp_group, device, config.seed, config.model_step_ms
+        )
         num_blocks = self.measure_num_blocks(model_info, device, start)
         hello = WorkerHello(
             PROTOCOL_VERSION,
@@ -177,9 +180,15 @@ class Worker:
         self.runner = build_model_runner(
             self.config, kv_cache_config, self.tp_group, device, self.model
         )
-        ready = WorkerReady(self.config.rank, kv_cache_config.num_blocks)
+        self.generation = kv_cache_config.generation
+        self.last_step_id = kv_cache_config.first_step_id - 1
+        ready = WorkerReady(self.config.rank, kv_cache_config.num_blocks, self.generation)
         self.sock.send(self.encoder.encode(ready))
-        logger.info("ready: %d blocks per layer", kv_cache_config.num_blocks)
+        logger.info(
+            "ready: %d blocks per layer, worker generation %d",
+            kv_cache_config.num_blocks,
+            self.generation,
+        )
 
     def serve(self) -> int:
         """Run steps until Shutdown. SIGTERM (a container stop reaches every process at once)
@@ -196,9 +205,10 @@ class Worker:
                     raise ProtocolError(f"got {type(other).__name__} after startup")
 
     def execute(self, step: SchedulerOutput) -> None:
-        if step.step_id != self.last_step_id + 1:
+        if step.step_id != self.last_step_id + 1 or step.generation != self.generation:
             raise ProtocolError(
-                f"rank {self.config.rank} got step {step.step_id}, expected {self.last_step_id + 1}"
+                f"rank {self.config.rank} got step {step.step_id} of generation "
+                f"{step.generation}, expected step {self.last_step_id + 1} of {self.generation}"
             )
         self.last_step_id = step.step_id
         assert self.runner is not None, "a step arrived before the KV cache was allocated"
@@ -287,7 +297,8 @@ def run(config: WorkerConfig) -> int:
     except Exception as exc:
         logger.exception("rank %d failed", config.rank)
         error = f"{type(exc).__name__}: {exc}"
-        failed = WorkerFailed(config.rank, worker.last_step_id or None, error)
+        step_id = worker.last_step_id if worker.runner is not None else None
+        failed = WorkerFailed(config.rank, step_id or None, error, worker.generation)
         try:
             sock.send(worker.encoder.encode(failed), zmq.NOBLOCK)
             sock.setsockopt(zmq.LINGER, FAILED_LINGER_MS)  # let WorkerFailed reach the engine

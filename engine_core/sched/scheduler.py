@@ -152,6 +152,29 @@ class Scheduler:
         self._in_flight = None  # the step that failed will never be answered
         return self.finish_requests(list(self.requests), RequestStatus.FINISHED_ERROR, error)
 
+    def requeue_for_new_workers(self) -> None:
+        """The worker generation is gone, and every KV block with it (DESIGN.md §8): preempt each
+        running request by recompute, keeping its tokens, forget what the workers were told (a
+        new generation gets every request whole), and clear the prefix cache, whose blocks hold
+        nothing now. The step in flight, if any, is never answered."""
+        self._in_flight = None
+        for request in reversed(self.running):  # prepending the last first keeps their order
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+            self.waiting.prepend_request(request)
+        self.running = []
+        for request in self.requests.values():
+            request.num_tokens_sent = 0
+        self._finished_handles = []
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("blocks are still held after every request was preempted")
+
+    @property
+    def next_step_id(self) -> int:
+        return self._step_id + 1
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -250,12 +273,13 @@ class Scheduler:
             self.running.append(request)
             request.num_computed_tokens = num_computed
             block_ids = kv.get_block_ids(request.req_id)
-            if request.status == RequestStatus.PREEMPTED:
+            if request.num_tokens_sent:  # the workers hold it: its new table replaces the old
                 plan.resumed_reqs.append(request)
                 plan.resumed_num_tokens.append(num_new_tokens)
                 plan.resumed_block_ids.append(block_ids)
-            else:
-                request.num_cached_tokens = num_computed
+            else:  # never sent, or lost with a worker generation: it goes out whole
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_computed  # as the client sees it, set once
                 plan.new_reqs.append(request)
                 plan.new_num_tokens.append(num_new_tokens)
                 plan.new_block_ids.append(block_ids)

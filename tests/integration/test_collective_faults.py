@@ -41,6 +41,8 @@ def _launch_and_serve_one_request(
         SHUTDOWN_TIMEOUT_S,
         "--max-model-len",
         "8192",
+        "--max-worker-restarts",
+        "0",  # fail-stop: these tests are about tearing down, not recovering
     )
     client = EngineClient(addresses["client"], 60.0)
     client.add_request(make_request("warmup", [5, 6, 7], SamplingParams(max_tokens=4)))

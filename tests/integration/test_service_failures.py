@@ -134,7 +134,7 @@ def test_duplicate_rank_or_other_model_is_refused_without_giving_up_on_the_real_
 def test_killing_a_worker_fails_in_flight_requests_and_stops_everything(
     processes: Processes, addresses: dict
 ) -> None:
-    start_core(processes, addresses, 2, "--max-model-len", "1024")
+    start_core(processes, addresses, 2, "--max-model-len", "1024", "--max-worker-restarts", "0")
     for rank in (0, 1):
         start_worker(processes, addresses, rank, 2, "tiny-llama")
     req_ids = [f"long-{i}" for i in range(4)]
@@ -210,7 +210,7 @@ def test_async_client_of_a_killed_engine_gets_engine_dead_error(
 @pytest.mark.timeout(90)
 def test_a_silent_engine_makes_the_worker_exit(processes: Processes, addresses: dict) -> None:
     """SIGSTOP keeps the engine's sockets open, so only the worker's heartbeats can tell."""
-    start_core(processes, addresses, 1)
+    start_core(processes, addresses, 1, "--max-worker-restarts", "0")
     start_worker(processes, addresses, 0, 1, "checksum", "--engine-timeout-s", "3")
     with EngineClient(addresses["client"], 60.0) as client:
         assert client.check_health() is True
@@ -236,7 +236,18 @@ def test_a_hung_worker_misses_the_step_deadline_and_the_launcher_tears_down(
 
     Rank 0 misses the deadline too: it waits in the all-reduce for its stopped peer.
     """
-    launch(processes, addresses, 2, "checksum", "--step-timeout-s", "2", "--max-model-len", "8192")
+    launch(
+        processes,
+        addresses,
+        2,
+        "checksum",
+        "--step-timeout-s",
+        "2",
+        "--max-model-len",
+        "8192",
+        "--max-worker-restarts",
+        "0",
+    )
     params = SamplingParams(max_tokens=8000, ignore_eos=True)
     with EngineClient(addresses["client"], 60.0) as client:
         client.add_request(make_request("endless", [5, 6, 7], params))

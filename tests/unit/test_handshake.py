@@ -74,6 +74,8 @@ def test_ready_must_report_the_agreed_num_blocks_once() -> None:
         check_ready(WorkerReady(1, 39), 40, {0})
     with pytest.raises(HandshakeError, match="WorkerReady twice"):
         check_ready(WorkerReady(0, 40), 40, {0})
+    with pytest.raises(HandshakeError, match="ready for worker generation 1, expected 2"):
+        check_ready(WorkerReady(0, 40, generation=1), 40, set(), generation=2)
 
 
 def test_missing_ranks_are_named_in_order() -> None:
