@@ -93,6 +93,15 @@ class ShmRingReader:
                 f"reader {self.reader_idx} of ring {self.name} is already attached: {exc}"
             ) from None
         self._doorbell.setblocking(False)
+        try:  # a writer in another network namespace could never ring this doorbell: say so now
+            self._doorbell.sendto(b"\0", writer_doorbell_address(self.name))
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            raise RingAttachError(
+                f"the writer of ring {self.name} has no doorbell this process can reach "
+                f"(closed, or another network namespace): {exc}"
+            ) from None
+        except BlockingIOError:
+            pass  # its doorbell is full of wake-ups: it is there
         state = ReaderState(self._words[self._word(STATE_FIELD)])
         if state != ReaderState.WAITING:
             raise RingAttachError(
@@ -163,13 +172,8 @@ class ShmRingReader:
 
     def _wait(self, deadline: float, timeout_s: float) -> None:
         """Until the next chunk is published: spin for `spin_s`, then block on the doorbell."""
-        if self._is_ready():
+        if self.spin(deadline):
             return
-        spin_until = min(deadline, time.monotonic() + self.spin_s)
-        while time.monotonic() < spin_until:
-            os.sched_yield()
-            if self._is_ready():
-                return
         while not self._is_ready():
             if self._words[IS_CLOSED_WORD] and not self._is_ready():
                 raise RingClosedError(f"ring {self.name} was closed by its writer")
@@ -188,6 +192,21 @@ class ShmRingReader:
                 raise RingClosedError(
                     f"the writer of ring {self.name} (pid {self.writer_pid}) died"
                 )
+
+    def spin(self, deadline: float | None = None) -> bool:
+        """Re-check for `spin_s` (until `deadline` at most), yielding the CPU between checks;
+        True once a chunk is published. Spinning only briefly keeps readers from starving the
+        engine when processes outnumber cores."""
+        if self._is_ready():
+            return True
+        spin_until = time.monotonic() + self.spin_s
+        if deadline is not None:
+            spin_until = min(spin_until, deadline)
+        while time.monotonic() < spin_until:
+            os.sched_yield()
+            if self._is_ready():
+                return True
+        return False
 
     def begin_sleep(self) -> bool:
         """Announce that this reader is about to block on `fileno()`; False (and no block) when a

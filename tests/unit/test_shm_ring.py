@@ -186,6 +186,23 @@ def test_attach_refuses_a_segment_that_is_not_a_ring() -> None:
         segment.unlink()
 
 
+def test_attach_refuses_a_ring_whose_writer_doorbell_it_cannot_reach() -> None:
+    """Guards against a reader in another network namespace (the doorbells are abstract unix
+    sockets) that would sleep through every frame: it must fail at attach, not at a deadline."""
+    layout = RingLayout(1, NUM_SLOTS, SLOT_BYTES)
+    name = f"{SEGMENT_PREFIX}no-writer-{os.getpid()}"
+    segment = shared_memory.SharedMemory(name, True, layout.size_bytes)
+    words = segment.buf.cast("Q")
+    try:
+        layout.write_header(words, os.getpid())
+        with pytest.raises(RingAttachError, match="has no doorbell this process can reach"):
+            ShmRingReader(name, 0)
+    finally:
+        words.release()
+        segment.close()
+        segment.unlink()
+
+
 def test_a_blocked_reader_notices_the_writer_close_after_the_last_frame() -> None:
     ring = ShmRingWriter(1, num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES)
     reader = ShmRingReader(ring.name, 0)
