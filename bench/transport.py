@@ -1,10 +1,9 @@
 """Per-step round trip of the engine-worker transport, over ZeroMQ and over the shared-memory ring.
 
-Two floors: a 1-byte ROUTER/DEALER ping-pong over ipc (the ZMQ floor), and a 1-byte ping over the
-ring answered over ZMQ (the ring's floor: the cheapest trip a ring step can make, since replies
-stay on ZMQ). Interleaved with them, a 256-request decode step and an 8 x 2,048-token prefill go
-to 1 and 2 rank processes, over ZMQ (`WorkerGroup.execute_model`) and over the ring (its write,
-then `WorkerGroup.gather`), plus each step's encode + decode time. python -m bench.transport
+A 256-request decode step and an 8 x 2,048-token prefill go to 1 and 2 rank processes over ZMQ
+(`WorkerGroup.execute_model`) and over the ring (its write, then `WorkerGroup.gather`: replies stay
+on ZMQ), interleaved with the floors of bench/transport_floors.py: the 1-byte ZMQ ping-pong, and a
+1-byte ping over the ring answered over ZMQ (the ring's own floor). python -m bench.transport
 """
 
 import multiprocessing
@@ -16,12 +15,12 @@ from collections.abc import Callable
 import zmq
 
 from bench.report import base_parser, report
+from bench.transport_floors import PingPong, ShmPingPong
 from bench.transport_ranks import (
     BLOCK_SIZE,
     GROUPS,
-    QUIT,
+    HANDSHAKE_TIMEOUT_S,
     STEP_TIMEOUT_S,
-    pong_main,
     rank_main,
 )
 from engine_core.handshake import describe_disagreement
@@ -36,7 +35,6 @@ from protocol.worker_messages import CachedRequestData, NewRequestData, Schedule
 NUM_DECODE_REQS = 256
 NUM_PREFILL_REQS = 8
 PREFILL_LEN = 2048
-HANDSHAKE_TIMEOUT_S = 60.0
 TARGETS = {
     "ratio_tp1_max": 1.5,
     "ratio_tp2_max": 3.0,
@@ -90,53 +88,6 @@ def prefill_step(step_id: int) -> SchedulerOutput:
 
 def median_us(samples_s: list[float]) -> float:
     return statistics.median(samples_s) * 1e6
-
-
-def recv_within(sock: zmq.Socket, timeout_s: float, what: str) -> list[bytes]:
-    if not sock.poll(int(timeout_s * 1000)):
-        raise TimeoutError(f"no {what} in {timeout_s} s")
-    return sock.recv_multipart()
-
-
-class PingPong:
-    """A 1-byte round trip to an echo process, answered over a ROUTER/DEALER pair over ipc: the
-    ping goes over that pair too (the ZMQ floor) or over a ring of one reader (the ring's floor;
-    `spin_s=0` keeps the reader asleep between pings, so every ping pays its doorbell)."""
-
-    def __init__(
-        self, ctx: zmq.Context, address: str, is_ring: bool, spin_s: float | None = None
-    ) -> None:
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(address)
-        self.ring = ShmRingWriter(1) if is_ring else None
-        ring_name = None if self.ring is None else self.ring.name
-        spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(target=pong_main, args=(address, ring_name, spin_s))
-        self.proc.start()
-        self.identity, _ = recv_within(self.router, HANDSHAKE_TIMEOUT_S, "hello from pong")
-
-    def ping(self, frame: bytes) -> None:
-        if self.ring is None:
-            self.router.send_multipart((self.identity, frame))
-        else:
-            self.ring.write(frame, STEP_TIMEOUT_S)
-
-    def sample(self, num_iters: int) -> list[float]:
-        samples = []
-        for _ in range(num_iters):
-            start = time.perf_counter()
-            self.ping(b"x")
-            recv_within(self.router, STEP_TIMEOUT_S, "pong")
-            samples.append(time.perf_counter() - start)
-        return samples
-
-    def close(self) -> None:
-        self.ping(QUIT)
-        self.proc.join(STEP_TIMEOUT_S)
-        self.router.close(linger=0)
-        if self.ring is not None:
-            self.ring.close()
 
 
 class RankGroup:
@@ -204,11 +155,13 @@ def measure_codec(make_step: Callable[[int], SchedulerOutput], num_iters: int) -
 
 
 STEP_KINDS = {"decode_256": decode_step, "prefill_8x2048": prefill_step}
-FLOORS = {  # sample key -> (over the ring, reader spin_s; None: the reader's default)
-    "pingpong": (False, None),
-    "ring_pingpong": (True, None),
-    "ring_pingpong_asleep": (True, 0.0),
+FLOORS = {  # sample key -> (over the ring, reader spin_s or None for its default, echoes)
+    "pingpong": (False, None, 1),
+    "ring_pingpong": (True, None, 1),
+    "ring_pingpong_asleep": (True, 0.0, 1),
+    "ring_pingpong_tp2": (True, None, 2),
 }
+SHM_FLOORS = {"shm_pingpong_tp1": 1, "shm_pingpong_tp2": 2}  # sample key -> echoes
 Rounds = list[dict[str, list[float]]]  # per round, per figure: round-trip times in seconds
 
 
@@ -221,8 +174,11 @@ def run(num_iters: int, num_rounds: int) -> dict[str, float | int | str]:
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as folder:
         floors, groups = {}, {}
         try:
-            for key, (is_ring, spin_s) in FLOORS.items():
-                floors[key] = PingPong(ctx, f"ipc://{folder}/{key}", is_ring, spin_s)
+            for key, (is_ring, spin_s, num_echoes) in FLOORS.items():
+                address = f"ipc://{folder}/{key}"
+                floors[key] = PingPong(ctx, address, is_ring, spin_s, num_echoes)
+            for key, num_echoes in SHM_FLOORS.items():
+                floors[key] = ShmPingPong(num_echoes)
             for prefix in ("", "ring_"):
                 for tp_size in (1, 2):
                     address = f"ipc://{folder}/{prefix}workers-{tp_size}"
@@ -256,6 +212,9 @@ def figures_from(rounds: Rounds, num_iters: int) -> dict[str, float | int | str]
         "pingpong_1byte_us": median_us(pooled["pingpong"]),
         "ring_pingpong_1byte_us": median_us(pooled["ring_pingpong"]),
         "ring_pingpong_1byte_reader_asleep_us": median_us(pooled["ring_pingpong_asleep"]),
+        "ring_pingpong_1byte_tp2_us": median_us(pooled["ring_pingpong_tp2"]),
+        "shm_roundtrip_1byte_tp1_us": median_us(pooled["shm_pingpong_tp1"]),
+        "shm_roundtrip_1byte_tp2_us": median_us(pooled["shm_pingpong_tp2"]),
         "ratio_ring_pingpong_to_floor": median_ratio(rounds, "ring_pingpong", "pingpong"),
     }
     for name, make_step in STEP_KINDS.items():
@@ -271,6 +230,8 @@ def figures_from(rounds: Rounds, num_iters: int) -> dict[str, float | int | str]
             figures[f"{key}_us_per_step"] = median_us(pooled[key])
             figures[f"ratio_{key}_to_floor"] = median_ratio(rounds, key, "pingpong")
             figures[f"ratio_{key}_to_ring_floor"] = median_ratio(rounds, key, "ring_pingpong")
+        key = f"ring_{name}_tp2"  # what the step adds to a 1-byte trip to the same two ranks
+        figures[f"ratio_{key}_to_ring_floor_tp2"] = median_ratio(rounds, key, "ring_pingpong_tp2")
     return figures
 
 

@@ -1,13 +1,15 @@
 """The far side of bench/transport.py: rank processes that decode every step and reply over a
 ZMQ DEALER, taking steps either from that DEALER or from the shared-memory ring, and the 1-byte
-echo processes behind the floors. No model runs.
+echo processes behind the floors (one answers over a ring of its own). No model runs.
 """
 
 import os
 import socket
+from multiprocessing.connection import Connection
 
 import zmq
 
+from engine_core.shm_ring_writer import ShmRingWriter
 from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
@@ -24,6 +26,7 @@ from protocol.worker_messages import (
 from worker.shm_ring_reader import ShmRingReader
 
 BLOCK_SIZE = 16
+HANDSHAKE_TIMEOUT_S = 60.0
 RANK_IDLE_TIMEOUT_S = 60.0  # a rank or echo that hears nothing for this long exits
 STEP_TIMEOUT_S = 10.0
 GROUPS = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(BLOCK_SIZE, 2, 8, "float32"))]
@@ -113,16 +116,19 @@ def rank_main(address: str, rank: int, tp_size: int, ring_name: str | None = Non
     ctx.term()
 
 
-def pong_main(address: str, ring_name: str | None = None, spin_s: float | None = None) -> None:
+def pong_main(
+    address: str, ring_name: str | None = None, spin_s: float | None = None, reader_idx: int = 0
+) -> None:
     """Says hello once so the ROUTER learns its identity, then echoes every frame until QUIT;
-    the frames come over the DEALER, or over the ring `ring_name` (spinning `spin_s`)."""
+    the frames come over the DEALER, or as reader `reader_idx` of the ring `ring_name`
+    (spinning `spin_s`, else the reader's default)."""
     ctx = zmq.Context()
     sock = _connect(ctx, address)
     reader = None
     if ring_name is not None:
-        reader = (
-            ShmRingReader(ring_name, 0) if spin_s is None else ShmRingReader(ring_name, 0, spin_s)
-        )
+        reader = ShmRingReader(ring_name, reader_idx)
+        if spin_s is not None:
+            reader.spin_s = spin_s
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     if reader is not None:
@@ -134,3 +140,14 @@ def pong_main(address: str, ring_name: str | None = None, spin_s: float | None =
         reader.close()
     sock.close(linger=0)
     ctx.term()
+
+
+def shm_echo_main(ring_name: str, reader_idx: int, conn: Connection) -> None:
+    """Echoes every frame of the ring over a ring of its own, whose name goes back on `conn`,
+    until QUIT: a round trip with no ZMQ in it at all."""
+    reader = ShmRingReader(ring_name, reader_idx)
+    with ShmRingWriter(1) as replies:
+        conn.send(replies.name)
+        while (frame := reader.read(RANK_IDLE_TIMEOUT_S)) != QUIT:
+            replies.write(frame, STEP_TIMEOUT_S)
+    reader.close()

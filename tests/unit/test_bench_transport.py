@@ -53,6 +53,8 @@ def one_round(floor_s: float, scale: float) -> dict[str, list[float]]:
     """A round whose ZMQ floor is `floor_s`, ring floor half of it, and steps `scale` times."""
     samples = {"pingpong": [floor_s], "ring_pingpong": [floor_s / 2]}
     samples["ring_pingpong_asleep"] = [floor_s]
+    samples["ring_pingpong_tp2"] = [floor_s]
+    samples["shm_pingpong_tp1"] = samples["shm_pingpong_tp2"] = [floor_s / 4]
     for name in ("decode_256", "prefill_8x2048"):
         for tp_size in (1, 2):
             samples[f"{name}_tp{tp_size}"] = [floor_s * scale * tp_size]
@@ -68,6 +70,7 @@ def test_figures_are_ratios_to_the_floors_measured_alongside() -> None:
     assert figures["ratio_ring_decode_256_tp2_to_floor"] == 1.5
     assert figures["ratio_ring_decode_256_tp2_to_ring_floor"] == 3.0
     assert figures["ratio_ring_pingpong_to_floor"] == 0.5
+    assert figures["ratio_ring_decode_256_tp2_to_ring_floor_tp2"] == 1.5
     found = verdicts(figures)
     assert found["target_decode_tp1"] == "1.50x floor (target <= 1.5x)"
     assert found["target_ring_decode_tp2"] == "1.50x floor (target <= 1.5x)"
