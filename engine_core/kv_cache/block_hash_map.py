@@ -3,6 +3,8 @@
 Owned and updated by BlockPool only; it never changes a block, it only files and finds them.
 """
 
+from collections.abc import Iterable
+
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.hashing import BlockHashWithGroupId
 
@@ -38,8 +40,21 @@ class BlockHashToBlockMap:
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         first = self._first.setdefault(key, block)
-        if first is block:
-            return
+        if first is not block:
+            self._add_copy(key, first, block)
+
+    def insert_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """File each block under the key it carries: `insert` for many, in one call."""
+        setdefault = self._first.setdefault
+        for block in blocks:
+            key = block.block_hash
+            first = setdefault(key, block)
+            if first is not block:
+                self._add_copy(key, first, block)
+
+    def _add_copy(
+        self, key: BlockHashWithGroupId, first: KVCacheBlock, block: KVCacheBlock
+    ) -> None:
         copies = self._copies.get(key)
         if copies is None:
             self._copies[key] = {first.block_id: first, block.block_id: block}
@@ -63,6 +78,16 @@ class BlockHashToBlockMap:
         if len(copies) == 1:
             del self._copies[key]
         return block
+
+    def pop_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Remove each block from the key it carries: `pop` for many, in one call."""
+        first, copies = self._first, self._copies
+        for block in blocks:
+            key = block.block_hash
+            if copies and key in copies:
+                self.pop(key, block.block_id)
+            elif first.get(key) is block:
+                del first[key]
 
     def clear(self) -> None:
         self._first.clear()

@@ -148,13 +148,14 @@ class BlockPool:
                 f"it has {len(block_hashes)} block hashes and {len(blocks)} blocks"
             )
         suffix = self._group_id_suffixes[kv_cache_group_id]
-        insert = self.cached_block_hash_to_block.insert
         is_recording = self.enable_kv_cache_events
         announced: list[int] = []  # indices whose hash had no cached copy: routers learn these
+        hashed: list[KVCacheBlock] = []  # filed in the map in one call once all are hashed
         for idx in range(num_cached_blocks, num_full_blocks):
             block = blocks[idx]
             if block.block_hash is not None:
-                self._uncache(blocks[num_cached_blocks:idx])
+                for done in hashed:  # none of them is in the map yet
+                    done.block_hash = None
                 raise ValueError(
                     f"cannot cache block {block.block_id} at index {idx} of request "
                     f"{request.req_id}: it already has a hash"
@@ -162,10 +163,13 @@ class BlockPool:
             if block.is_null:
                 continue
             key = block_hashes[idx] + suffix
+            # One request's keys differ (each chains over a different prefix), so looking up
+            # before filing any of them sees what filing them one by one would.
             if is_recording and self._get_one_block(key) is None:
                 announced.append(idx)
             block.block_hash = key
-            insert(key, block)
+            hashed.append(block)
+        self.cached_block_hash_to_block.insert_blocks(hashed)
         if announced:
             self._record_block_stored(request, announced, block_size, kv_cache_group_id)
 
@@ -182,13 +186,16 @@ class BlockPool:
                 if block.block_hash is not None:
                     self._evict_cached_block(block)
                 block.ref_cnt = 1
-        else:  # nobody to tell: unmap the stale hash right here
-            pop = self.cached_block_hash_to_block.pop
+        else:  # nobody to tell: unmap the stale hashes in one call
+            stale: list[KVCacheBlock] = []
             for block in blocks:
                 if block.block_hash is not None:
-                    pop(block.block_hash, block.block_id)
-                    block.block_hash = None
+                    stale.append(block)
                 block.ref_cnt = 1
+            if stale:
+                self.cached_block_hash_to_block.pop_blocks(stale)
+                for block in stale:
+                    block.block_hash = None
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:
@@ -340,13 +347,6 @@ class BlockPool:
             self.kv_event_queue.append(block_removed([get_block_hash(key)], get_group_id(key)))
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
-
-    def _uncache(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Undo the part of a `cache_full_blocks` call done before it found a caller error."""
-        for block in blocks:
-            if block.block_hash is not None:
-                self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
-                block.block_hash = None
 
     @staticmethod
     def _restore_refs(blocks: Sequence[KVCacheBlock]) -> None:

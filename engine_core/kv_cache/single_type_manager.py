@@ -103,14 +103,16 @@ class SingleTypeKVCacheManager(ABC):
             new_blocks = block_pool.get_new_blocks(num_new)
             blocks.extend(new_blocks)
         if block_pool.enable_caching:
-            num_full = min(num_real_tokens, len(request.all_token_ids)) // block_size
             req_id = request.req_id
             num_cached = self.num_cached_block[req_id]
-            if num_full > num_cached:
-                block_pool.cache_full_blocks(
-                    request, blocks, num_cached, num_full, block_size, self.kv_cache_group_id
-                )
-                self.num_cached_block[req_id] = num_full
+            num_full = num_real_tokens // block_size
+            if num_full > num_cached:  # a block filled up: now clamp to the known tokens
+                num_full = min(num_full, len(request.all_token_ids) // block_size)
+                if num_full > num_cached:
+                    block_pool.cache_full_blocks(
+                        request, blocks, num_cached, num_full, block_size, self.kv_cache_group_id
+                    )
+                    self.num_cached_block[req_id] = num_full
         return new_blocks
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:

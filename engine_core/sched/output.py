@@ -101,21 +101,22 @@ def _cached_request_data(
     new_block_ids: list[BlockIds | None],
     resumed_handles: list[int],
 ) -> CachedRequestData:
-    """Columns of the requests the workers already hold; decode steps take the one-token path."""
-    handles = array("i")
-    num_computed = array("i")
-    new_token_ids = array("i")
-    num_new_token_ids = array("i")
-    for request in requests:
-        handles.append(request.handle)
-        num_computed.append(request.num_computed_tokens)
-        tokens = request.all_token_ids
-        num_unsent = len(tokens) - request.num_tokens_sent
-        if num_unsent == 1:
-            new_token_ids.append(tokens[-1])
-        elif num_unsent:
-            new_token_ids.extend(tokens[request.num_tokens_sent :])
-        num_new_token_ids.append(num_unsent)
+    """Columns of the requests the workers already hold; decode steps take the one-token path.
+
+    Each column is one comprehension over the requests, not an append per request and column.
+    """
+    handles = array("i", [request.handle for request in requests])
+    num_computed = array("i", [request.num_computed_tokens for request in requests])
+    num_new_token_ids = array(
+        "i", [len(request.all_token_ids) - request.num_tokens_sent for request in requests]
+    )
+    if num_new_token_ids.count(1) == len(num_new_token_ids):  # every one sent all but its last
+        new_token_ids = array("i", [request.all_token_ids[-1] for request in requests])
+    else:
+        new_token_ids = array("i")
+        for request, num_unsent in zip(requests, num_new_token_ids, strict=True):
+            if num_unsent:
+                new_token_ids.extend(request.all_token_ids[request.num_tokens_sent :])
     return CachedRequestData(
         handles=pack_int32(handles),
         resumed_handles=resumed_handles,
