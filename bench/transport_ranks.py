@@ -89,12 +89,22 @@ def next_frame(reader: ShmRingReader | None, sock: zmq.Socket, poller: zmq.Polle
             return None
 
 
-def rank_main(address: str, rank: int, tp_size: int, ring_name: str | None = None) -> None:
+def rank_main(
+    address: str,
+    rank: int,
+    tp_size: int,
+    ring_name: str | None = None,
+    reply_ring_conn: Connection | None = None,
+) -> None:
     """A rank that handshakes over its DEALER, then decodes every step in full and replies;
-    steps come over the DEALER, or over the ring `ring_name` when given."""
+    steps come over the DEALER, or over the ring `ring_name` when given. With
+    `reply_ring_conn`, step replies go over a ring this rank owns, named on that connection."""
     ctx = zmq.Context()
     sock = _connect(ctx, address)
     reader = None if ring_name is None else ShmRingReader(ring_name, rank)
+    replies = None if reply_ring_conn is None else ShmRingWriter(1)
+    if reply_ring_conn is not None and replies is not None:
+        reply_ring_conn.send(replies.name)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     if reader is not None:
@@ -106,12 +116,15 @@ def rank_main(address: str, rank: int, tp_size: int, ring_name: str | None = Non
         match message:
             case KVCacheConfig() as config:
                 sock.send(encoder.encode(WorkerReady(rank, config.num_blocks)))
+            case SchedulerOutput() as step if replies is not None:
+                replies.write(encoder.encode(reply_for(step, rank)), STEP_TIMEOUT_S)
             case SchedulerOutput() as step:
                 sock.send(encoder.encode(reply_for(step, rank)))
             case Shutdown():
                 break
-    if reader is not None:
-        reader.close()
+    for closable in (reader, replies):
+        if closable is not None:
+            closable.close()
     sock.close(linger=0)
     ctx.term()
 

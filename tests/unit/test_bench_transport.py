@@ -59,6 +59,7 @@ def one_round(floor_s: float, scale: float) -> dict[str, list[float]]:
         for tp_size in (1, 2):
             samples[f"{name}_tp{tp_size}"] = [floor_s * scale * tp_size]
             samples[f"ring_{name}_tp{tp_size}"] = [floor_s * scale * tp_size / 2]
+            samples[f"shm_{name}_tp{tp_size}"] = [floor_s * scale / 4]
     return samples
 
 
@@ -71,6 +72,7 @@ def test_figures_are_ratios_to_the_floors_measured_alongside() -> None:
     assert figures["ratio_ring_decode_256_tp2_to_ring_floor"] == 3.0
     assert figures["ratio_ring_pingpong_to_floor"] == 0.5
     assert figures["ratio_ring_decode_256_tp2_to_ring_floor_tp2"] == 1.5
+    assert figures["ratio_shm_decode_256_tp2_to_floor"] == 0.375
     found = verdicts(figures)
     assert found["target_decode_tp1"] == "1.50x floor (target <= 1.5x)"
     assert found["target_ring_decode_tp2"] == "1.50x floor (target <= 1.5x)"
