@@ -32,6 +32,7 @@ DEFAULT_MASTER_PORT = WorkerConfig().master_port
 TERMINATE_TIMEOUT_S = 3.0  # then this long after SIGTERM before SIGKILL
 SUPERVISE_POLL_S = 0.5
 RESTART_BACKOFF_S = (0.5, 8.0)  # the first restart waits the first, doubling up to the second
+STABLE_GENERATION_S = 60.0  # a generation that served this long resets the backoff
 PR_SET_PDEATHSIG = 1
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # A failed or timed-out NCCL collective aborts its communicator and raises instead of waiting on
@@ -138,6 +139,8 @@ class Deployment:
         self.processes: list[BaseProcess] = [engine, *self._worker_processes()]
         self.engine_config = engine_config
         self.num_restarts = 0  # worker generations replaced so far
+        self._num_quick_restarts = 0  # in a row, each of a generation that died young
+        self._generation_start = time.monotonic()
 
     def _worker_processes(self) -> list[BaseProcess]:
         return [
@@ -204,12 +207,16 @@ class Deployment:
         for process in old:
             process.join(max(0.0, deadline - time.monotonic()))
         _end_processes(old, JOIN_TIMEOUT_S)
+        if time.monotonic() - self._generation_start >= STABLE_GENERATION_S:
+            self._num_quick_restarts = 0  # not a crash loop: restart at the first backoff
         low_s, high_s = RESTART_BACKOFF_S
-        self.engine.join(min(high_s, low_s * 2 ** (self.num_restarts - 1)))
+        self.engine.join(min(high_s, low_s * 2**self._num_quick_restarts))
+        self._num_quick_restarts += 1
         if not self.engine.is_alive():
             self.processes = [self.engine]
             return  # the engine ended meanwhile: supervise() sees it and stops
         self.processes = [self.engine, *self._worker_processes()]
+        self._generation_start = time.monotonic()
         for process in self.processes[1:]:
             process.start()
         logger.info("started %s", ", ".join(f"{p.name} (pid {p.pid})" for p in self.processes[1:]))

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import socket
-from typing import TypeVar
 
 import pytest
 import zmq
@@ -18,16 +17,13 @@ from engine_core.client import (
     make_request,
     run_async,
 )
-from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
-from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import (
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
-    WorkerHello,
     WorkerReady,
 )
 from tests.integration.conftest import (
@@ -38,41 +34,9 @@ from tests.integration.conftest import (
     stop_launch,
     wait_for,
 )
-from worker.models.registry import get_model_info
+from tests.integration.fake_rank import FakeRank
 
 pytestmark = pytest.mark.integration
-
-T = TypeVar("T")
-
-SHUTDOWN_WAIT_MS = 20_000
-
-
-class FakeRank:
-    """A socket that speaks the worker side of the handshake, so tests can send any WorkerHello."""
-
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def hello(self, rank: int, tp_size: int, model: str) -> None:
-        info = get_model_info(model, 16)
-        hello = WorkerHello(
-            PROTOCOL_VERSION, rank, tp_size, os.getpid(), "elsewhere", "cpu", info, 64
-        )
-        self.sock.send(make_encoder().encode(hello))
-
-    def expect_shutdown(self) -> Shutdown:
-        return self.expect(Shutdown)
-
-    def expect(self, message_type: type[T]) -> T:
-        assert self.sock.poll(SHUTDOWN_WAIT_MS), f"no {message_type.__name__} from the engine"
-        message = engine_to_worker_decoder().decode(self.sock.recv())
-        assert isinstance(message, message_type), message
-        return message
-
-    def send(self, message: WorkerReady | ModelRunnerOutput) -> None:
-        self.sock.send(make_encoder().encode(message))
 
 
 @pytest.mark.timeout(60)
