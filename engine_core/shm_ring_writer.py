@@ -27,6 +27,7 @@ from protocol.shm_ring import (
     STATE_FIELD,
     MemoryFence,
     ReaderState,
+    RingClosedError,
     RingLayout,
     RingReaderGoneError,
     reader_doorbell_address,
@@ -84,7 +85,7 @@ class ShmRingWriter:
         closes the ring, since its readers could never finish that frame.
         """
         if self.is_closed:
-            raise RingReaderGoneError(f"ring {self.name} is closed; cannot write a frame")
+            raise RingClosedError(f"ring {self.name} is closed; cannot write a frame")
         deadline = time.monotonic() + timeout_s
         data = memoryview(frame).cast("B")
         layout, words, num_bytes = self.layout, self._words, len(data)

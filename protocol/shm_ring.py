@@ -42,7 +42,8 @@ class RingAttachError(RuntimeError):
 
 
 class RingClosedError(RuntimeError):
-    """The writer closed the ring (every frame before the close was read) or its process exited."""
+    """The ring is closed: its writer closed it (a reader gets this once every frame before the
+    close was read) or its writer's process exited."""
 
 
 class RingReaderGoneError(RuntimeError):

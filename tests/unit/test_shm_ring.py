@@ -262,6 +262,8 @@ def test_close_unlinks_the_segment_once() -> None:
     ring.close()
     ring.close()
     assert ring_segments() == before
+    with pytest.raises(RingClosedError, match="is closed; cannot write a frame"):
+        ring.write(b"step", WAIT_S)
 
 
 class RingMachine(RuleBasedStateMachine):
