@@ -225,6 +225,18 @@ class ShmRingWriter:
             for i in range(layout.num_readers)
         ]
 
+    def release_reader(self, reader_idx: int) -> None:
+        """Stop holding frames for a reader that will never attach (its rank could not map the
+        ring and takes its steps over ZMQ): its WAITING slot becomes DETACHED. Call it only once
+        that rank has said so, since an attach racing with it could be overwritten."""
+        word = self.layout.reader_word(reader_idx, STATE_FIELD)
+        state = ReaderState(self._words[word])
+        if state != ReaderState.WAITING:
+            raise ValueError(
+                f"reader {reader_idx} of ring {self.name} is {state.name.lower()}, expected waiting"
+            )
+        self._words[word] = ReaderState.DETACHED
+
     def close(self) -> None:
         """Mark the ring closed, wake every reader so it sees that, and unlink the segment (once).
 

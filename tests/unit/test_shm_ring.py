@@ -154,6 +154,21 @@ def test_a_detached_reader_no_longer_holds_back_the_writer(writer: ShmRingWriter
     stays.close()
 
 
+def test_a_released_reader_slot_holds_no_frames_and_cannot_be_attached(
+    writer: ShmRingWriter,
+) -> None:
+    """A rank that could not map the ring takes its steps over ZMQ: its slot must not fill up."""
+    with ShmRingReader(writer.name, 0) as attached:
+        writer.release_reader(1)
+        for step_id in range(2 * NUM_SLOTS):
+            writer.write(bytes([step_id]), SHORT_S)
+            assert attached.read(WAIT_S) == bytes([step_id])
+        with pytest.raises(RingAttachError, match=r"reader 1 .* is detached"):
+            ShmRingReader(writer.name, 1)
+        with pytest.raises(ValueError, match=r"reader 0 of ring .* is attached, expected waiting"):
+            writer.release_reader(0)
+
+
 def test_a_detach_wakes_a_writer_waiting_for_that_reader(writer: ShmRingWriter) -> None:
     fast, slow = ShmRingReader(writer.name, 0), ShmRingReader(writer.name, 1)
     frames = [bytes([i]) for i in range(NUM_SLOTS + 1)]
