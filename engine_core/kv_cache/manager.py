@@ -126,7 +126,9 @@ class KVCacheManager:
                    |<-------------- blocks to allocate ---------->|
         |<------- cached once full ---------------->|
         ```
-        None means the blocks do not fit; then no `ref_cnt` and no table has changed.
+        None means the blocks do not fit; then no `ref_cnt` and no table has changed. When no
+        new block was needed, it returns `empty_kv_cache_blocks` itself, so callers may test that
+        by identity.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens={num_new_tokens} for {request.req_id}: expected >= 1")

@@ -46,6 +46,18 @@ class StepPlan:
         ids = [id(request) for request in self.requests_in_order()]
         assert len(ids) == len(set(ids)), "a request is scheduled twice in one step"
 
+    def add_new(self, request: Request, num_tokens: int, block_ids: BlockIds) -> None:
+        """Schedule a request the workers do not hold: it goes out whole, with its table."""
+        self.new_reqs.append(request)
+        self.new_num_tokens.append(num_tokens)
+        self.new_block_ids.append(block_ids)
+
+    def add_resumed(self, request: Request, num_tokens: int, block_ids: BlockIds) -> None:
+        """Schedule a preempted request the workers still hold: `block_ids` replace its table."""
+        self.resumed_reqs.append(request)
+        self.resumed_num_tokens.append(num_tokens)
+        self.resumed_block_ids.append(block_ids)
+
     def unschedule_running(self, request: Request) -> int:
         """Drop a running request scheduled earlier in this step; returns its token count."""
         idx = self.running_reqs.index(request)

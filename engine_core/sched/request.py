@@ -54,7 +54,9 @@ class Request:
         "client_id",
         "client_req_id",
         "eos_token_id",
+        "finishing_token_ids",
         "handle",
+        "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -89,6 +91,13 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.eos_token_id = eos_token_id
+        # Derived once from the frozen sampling params, for the stop rules on every step.
+        self.finishing_token_ids = frozenset(
+            sampling_params.stop_token_ids
+            if eos_token_id is None or sampling_params.ignore_eos
+            else [*sampling_params.stop_token_ids, eos_token_id]
+        )  # ids that finish it once min_tokens outputs exist: stop ids, EOS unless ignore_eos
+        self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens  # length cap
         self.client_id = client_id  # the ZMQ identity of the client that sent it
         self.handle = handle  # the integer name of this request on the engine-worker wire
         self.status = RequestStatus.WAITING

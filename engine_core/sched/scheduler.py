@@ -6,6 +6,7 @@ tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 
 import itertools
 import logging
+from collections import defaultdict
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
@@ -212,6 +213,7 @@ class Scheduler:
         """Give each running request its next tokens, preempting when blocks run out."""
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
+        empty = self.kv_cache_manager.empty_kv_cache_blocks  # what most decode steps get
         cap = self._prefill_cap
         idx = 0
         while idx < len(running) and budget > 0:
@@ -238,7 +240,7 @@ class Scheduler:
             plan.running_num_tokens.append(num_new_tokens)
             # A decode step rarely crosses a block boundary: send None, not empty lists.
             plan.running_block_ids.append(
-                new_blocks.get_block_ids() if any(new_blocks.blocks) else None
+                None if new_blocks is empty else new_blocks.get_block_ids()
             )
             budget -= num_new_tokens
             idx += 1
@@ -274,15 +276,11 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             block_ids = kv.get_block_ids(request.req_id)
             if request.num_tokens_sent:  # the workers hold it: its new table replaces the old
-                plan.resumed_reqs.append(request)
-                plan.resumed_num_tokens.append(num_new_tokens)
-                plan.resumed_block_ids.append(block_ids)
+                plan.add_resumed(request, num_new_tokens, block_ids)
             else:  # never sent, or lost with a worker generation: it goes out whole
                 if request.status == RequestStatus.WAITING:
                     request.num_cached_tokens = num_computed  # as the client sees it, set once
-                plan.new_reqs.append(request)
-                plan.new_num_tokens.append(num_new_tokens)
-                plan.new_block_ids.append(block_ids)
+                plan.add_new(request, num_new_tokens, block_ids)
             request.status = _RUNNING
             budget -= num_new_tokens
 
@@ -311,7 +309,7 @@ class Scheduler:
         requests = self._check_step(scheduler_output, model_runner_output)
         sampled = unpack_int32(model_runner_output.sampled_token_ids)
         max_model_len = self.max_model_len
-        outputs: dict[bytes, list[EngineCoreOutput]] = {}
+        outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         finished: list[Request] = []
         for request, token_id in zip(requests, sampled, strict=True):
             if request.status is not _RUNNING:
@@ -319,20 +317,21 @@ class Scheduler:
             if request.num_computed_tokens < len(request.all_token_ids):
                 continue  # a partial prefill chunk: its sample means nothing
             request.append_output_token_id(token_id)
-            status = check_stop(request, max_model_len)
             finish_reason = None
-            if status is not None:
+            num_tokens = len(request.all_token_ids)
+            if (  # the stop rules fire only on a finishing id or at a length cap: test those
+                token_id in request.finishing_token_ids
+                or num_tokens >= request.max_num_tokens
+                or num_tokens >= max_model_len
+            ) and (status := check_stop(request, max_model_len)) is not None:
                 finish_reason = status.finish_reason
                 request.status = status
                 finished.append(request)
-            output = EngineCoreOutput(
-                request.client_req_id, [token_id], finish_reason, request.num_cached_tokens
+            outputs[request.client_id].append(
+                EngineCoreOutput(
+                    request.client_req_id, [token_id], finish_reason, request.num_cached_tokens
+                )
             )
-            client_outputs = outputs.get(request.client_id)
-            if client_outputs is None:
-                outputs[request.client_id] = [output]
-            else:
-                client_outputs.append(output)
         if finished:
             self.running = [request for request in self.running if request.status is _RUNNING]
             for request in finished:

@@ -12,14 +12,13 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     Until `min_tokens` outputs exist, EOS and stop ids are ignored; the length caps
     (`max_tokens`, `max_model_len`) always apply.
     """
-    params = request.sampling_params
-    num_output_tokens = len(request.all_token_ids) - request.num_prompt_tokens
-    if num_output_tokens >= params.min_tokens:
-        last_token_id = request.all_token_ids[-1]
-        if last_token_id == request.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and last_token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-    if num_output_tokens >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
+    tokens = request.all_token_ids
+    num_tokens = len(tokens)
+    if (
+        tokens[-1] in request.finishing_token_ids
+        and num_tokens - request.num_prompt_tokens >= request.sampling_params.min_tokens
+    ):
+        return RequestStatus.FINISHED_STOPPED
+    if num_tokens >= request.max_num_tokens or num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
