@@ -53,7 +53,6 @@ def ring_segments() -> set[str]:
 
 @pytest.mark.timeout(240)
 def test_two_reader_processes_get_every_frame_in_order(processes: Processes) -> None:
-    before = ring_segments()
     ring = ShmRingWriter(2, num_slots=8, slot_bytes=256)
     try:
         for idx in range(2):
@@ -65,12 +64,11 @@ def test_two_reader_processes_get_every_frame_in_order(processes: Processes) -> 
     for idx in range(2):
         code = processes.wait_exit(f"reader-{idx}", WAIT_S)
         assert code == 0, processes.log(f"reader-{idx}")
-    assert ring_segments() == before
+    assert ring.name not in ring_segments()
 
 
 @pytest.mark.timeout(240)
 def test_a_killed_reader_ends_the_writer_wait_before_its_deadline(processes: Processes) -> None:
-    before = ring_segments()
     ring = ShmRingWriter(1, num_slots=4, slot_bytes=64)
     try:
         reader = start_peer(processes, "reader", "idle_reader", ring.name, 0)
@@ -98,7 +96,7 @@ def test_a_killed_reader_ends_the_writer_wait_before_its_deadline(processes: Pro
     finally:
         ring.close()
     assert processes.wait_exit("reader", WAIT_S) == -signal.SIGKILL
-    assert ring_segments() == before
+    assert ring.name not in ring_segments()
 
 
 @pytest.mark.timeout(240)
