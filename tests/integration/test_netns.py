@@ -243,10 +243,10 @@ def supervise(deployment: Deployment, client: subprocess.Popen, cut_rank: int) -
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("cut_rank", [0, 1], ids=["rank0-the-rendezvous-host", "rank1"])
 def test_a_rank_cut_off_mid_run_is_replaced_and_every_request_gets_the_reference_tokens(
-    deployment: Deployment,
+    deployment: Deployment, cut_rank: int
 ) -> None:
-    cut_rank = 1
     processes, network = deployment.processes, deployment.network
     deployment.start(FAST_ENGINE_FLAGS, FAST_WORKER_FLAGS)
     batch = make_batch(num_requests=16, max_tokens=LOAD_MAX_TOKENS)
