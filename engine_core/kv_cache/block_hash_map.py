@@ -86,8 +86,11 @@ class BlockHashToBlockMap:
             key = block.block_hash
             if copies and key in copies:
                 self.pop(key, block.block_id)
-            elif first.get(key) is block:
-                del first[key]
+                continue
+            # One probe of a large dict, not a lookup then a delete: this is memory-bound.
+            filed = first.pop(key, None)
+            if filed is not block and filed is not None:
+                first[key] = filed  # another block's key: leave it filed
 
     def clear(self) -> None:
         self._first.clear()

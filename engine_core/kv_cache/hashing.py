@@ -102,6 +102,9 @@ class BlockHasher:
             return
         data = pack_int32(token_ids[num_hashed * block_size : num_full * block_size])
         header = self._header
+        if num_hashed and num_full == num_hashed + 1:  # a decode filled one more block
+            block_hashes.append(self._new_hash(block_hashes[-1] + header + data).digest())
+            return
         # iter_unpack cuts the packed tokens into one bytes object per block in C.
         tails = [header + block for (block,) in self._block_bytes.iter_unpack(data)]
         if extra_keys and num_hashed == 0:

@@ -145,9 +145,10 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         if self._block_hasher is not None:
-            self._block_hasher.extend_hashes(
-                self.block_hashes, self.all_token_ids, first_block_extra_keys(self.cache_salt)
-            )
+            block_hashes = self.block_hashes
+            # Extra keys go on block 0 only: once it is hashed, they are never read again.
+            extra_keys = () if block_hashes else first_block_extra_keys(self.cache_salt)
+            self._block_hasher.extend_hashes(block_hashes, self.all_token_ids, extra_keys)
 
     def check_invariants(self) -> None:
         assert 0 <= self.num_computed_tokens <= self.num_tokens, repr(self)
