@@ -150,11 +150,13 @@ class BlockPool:
         suffix = self._group_id_suffixes[kv_cache_group_id]
         is_recording = self.enable_kv_cache_events
         announced: list[int] = []  # indices whose hash had no cached copy: routers learn these
-        hashed: list[KVCacheBlock] = []  # filed in the map in one call once all are hashed
+        hashed: list[KVCacheBlock] = []  # without events, filed in the map in one call at the end
         for idx in range(num_cached_blocks, num_full_blocks):
             block = blocks[idx]
             if block.block_hash is not None:
-                for done in hashed:  # none of them is in the map yet
+                if is_recording:  # only the recording path filed them already
+                    self.cached_block_hash_to_block.pop_blocks(hashed)
+                for done in hashed:
                     done.block_hash = None
                 raise ValueError(
                     f"cannot cache block {block.block_id} at index {idx} of request "
@@ -163,13 +165,14 @@ class BlockPool:
             if block.is_null:
                 continue
             key = block_hashes[idx] + suffix
-            # One request's keys differ (each chains over a different prefix), so looking up
-            # before filing any of them sees what filing them one by one would.
-            if is_recording and self._get_one_block(key) is None:
-                announced.append(idx)
             block.block_hash = key
             hashed.append(block)
-        self.cached_block_hash_to_block.insert_blocks(hashed)
+            if is_recording:  # filed one by one, so each lookup sees the keys filed before it
+                if self._get_one_block(key) is None:
+                    announced.append(idx)
+                self.cached_block_hash_to_block.insert(key, block)
+        if not is_recording:
+            self.cached_block_hash_to_block.insert_blocks(hashed)
         if announced:
             self._record_block_stored(request, announced, block_size, kv_cache_group_id)
 
