@@ -14,6 +14,7 @@ import zmq
 from engine_core.curve import start_zap_guard
 from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
+from engine_core.handshake_refusals import REFUSAL_EVENTS, RefusalWatch
 from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from engine_core.recovery import WorkerRecovery
@@ -114,6 +115,10 @@ def _start_and_serve(
         workers.shutdown("the engine was stopped during startup")
         return EXIT_OK
     parts.append(lambda: router.sock.close(linger=CLIENT_LINGER_MS))
+    if config.curve is not None:  # log the peers CURVE refuses before ZAP hears of them
+        monitors = [(router.sock.get_monitor_socket(REFUSAL_EVENTS), "--client-address")]
+        monitors += kv_events.refusal_monitors if kv_events is not None else []
+        parts.append(RefusalWatch(monitors).close)
     recovery = None
     if config.max_worker_restarts:
         recovery = WorkerRecovery(config, core.kv_cache_config, core.model_info, metrics)

@@ -13,6 +13,7 @@ from collections import deque
 import zmq
 
 from engine_core.endpoints import make_curve_server
+from engine_core.handshake_refusals import REFUSAL_EVENTS
 from engine_core.kv_cache.block_pool import BlockPool
 from protocol.codec import make_encoder
 from protocol.config import CurveKeys, KVEventsConfig
@@ -68,6 +69,14 @@ class KVEventPublisher:
             self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
             make_curve_server(self._replay, curve, KV_EVENTS_FLAG)
             self._replay.bind(config.replay_endpoint)
+        # Monitors for RefusalWatch, made before the thread owns the sockets: with CURVE, a
+        # subscriber without keys is refused in its handshake, which only a monitor reports.
+        self.refusal_monitors: list[tuple[zmq.Socket, str]] = []
+        if curve is not None:
+            for sock in filter(None, [self._pub, self._replay]):
+                self.refusal_monitors.append(
+                    (sock.get_monitor_socket(REFUSAL_EVENTS), KV_EVENTS_FLAG)
+                )
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
         logger.info("publishing KV events on %s", config.endpoint)

@@ -15,9 +15,11 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from engine_core.handshake_refusals import REFUSAL_EVENTS, HandshakeRefusals
+
 logger = logging.getLogger(__name__)
 
-MONITOR_EVENTS = zmq.EVENT_DISCONNECTED
+MONITOR_EVENTS = REFUSAL_EVENTS  # disconnects, and refused handshakes to log
 SENTINEL_GRACE_MS = 500  # a dead local process closes its sockets just before its pidfd fires
 
 
@@ -52,6 +54,7 @@ class RankWatch:
         self.fd_ranks: dict[int, int] = {}  # connection fd of a rank's hello -> its rank
         self.retired_fds: set[int] = set()  # connections of retired ranks, not yet closed
         self.is_serving = False  # a disconnect is a lost rank only once the group serves
+        self.refusals = HandshakeRefusals("--worker-address")
 
     def watch_process(self, rank: int, pid: int, host: str) -> None:
         """Put a local worker's process in the poller, so its death is seen within milliseconds."""
@@ -85,7 +88,8 @@ class RankWatch:
                 )
         if self.monitor in events:
             event = parse_monitor_message(self.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            was_refused = self.refusals.on_event(event)
+            if event["event"] == zmq.EVENT_DISCONNECTED and not was_refused:
                 self._check_disconnect(int(event["value"]), event["endpoint"])
 
     def _check_disconnect(self, fd: int, endpoint: object) -> None:

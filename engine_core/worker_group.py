@@ -7,6 +7,7 @@ this class never schedules, and it replaces a generation only when told to (DESI
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -90,6 +91,7 @@ class WorkerGroup:
         self.last_step_id = 0
         self.encode_time_s = 0.0  # total seconds encoding steps
         self.transport_time_s = 0.0  # total seconds from each broadcast to its last reply
+        self._submit_times: deque[tuple[int, float]] = deque()  # (step_id, perf_counter) sent
         self._encoder = make_encoder()
         self._decoder = worker_to_engine_decoder()
         self._is_serving = False
@@ -216,6 +218,12 @@ class WorkerGroup:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step, gather every rank's reply, and return rank 0's if all agree."""
+        self.submit(scheduler_output)
+        return self.collect(scheduler_output.step_id)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Broadcast the next step without waiting for its replies (asynchronous scheduling
+        sends step N+1 while the ranks run step N); `collect` takes them in step order."""
         step_id, expected_id = scheduler_output.step_id, self.last_step_id + 1
         if step_id != expected_id:
             message = f"step {step_id} broadcast, expected step {expected_id}"
@@ -226,13 +234,20 @@ class WorkerGroup:
         frame = self._encoder.encode(scheduler_output)
         encoded = time.perf_counter()
         self._broadcast(frame)
-        self.last_step_id = scheduler_output.step_id
-        outputs = self.gather(scheduler_output.step_id)
-        disagreement = describe_disagreement(scheduler_output.step_id, outputs)
+        self.last_step_id = step_id
+        self.encode_time_s += encoded - start
+        self._submit_times.append((step_id, encoded))
+
+    def collect(self, step_id: int) -> ModelRunnerOutput:
+        """Every rank's reply to `step_id`, the oldest step submitted and not yet collected;
+        rank 0's once all agree."""
+        awaited_id, submitted = self._submit_times.popleft()
+        assert awaited_id == step_id, f"collecting step {step_id}, but step {awaited_id} is next"
+        outputs = self.gather(step_id)
+        disagreement = describe_disagreement(step_id, outputs)
         if disagreement:  # a new generation would diverge again: a bug, not a fault
             raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
-        self.encode_time_s += encoded - start
-        self.transport_time_s += time.perf_counter() - encoded
+        self.transport_time_s += time.perf_counter() - submitted
         return outputs[0]
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:
@@ -356,6 +371,7 @@ class WorkerGroup:
         for identity, rank in self.ranks_by_identity.items():
             self.retired[identity] = (self.generation, rank)
         self.watch.retire(RETIRE_GRACE_S)
+        self._submit_times.clear()  # never to be answered
         self.hellos.clear()
         self.ranks_by_identity.clear()
         self.refusals.clear()

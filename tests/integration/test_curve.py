@@ -1,10 +1,12 @@
 """CURVE on tcp: a deployment with keys serves tokens equal to the reference, while rogue DEALERs
 with no key or a wrong key, on the worker and the client socket, before the handshake and while
-serving, get nothing through (the engine logs the refusal) and a keyless KV-event subscriber
-receives nothing. Also: an exposed address without keys is refused before anything starts.
+serving, get nothing through (the engine logs each refusal, keyless ones too, with the peer's
+address) and a keyless KV-event subscriber receives nothing. Also: an exposed address without
+keys is refused before anything starts.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,14 @@ def test_keys_admit_the_deployment_and_nothing_else(processes: Processes, tmp_pa
         log = processes.log("launch")
         assert "refused a peer at 127.0.0.1 on --worker-address" in log
         assert "refused a peer at 127.0.0.1 on --kv-events-config" not in log  # none was keyed
+        # Keyless peers fail the CURVE handshake before ZAP hears of them; a monitor logs them.
+        for flag in ("--worker-address", "--client-address", "--kv-events-config"):
+            keyless = re.compile(rf"refused a peer at 127\.0\.0\.1:\d+ on {flag}: no CURVE")
+            wait_for(
+                lambda keyless=keyless: keyless.search(processes.log("launch")),
+                10,
+                f"the engine logging a keyless peer on {flag}",
+            )
         stop_launch(processes)
     finally:
         ctx.destroy(linger=0)
