@@ -21,20 +21,21 @@ HANDSHAKE_FAILED_EVENTS = (
 REFUSAL_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
 POLL_MS = 200  # how often the watching thread looks for a stop request
 STOP_TIMEOUT_S = 2.0
-UNKNOWN_PEER = "an unknown address"
+# A refused peer's connection can close before its ACCEPTED event is read (the thread reading it
+# may wait for the GIL): its address is then unknown, and a later retry usually names it.
+UNKNOWN_PEER = "an address that closed before it could be read"
 
 
 def peer_address(fd: int) -> str:
-    """host:port of the peer on a libzmq connection fd, read through a duplicate (the fd stays
-    libzmq's); best effort: the connection may already be gone."""
+    """The host of the peer on a libzmq connection fd, read through a duplicate (the fd stays
+    libzmq's), as ZAP names it; best effort: the connection may already be gone."""
     try:
         with socket.socket(fileno=os.dup(fd)) as conn:
             peer = conn.getpeername()
     except OSError:
         return UNKNOWN_PEER
     if isinstance(peer, tuple):
-        host, port = peer[0], peer[1]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return peer[0]
     return "a local process"  # ipc://: a Unix socket has no peer name
 
 
@@ -44,7 +45,7 @@ class HandshakeRefusals:
     Invariants: `_peers` maps the fds of accepted connections not yet disconnected to their
     peers' addresses; `_failure` is the reason of a failed handshake whose disconnect has not
     come yet. A refused peer retries every reconnect interval, so its refusals are logged the
-    1st, 2nd, 4th, 8th... time.
+    1st, 2nd, 4th, 8th... time per host (each retry comes from a new port).
     """
 
     def __init__(self, flag: str) -> None:
@@ -82,8 +83,9 @@ class HandshakeRefusals:
 def _describe_failure(kind: int, value: int) -> str:
     if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "no CURVE handshake (a peer without keys, or another security mechanism)"
-    name = zmq.Event(kind).name if kind in zmq.Event.__members__.values() else str(kind)
-    return f"its handshake failed ({name}, code {value:#x})"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return f"its CURVE handshake failed ({os.strerror(value)})"  # an errno
+    return f"its CURVE handshake failed (protocol error {value:#x})"
 
 
 class RefusalWatch:

@@ -29,7 +29,8 @@ def test_a_keyless_peer_is_logged_with_the_flag_and_its_disconnect_marked_refuse
         assert _refuse(refusals, -1) is True  # fd -1: the address cannot be read
     (record,) = caplog.records
     assert record.getMessage() == (
-        "refused a peer at an unknown address on --worker-address: no CURVE handshake "
+        "refused a peer at an address that closed before it could be read on --worker-address: "
+        "no CURVE handshake "
         "(a peer without keys, or another security mechanism) (1 times so far)"
     )
     refusals.check_invariants()
@@ -57,4 +58,4 @@ def test_a_retrying_peer_is_logged_at_powers_of_two(caplog: pytest.LogCaptureFix
 def test_an_unreadable_connection_has_an_unknown_peer() -> None:
     """The connection may be gone by the time its ACCEPTED event is read; the tcp case, with the
     peer's host:port, is checked against real keyless peers in tests/integration/test_curve.py."""
-    assert peer_address(-1) == "an unknown address"
+    assert peer_address(-1) == "an address that closed before it could be read"
