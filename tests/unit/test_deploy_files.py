@@ -154,6 +154,15 @@ def test_the_leaderworkerset_runs_one_tp_group_across_its_pods() -> None:
     assert {w.master_addr for w in workers} == {LEADER_ADDRESS}
 
 
+def test_a_failed_rank_pod_restarts_alone_so_the_engine_recovers_its_requests() -> None:
+    """Recreating the whole group on a pod restart would restart the engine in the leader pod
+    and fail every request that rank recovery (DESIGN.md §8) would have carried over."""
+    template = k8s_kind("LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    assert template["restartPolicy"] == "None"
+    engine = parse(k8s_argv(lws_containers(leader=True)[0], 0))
+    assert isinstance(engine, EngineConfig) and engine.max_worker_restarts > 0
+
+
 def test_k8s_probes_service_and_servicemonitor_reach_the_metrics_port() -> None:
     engine_container = lws_containers(leader=True)[0]
     engine = parse(k8s_argv(engine_container, 0))
