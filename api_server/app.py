@@ -31,6 +31,7 @@ from api_server.openai_types import ChatCompletionRequest, CompletionRequest, ch
 from api_server.serving import JSON, ResponseShape, Serving
 from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
 from engine_core.client import DEFAULT_TIMEOUT_S
+from protocol.config import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class ApiSettings:
     api_key: str | None = None  # when set, /v1/ routes need `Authorization: Bearer KEY`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_timeout_s: float = DEFAULT_TIMEOUT_S  # longest wait for a request's next output
+    engine_curve: CurveKeys | None = None  # client keypair for engines that are CURVE servers
 
 
 class ApiState:
@@ -243,7 +245,10 @@ def create_app(settings: ApiSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool = EnginePool(
-            list(settings.engine_addresses), settings.block_size, settings.engine_timeout_s
+            list(settings.engine_addresses),
+            settings.block_size,
+            settings.engine_timeout_s,
+            settings.engine_curve,
         )
         pool.start()
         state.metrics = ApiMetrics(pool, set(ROUTES))

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from api_server.router import PrefixAffinityRouter
 from engine_core.client import AsyncEngineClient, EngineDeadError, UtilityCallError
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest
+from protocol.config import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +29,18 @@ class EngineHandle:
     after SILENT_LIMIT_S without an answer otherwise. An engine never heard from is down.
     """
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.client = AsyncEngineClient(address, timeout_s=timeout_s)
+        self.curve = curve  # the client keypair, when the engines are CURVE servers
+        self.client = AsyncEngineClient(address, timeout_s=timeout_s, curve=curve)
         self.is_healthy = False  # until its first check_health answer
         self.last_answer_s: float | None = None  # time.monotonic() of its last answer
 
     async def reconnect(self) -> None:
         """A fresh client: a client that saw its engine disconnect stays dead."""
-        old, self.client = self.client, AsyncEngineClient(self.address, timeout_s=self.timeout_s)
+        fresh = AsyncEngineClient(self.address, timeout_s=self.timeout_s, curve=self.curve)
+        old, self.client = self.client, fresh
         await old.close()
 
     def mark_down(self, reason: str) -> None:
@@ -72,10 +75,16 @@ class EnginePool:
     disconnect or unanswered check.
     """
 
-    def __init__(self, addresses: list[str], block_size: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        block_size: int,
+        timeout_s: float,
+        curve: CurveKeys | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("engine pool of 0 addresses: expected at least one")
-        self.handles = [EngineHandle(address, timeout_s) for address in addresses]
+        self.handles = [EngineHandle(address, timeout_s, curve) for address in addresses]
         self.router = PrefixAffinityRouter(len(addresses), block_size)
         self.num_requests = [0] * len(addresses)  # routed to each engine since the start
         self._health_task: asyncio.Task[None] | None = None

@@ -20,7 +20,7 @@ from deploy.flags import (
     build_config,
     parse_kv_events_config,
 )
-from deploy.keys import add_keys_flag, keygen_command, keys_from
+from deploy.keys import KEYS_FLAG, add_keys_flag, keygen_command, keys_from
 from deploy.logs import LOG_LEVELS
 from protocol.config import EngineConfig, WorkerConfig
 
@@ -160,6 +160,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP TCP port; default %(default)s"
     )
     parser.add_argument("--served-model-name", help="the model name clients send; default --model")
+    parser.add_argument(
+        KEYS_FLAG,
+        metavar="DIR",
+        help="folder written by `kvserve keygen`: CURVE on; the front end uses the client keys, "
+        "and a launched engine and its workers theirs; default off",
+    )
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     parser.add_argument(
         "--tokenizer", help="folder holding tokenizer.json; default the shipped byte-level one"
@@ -185,7 +191,10 @@ def serve_command(args: argparse.Namespace) -> int:
     engine_config = engine_config_from(
         argparse.Namespace(**{**vars(args), "host": None, "port": None})
     )
-    base_worker = check_model_name(build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig))
+    worker_curve = keys_from(args, "worker")
+    worker_extra = {} if worker_curve is None else {"curve": msgspec.to_builtins(worker_curve)}
+    base_worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig, **worker_extra)
+    check_model_name(base_worker)
     is_launching = not args.engine_address
     has_no_kv_budget = engine_config.cache.kv_cache_memory_bytes is None
     if is_launching and has_no_kv_budget and base_worker.device == "cpu":
@@ -206,7 +215,11 @@ def _api_settings(
 
     from api_server.app import ApiSettings
 
-    extra: dict = {"api_key": args.api_key, "max_body_bytes": args.max_request_body_bytes}
+    extra: dict = {
+        "api_key": args.api_key,
+        "max_body_bytes": args.max_request_body_bytes,
+        "engine_curve": keys_from(args, "client"),
+    }
     if args.tokenizer is not None:
         folder = Path(args.tokenizer)
         if not (folder / "tokenizer.json").is_file():

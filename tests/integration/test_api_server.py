@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from api_server.tokenizer import ByteTokenizer
-from engine_core.client import EngineClient
+from deploy.keys import keygen
+from engine_core.client import EngineClient, EngineDeadError
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import (
     Processes,
@@ -333,3 +334,47 @@ def test_two_engines_share_a_prefix_workload_like_one(
     processes.procs["launch-b"].send_signal(signal.SIGTERM)
     assert processes.wait_exit("launch-b", 30) == 0
     stop_launch(processes)
+
+
+@pytest.mark.timeout(240)
+def test_a_front_end_with_keys_launches_a_curve_engine_and_serves_through_it(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """With --curve-keys-dir, `kvserve serve` gives the engine and workers it launches their
+    keys and connects as a CURVE client; a keyless client of that engine gets nothing."""
+    keys_dir = tmp_path / "keys"
+    keygen(keys_dir)
+    http_port, client_port, worker_port, master_port = free_tcp_ports(4)
+    client_address = f"tcp://127.0.0.1:{client_port}"
+    url = start_api(
+        processes,
+        "api",
+        [],
+        http_port,
+        "--curve-keys-dir",
+        str(keys_dir),
+        "--client-address",
+        client_address,
+        "--worker-address",
+        f"tcp://127.0.0.1:{worker_port}",
+        "--master-port",
+        str(master_port),
+        "--device",
+        "cpu",
+        *LAUNCH_FLAGS,
+    )
+    tokenizer = ByteTokenizer()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = tokenizer.decode(reference_generate(MODEL, tokenizer.encode("curve"), params))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    body = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert client.completions.create(model=MODEL, prompt="curve", **body).choices[0].text == (
+        expected
+    )
+    assert "CURVE on: 2 authorized public keys" in processes.log("api")
+    with (
+        EngineClient(client_address, timeout_s=1.0) as keyless,
+        pytest.raises((TimeoutError, EngineDeadError)),  # its handshake fails or goes unanswered
+    ):
+        keyless.get_stats()
+    stop_api(processes, "api")
