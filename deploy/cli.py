@@ -96,10 +96,12 @@ def worker_main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     setup_logging(f"worker-{config.rank}", args.log_level)
     from deploy.launch import enable_nccl_async_errors, share_cpu_threads
+    from deploy.network import choose_gloo_interface
 
     # CUDA_VISIBLE_DEVICES is left as the user set it: the device comes from LOCAL_RANK (or
     # --device-index), so local ranks past the device count can share a device
     enable_nccl_async_errors()
+    choose_gloo_interface(config.master_addr, config.tp_size, os.environ)
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
     if local_world_size is not None and local_world_size.isdigit() and int(local_world_size) > 0:
         share_cpu_threads(int(local_world_size))

@@ -142,11 +142,10 @@ class Deployment:
         args += ["--master-port", str(self.ports[2])]
         args += ["--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES), *self.worker_flags]
         host = self.network.hosts[f"rank{rank}"]
-        # gloo binds the address its hostname resolves to; the namespace's hostname resolves to
-        # nothing, so without this gloo falls back to 127.0.0.1 and the ranks cannot connect
-        env = {"GLOO_SOCKET_IFNAME": host.device}
+        # The namespace's hostname resolves to nothing, so gloo would bind 127.0.0.1: the worker
+        # must pick the interface that routes to the rendezvous host itself (deploy/network.py).
         argv = [console_script("kvserve-worker"), *args]
-        proc = start_in(self.processes, f"worker-{rank}-{num_before}", host, argv, env)
+        proc = start_in(self.processes, f"worker-{rank}-{num_before}", host, argv)
         self.workers[rank].append(proc)
         return proc
 
