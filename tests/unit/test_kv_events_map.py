@@ -3,8 +3,12 @@ a hash is announced with its first cached copy and removed with its last, and a 
 with a gap before it names the right parent. Pools are tiny: 8 blocks of 4 tokens.
 """
 
+from kv_specs import full_spec, window_spec
+
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
 from engine_core.kv_events import cached_block_counts
 from engine_core.sched.request import Request
 from protocol.kv_events import (
@@ -93,3 +97,37 @@ def test_applying_the_stream_rebuilds_the_map_through_eviction_and_reset() -> No
     assert pool.reset_prefix_cache()
     apply(pool.take_events(), keys)
     assert keys == pool_keys(pool) == set()
+
+
+def test_a_hybrid_models_stream_rebuilds_every_groups_map() -> None:
+    """Two groups (full attention and a sliding window) share the pool: each group's hashes are
+    announced and removed under its own group_idx, through hits, eviction, window skips and a
+    reset, so the subscriber's keys equal the pool's after every step."""
+    groups = [
+        KVCacheGroupSpec(layer_names=["full"], spec=full_spec(BLOCK_SIZE)),
+        KVCacheGroupSpec(layer_names=["window"], spec=window_spec(2 * BLOCK_SIZE, BLOCK_SIZE)),
+    ]
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=24, kv_cache_groups=groups),
+        max_model_len=64,
+        enable_kv_cache_events=True,
+    )
+    keys: set[bytes] = set()
+    num_hit_tokens_seen = 0
+    for round_idx in range(10):  # shared prefixes, then fresh prompts that force eviction
+        prefix = [round_idx % 3] * 8 if round_idx < 6 else [50 + round_idx] * 8
+        request = make_request(str(round_idx), prefix + list(range(round_idx, round_idx + 10)))
+        hits, num_hit_tokens = manager.get_computed_blocks(request)
+        num_hit_tokens_seen += num_hit_tokens
+        assert manager.allocate_slots(
+            request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
+        )
+        request.num_computed_tokens = request.num_tokens
+        manager.free(request)
+        apply(manager.take_events(), keys)
+        assert keys == pool_keys(manager.block_pool), f"round {round_idx}"
+    assert num_hit_tokens_seen > 0, "shared prefixes should hit"
+    assert {key[-4:] for key in keys} == {bytes(4), (1).to_bytes(4, "big")}, "both groups cached"
+    assert manager.reset_prefix_cache()
+    apply(manager.take_events(), keys)
+    assert keys == pool_keys(manager.block_pool) == set()
