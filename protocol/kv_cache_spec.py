@@ -1,7 +1,8 @@
-"""KV-cache layout specs and the per-rank KVCacheConfig that the engine sends to every worker.
+"""KV-cache layout specs, the per-rank KVCacheConfig the engine sends to every worker, and the
+layout arithmetic both sides share: the engine plans with it, the worker allocates from it.
 
-They live in protocol/ because both sides need them: the engine plans with them and the worker
-allocates from them. The planning logic is in engine_core/kv_cache/spec.py.
+Groups share the KV tensors by layer index, as vLLM lays them out: tensor i holds layer i of every
+group, so a block id, held by one group at a time, costs one page in each shared tensor.
 """
 
 from typing import Annotated
@@ -77,6 +78,10 @@ class KVCacheConfig(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # rank fault. Every later message between the engine and the rank carries it.
     generation: int = 1
     first_step_id: int = 1  # the generation's first SchedulerOutput; step ids never restart
+    # The generation's shared-memory step ring (DESIGN.md §1), None: every step goes over ZMQ.
+    # Reader i of the ring is rank shm_ring_reader_ranks[i]; other ranks keep ZMQ.
+    shm_ring_name: str | None = None
+    shm_ring_reader_ranks: list[int] = []
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -90,8 +95,43 @@ def dtype_size_bytes(dtype: str) -> int:
     return DTYPE_SIZES_BYTES[dtype]
 
 
+def num_shared_tensors(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
+    """KV tensors per rank: as many as the largest group has layers.
+
+    A group with fewer layers leaves the last tensors' pages of its blocks unused (vLLM pads such
+    groups with layers that are never read); tiny-llama-hybrid's groups are equal, so none is lost.
+    """
+    return max((len(group.layer_names) for group in kv_cache_groups), default=0)
+
+
+def shared_tensor_layers(kv_cache_groups: list[KVCacheGroupSpec]) -> list[list[str]]:
+    """The layers of each shared KV tensor: tensor i holds the i-th layer of every group."""
+    layers: list[list[str]] = [[] for _ in range(num_shared_tensors(kv_cache_groups))]
+    for group in kv_cache_groups:
+        for layer_idx, name in enumerate(group.layer_names):
+            layers[layer_idx].append(name)
+    return layers
+
+
+def page_stride_bytes(kv_cache_groups: list[KVCacheGroupSpec], tp_size: int) -> int:
+    """Bytes from one block to the next in a shared tensor: the largest page of any group.
+
+    Groups of one page size share tensors exactly as vLLM does. Where page sizes differ (vLLM
+    would refuse or reshape the groups instead), each smaller page is padded to the largest so
+    that every group can still view the same tensor; the stride is rounded up to a multiple of
+    the widest dtype so that every group's elements stay aligned.
+    """
+    if not kv_cache_groups:
+        raise ValueError("kv_cache_groups is empty: expected at least one group of layers")
+    largest_page = max(group.spec.page_size_bytes(tp_size) for group in kv_cache_groups)
+    alignment = max(dtype_size_bytes(group.spec.dtype) for group in kv_cache_groups)
+    return cdiv(largest_page, alignment) * alignment
+
+
 def bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec], tp_size: int) -> int:
-    """Bytes one block id costs on one rank: every layer of every group holds a page for it."""
-    return sum(
-        len(group.layer_names) * group.spec.page_size_bytes(tp_size) for group in kv_cache_groups
-    )
+    """Bytes one block id costs on one rank: one page in each shared tensor.
+
+    A block belongs to one group at a time, so it costs a page per layer of one group (the
+    largest), not a page per layer of every group.
+    """
+    return num_shared_tensors(kv_cache_groups) * page_stride_bytes(kv_cache_groups, tp_size)

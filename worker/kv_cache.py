@@ -1,8 +1,10 @@
-"""The worker's paged KV tensors: how many blocks fit, and their allocation per layer.
+"""The worker's paged KV tensors: how many blocks fit, and their allocation, shared across groups.
 
 Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU), otherwise from the
 device's memory once the model and one profiling step have run (pure arithmetic over DeviceMemory
-readings). Allocation uses exactly the num_blocks the engine sent.
+readings). Allocation uses exactly the num_blocks the engine sent; layer i of every KV-cache group
+views the one tensor i (protocol/kv_cache_spec.py), which is safe because a block id belongs to one
+group at a time.
 """
 
 import logging
@@ -12,7 +14,15 @@ from typing import Protocol
 
 import torch
 
-from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec, bytes_per_block
+from protocol.kv_cache_spec import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    bytes_per_block,
+    num_shared_tensors,
+    page_stride_bytes,
+    shared_tensor_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +154,7 @@ def profile_capacity(
 def num_blocks_in_budget(
     kv_cache_groups: list[KVCacheGroupSpec], tp_size: int, budget_bytes: int
 ) -> int:
-    """Blocks a budget holds: every layer of every group keeps a page per block id."""
+    """Blocks a budget holds: each block id takes one page in every shared tensor."""
     per_block = bytes_per_block(kv_cache_groups, tp_size)
     num_blocks = max(0, budget_bytes) // per_block
     if num_blocks < MIN_NUM_BLOCKS:
@@ -158,30 +168,42 @@ def num_blocks_in_budget(
 def allocate_kv_caches(
     kv_cache_config: KVCacheConfig, tp_size: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """One zeroed tensor per layer; the null block 0 stays zero because nothing writes it."""
-    kv_caches: dict[str, torch.Tensor] = {}
+    """Each layer's view [num_blocks, 2, block_size, num_kv_heads_per_rank, head_dim] of a zeroed
+    shared tensor: layer i of every group views tensor i.
+
+    The null block 0 stays zero in every view because no group ever writes it.
+    """
+    groups = kv_cache_config.kv_cache_groups
     num_blocks = kv_cache_config.num_blocks
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.spec
-        shape = (
-            num_blocks,
-            2,
-            spec.block_size,
-            spec.num_kv_heads_per_rank(tp_size),
-            spec.head_dim,
-        )
+    stride_bytes = page_stride_bytes(groups, tp_size)
+    specs: dict[str, KVCacheSpec] = {}
+    for group in groups:
         for name in group.layer_names:
-            if name in kv_caches:
+            if name in specs:
                 raise ValueError(f"layer {name} appears in two KV-cache groups")
-            # [num_blocks, 2 (K, V), block_size, num_kv_heads_per_rank, head_dim]
-            tensor = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=device)
-            assert tuple(tensor.shape) == shape, f"layer {name} got shape {tuple(tensor.shape)}"
-            kv_caches[name] = tensor
+            specs[name] = group.spec
+    kv_caches: dict[str, torch.Tensor] = {}
+    for layer_names in shared_tensor_layers(groups):
+        # [num_blocks, page_stride_bytes]: one page of one group's layer per block
+        shared = torch.zeros((num_blocks, stride_bytes), dtype=torch.uint8, device=device)
+        for name in layer_names:
+            kv_caches[name] = _layer_view(shared, specs[name], tp_size)
     logger.info(
-        "allocated %d layers x %d blocks (%d bytes per block) on %s",
+        "allocated %d shared KV tensors for %d layers x %d blocks (%d bytes per block) on %s",
+        num_shared_tensors(groups),
         len(kv_caches),
         num_blocks,
-        bytes_per_block(kv_cache_config.kv_cache_groups, tp_size),
+        bytes_per_block(groups, tp_size),
         device,
     )
     return kv_caches
+
+
+def _layer_view(shared: torch.Tensor, spec: KVCacheSpec, tp_size: int) -> torch.Tensor:
+    """One layer's typed view of a shared byte tensor; its page is the front of each block row."""
+    shape = (2, spec.block_size, spec.num_kv_heads_per_rank(tp_size), spec.head_dim)
+    page = shared[:, : spec.page_size_bytes(tp_size)]  # [num_blocks, page_size_bytes]
+    # [num_blocks, 2 (K, V), block_size, num_kv_heads_per_rank, head_dim]
+    view = page.view(torch_dtype(spec.dtype)).unflatten(1, shape)
+    assert view.shape[1:] == shape, f"a {spec} page viewed as {tuple(view.shape)}"
+    return view

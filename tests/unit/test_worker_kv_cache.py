@@ -1,9 +1,16 @@
-"""Capacity measurement and per-layer allocation of the worker's paged KV tensors."""
+"""Capacity measurement and allocation of the worker's paged KV tensors: one tensor per layer
+index, shared by the layers of that index in every group, each layer reading its own view."""
 
 import pytest
 import torch
 
-from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
+from protocol.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    bytes_per_block,
+)
 from tests.conftest import worker_test_device
 from worker.kv_cache import (
     CudaMemory,
@@ -22,11 +29,19 @@ MIB = 1 << 20
 
 def test_cpu_capacity_divides_the_byte_budget_by_the_bytes_per_block() -> None:
     groups = get_model_info("tiny-llama-hybrid", block_size=4).kv_cache_groups
-    # 4 layers x K and V x 4 tokens x 2 heads per rank x 16 dims x 4 bytes
-    assert bytes_per_block(groups, tp_size=2) == 4 * 2 * 4 * 2 * 16 * 4
-    budget = 10 * 4096 + 100
+    # 2 shared tensors (2 layers a group) x K, V x 4 tokens x 2 heads per rank x 16 dims x 4 bytes
+    assert bytes_per_block(groups, tp_size=2) == 2 * 2 * 4 * 2 * 16 * 4
+    budget = 10 * 2048 + 100
     assert num_blocks_in_budget(groups, 2, budget) == 10
     assert num_blocks_in_budget(groups, 1, budget) == 5
+
+
+def test_the_hybrid_holds_twice_the_blocks_of_a_page_in_every_layer_of_every_group() -> None:
+    """Before the shared layout a block id took a page in all 4 layers; now in 2 tensors."""
+    groups = get_model_info("tiny-llama-hybrid", block_size=16).kv_cache_groups
+    page_bytes = groups[0].spec.page_size_bytes(1)
+    budget = 1000 * 4 * page_bytes
+    assert num_blocks_in_budget(groups, 1, budget) == 2000
 
 
 @pytest.mark.parametrize("budget_offset", [1, -(1 << 30)])
@@ -48,6 +63,41 @@ def test_allocation_gives_every_layer_its_rank_shard(tp_size: int) -> None:
         assert tuple(tensor.shape) == (6, 2, 4, 4 // tp_size, 16)
         assert tensor.dtype == torch.float64
         assert not tensor.any()
+
+
+def test_layer_i_of_each_group_views_the_one_tensor_i() -> None:
+    """tiny-llama-hybrid: full layers 0, 2 and sliding layers 1, 3; layers 0 and 1 share tensor
+    0, layers 2 and 3 tensor 1, so a write to block 3 through layer 0 is read through layer 1."""
+    info = get_model_info("tiny-llama-hybrid", block_size=4, dtype="float32")
+    caches = allocate_kv_caches(KVCacheConfig(5, info.kv_cache_groups), 1, DEVICE)
+    storages = {name: tensor.untyped_storage().data_ptr() for name, tensor in caches.items()}
+    assert storages["layers.0.attn"] == storages["layers.1.attn"]
+    assert storages["layers.2.attn"] == storages["layers.3.attn"]
+    assert storages["layers.0.attn"] != storages["layers.2.attn"]
+    total_bytes = sum(
+        caches[name].untyped_storage().nbytes() for name in ("layers.0.attn", "layers.2.attn")
+    )
+    assert total_bytes == 5 * bytes_per_block(info.kv_cache_groups, 1)
+    caches["layers.0.attn"][3, 1, 2, 0, 5] = 7.0
+    assert caches["layers.1.attn"][3, 1, 2, 0, 5] == 7.0
+    assert not caches["layers.2.attn"].any() and not caches["layers.3.attn"].any()
+    assert not any(tensor[0].any() for tensor in caches.values()), "the null block stays zero"
+
+
+def test_groups_of_different_page_sizes_view_the_front_of_each_padded_block() -> None:
+    """A half-size page (fewer KV heads) reads the first half of each block's bytes."""
+    wide = FullAttentionSpec(block_size=2, num_kv_heads=2, head_dim=4, dtype="float32")
+    narrow = SlidingWindowSpec(
+        block_size=2, num_kv_heads=1, head_dim=4, dtype="float32", sliding_window=4
+    )
+    groups = [KVCacheGroupSpec(["wide"], wide), KVCacheGroupSpec(["narrow"], narrow)]
+    caches = allocate_kv_caches(KVCacheConfig(3, groups), 1, DEVICE)
+    assert tuple(caches["wide"].shape) == (3, 2, 2, 2, 4)
+    assert tuple(caches["narrow"].shape) == (3, 2, 2, 1, 4)
+    assert caches["narrow"].stride(0) == caches["wide"].stride(0) == 32  # floats per block
+    caches["narrow"][2] = torch.arange(16, dtype=torch.float32).view(2, 2, 1, 4)
+    assert torch.equal(caches["wide"][2].flatten()[:16], torch.arange(16, dtype=torch.float32))
+    assert not caches["wide"][2].flatten()[16:].any() and not caches["wide"][1].any()
 
 
 def test_checksum_stores_int64_values() -> None:
