@@ -47,7 +47,9 @@ def plan_engine(
     )
     check_pool_host_memory(kv_cache_config.num_blocks, config.max_pool_host_memory_bytes)
     limits = resolve_limits(config.scheduler, config.cache, kv_cache_config, model_info)
-    summary = describe_capacity(kv_cache_config, limits.max_model_len)
+    summary = describe_capacity(
+        kv_cache_config, limits.max_model_len, limits.num_blocks_per_request
+    )
     return EnginePlan(kv_cache_config, limits, list(num_blocks_per_rank), summary)
 
 

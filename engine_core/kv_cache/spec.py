@@ -26,6 +26,8 @@ __all__ = [
     "cdiv",
     "describe_capacity",
     "num_blocks_per_request",
+    "num_group_blocks_per_request",
+    "num_window_blocks",
     "plan_kv_cache",
 ]
 
@@ -34,13 +36,51 @@ logger = logging.getLogger(__name__)
 NUM_NULL_BLOCKS = 1  # block 0 is the placeholder for skipped positions and holds no tokens
 
 
-def num_blocks_per_request(kv_cache_groups: list[KVCacheGroupSpec], max_model_len: int) -> int:
-    """Blocks one request of `max_model_len` tokens takes from the shared pool at its peak.
+def num_blocks_per_request(
+    kv_cache_groups: list[KVCacheGroupSpec],
+    max_model_len: int,
+    max_num_scheduled_tokens: int | None = None,
+) -> int:
+    """Blocks one request of `max_model_len` tokens holds from the shared pool at its peak.
 
-    Every group holds its own block for each position. A sliding-window group frees out-of-window
-    blocks only after they are computed, so a prompt scheduled in one step needs them all at once.
+    Each group holds its own blocks (a block id serves one group at a time). A full-attention
+    group holds one per block of the sequence; a sliding-window group, see `num_window_blocks`.
+
+    Args:
+        max_num_scheduled_tokens: the most tokens one request is given in one step; None when
+            a request may reserve its whole sequence at once (the scheduler's reserve_full_prompt).
     """
-    return sum(cdiv(max_model_len, group.spec.block_size) for group in kv_cache_groups)
+    return sum(
+        num_group_blocks_per_request(group.spec, max_model_len, max_num_scheduled_tokens)
+        for group in kv_cache_groups
+    )
+
+
+def num_group_blocks_per_request(
+    spec: KVCacheSpec, max_model_len: int, max_num_scheduled_tokens: int | None
+) -> int:
+    """Blocks one request holds in one group at its peak (see `num_blocks_per_request`)."""
+    num_sequence_blocks = cdiv(max_model_len, spec.block_size)
+    if not isinstance(spec, SlidingWindowSpec) or max_num_scheduled_tokens is None:
+        return num_sequence_blocks
+    return min(num_sequence_blocks, num_window_blocks(spec, max_num_scheduled_tokens))
+
+
+def num_window_blocks(spec: SlidingWindowSpec, max_num_scheduled_tokens: int) -> int:
+    """Blocks a sliding-window group holds for one request while it is given up to
+    `max_num_scheduled_tokens` tokens a step.
+
+    Before a step's allocation the manager frees the blocks wholly before the window of the first
+    scheduled token, so the request then spans the `sliding_window - 1` tokens before it and the
+    step's own tokens; a span that starts mid-block touches one block more than it fills:
+
+    ```
+    | freed (null) | window - 1 | scheduled tokens |
+                   |<---- cdiv(., block_size) + 1 ---->|
+    ```
+    """
+    num_tokens = spec.sliding_window - 1 + max_num_scheduled_tokens
+    return cdiv(num_tokens, spec.block_size) + 1
 
 
 def plan_kv_cache(
@@ -75,12 +115,17 @@ def plan_kv_cache(
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=list(kv_cache_groups))
 
 
-def describe_capacity(kv_cache_config: KVCacheConfig, max_model_len: int) -> str:
-    """ "KV cache holds N tokens; max concurrency X at max_model_len L" """
-    groups = kv_cache_config.kv_cache_groups
+def describe_capacity(
+    kv_cache_config: KVCacheConfig, max_model_len: int, num_blocks_per_request: int
+) -> str:
+    """ "KV cache holds N tokens; max concurrency X at max_model_len L"
+
+    X is how many requests of `max_model_len` tokens the usable blocks hold at their peak, each
+    taking `num_blocks_per_request`; N = X x L tokens (rounded down), as vLLM reports them.
+    """
     num_usable_blocks = kv_cache_config.num_blocks - NUM_NULL_BLOCKS
-    num_tokens = num_usable_blocks * groups[0].spec.block_size // len(groups)
-    max_concurrency = num_usable_blocks / num_blocks_per_request(groups, max_model_len)
+    max_concurrency = num_usable_blocks / num_blocks_per_request
+    num_tokens = num_usable_blocks * max_model_len // num_blocks_per_request
     return (
         f"KV cache holds {num_tokens} tokens; "
         f"max concurrency {max_concurrency:.2f} at max_model_len {max_model_len}"

@@ -20,6 +20,7 @@ class SchedulerLimits:
     max_model_len: int  # tokens per sequence, prompt and output; never above the model's
     block_size: int  # tokens per block, the same in every KV-cache group
     prefill_cap: int  # most tokens one prefill gets per step; 0 means no cap
+    num_blocks_per_request: int  # the most blocks one request holds at once, over every group
 
 
 def resolve_limits(
@@ -38,7 +39,13 @@ def resolve_limits(
             f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is below "
             f"max_model_len={max_model_len}: without chunked prefill a prompt must fit in one step"
         )
-    num_blocks_needed = num_blocks_per_request(kv_cache_config.kv_cache_groups, max_model_len)
+    threshold = scheduler_config.long_prefill_token_threshold
+    prefill_cap = threshold if threshold and scheduler_config.enable_chunked_prefill else 0
+    num_blocks_needed = num_blocks_per_request(
+        kv_cache_config.kv_cache_groups,
+        max_model_len,
+        _max_num_scheduled_tokens(scheduler_config, prefill_cap),
+    )
     num_usable_blocks = kv_cache_config.num_blocks - NUM_NULL_BLOCKS
     if num_blocks_needed > num_usable_blocks:
         # Such a request would preempt itself forever once it grew long enough.
@@ -48,9 +55,15 @@ def resolve_limits(
             "usable: expected more KV-cache memory, a smaller max_model_len or a larger "
             "num_gpu_blocks_override"
         )
-    threshold = scheduler_config.long_prefill_token_threshold
-    prefill_cap = threshold if threshold and scheduler_config.enable_chunked_prefill else 0
-    return SchedulerLimits(max_model_len, block_size, prefill_cap)
+    return SchedulerLimits(max_model_len, block_size, prefill_cap, num_blocks_needed)
+
+
+def _max_num_scheduled_tokens(scheduler_config: SchedulerConfig, prefill_cap: int) -> int | None:
+    """The most tokens one request gets slots for in one step, or None when admission reserves
+    the whole prompt (then a sliding-window group holds every block of it at once)."""
+    if scheduler_config.reserve_full_prompt:
+        return None
+    return prefill_cap or scheduler_config.max_num_batched_tokens
 
 
 def _max_model_len(scheduler_config: SchedulerConfig, model_info: ModelInfo) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from bench.workload import Workload, run_tensor_parallel
 from protocol.sampling import SamplingParams
+from worker.models.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +74,11 @@ def test_tp_ranks_sample_exactly_the_tokens_of_tp1(
         assert result.num_steps == expected.num_steps
     if model == "tiny-llama-hybrid":
         assert expected.num_preemptions > 0  # the resumed path ran under TP too
+        # Block ids pass between the groups' shared tensors: the tokens stay the unpaged model's.
+        requests = zip(work.prompts, work.sampling_params, strict=True)
+        for idx, (prompt, params) in enumerate(requests):
+            reference = reference_generate(model, prompt, params, handle=idx + 1)
+            assert expected.outputs[idx + 1] == reference, f"request {idx + 1}"
 
 
 @pytest.mark.timeout(200)

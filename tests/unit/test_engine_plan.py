@@ -5,7 +5,7 @@ import pytest
 
 from engine_core.plan import plan_engine
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
 
 GROUPS = [KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32"))]
@@ -52,3 +52,30 @@ def test_the_plan_tells_the_ranks_to_walk_invariants_when_the_engine_does() -> N
     config = EngineConfig(tp_size=1, check_invariants=True, cache=CacheConfig(block_size=4))
     assert plan_engine(config.checked(), MODEL, [100]).kv_cache_config.check_invariants
     assert not plan_engine(_config(tp_size=1), MODEL, [100]).kv_cache_config.check_invariants
+
+
+# A hybrid of one full-attention and one sliding-window layer (window 8), blocks of 4 tokens.
+HYBRID_GROUPS = [
+    KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32")),
+    KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(4, 2, 8, "float32", sliding_window=8)),
+]
+HYBRID = ModelInfo("hybrid", 64, None, 64, HYBRID_GROUPS)  # max_model_len 64: 16 blocks of 4
+
+
+def test_a_sliding_window_group_is_planned_for_its_window_when_prompts_come_in_chunks() -> None:
+    """Up to 4 tokens a step: 16 full blocks and 4 window blocks, not 16 and 16."""
+    config = _config(tp_size=1, reserve_full_prompt=False, long_prefill_token_threshold=4)
+    plan = plan_engine(config, HYBRID, [61])
+    assert plan.limits.num_blocks_per_request == 16 + 4
+    assert plan.summary == "KV cache holds 192 tokens; max concurrency 3.00 at max_model_len 64"
+    with pytest.raises(ValueError, match=r"max_model_len=64 tokens needs 20 blocks.*leaves 19"):
+        plan_engine(config, HYBRID, [20])
+
+
+def test_a_whole_prompt_reservation_plans_every_window_block() -> None:
+    """Admission reserves the whole prompt in every group, so the window frees nothing before."""
+    plan = plan_engine(_config(tp_size=1), HYBRID, [65])
+    assert plan.limits.num_blocks_per_request == 16 + 16
+    assert plan.summary == "KV cache holds 128 tokens; max concurrency 2.00 at max_model_len 64"
+    with pytest.raises(ValueError, match=r"needs 32 blocks.*leaves 31"):
+        plan_engine(_config(tp_size=1), HYBRID, [32])
