@@ -149,6 +149,41 @@ def test_preemption_of_a_decoding_request_keeps_its_tokens() -> None:
         assert tokens[str(i + 1)] == reference("tiny-llama", i, 0)
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_hybrid_block_ids_pass_between_groups_that_share_tensors(
+    enable_prefix_caching: bool,
+) -> None:
+    """A block the window group freed is handed to the full-attention group (and back) while
+    both groups' layers view the same tensors: a stale page read across groups, or a null block
+    written through either view, would change the tokens or fail the runner's invariants."""
+    work = workload(
+        "tiny-llama-hybrid",
+        4,
+        TIGHT_HYBRID_NUM_BLOCKS[4],
+        max_num_batched_tokens=32,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    core, _ = build_rank(work, single_rank_group(), DEVICE)
+    scheduler = core.scheduler
+    coordinator = scheduler.kv_cache_manager.coordinator
+    handles = {req_id: request.handle for req_id, request in scheduler.requests.items()}
+    outputs: dict[int, list[int]] = {handle: [] for handle in handles.values()}
+    ids_per_group: tuple[set[int], set[int]] = (set(), set())
+    for _ in range(500):
+        if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
+            break
+        for client_outputs in core.step().values():
+            for output in client_outputs.outputs:
+                outputs[handles[output.req_id]].extend(output.new_token_ids)
+        for request in scheduler.running:
+            blocks_per_group = coordinator.get_blocks(request.req_id)
+            for ids, blocks in zip(ids_per_group, blocks_per_group, strict=True):
+                ids.update(block.block_id for block in blocks if not block.is_null)
+    assert len(ids_per_group[0] & ids_per_group[1]) > 10
+    for i in range(len(PROMPTS)):
+        assert outputs[i + 1] == reference("tiny-llama-hybrid", i, i % len(PARAMS)), f"{i + 1}"
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     """Proves the models read K/V through the block table: one wrong entry, different tokens."""
