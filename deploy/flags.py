@@ -61,6 +61,11 @@ ENGINE_FLAGS = [
         "seconds for a new worker generation to be ready after a rank fault",
     ),
     Flag(
+        ("--enable-shm-ring",),
+        ("enable_shm_ring",),
+        "send steps to same-host ranks over a shared-memory ring (--no-enable-shm-ring: ZMQ)",
+    ),
+    Flag(
         ("--check-invariants",),
         ("check_invariants",),
         "walk the block pool after every step (slow)",
@@ -152,6 +157,11 @@ ENGINE_FLAGS = [
     ),
     Flag(
         ("--scheduling-policy",), ("scheduler", "scheduling_policy"), "order of the waiting queue"
+    ),
+    Flag(
+        ("--async-scheduling",),
+        ("scheduler", "async_scheduling"),
+        "schedule step N+1 while the ranks run step N (the engine's time hides behind theirs)",
     ),
     Flag(
         ("--reserve-full-prompt",),

@@ -5,6 +5,7 @@ supplies an Executor that broadcasts each SchedulerOutput and gathers the ranks'
 """
 
 import logging
+from collections import deque
 from time import perf_counter
 from typing import Protocol
 
@@ -27,6 +28,35 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that can send a step before the previous one is answered (WorkerGroup)."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect(self, step_id: int) -> ModelRunnerOutput: ...
+
+
+class SerialPipeline:
+    """Gives an in-process executor (a ModelRunner in tests and benchmarks) the submit/collect
+    pair: each step runs when submitted, and its output waits to be collected in order."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._outputs: deque[ModelRunnerOutput] = deque()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.executor.execute_model(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self._outputs.append(self.executor.execute_model(scheduler_output))
+
+    def collect(self, step_id: int) -> ModelRunnerOutput:
+        output = self._outputs.popleft()
+        if output.step_id != step_id:
+            raise RuntimeError(f"collected step {output.step_id}, expected step {step_id}")
+        return output
+
+
 class EngineCore:
     """One engine: requests in, a step at a time, outputs out, keyed by client id.
 
@@ -47,6 +77,11 @@ class EngineCore:
         self.kv_cache_config = kv_cache_config  # as agreed at startup; every generation keeps it
         self.model_info = model_info
         self.executor = executor
+        self._pipeline: PipelinedExecutor | None = None  # asynchronous scheduling only
+        if engine_config.scheduler.async_scheduling:
+            has_pipe = hasattr(executor, "submit") and hasattr(executor, "collect")
+            self._pipeline = executor if has_pipe else SerialPipeline(executor)  # type: ignore[assignment]
+        self._pending: SchedulerOutput | None = None  # sent, not yet collected (async only)
         self.scheduler = Scheduler(
             engine_config.scheduler,
             engine_config.cache,
@@ -86,9 +121,14 @@ class EngineCore:
         return scoped_req_id(client_id, req_id) in self.scheduler.requests
 
     def has_work(self) -> bool:
-        """Requests to run, or finished ones the workers must still be told to drop."""
+        """Requests to run, finished ones the workers must still be told to drop, or a step
+        whose answer has not been collected."""
         scheduler = self.scheduler
-        return scheduler.has_unfinished_requests() or scheduler.has_finished_requests()
+        return (
+            scheduler.has_unfinished_requests()
+            or scheduler.has_finished_requests()
+            or self._pending is not None
+        )
 
     def client_ids(self) -> list[bytes]:
         """The clients that hold live requests."""
@@ -114,6 +154,8 @@ class EngineCore:
         the workers drop those requests promptly; it then returns no outputs.
         """
         scheduler = self.scheduler
+        if self._pipeline is not None:
+            return self._step_pipelined(self._pipeline)
         if not scheduler.has_unfinished_requests() and not scheduler.has_finished_requests():
             return {}
         start = perf_counter()
@@ -124,6 +166,27 @@ class EngineCore:
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
         self.schedule_time_s += scheduled - start
         self.update_time_s += perf_counter() - executed
+        if self._check_each_step:
+            scheduler.check_invariants()
+        return outputs
+
+    def _step_pipelined(self, pipeline: PipelinedExecutor) -> dict[bytes, EngineCoreOutputs]:
+        """Asynchronous scheduling: schedule and send step N+1, then collect and apply step N,
+        so the ranks start N+1 as soon as they finish N. Outputs are step N's."""
+        scheduler = self.scheduler
+        start = perf_counter()
+        next_output = None
+        if scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+            next_output = scheduler.schedule()
+            self.schedule_time_s += perf_counter() - start
+            pipeline.submit(next_output)
+        pending, self._pending = self._pending, next_output
+        if pending is None:
+            return {}
+        model_runner_output = pipeline.collect(pending.step_id)
+        collected = perf_counter()
+        outputs = scheduler.update_from_output(pending, model_runner_output)
+        self.update_time_s += perf_counter() - collected
         if self._check_each_step:
             scheduler.check_invariants()
         return outputs
@@ -152,6 +215,7 @@ class EngineCore:
 
     def requeue_for_new_workers(self) -> None:
         """The worker generation was lost: every request will recompute on the next one."""
+        self._pending = None
         self.scheduler.requeue_for_new_workers()
 
     @property
@@ -161,6 +225,7 @@ class EngineCore:
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error`, e.g. when a worker died."""
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
+        self._pending = None
         return self.scheduler.fail_all(error)
 
     def check_invariants(self) -> None:

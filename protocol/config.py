@@ -59,6 +59,9 @@ class SchedulerConfig(_Config, frozen=True):
     # Past either bound a new request is refused at once with a "busy, retry" reason.
     max_num_waiting_requests: PositiveInt = 4096  # queued, not yet running, over all clients
     max_num_requests_per_client: PositiveInt = 1024  # live (waiting or running) per client
+    # Schedule and send step N+1 while the ranks run step N (DESIGN.md §1): the engine's own
+    # time per step hides behind the model's. Tokens are those of the synchronous loop.
+    async_scheduling: bool = False
 
 
 class KVEventsConfig(_Config, frozen=True):
@@ -108,6 +111,8 @@ class EngineConfig(_Config, frozen=True):
     # new one over the engine's life; 0 is fail-stop, every request failing with the rank.
     max_worker_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
     worker_rejoin_timeout_s: Seconds = 120.0  # for a new generation to be Ready after a fault
+    # Same-host ranks take each step over a shared-memory ring rather than ZMQ (DESIGN.md §1).
+    enable_shm_ring: bool = True
 
 
 class WorkerConfig(_Config, frozen=True):

@@ -92,6 +92,16 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end
 
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of `rows` (distinct rows, int64). A row already at
+        max_model_len keeps its tokens: the engine ends that request at its length cap."""
+        ends = self.num_tokens[rows]
+        has_room = ends < self.max_model_len
+        if not has_room.all():
+            rows, token_ids, ends = rows[has_room], token_ids[has_room], ends[has_room]
+        self.token_ids[rows, ends] = token_ids
+        self.num_tokens[rows] = ends + 1
+
     def _move_row(self, src: int, tgt: int) -> None:
         num_tokens = int(self.num_tokens[src])
         self.token_ids[tgt, :num_tokens] = self.token_ids[src, :num_tokens]

@@ -14,7 +14,7 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheConfig
+from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheConfig, shared_tensor_layers
 from protocol.worker_messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -64,8 +64,9 @@ class ModelRunner:
     Invariants: the batch rows are compact and hold exactly the running requests (InputBatch and
     its BlockTables hold their own); a parked (preempted) request has no row and 1 to
     max_model_len tokens; there is one block table per KV-cache group, and every block id in them
-    is below num_blocks; every layer's cache is [num_blocks, 2, block_size, heads, head_dim] and
-    its null block is all zeros. With `check_each_step` they are walked after every step.
+    is below num_blocks; every layer's cache is [num_blocks, 2, block_size, heads, head_dim], a
+    view of the tensor it shares with the layers of its index in the other groups, and its null
+    block is all zeros. With `check_each_step` they are walked after every step.
     """
 
     def __init__(
@@ -117,6 +118,11 @@ class ModelRunner:
         sampled[logits_reqs] = self.sampler.sample(logits, sample_reqs).cpu().numpy()
         if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
             raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
+        # Each sampled token joins its sequence here, as the engine appends it: the engine never
+        # sends it back, and with asynchronous scheduling the next step computes on it before
+        # the engine has seen it.
+        rows = np.fromiter((scheduled[i].row for i in logits_reqs.tolist()), np.int64)
+        self.input_batch.append_sampled(rows, sampled[logits_reqs])
         done = time.perf_counter()
         self.timings = StepTimings(
             prepare_s=prepared - start + kv.build_s,
@@ -304,6 +310,9 @@ class ModelRunner:
                     f"{spec.block_size}, num_kv_heads_per_rank, {spec.head_dim})"
                 )
                 assert not cache[NULL_BLOCK_ID].any(), f"layer {name} wrote into the null block"
+        for layer_names in shared_tensor_layers(self.kv_cache_config.kv_cache_groups):
+            storages = {self.kv_caches[name].untyped_storage().data_ptr() for name in layer_names}
+            assert len(storages) == 1, f"layers {layer_names} should share one tensor"
 
 
 def build_model_runner(

@@ -14,12 +14,14 @@ from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 class InFlightStep:
     """One scheduled step: its id, and its requests in SchedulerOutput order.
 
-    Invariants: `handles` holds one int32 handle per request, each that request's own, in order.
+    Invariants: `handles` holds one int32 handle per request, each that request's own, in order,
+    and `is_sampling` one flag per request.
     """
 
     step_id: int
     requests: list[Request]
     handles: bytes  # int32 handles of `requests`, as every rank must echo them
+    is_sampling: list[bool]  # per request: the step reaches its end and samples a real token
 
     def check_reply(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -44,6 +46,10 @@ class InFlightStep:
             )
 
     def check_invariants(self) -> None:
+        assert len(self.is_sampling) == len(self.requests), (
+            f"step {self.step_id}: {len(self.is_sampling)} sampling flags, "
+            f"{len(self.requests)} requests"
+        )
         handles = unpack_int32(self.handles).tolist()
         assert handles == [request.handle for request in self.requests], (
             f"step {self.step_id} has handles {handles} for {len(self.requests)} requests"

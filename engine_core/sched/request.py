@@ -59,6 +59,7 @@ class Request:
         "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens_sent",
@@ -105,6 +106,9 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.num_tokens_sent = 0  # tokens the workers hold for this request
+        # Tokens scheduled to be sampled whose values have not come back yet (0 or 1 in the
+        # synchronous loop, up to 2 with asynchronous scheduling); the workers already hold them.
+        self.num_output_placeholders = 0
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()

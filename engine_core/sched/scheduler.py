@@ -6,7 +6,7 @@ tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 
 import itertools
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
@@ -78,7 +78,10 @@ class Scheduler:
         self._handles = itertools.count(1)  # 0 is never a live handle
         self._finished_handles: list[int] = []  # seen by the workers, to forget next step
         self._step_id = 0
-        self._in_flight: InFlightStep | None = None
+        # Steps broadcast and not yet answered, oldest first: at most one in the synchronous
+        # loop; two with asynchronous scheduling, which schedules step N+1 while N runs.
+        self._in_flight: deque[InFlightStep] = deque()
+        self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
         self.num_preemptions = 0
         self.check_each_plan = False  # walk each step's plan before it is built (debugging)
 
@@ -150,7 +153,7 @@ class Scheduler:
 
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error` (a worker died); outputs keyed by client."""
-        self._in_flight = None  # the step that failed will never be answered
+        self._in_flight.clear()  # the steps that failed will never be answered
         return self.finish_requests(list(self.requests), RequestStatus.FINISHED_ERROR, error)
 
     def requeue_for_new_workers(self) -> None:
@@ -158,7 +161,7 @@ class Scheduler:
         running request by recompute, keeping its tokens, forget what the workers were told (a
         new generation gets every request whole), and clear the prefix cache, whose blocks hold
         nothing now. The step in flight, if any, is never answered."""
-        self._in_flight = None
+        self._in_flight.clear()
         for request in reversed(self.running):  # prepending the last first keeps their order
             self.kv_cache_manager.free(request)
             request.status = RequestStatus.PREEMPTED
@@ -168,6 +171,7 @@ class Scheduler:
         self.running = []
         for request in self.requests.values():
             request.num_tokens_sent = 0
+            request.num_output_placeholders = 0
         self._finished_handles = []
         if not self.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("blocks are still held after every request was preempted")
@@ -175,6 +179,12 @@ class Scheduler:
     @property
     def next_step_id(self) -> int:
         return self._step_id + 1
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps scheduled and not yet updated: 0 or 1, and up to 2 while a step is scheduled
+        with asynchronous scheduling."""
+        return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -187,8 +197,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work: running requests first, then admission from the queue."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} is in flight: update it first")
+        if len(self._in_flight) >= self.max_steps_in_flight:
+            step_id = self._in_flight[0].step_id
+            raise RuntimeError(f"step {step_id} is in flight: update it first")
         plan = StepPlan()
         budget = self._schedule_running(plan, self.scheduler_config.max_num_batched_tokens)
         if not plan.preempted_handles:  # admitting now would only thrash the pool again
@@ -201,12 +212,19 @@ class Scheduler:
         output = plan.build(self._step_id, finished)
         # Advance only once the message is built: it carries each request's state before the step.
         num_tokens = plan.new_num_tokens + plan.running_num_tokens + plan.resumed_num_tokens
+        is_sampling = []
         for request, num_new_tokens in zip(requests, num_tokens, strict=True):
             request.num_computed_tokens += num_new_tokens
-            request.num_tokens_sent = len(request.all_token_ids)
+            num_known = len(request.all_token_ids)
+            request.num_tokens_sent = num_known
+            # A step that reaches the end of the sequence samples its next token: until that
+            # token arrives, it is a placeholder the next step may already compute on.
+            samples = request.num_computed_tokens >= num_known + request.num_output_placeholders
+            request.num_output_placeholders += samples
+            is_sampling.append(samples)
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
-        self._in_flight = InFlightStep(self._step_id, requests, handles)
+        self._in_flight.append(InFlightStep(self._step_id, requests, handles, is_sampling))
         return output
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -218,7 +236,15 @@ class Scheduler:
         idx = 0
         while idx < len(running) and budget > 0:
             request = running[idx]
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            num_new_tokens = num_tokens - request.num_computed_tokens
+            if request.num_output_placeholders and (
+                num_new_tokens <= 0  # nothing to compute until its last token is known
+                or num_tokens >= request.max_num_tokens  # its pending token is its last
+                or num_tokens >= self.max_model_len
+            ):
+                idx += 1
+                continue
             if cap and num_new_tokens > cap:
                 num_new_tokens = cap
             if num_new_tokens > budget:
@@ -306,17 +332,23 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[bytes, EngineCoreOutputs]:
         """Append each request's sampled token, apply the stop rules, and build client outputs."""
-        requests = self._check_step(scheduler_output, model_runner_output)
+        step = self._check_step(scheduler_output, model_runner_output)
         sampled = unpack_int32(model_runner_output.sampled_token_ids)
         max_model_len = self.max_model_len
         outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         finished: list[Request] = []
-        for request, token_id in zip(requests, sampled, strict=True):
-            if request.status is not _RUNNING:
-                continue  # aborted while the step ran
-            if request.num_computed_tokens < len(request.all_token_ids):
+        for request, token_id, samples in zip(
+            step.requests, sampled, step.is_sampling, strict=True
+        ):
+            if not samples:
                 continue  # a partial prefill chunk: its sample means nothing
+            if request.status.is_finished:
+                continue  # aborted, or stopped a step earlier: a token past its end
+            # Running, or preempted while this step ran: the token is valid either way, and
+            # the workers appended it to their copy of the sequence as they sampled it.
+            request.num_output_placeholders -= 1
             request.append_output_token_id(token_id)
+            request.num_tokens_sent += 1
             finish_reason = None
             num_tokens = len(request.all_token_ids)
             if (  # the stop rules fire only on a finishing id or at a length cap: test those
@@ -325,6 +357,8 @@ class Scheduler:
                 or num_tokens >= max_model_len
             ) and (status := check_stop(request, max_model_len)) is not None:
                 finish_reason = status.finish_reason
+                if request.status is not _RUNNING:
+                    self.waiting.remove_requests([request])  # preempted while the step ran
                 request.status = status
                 finished.append(request)
             outputs[request.client_id].append(
@@ -340,13 +374,12 @@ class Scheduler:
 
     def _check_step(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[Request]:
-        """The requests of the step in flight, after checking that the output answers it."""
-        if self._in_flight is None:
+    ) -> InFlightStep:
+        """The oldest step in flight, after checking that the output answers it."""
+        if not self._in_flight:
             raise RuntimeError("update_from_output called with no step in flight")
-        self._in_flight.check_reply(scheduler_output, model_runner_output)
-        requests, self._in_flight = self._in_flight.requests, None
-        return requests
+        self._in_flight[0].check_reply(scheduler_output, model_runner_output)
+        return self._in_flight.popleft()
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that is out of the queues: release blocks, forget it."""
@@ -401,5 +434,5 @@ class Scheduler:
         self.admission.check_invariants([r.client_id for r in self.requests.values()])
         self.waiting.check_invariants()
         self.kv_cache_manager.check_invariants()
-        if self._in_flight is not None:
-            self._in_flight.check_invariants()
+        for step in self._in_flight:
+            step.check_invariants()

@@ -157,7 +157,9 @@ class FakeExecutor:
         state.num_computed_tokens = end
         if end < len(state.tokens):
             return 0  # a partial prefill chunk: the scheduler ignores this sample
-        return next_token(state.tokens, self.vocab_size)
+        token = next_token(state.tokens, self.vocab_size)
+        state.tokens.append(token)  # a worker keeps what it samples; the engine never resends it
+        return token
 
     def check_empty(self) -> None:
         assert not self.requests, f"workers still hold handles {sorted(self.requests)}"
@@ -256,7 +258,7 @@ class Harness:
     def run(self, max_steps: int = 10_000) -> int:
         """Step until no request is left and the workers were told of every finish."""
         num_steps = 0
-        while self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests():
+        while self.core.has_work():
             assert num_steps < max_steps, f"not done after {max_steps} steps"
             self.step()
             num_steps += 1

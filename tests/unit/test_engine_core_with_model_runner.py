@@ -45,7 +45,9 @@ def _prompts(count: int) -> list[list[int]]:
     ]
 
 
-def _engine(model: str, block_size: int, num_blocks: int) -> tuple[EngineCore, ModelRunner]:
+def _engine(
+    model: str, block_size: int, num_blocks: int, async_scheduling: bool = False
+) -> tuple[EngineCore, ModelRunner]:
     info = get_model_info(model, block_size)
     kv_cache_config = KVCacheConfig(num_blocks, info.kv_cache_groups)
     runner = ModelRunner(
@@ -60,19 +62,26 @@ def _engine(model: str, block_size: int, num_blocks: int) -> tuple[EngineCore, M
     config = EngineConfig(
         check_invariants=True,
         cache=CacheConfig(block_size=block_size),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32,
+            max_model_len=MAX_MODEL_LEN,
+            async_scheduling=async_scheduling,
+        ),
     ).checked()
     return EngineCore(config, kv_cache_config, info, runner), runner
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
     ("model", "block_size", "num_blocks"),
     [("checksum", 4, 40), ("tiny-llama", 16, 8), ("tiny-llama-hybrid", 4, 56)],
 )
 def test_engine_and_runner_produce_the_reference_tokens(
-    model: str, block_size: int, num_blocks: int
+    model: str, block_size: int, num_blocks: int, async_scheduling: bool
 ) -> None:
-    core, runner = _engine(model, block_size, num_blocks)
+    """Asynchronous scheduling (step N+1 scheduled before step N's tokens are known) gives
+    exactly the synchronous loop's tokens, through prefix hits, chunks and preemption."""
+    core, runner = _engine(model, block_size, num_blocks, async_scheduling)
     prompts = _prompts(7)
     tokens: dict[str, list[int]] = {}
     for idx, prompt in enumerate(prompts):
@@ -83,12 +92,15 @@ def test_engine_and_runner_produce_the_reference_tokens(
         tokens[f"r{idx}"] = []
     scheduler = core.scheduler
     handles = {req_id: request.handle for req_id, request in scheduler.requests.items()}
+    most_in_flight = 0
     for _ in range(1000):
-        if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
+        if not core.has_work():
             break
         for outputs in core.step().values():
             for output in outputs.outputs:
                 tokens[output.req_id].extend(output.new_token_ids)
+        most_in_flight = max(most_in_flight, scheduler.num_steps_in_flight)
+    assert most_in_flight == int(async_scheduling), "a step should be sent before its forerunner"
     assert scheduler.num_preemptions > 0, "the pool should force a preemption"
     assert scheduler.make_stats().prefix_cache.hits > 0, "shared prefixes should hit"
     for idx, prompt in enumerate(prompts):

@@ -91,11 +91,12 @@ def sampled(runner: ModelRunner, scheduler_output: SchedulerOutput) -> list[int]
 
 @pytest.mark.parametrize("model_name", ["checksum", "tiny-llama"])
 def test_new_request_then_decode_steps_match_the_reference(model_name: str) -> None:
+    """The runner keeps each token it samples: the engine sends no token back."""
     ref = reference_generate(model_name, PROMPT_A, GREEDY)
     runner = make_runner(model_name)
     assert sampled(runner, step(1, [6], new=[new_req(1, PROMPT_A, [1, 2])])) == [ref[0]]
-    assert sampled(runner, step(2, [1], cached_reqs=cached([(1, [ref[0]], None, 6)]))) == [ref[1]]
-    assert sampled(runner, step(3, [1], cached_reqs=cached([(1, [ref[1]], [3], 7)]))) == [ref[2]]
+    assert sampled(runner, step(2, [1], cached_reqs=cached([(1, [], None, 6)]))) == [ref[1]]
+    assert sampled(runner, step(3, [1], cached_reqs=cached([(1, [], [3], 7)]))) == [ref[2]]
     assert runner.timings.model_s > 0 and runner.timings.prepare_s > 0
 
 
@@ -110,12 +111,12 @@ def test_preempted_request_keeps_its_tokens_and_resumes_with_replaced_blocks() -
     ref = reference_generate("checksum", PROMPT_A, GREEDY)
     runner = make_runner()
     sampled(runner, step(1, [6], new=[new_req(1, PROMPT_A, [1, 2])]))
-    sampled(runner, step(2, [1], cached_reqs=cached([(1, [ref[0]], None, 6)])))
+    sampled(runner, step(2, [1], cached_reqs=cached([(1, [], None, 6)])))
     sampled(runner, step(3, [], preempted=[1]))
-    assert runner.input_batch.num_reqs == 0 and len(runner.parked[1].token_ids) == 7
+    assert runner.input_batch.num_reqs == 0 and len(runner.parked[1].token_ids) == 8
     # blocks 1 and 2 are reused by someone else; the resumed request recomputes in 9 and 10
     sampled(runner, step(4, [5], new=[new_req(2, PROMPT_B[:5], [1, 2])]))
-    resumed = cached([(1, [ref[1]], [9, 10], 0)], resumed=(1,))
+    resumed = cached([(1, [], [9, 10], 0)], resumed=(1,))
     assert sampled(runner, step(5, [8], cached_reqs=resumed)) == [ref[2]]
     assert runner.input_batch.block_table[0].row(runner.input_batch.handle_to_row[1]).tolist() == [
         9,
@@ -153,7 +154,7 @@ def test_batch_of_decodes_matches_per_request_reference() -> None:
     runner = make_runner(num_blocks=40)
     news = [new_req(i, p, [2 * i + 1, 2 * i + 2]) for i, p in enumerate(prompts)]
     assert sampled(runner, step(1, [3] * len(prompts), new=news)) == [r[0] for r in refs]
-    entries = [(i, [refs[i][0]], None, 3) for i in range(len(prompts))]
+    entries = [(i, [], None, 3) for i in range(len(prompts))]  # each rank kept its samples
     assert sampled(runner, step(2, [1] * len(prompts), cached_reqs=cached(entries))) == [
         r[1] for r in refs
     ]

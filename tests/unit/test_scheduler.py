@@ -312,6 +312,6 @@ def test_building_a_step_plan_changes_no_request() -> None:
 
 def test_in_flight_step_invariants_catch_handles_that_name_other_requests() -> None:
     request = Request("r", [1, 2, 3], SamplingParams(), handle=1)
-    InFlightStep(1, [request], pack_int32([1])).check_invariants()
+    InFlightStep(1, [request], pack_int32([1]), [True]).check_invariants()
     with pytest.raises(AssertionError, match="handles"):
-        InFlightStep(1, [request], pack_int32([2])).check_invariants()
+        InFlightStep(1, [request], pack_int32([2]), [True]).check_invariants()

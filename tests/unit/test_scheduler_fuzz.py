@@ -48,8 +48,13 @@ def _check_tokens(harness: Harness, prompts: dict[str, list[int]]) -> None:
         assert produced == reference_tokens(prompt, len(produced), harness.vocab_size), req_id
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(("policy", "seed"), [("fcfs", 1), ("priority", 2)])
-def test_random_workload_keeps_every_step_consistent(policy: str, seed: int) -> None:
+def test_random_workload_keeps_every_step_consistent(
+    policy: str, seed: int, async_scheduling: bool
+) -> None:
+    """With asynchronous scheduling too: every request's tokens are the reference's, through
+    aborts mid-stream, preemption and prefix hits, and nothing leaks."""
     rng = random.Random(seed)
     harness = Harness(
         num_blocks=24,
@@ -61,6 +66,7 @@ def test_random_workload_keeps_every_step_consistent(policy: str, seed: int) -> 
         max_num_seqs=8,
         long_prefill_token_threshold=12,
         scheduling_policy=policy,
+        async_scheduling=async_scheduling,
     )
     bases = [[rng.randrange(64) for _ in range(24)] for _ in range(BASE_PROMPTS)]
     prompts: dict[str, list[int]] = {}

@@ -1,0 +1,99 @@
+"""Asynchronous scheduling through the real service: the engine sends step N+1 while the ranks
+run step N, and every client still gets exactly the synchronous loop's tokens (the unpaged
+reference), at TP=1 and TP=2, with prefix caching on and off, under forced preemption and with
+aborts mid-stream; nothing is left behind.
+"""
+
+import random
+
+import pytest
+
+from engine_core.client import EngineClient, make_request
+from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, launch, stop_launch, wait_for
+from worker.models.reference import reference_generate
+
+pytestmark = pytest.mark.integration
+
+MAX_MODEL_LEN = 96
+NUM_REQUESTS = 24
+
+
+def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    workload = []
+    for idx in range(NUM_REQUESTS):
+        prompt = shared[: rng.randrange(0, 40)] + [rng.randrange(3, 500) for _ in range(9)]
+        max_tokens = rng.randrange(1, 40)
+        match idx % 3:
+            case 0:
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            case 1:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=idx)
+            case _:
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[5, 9, 17])
+        workload.append((prompt, params))
+    return workload
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("tp_size", "model", "caching", "num_gpu_blocks"),
+    [
+        (2, "tiny-llama-hybrid", "--enable-prefix-caching", 56),
+        (1, "checksum", "--no-enable-prefix-caching", 12),
+    ],
+    ids=["tp2-hybrid-cached", "tp1-checksum-uncached"],
+)
+def test_async_scheduling_serves_the_synchronous_tokens(
+    processes: Processes,
+    addresses: dict,
+    tp_size: int,
+    model: str,
+    caching: str,
+    num_gpu_blocks: int,
+) -> None:
+    launch(
+        processes,
+        addresses,
+        tp_size,
+        model,
+        "--async-scheduling",
+        caching,
+        "--block-size",
+        "4" if model == "tiny-llama-hybrid" else "16",
+        "--num-gpu-blocks-override",
+        str(num_gpu_blocks),  # small: requests preempt each other
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-batched-tokens",
+        "64",
+        "--check-invariants",
+    )
+    workload = _workload(tp_size)
+    req_ids = [f"r{idx}" for idx in range(NUM_REQUESTS)]
+    aborted = {"r4", "r11", "r19"}
+    with EngineClient(addresses["client"], 120.0) as client:
+        for req_id, (prompt, params) in zip(req_ids, workload, strict=True):
+            client.add_request(make_request(req_id, prompt, params))
+        wait_for(
+            lambda: any(client.result(r).token_ids for r in aborted) or client.poll_outputs(0.05),
+            60,
+            "the first tokens",
+        )
+        client.abort(sorted(aborted))
+        results = client.run_until_finished(req_ids, 240)
+        stats = client.get_stats()
+    assert stats["num_preemptions"] > 0, "the small pool should force preemption"
+    for idx, (req_id, (prompt, params)) in enumerate(zip(req_ids, workload, strict=True)):
+        expected = reference_generate(
+            model, prompt, params, max_model_len=MAX_MODEL_LEN, handle=idx + 1
+        )
+        result = results[req_id]
+        assert result.error is None, f"{req_id}: {result.error}"
+        if req_id in aborted and result.finish_reason == "abort":
+            assert result.token_ids == expected[: len(result.token_ids)], req_id
+        else:
+            assert result.token_ids == expected, req_id
+    stop_launch(processes)
