@@ -23,13 +23,13 @@ from bench.http import stop_processes
 from bench.report import base_parser, report
 from engine_core.client import EngineClient, make_request
 from engine_core.endpoints import free_tcp_ports
-from protocol.config import EngineConfig, WorkerConfig
+from protocol.config import SchedulerConfig, WorkerConfig
 from protocol.kv_cache_spec import bytes_per_block, cdiv
 from protocol.sampling import SamplingParams
 from worker.models.registry import get_model_info
 
 MODEL = "fixed-time"
-MODES = ("sync", "async")  # the step loop's; async needs EngineConfig.async_scheduling
+MODES = ("sync", "async")  # the step loop's: --no-async-scheduling, --async-scheduling
 ASYNC_FIELD = "async_scheduling"
 HEADLINE_KEY = "ratio_model_bound_async_tp2_256"
 PHASES = ("schedule", "encode", "transport", "update")  # get_stats' step_<phase>_s totals
@@ -53,8 +53,8 @@ WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def available_modes() -> list[str]:
-    """The loop modes this engine has: async once EngineConfig has the field."""
-    return list(MODES) if ASYNC_FIELD in EngineConfig.__struct_fields__ else ["sync"]
+    """The loop modes this engine has: async when SchedulerConfig has the field."""
+    return list(MODES) if ASYNC_FIELD in SchedulerConfig.__struct_fields__ else ["sync"]
 
 
 def _ints(text: str) -> list[int]:
@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None, modes_available: list[str]) -> argparse.N
     requested = args.modes or modes_available
     missing = [mode for mode in requested if mode not in modes_available]
     if missing:
-        parser.error(f"--modes {','.join(missing)}: EngineConfig has no {ASYNC_FIELD} field yet")
+        parser.error(f"--modes {','.join(missing)}: SchedulerConfig has no {ASYNC_FIELD} field")
     for name, value in (("--window-s", args.window_s), ("--model-step-ms", args.model_step_ms)):
         if not value > 0:
             parser.error(f"{name} {value}: expected > 0")
