@@ -64,7 +64,7 @@ class WorkerRecovery:
         workers.retire_generation(f"worker generation {generation} is retired: {error}")
         core.requeue_for_new_workers()
         deadline = fault_time + self.rejoin_timeout_s
-        self._check_hellos(workers.wait_for_hellos(deadline))
+        self.check_new_generation(workers.wait_for_hellos(deadline))
         first_step_id = core.next_step_id
         config = msgspec.structs.replace(self.kv_cache_config, first_step_id=first_step_id)
         workers.send_kv_cache_config(config)
@@ -79,7 +79,7 @@ class WorkerRecovery:
         if self.metrics is not None:
             self.metrics.on_worker_restart(error.cause, recovery_s)
 
-    def _check_hellos(self, hellos: dict[int, WorkerHello]) -> None:
+    def check_new_generation(self, hellos: dict[int, WorkerHello]) -> None:
         """A new generation serves the same model and holds at least the pool's blocks."""
         num_blocks = self.kv_cache_config.num_blocks
         for rank, hello in sorted(hellos.items()):
