@@ -342,7 +342,7 @@ class Scheduler:
         ):
             if not samples:
                 continue  # a partial prefill chunk: its sample means nothing
-            if request.status.is_finished:
+            if request.status is not _RUNNING and request.status.is_finished:
                 continue  # aborted, or stopped a step earlier: a token past its end
             # Running, or preempted while this step ran: the token is valid either way, and
             # the workers appended it to their copy of the sequence as they sampled it.
