@@ -1,6 +1,7 @@
 """ShmRingWriter: the engine's side of the shared-memory step ring for same-host ranks. It owns the
 segment (creates it, unlinks it exactly once), publishes each step's encoded frame to every reader,
-and blocks, never overwrites, when a reader falls behind.
+blocks, never overwrites, when a reader falls behind, and takes the replies readers leave in their
+reply lanes.
 
 Every wait has a deadline. It never decodes a frame and never touches a ZMQ socket.
 """
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 SPIN_S = 50e-6  # how long a full ring is re-checked (yielding the CPU) before the writer blocks
 NUM_SLOTS = 16
 SLOT_BYTES = 256 * 1024  # a 256-request decode step is ~3 KB and an 8 x 2,048 prefill ~70 KB
+# A ModelRunnerOutput takes 8 bytes per request: 1 MiB holds one for max_num_seqs's bound of 65,536
+# requests. Pages of /dev/shm are used only where written, so a small reply costs one page.
+REPLY_SLOT_BYTES = 1 << 20
 
 
 class ShmRingWriter:
@@ -55,8 +59,14 @@ class ShmRingWriter:
         num_slots: int = NUM_SLOTS,
         slot_bytes: int = SLOT_BYTES,
         spin_s: float = SPIN_S,
+        num_reply_slots: int = 0,
+        reply_slot_bytes: int = REPLY_SLOT_BYTES,
     ) -> None:
-        self.layout = RingLayout(num_readers, num_slots, slot_bytes)
+        """With `num_reply_slots`, each reader gets a reply lane of that many slots."""
+        lane_slot_bytes = reply_slot_bytes if num_reply_slots else 0
+        self.layout = RingLayout(
+            num_readers, num_slots, slot_bytes, num_reply_slots, lane_slot_bytes
+        )
         self.spin_s = spin_s
         self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         # registered with Python's resource tracker: if this process dies, the tracker unlinks it
@@ -71,6 +81,7 @@ class ShmRingWriter:
         self._reader_addresses = [reader_doorbell_address(self.name, i) for i in range(num_readers)]
         self._pidfds: dict[int, tuple[int, int]] = {}  # reader idx -> (pid, pidfd), while waited on
         self.num_written = 0
+        self.num_replies_read = [0] * num_readers  # per reader, replies taken from its lane
         self._min_num_read = 0  # a lower bound on what every live reader has read
         self.is_closed = False
 
@@ -129,7 +140,7 @@ class ShmRingWriter:
 
     # -- waiting for a slow reader -------------------------------------------------------------
 
-    def _slowest_reader(self) -> tuple[int | None, int]:
+    def slowest_reader(self) -> tuple[int | None, int]:
         """The live reader furthest behind and what it has read (None: every reader left)."""
         layout, words = self.layout, self._words
         slowest, min_num_read = None, self.num_written
@@ -142,7 +153,7 @@ class ShmRingWriter:
         return slowest, min_num_read
 
     def _has_room(self, num_chunks: int) -> tuple[bool, int | None]:
-        slowest, self._min_num_read = self._slowest_reader()
+        slowest, self._min_num_read = self.slowest_reader()
         return self.num_written + num_chunks - self._min_num_read <= self.layout.num_slots, slowest
 
     def _make_room(self, num_chunks: int, deadline: float, timeout_s: float) -> None:
@@ -216,6 +227,48 @@ class ShmRingWriter:
             while True:
                 self._doorbell.recv(64)
 
+    # -- replies ---------------------------------------------------------------------------------
+
+    def has_reply(self, reader_idx: int) -> bool:
+        written = self._words[self.layout.lane_written_word(reader_idx)]
+        return written > self.num_replies_read[reader_idx]
+
+    def read_reply(self, reader_idx: int) -> bytes | None:
+        """The next reply in reader `reader_idx`'s lane, or None when there is none yet."""
+        if not self.has_reply(reader_idx):
+            return None
+        layout, words = self.layout, self._words
+        self._fence()  # the counter that exposed the reply before the reply's bytes
+        offset = layout.reply_slot_offset(reader_idx, self.num_replies_read[reader_idx])
+        num_bytes = words[offset // 8]
+        reply = bytes(
+            self._bytes[offset + FRAME_HEADER_BYTES : offset + FRAME_HEADER_BYTES + num_bytes]
+        )
+        self._fence()  # the copy before the slot is handed back
+        self.num_replies_read[reader_idx] += 1
+        words[layout.lane_read_word(reader_idx)] = self.num_replies_read[reader_idx]
+        return reply
+
+    def begin_reply_sleep(self, reader_idxs: list[int]) -> bool:
+        """Announce that the writer is about to block on `fileno()` for a reply of these readers;
+        False (and no block) when one is already there. Every True is followed by
+        `end_reply_sleep`."""
+        self._words[IS_WRITER_ASLEEP_WORD] = 1
+        self._fence()  # the flag before the re-check of the lanes (see MemoryFence)
+        if any(self.has_reply(reader_idx) for reader_idx in reader_idxs):
+            self._words[IS_WRITER_ASLEEP_WORD] = 0
+            return False
+        return True
+
+    def end_reply_sleep(self) -> None:
+        self._words[IS_WRITER_ASLEEP_WORD] = 0
+        self._drain_doorbell()
+
+    def fileno(self) -> int:
+        """The doorbell: readable after a reader released a slot or left a reply while the
+        writer slept."""
+        return self._doorbell.fileno()
+
     # -- closing -------------------------------------------------------------------------------
 
     def reader_states(self) -> list[ReaderState]:
@@ -278,4 +331,12 @@ class ShmRingWriter:
             assert 0 <= self.num_written - num_read <= layout.num_slots, (
                 f"reader {reader_idx} has read {num_read} of {self.num_written} chunks "
                 f"in a ring of {layout.num_slots} slots"
+            )
+        for reader_idx in range(layout.num_readers if layout.num_reply_slots else 0):
+            num_unread = (
+                words[layout.lane_written_word(reader_idx)] - self.num_replies_read[reader_idx]
+            )
+            assert 0 <= num_unread <= layout.num_reply_slots, (
+                f"reader {reader_idx}'s lane holds {num_unread} unread replies "
+                f"in {layout.num_reply_slots} slots"
             )

@@ -1,6 +1,7 @@
 """The byte layout of the shared-memory step ring, shared by its writer (engine_core) and readers
-(worker) the way a codec is: fixed offsets, no I/O, no policy. The ring's behaviour (flow control,
-spin then block, deadlines, unlinking) lives with the writer and the readers.
+(worker) the way a codec is: fixed offsets, and the host id both sides compare; no other I/O, no
+policy. The ring's behaviour (flow control, spin then block, deadlines, unlinking) lives with the
+writer and the readers.
 
 It must never import anything but the standard library.
 """
@@ -18,9 +19,14 @@ FRAME_HEADER_BYTES = 8  # a frame's first chunk opens with its size in bytes, on
 MIN_SLOT_BYTES = LINE_BYTES
 MAX_NUM_READERS = 256
 MAX_SLOT_BYTES = 1 << 30
+# Linux's id of this boot of this machine: the engine and a rank share a ring only when theirs
+# agree (a hostname can repeat across hosts; a container may share the host's boot id but not its
+# /dev/shm, which the reader's attach then finds out)
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 # word indices of the header; line 0 is written once by the writer before any reader attaches
 MAGIC_WORD, NUM_READERS_WORD, NUM_SLOTS_WORD, SLOT_BYTES_WORD, WRITER_PID_WORD = range(5)
+NUM_REPLY_SLOTS_WORD, REPLY_SLOT_BYTES_WORD = 5, 6  # each reader's reply lane; 0: no lanes
 # line 1 is written only by the writer
 NUM_WRITTEN_WORD = WORDS_PER_LINE  # chunks published so far; chunk n lives in slot n % num_slots
 IS_CLOSED_WORD = WORDS_PER_LINE + 1  # 1 once the writer wrote its last chunk
@@ -41,6 +47,10 @@ class RingAttachError(RuntimeError):
     """A reader could not attach: no such ring, not a ring, a bad index, or the slot is taken."""
 
 
+class ReplyTooLargeError(ValueError):
+    """A reply does not fit in one slot of its reader's reply lane."""
+
+
 class RingClosedError(RuntimeError):
     """The ring is closed: its writer closed it (a reader gets this once every frame before the
     close was read) or its writer's process exited."""
@@ -55,22 +65,30 @@ class RingLayout:
     """Where everything lives in a segment of `size_bytes`:
 
     ```
-    line 0            magic, num_readers, num_slots, slot_bytes, writer_pid
+    line 0            magic, num_readers, num_slots, slot_bytes, writer_pid,
+                      num_reply_slots, reply_slot_bytes
     line 1            num_written, is_closed, is_writer_asleep            (writer only)
     line 2 + i        num_read, state, is_asleep, pid                     (reader i only)
     slot 0..S-1       chunks of slot_bytes; a frame's first chunk opens with its size (one word)
+    lane i            reader i's replies to the writer:
+                        a line of num_replies_written                     (reader i only)
+                        a line of num_replies_read                        (writer only)
+                        reply slot 0..R-1 of reply_slot_bytes, each opening with its size
     ```
 
     A frame larger than one slot spans consecutive chunks, and one larger than the whole ring
     streams through it, so frames of any size are carried. Counters only grow (chunk n is in slot
     n % num_slots) and are each written by one process: a reader may read chunk n once
     num_written > n, the writer may write it once every reader that is not DETACHED has
-    num_read > n - num_slots.
+    num_read > n - num_slots. A lane works the same way with its reader as the only writer and
+    the ring's writer as the only reader, one reply per slot (a reply never spans slots).
     """
 
     num_readers: int
     num_slots: int
     slot_bytes: int  # a multiple of LINE_BYTES, frame header included
+    num_reply_slots: int = 0  # per reader's lane; 0: replies go elsewhere (ZMQ)
+    reply_slot_bytes: int = 0  # a multiple of LINE_BYTES, size word included
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_readers <= MAX_NUM_READERS:
@@ -82,14 +100,48 @@ class RingLayout:
                 f"slot_bytes={self.slot_bytes} must be a multiple of {LINE_BYTES} "
                 f"in [{MIN_SLOT_BYTES}, {MAX_SLOT_BYTES}]"
             )
+        if self.num_reply_slots < 0 or (
+            self.num_reply_slots
+            and (
+                not MIN_SLOT_BYTES <= self.reply_slot_bytes <= MAX_SLOT_BYTES
+                or self.reply_slot_bytes % LINE_BYTES
+            )
+        ):
+            raise ValueError(
+                f"num_reply_slots={self.num_reply_slots} with reply_slot_bytes="
+                f"{self.reply_slot_bytes}: expected no lanes, or slots of a multiple of "
+                f"{LINE_BYTES} bytes in [{MIN_SLOT_BYTES}, {MAX_SLOT_BYTES}]"
+            )
 
     @property
     def header_bytes(self) -> int:
         return (2 + self.num_readers) * LINE_BYTES
 
     @property
+    def lane_bytes(self) -> int:
+        if not self.num_reply_slots:
+            return 0
+        return 2 * LINE_BYTES + self.num_reply_slots * self.reply_slot_bytes
+
+    @property
     def size_bytes(self) -> int:
-        return self.header_bytes + self.num_slots * self.slot_bytes
+        lanes_bytes = self.num_readers * self.lane_bytes
+        return self.header_bytes + self.num_slots * self.slot_bytes + lanes_bytes
+
+    def lane_offset(self, reader_idx: int) -> int:
+        """Byte offset of reader `reader_idx`'s reply lane (its num_replies_written line)."""
+        return self.header_bytes + self.num_slots * self.slot_bytes + reader_idx * self.lane_bytes
+
+    def lane_written_word(self, reader_idx: int) -> int:
+        return self.lane_offset(reader_idx) // WORD_BYTES
+
+    def lane_read_word(self, reader_idx: int) -> int:
+        return (self.lane_offset(reader_idx) + LINE_BYTES) // WORD_BYTES
+
+    def reply_slot_offset(self, reader_idx: int, reply_idx: int) -> int:
+        """Byte offset of the slot that carries reply `reply_idx` of reader `reader_idx`."""
+        slot_idx = reply_idx % self.num_reply_slots
+        return self.lane_offset(reader_idx) + 2 * LINE_BYTES + slot_idx * self.reply_slot_bytes
 
     def reader_word(self, reader_idx: int, field: int) -> int:
         return (2 + reader_idx) * WORDS_PER_LINE + field
@@ -111,6 +163,8 @@ class RingLayout:
         words[NUM_SLOTS_WORD] = self.num_slots
         words[SLOT_BYTES_WORD] = self.slot_bytes
         words[WRITER_PID_WORD] = writer_pid
+        words[NUM_REPLY_SLOTS_WORD] = self.num_reply_slots
+        words[REPLY_SLOT_BYTES_WORD] = self.reply_slot_bytes
         words[MAGIC_WORD] = RING_MAGIC  # last: a segment without it is not a ring yet
 
     @classmethod
@@ -119,7 +173,13 @@ class RingLayout:
         if size_bytes < 2 * LINE_BYTES or words[MAGIC_WORD] != RING_MAGIC:
             raise RingAttachError(f"segment {name} of {size_bytes} bytes is not a kvserve ring")
         try:
-            layout = cls(words[NUM_READERS_WORD], words[NUM_SLOTS_WORD], words[SLOT_BYTES_WORD])
+            layout = cls(
+                words[NUM_READERS_WORD],
+                words[NUM_SLOTS_WORD],
+                words[SLOT_BYTES_WORD],
+                words[NUM_REPLY_SLOTS_WORD],
+                words[REPLY_SLOT_BYTES_WORD],
+            )
         except ValueError as exc:
             raise RingAttachError(f"segment {name} has a bad header: {exc}") from None
         if layout.size_bytes != size_bytes:
@@ -127,6 +187,15 @@ class RingLayout:
                 f"segment {name} is {size_bytes} bytes, its header says {layout.size_bytes}"
             )
         return layout
+
+
+def read_host_id() -> str | None:
+    """This boot of this machine, as WorkerHello carries it; None where Linux tells none."""
+    try:
+        with open(BOOT_ID_PATH) as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
 
 
 def reader_doorbell_address(ring_name: str, reader_idx: int) -> bytes:

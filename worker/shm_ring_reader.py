@@ -1,8 +1,8 @@
 """ShmRingReader: one same-host rank's side of the engine's shared-memory step ring. It reads every
-frame exactly once, in order, spinning briefly and then blocking on its doorbell, and notices a
-writer that closed the ring or died.
+frame exactly once, in order, spinning briefly and then blocking on its doorbell, notices a writer
+that closed the ring or died, and leaves its replies in its own reply lane when the ring has lanes.
 
-It never writes a frame, never unlinks the segment (the writer owns it) and never decodes.
+It never writes a step, never unlinks the segment (the writer owns it) and never decodes.
 """
 
 import contextlib
@@ -25,6 +25,7 @@ from protocol.shm_ring import (
     WRITER_PID_WORD,
     MemoryFence,
     ReaderState,
+    ReplyTooLargeError,
     RingAttachError,
     RingClosedError,
     RingLayout,
@@ -34,6 +35,7 @@ from protocol.shm_ring import (
 
 SHM_FOLDER = "/dev/shm"  # where Linux keeps multiprocessing.shared_memory segments
 SPIN_S = 200e-6  # how long an empty ring is re-checked (yielding the CPU) before blocking
+LANE_FULL_POLL_MS = 1  # how often a full reply lane is re-checked (the writer rings no doorbell)
 
 
 class ShmRingReader:
@@ -63,6 +65,7 @@ class ShmRingReader:
         self._doorbell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self.layout = RingLayout.from_header(self._words, size_bytes, name)
+            self._check_writer_is_visible()
             self._claim_slot()
         except BaseException:
             self._release_memory()
@@ -74,10 +77,25 @@ class ShmRingReader:
         self._poller = select.poll()
         self._poller.register(self._doorbell, select.POLLIN)
         self.num_read = self._words[self._word(NUM_READ_FIELD)]
+        self.num_replies_written = 0
+        if self.layout.num_reply_slots:
+            self.num_replies_written = self._words[self.layout.lane_written_word(reader_idx)]
         self.is_closed = False
 
     def _word(self, field: int) -> int:
         return self.layout.reader_word(self.reader_idx, field)
+
+    def _check_writer_is_visible(self) -> None:
+        """A writer this process cannot see (another pid namespace) could never be watched, and
+        its ring would look closed at the first sleep: refuse it now, before claiming a slot."""
+        writer_pid = self._words[WRITER_PID_WORD]
+        try:
+            os.close(os.pidfd_open(writer_pid))
+        except ProcessLookupError:
+            raise RingAttachError(
+                f"the writer of ring {self.name} (pid {writer_pid}) is no process this one can "
+                f"see (it exited, or lives in another pid namespace)"
+            ) from None
 
     def _claim_slot(self) -> None:
         """Bind the slot's doorbell (only one process can) and mark the slot ATTACHED."""
@@ -167,6 +185,54 @@ class ShmRingReader:
         if self._words[IS_WRITER_ASLEEP_WORD]:
             with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
                 self._doorbell.sendto(b"\1", self._writer_address)
+
+    # -- replying -------------------------------------------------------------------------------
+
+    @property
+    def has_reply_lane(self) -> bool:
+        return self.layout.num_reply_slots > 0
+
+    def write_reply(self, frame: bytes, timeout_s: float) -> None:
+        """Leave `frame` in this reader's reply lane and wake the writer if it sleeps. A full lane
+        (the writer took none of the last num_reply_slots replies) is waited on for `timeout_s`
+        at most; ReplyTooLargeError for a frame larger than a slot."""
+        layout, words = self.layout, self._words
+        if len(frame) > layout.reply_slot_bytes - FRAME_HEADER_BYTES:
+            raise ReplyTooLargeError(
+                f"a reply of {len(frame)} bytes does not fit in a reply slot of ring {self.name} "
+                f"({layout.reply_slot_bytes - FRAME_HEADER_BYTES} bytes)"
+            )
+        self._wait_for_lane_room(time.monotonic() + timeout_s, timeout_s)
+        offset = layout.reply_slot_offset(self.reader_idx, self.num_replies_written)
+        words[offset // 8] = len(frame)
+        data_offset = offset + FRAME_HEADER_BYTES
+        self._bytes[data_offset : data_offset + len(frame)] = frame
+        self._fence()  # the reply's bytes before the counter that exposes them
+        self.num_replies_written += 1
+        words[layout.lane_written_word(self.reader_idx)] = self.num_replies_written
+        self._fence()  # the counter before the writer's asleep flag (see MemoryFence)
+        if words[IS_WRITER_ASLEEP_WORD]:
+            with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+                self._doorbell.sendto(b"\1", self._writer_address)
+
+    def _wait_for_lane_room(self, deadline: float, timeout_s: float) -> None:
+        layout, words = self.layout, self._words
+        read_word = layout.lane_read_word(self.reader_idx)
+        while self.num_replies_written - words[read_word] >= layout.num_reply_slots:
+            if words[IS_CLOSED_WORD]:
+                raise RingClosedError(f"ring {self.name} was closed by its writer")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"reader {self.reader_idx} of ring {self.name}: the writer took none of its "
+                    f"last {layout.num_reply_slots} replies in {timeout_s} s"
+                )
+            self._watch_writer()
+            events = dict(self._poller.poll(LANE_FULL_POLL_MS))
+            self.end_sleep()  # drains a wake-up meant for the step ring, which cannot help here
+            if self._writer_pidfd in events:
+                raise RingClosedError(
+                    f"the writer of ring {self.name} (pid {self.writer_pid}) died"
+                )
 
     # -- waiting -------------------------------------------------------------------------------
 
