@@ -65,6 +65,7 @@ def _bind_and_serve(
         config.heartbeat_interval_s,
         config.heartbeat_timeout_s,
         endpoints,
+        is_shm_ring_enabled=config.enable_shm_ring,
     )
     parts.append(workers.close)
     metrics = EngineMetrics() if config.metrics_port is not None else None

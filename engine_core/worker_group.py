@@ -1,5 +1,6 @@
 """WorkerGroup: the engine's worker ROUTER socket, the handshake with every rank, and the per-step
-broadcast and gather (the ZMQ executor), for one worker generation at a time.
+broadcast and gather (the executor), for one worker generation at a time. How a frame reaches
+each rank (ZMQ, or the shared-memory ring for same-host ranks) is StepTransport's.
 
 Every wait has a deadline. A rank that dies, vanishes or fails is a WorkerGroupError naming it;
 this class never schedules, and it replaces a generation only when told to (DESIGN.md §8).
@@ -23,6 +24,7 @@ from engine_core.handshake import (
     missing_ranks,
 )
 from engine_core.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
+from engine_core.step_transport import StepTransport
 from protocol.codec import make_encoder, worker_to_engine_decoder
 from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import KVCacheConfig
@@ -61,9 +63,11 @@ class WorkerGroup:
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
         endpoints: Endpoints | None = None,
+        is_shm_ring_enabled: bool = False,
     ) -> None:
         """Binds at `address`, through `endpoints` when given (the engine: a busy address is
-        refused by name, and its ipc file is removed at exit), else directly (benchmarks)."""
+        refused by name, and its ipc file is removed at exit), else directly (benchmarks).
+        With `is_shm_ring_enabled`, steps reach same-host ranks over a shared-memory ring."""
         self.tp_size = tp_size
         self.step_timeout_s = step_timeout_s
         self.sock = ctx.socket(zmq.ROUTER)
@@ -81,6 +85,9 @@ class WorkerGroup:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.watch = RankWatch(self.monitor, self.poller, tp_size)
+        self.transport = StepTransport(
+            self.sock, self.poller, self.watch, step_timeout_s, is_shm_ring_enabled
+        )
         self.generation = 1  # one more each time a generation is retired
         self.retired: dict[bytes, tuple[int, int]] = {}  # identity -> (generation, rank)
         self.on_wait: Callable[[], None] | None = None  # called every WAIT_SLICE_MS of handshake
@@ -140,10 +147,17 @@ class WorkerGroup:
         self._tell_to_exit([identity], Shutdown(reason=reason, is_failure=True))
 
     def send_kv_cache_config(self, config: KVCacheConfig) -> None:
-        """Admit the ranks that said hello as this generation, starting at config.first_step_id."""
-        config = msgspec.structs.replace(config, generation=self.generation)
+        """Admit the ranks that said hello as this generation, starting at config.first_step_id;
+        the same-host ones are offered a fresh ring."""
+        ring_name, reader_ranks = self.transport.open_ring(self.hellos)
+        config = msgspec.structs.replace(
+            config,
+            generation=self.generation,
+            shm_ring_name=ring_name,
+            shm_ring_reader_ranks=reader_ranks,
+        )
         self.last_step_id = config.first_step_id - 1
-        self._broadcast(self._encoder.encode(config))
+        self.transport.send(self.ranks_by_identity, self._encoder.encode(config))
 
     def wait_for_ready(self, num_blocks: int, deadline: float) -> None:
         """Require WorkerReady with exactly `num_blocks` from every rank before `deadline`."""
@@ -161,9 +175,11 @@ class WorkerGroup:
                             f"WorkerReady names rank {message.rank} but came from rank {sender}"
                         )
                     check_ready(message, num_blocks, ready_ranks, self.generation)
+                    self.transport.on_ready(message.rank, message.is_shm_ring_attached)
                     ready_ranks.add(message.rank)
                 case _:
                     raise HandshakeError(f"expected WorkerReady, got {type(message).__name__}")
+        self.transport.admit(self.ranks_by_identity)
         self._is_serving = self.watch.is_serving = True
 
     def _recv_handshake(
@@ -233,7 +249,7 @@ class WorkerGroup:
             scheduler_output = msgspec.structs.replace(scheduler_output, generation=self.generation)
         frame = self._encoder.encode(scheduler_output)
         encoded = time.perf_counter()
-        self._broadcast(frame)
+        self.transport.broadcast(frame, step_id)
         self.last_step_id = step_id
         self.encode_time_s += encoded - start
         self._submit_times.append((step_id, encoded))
@@ -252,108 +268,41 @@ class WorkerGroup:
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:
         """Every rank's ModelRunnerOutput for `step_id`, in rank order, within the step deadline."""
-        outputs: list[ModelRunnerOutput | None] = [None] * self.tp_size
-        num_pending = self.tp_size
-        deadline = time.monotonic() + self.step_timeout_s
-        while num_pending:
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                missing = [rank for rank, out in enumerate(outputs) if out is None]
-                raise WorkerGroupError(
-                    f"no reply to step {step_id} from rank(s) {missing} in {self.step_timeout_s} s",
-                    "timeout",
-                )
-            events = dict(self.poller.poll(max(1, int(remaining_s * 1000))))
-            if len(events) > (self.sock in events):
-                self.watch.check(events)
-            if self.sock in events:
-                num_pending -= self._drain_replies(step_id, outputs, num_pending)
-        return outputs  # type: ignore[return-value]  # no None left
-
-    def _drain_replies(
-        self, step_id: int, outputs: list[ModelRunnerOutput | None], num_pending: int
-    ) -> int:
-        """Read the replies that arrived, stopping once none is pending (no needless recv)."""
-        num_received = 0
-        while num_received < num_pending:
-            try:
-                identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return num_received
-            rank = self.ranks_by_identity.get(identity)
-            if identity in self.retired:
-                self._drop_stale(identity, "a reply")
-                continue
-            if rank is None:
-                self._refuse_stranger(identity)
-                continue
-            generation = self.generation
-            match self._decode(identity, frame):
-                case ModelRunnerOutput() as out if (
-                    out.step_id == step_id and out.rank == rank and out.generation == generation
-                ):
-                    if outputs[rank] is not None:
-                        message = f"rank {rank} replied twice to step {step_id}"
-                        raise WorkerGroupError(message, "protocol")
-                    outputs[rank] = out
-                    num_received += 1
-                case WorkerFailed() as failed:
-                    self.watch.raise_if_a_rank_is_gone()
-                    raise WorkerGroupError(
-                        f"rank {rank} failed at step {failed.step_id}: {failed.error}"
-                    )
-                case other:
-                    raise WorkerGroupError(
-                        f"rank {rank} sent {describe_message(other)} "
-                        f"while step {step_id} was awaited",
-                        "protocol",
-                    )
-        return num_received
+        return self.transport.gather(step_id, self.generation, self._sender_rank)
 
     def check_idle_events(self) -> None:
-        """Between steps: raise if a rank died, disconnected or spoke out of turn."""
+        """Between steps: raise if a rank died, disconnected or spoke out of turn. While a step
+        is submitted and not yet collected (asynchronous scheduling), what its ranks send over
+        ZMQ, a reply or a WorkerFailed, is left for `collect`."""
         events = dict(self.poller.poll(0))
         self.watch.check(events)
-        if self.sock in events:
+        if self.sock in events and not self._submit_times:
             identity, frame = self.sock.recv_multipart()
-            rank = self.ranks_by_identity.get(identity)
-            if identity in self.retired:
-                self._drop_stale(identity, "a frame")
-                return
+            rank = self._sender_rank(identity, "a frame")
             if rank is None:
-                self._refuse_stranger(identity)
                 return
-            match self._decode(identity, frame):
+            match self.transport.decode(rank, frame):
                 case WorkerFailed() as failed:
                     raise WorkerGroupError(f"rank {rank} failed: {failed.error}")
                 case other:
                     message = f"rank {rank} sent {describe_message(other)} between steps"
                     raise WorkerGroupError(message, "protocol")
 
-    def _decode(self, identity: bytes, frame: bytes) -> WorkerToEngine:
-        try:
-            return self._decoder.decode(frame)
-        except ProtocolError as exc:
-            rank = self.ranks_by_identity.get(identity)
-            message = f"rank {rank} sent a bad frame: {exc}"
-            raise WorkerGroupError(message, "protocol") from None
+    def _sender_rank(self, identity: bytes, what: str) -> int | None:
+        """The current rank that sent `what`; None (and it is dealt with) for another peer."""
+        if identity in self.retired:
+            self._drop_stale(identity, what)
+            return None
+        rank = self.ranks_by_identity.get(identity)
+        if rank is None:
+            self._refuse_stranger(identity)
+        return rank
 
     def _refuse_stranger(self, identity: bytes) -> None:
         """A worker that joined after startup: tell it to exit and keep serving the group."""
         reason = f"the engine already serves all {self.tp_size} ranks"
         logger.warning("refused a worker that connected after startup: %s", reason)
         self._tell_to_exit([identity], Shutdown(reason=reason, is_failure=True))
-
-    def _broadcast(self, frame: bytes) -> None:
-        """Send the same encoded frame to every rank that said hello."""
-        sock = self.sock
-        for identity, rank in self.ranks_by_identity.items():
-            try:  # two plain sends: send_multipart costs a few µs more per rank
-                sock.send(identity, zmq.SNDMORE)
-                sock.send(frame)
-            except zmq.ZMQError as exc:
-                message = f"cannot reach rank {rank}: {exc}"
-                raise WorkerGroupError(message, "unreachable") from None
 
     def _drop_stale(self, identity: bytes, what: str) -> None:
         """A rank of a retired generation woke up (SIGSTOP, a partition): its words are void."""
@@ -364,10 +313,12 @@ class WorkerGroup:
     # -- generations ---------------------------------------------------------------------------
 
     def retire_generation(self, reason: str) -> None:
-        """Tell every rank of the current generation to exit, kill local ones that do not within
-        RETIRE_GRACE_S, and forget them: the next hellos form generation + 1 (DESIGN.md §8)."""
+        """Tell every rank of the current generation to exit, close its ring, kill local ones
+        that do not exit within RETIRE_GRACE_S, and forget them: the next hellos form
+        generation + 1 (DESIGN.md §8)."""
         shutdown = Shutdown(reason=reason, is_failure=True, generation=self.generation)
         self._tell_to_exit(list(self.ranks_by_identity), shutdown)
+        self.transport.close_ring()  # after the Shutdown: a reader that sees the close finds it
         for identity, rank in self.ranks_by_identity.items():
             self.retired[identity] = (self.generation, rank)
         self.watch.retire(RETIRE_GRACE_S)
@@ -389,15 +340,10 @@ class WorkerGroup:
         self._tell_to_exit(list(self.peers), Shutdown(reason=reason, is_failure=is_failure))
 
     def _tell_to_exit(self, identities: list[bytes], shutdown: Shutdown) -> None:
-        """Best effort: a peer that is gone or not reading is past telling."""
-        frame = self._encoder.encode(shutdown)
-        for identity in identities:
-            try:
-                self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                logger.debug("Shutdown not delivered to %r: %s", identity, exc)
+        self.transport.tell_to_exit(identities, self._encoder.encode(shutdown))
 
     def close(self) -> None:
+        self.transport.close_ring()  # unlinked: nothing of the engine stays in /dev/shm
         self.watch.close_sentinels()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
@@ -414,3 +360,4 @@ class WorkerGroup:
         assert not stale, f"identities {stale} are both retired and current"
         assert all(gen < self.generation for gen, _ in self.retired.values()), "retired ahead"
         self.watch.check_invariants()
+        self.transport.check_invariants(self.ranks_by_identity)

@@ -35,6 +35,10 @@ class WorkerHello(msgspec.Struct, frozen=True, tag=True, array_like=True):
     device: str  # "cpu" or "cuda:N"
     model_info: ModelInfo
     num_blocks_available: int  # blocks this rank could allocate for the whole model
+    # This boot of this machine (Linux's boot_id), None if unknown: ranks whose host_id is the
+    # engine's may take their steps over the shared-memory ring (a hostname can repeat).
+    host_id: str | None = None
+    is_shm_ring_capable: bool = False  # the rank can map the engine's ring and read steps off it
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -43,6 +47,9 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     rank: Rank
     num_blocks: int
     generation: int = 1  # the one its KVCacheConfig named
+    # it attached to the KVCacheConfig's ring as a reader; False for a rank the config named
+    # as one: it could not, and takes its steps over ZMQ (the engine releases its reader slot)
+    is_shm_ring_attached: bool = False
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):

@@ -1,8 +1,9 @@
 """The worker process: one tensor-parallel rank. It joins the TP group, measures its KV capacity,
 says hello to the engine, allocates exactly what it is told, then runs every step it is sent.
 
-It owns the DEALER socket and the process lifecycle, never scheduling. On an exception it sends
-WorkerFailed and exits 1; when the engine disconnects or goes silent, it exits 1 too.
+It owns the DEALER socket, its reader of the engine's step ring (same-host ranks), and the process
+lifecycle, never scheduling. On an exception it sends WorkerFailed and exits 1; when the engine
+disconnects or goes silent, it exits 1 too.
 """
 
 import logging
@@ -20,6 +21,7 @@ from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.config import WorkerConfig
 from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import KVCacheConfig
+from protocol.shm_ring import RingAttachError, RingClosedError, read_host_id
 from protocol.worker_messages import (
     EngineToWorker,
     ModelInfo,
@@ -40,6 +42,7 @@ from worker.kv_cache import (
 from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.registry import Model, build_model, get_model_info
 from worker.profiling import run_profile_step
+from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class Worker:
 
     Invariants: `last_step_id` is the id of the last step executed (0 before the first), and the
     next accepted step is `last_step_id + 1`; `runner` is set once the KV cache is allocated, and
-    only then are steps accepted.
+    only then are steps accepted; `ring` is attached only from then on, and registered in `poller`.
     """
 
     def __init__(self, config: WorkerConfig, sock: zmq.Socket, monitor: zmq.Socket) -> None:
@@ -80,6 +83,8 @@ class Worker:
         self.model: Model | None = None  # built before WorkerHello, so capacity is measured on it
         self.runner: ModelRunner | None = None
         self.stop_signal_time: float | None = None  # time.monotonic() of a SIGTERM while serving
+        self.ring: ShmRingReader | None = None  # the engine's step ring, when this rank reads it
+        self.ring_closed_deadline: float | None = None  # for the Shutdown once the ring closed
 
     def run(self) -> int:
         """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
@@ -126,6 +131,8 @@ class Worker:
             str(device),
             model_info,
             num_blocks,
+            host_id=read_host_id(),
+            is_shm_ring_capable=os.access(SHM_FOLDER, os.R_OK | os.W_OK),
         )
         self.sock.send(self.encoder.encode(hello))
         return model_info
@@ -182,13 +189,31 @@ class Worker:
         )
         self.generation = kv_cache_config.generation
         self.last_step_id = kv_cache_config.first_step_id - 1
-        ready = WorkerReady(self.config.rank, kv_cache_config.num_blocks, self.generation)
+        is_attached = self.attach_ring(kv_cache_config)
+        ready = WorkerReady(
+            self.config.rank, kv_cache_config.num_blocks, self.generation, is_attached
+        )
         self.sock.send(self.encoder.encode(ready))
         logger.info(
             "ready: %d blocks per layer, worker generation %d",
             kv_cache_config.num_blocks,
             self.generation,
         )
+
+    def attach_ring(self, kv_cache_config: KVCacheConfig) -> bool:
+        """Read steps off the engine's ring when the config names this rank one of its readers;
+        a rank that cannot (another /dev/shm or network namespace) says so and keeps ZMQ."""
+        name, reader_ranks = kv_cache_config.shm_ring_name, kv_cache_config.shm_ring_reader_ranks
+        if name is None or self.config.rank not in reader_ranks:
+            return False
+        try:
+            self.ring = ShmRingReader(name, reader_ranks.index(self.config.rank))
+        except (RingAttachError, OSError) as exc:
+            logger.warning("cannot read steps off ring %s, taking them over ZMQ: %s", name, exc)
+            return False
+        self.poller.register(self.ring.fileno(), zmq.POLLIN)
+        logger.info("steps come over ring %s", name)
+        return True
 
     def serve(self) -> int:
         """Run steps until Shutdown. SIGTERM (a container stop reaches every process at once)
@@ -213,7 +238,18 @@ class Worker:
         self.last_step_id = step.step_id
         assert self.runner is not None, "a step arrived before the KV cache was allocated"
         output = self.runner.execute_model(step)
-        self.sock.send(self.encoder.encode(output))
+        self.reply(self.encoder.encode(output))
+
+    def reply(self, frame: bytes) -> None:
+        """In this rank's lane of the engine's ring when it reads one, else over the DEALER."""
+        ring = self.ring
+        if ring is None or not ring.has_reply_lane:
+            self.sock.send(frame)
+            return
+        try:
+            ring.write_reply(frame, self.config.engine_timeout_s)
+        except RingClosedError as exc:  # the generation was retired under this step: no reply
+            self.on_ring_closed(exc)
 
     def _note_stop_signal(self, signum: int, frame: object) -> None:
         if self.stop_signal_time is None:
@@ -234,35 +270,82 @@ class Worker:
     def recv(self, deadline: float | None, awaited: str) -> EngineToWorker:
         """The next message; EngineGoneError on a disconnect or once `deadline` passes.
 
-        With no deadline (between steps, when an idle engine sends nothing) the ZMQ heartbeats
-        watch the engine: a silent or dead engine closes the connection, which the monitor reports.
+        Steps come off the ring when this rank reads one (first, so a step written before a
+        Shutdown still runs; spun for briefly, then slept on), everything else over the DEALER.
+        Without a deadline (an idle engine sends nothing) the ZMQ heartbeats watch the engine.
         """
         while True:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise EngineGoneError(
-                    f"no {awaited} from the engine at {self.config.engine_address} "
-                    f"in {self.config.engine_timeout_s} s"
-                )
-            wait_until = now + self.config.engine_timeout_s if deadline is None else deadline
-            if self.stop_signal_time is not None:
-                wait_until = min(wait_until, self.stop_signal_time + self.config.shutdown_grace_s)
-                if now >= wait_until:
-                    raise StopSignalGraceError(
-                        f"no Shutdown from the engine within shutdown_grace_s="
-                        f"{self.config.shutdown_grace_s} s of SIGTERM"
-                    )
-            wait_ms = int(min(wait_until - now, STOP_CHECK_S) * 1000)
-            events = dict(self.poller.poll(max(1, wait_ms)))
+            wait_ms = self._wait_ms(deadline, awaited)
+            ring, is_asleep = self.ring, False
+            if ring is not None:
+                frame, is_asleep = self._take_or_sleep(ring)
+                if frame is not None:
+                    return self.decoder.decode(frame)
+                if not is_asleep:
+                    continue  # a frame came in meanwhile, or the ring closed
+            try:
+                events = dict(self.poller.poll(wait_ms))
+            finally:
+                if ring is not None and is_asleep:
+                    ring.end_sleep()
             if self.sock in events:  # before the monitor: a Shutdown precedes the disconnect
                 return self.decoder.decode(self.sock.recv())
             if self.monitor in events:
                 event = parse_monitor_message(self.monitor.recv_multipart())
                 raise EngineGoneError(f"the engine at {event['endpoint']!r} disconnected")
 
+    def _wait_ms(self, deadline: float | None, awaited: str) -> int:
+        """How long the next poll may block; raises once `deadline` or the grace after SIGTERM
+        passed."""
+        now = time.monotonic()
+        if self.ring_closed_deadline is not None:  # the Shutdown that retired the ring is due
+            deadline = min(deadline or self.ring_closed_deadline, self.ring_closed_deadline)
+        if deadline is not None and now >= deadline:
+            raise EngineGoneError(
+                f"no {awaited} from the engine at {self.config.engine_address} "
+                f"in {self.config.engine_timeout_s} s"
+            )
+        wait_until = now + self.config.engine_timeout_s if deadline is None else deadline
+        if self.stop_signal_time is not None:
+            wait_until = min(wait_until, self.stop_signal_time + self.config.shutdown_grace_s)
+            if now >= wait_until:
+                raise StopSignalGraceError(
+                    f"no Shutdown from the engine within shutdown_grace_s="
+                    f"{self.config.shutdown_grace_s} s of SIGTERM"
+                )
+        return max(1, int(min(wait_until - now, STOP_CHECK_S) * 1000))
+
+    def _take_or_sleep(self, ring: ShmRingReader) -> tuple[bytes | bytearray | None, bool]:
+        """The ring's next frame, spun for briefly, or else (None, whether the reader is now
+        asleep on its doorbell); a closed ring is dropped."""
+        timeout_s = self.config.engine_timeout_s
+        try:
+            frame = ring.read_if_ready(timeout_s)
+            if frame is None and ring.spin():
+                frame = ring.read_if_ready(timeout_s)
+            return frame, frame is None and ring.begin_sleep()
+        except RingClosedError as exc:
+            self.on_ring_closed(exc)
+            return None, False
+
+    def on_ring_closed(self, exc: RingClosedError) -> None:
+        """The engine retired this generation or is exiting, and says so on the DEALER."""
+        logger.info("%s: awaiting the engine's word on the DEALER", exc)
+        self.close_ring()
+        self.ring_closed_deadline = time.monotonic() + self.config.engine_timeout_s
+
+    def close_ring(self) -> None:
+        if self.ring is not None:
+            self.poller.unregister(self.ring.fileno())
+            self.ring.close()
+            self.ring = None
+
     def check_invariants(self) -> None:
         assert self.last_step_id >= 0, f"last_step_id={self.last_step_id}"
         assert self.last_step_id == 0 or self.runner is not None, "steps ran without a KV cache"
+        assert self.ring is None or self.runner is not None, "a ring before the KV cache"
+        if self.ring is not None:
+            self.ring.check_invariants()
 
 
 def _connect(ctx: zmq.Context, config: WorkerConfig) -> tuple[zmq.Socket, zmq.Socket]:
@@ -306,6 +389,7 @@ def run(config: WorkerConfig) -> int:
             logger.error("could not tell the engine: %s", send_error)
         return EXIT_FAILED
     finally:
+        worker.close_ring()
         sock.disable_monitor()
         monitor.close(linger=0)
         sock.close()
