@@ -1,9 +1,10 @@
 """Per-step round trip of the engine-worker transport, over ZeroMQ and over the shared-memory ring.
 
-A 256-request decode step and an 8 x 2,048-token prefill go to 1 and 2 rank processes over ZMQ
-(`WorkerGroup.execute_model`) and over the ring (its write, then `WorkerGroup.gather`: replies stay
-on ZMQ), interleaved with the floors of bench/transport_floors.py: the 1-byte ZMQ ping-pong, and a
-1-byte ping over the ring answered over ZMQ (the ring's own floor). python -m bench.transport
+A 256-request decode step and an 8 x 2,048-token prefill go to 1 and 2 rank processes through the
+engine's own `WorkerGroup.execute_model`, with the ring off (ZMQ both ways) and on (steps over the
+ring, replies in each rank's lane of it), interleaved with the floors of bench/transport_floors.py:
+the 1-byte ZMQ ping-pong, and the ring's own floor, a 1-byte round trip over rings both ways to as
+many ranks (`shm_roundtrip_*`). python -m bench.transport
 """
 
 import multiprocessing
@@ -11,7 +12,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 
 import zmq
 
@@ -24,15 +24,12 @@ from bench.transport_ranks import (
     STEP_TIMEOUT_S,
     rank_main,
 )
-from engine_core.handshake import describe_disagreement
-from engine_core.shm_ring_writer import ShmRingWriter
 from engine_core.worker_group import WorkerGroup
 from protocol.buffers import pack_int32
-from protocol.codec import engine_to_worker_decoder, make_encoder, worker_to_engine_decoder
+from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
-from worker.shm_ring_reader import ShmRingReader
 
 NUM_DECODE_REQS = 256
 NUM_PREFILL_REQS = 8
@@ -93,52 +90,36 @@ def median_us(samples_s: list[float]) -> float:
 
 
 class RankGroup:
-    """`tp_size` rank processes behind the engine's real WorkerGroup, ready for steps. The
-    handshake and Shutdown use ZMQ; steps go over ZMQ (`transport` "zmq"), over a shared-memory
-    ring with replies over ZMQ ("ring"), or over rings both ways ("shm": each rank owns a reply
-    ring, a prototype of what DESIGN's TP=2 target would need)."""
+    """`tp_size` rank processes behind the engine's real WorkerGroup, ready for steps: the
+    handshake and Shutdown use ZMQ, and steps go as the engine sends them, with its ring off
+    (`is_ring` False: ZMQ both ways) or on (the ring out, each rank's reply lane back)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, tp_size: int, transport: str) -> None:
-        self.group = WorkerGroup(ctx, address, tp_size, STEP_TIMEOUT_S, 1.0, 10.0)
-        self.ring = None if transport == "zmq" else ShmRingWriter(tp_size)
-        ring_name = None if self.ring is None else self.ring.name
+    def __init__(self, ctx: zmq.Context, address: str, tp_size: int, is_ring: bool) -> None:
+        self.group = WorkerGroup(
+            ctx, address, tp_size, STEP_TIMEOUT_S, 1.0, 10.0, is_shm_ring_enabled=is_ring
+        )
         spawn = multiprocessing.get_context("spawn")
-        pipes = [spawn.Pipe() if transport == "shm" else (None, None) for _ in range(tp_size)]
         self.procs = [
-            spawn.Process(target=rank_main, args=(address, r, tp_size, ring_name, pipes[r][1]))
-            for r in range(tp_size)
+            spawn.Process(target=rank_main, args=(address, rank, tp_size))
+            for rank in range(tp_size)
         ]
         for proc in self.procs:
             proc.start()
-        self.replies = [ShmRingReader(reply_ring_name(parent), 0) for parent, _ in pipes if parent]
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         self.group.wait_for_hellos(deadline)
         self.group.send_kv_cache_config(KVCacheConfig(1 << 16, GROUPS))
         self.group.wait_for_ready(1 << 16, deadline)
-        self._encoder, self._decoder = make_encoder(), worker_to_engine_decoder()
-
-    def execute_over_ring(self, step: SchedulerOutput) -> None:
-        """What WorkerGroup.execute_model does, with the ring in place of its ZMQ broadcast."""
-        assert self.ring is not None, "a ring step on a ZMQ group"
-        self.ring.write(self._encoder.encode(step), STEP_TIMEOUT_S)
-        self.group.last_step_id = step.step_id
-        if self.replies:
-            outputs = [self._decoder.decode(r.read(STEP_TIMEOUT_S)) for r in self.replies]
-        else:
-            outputs = self.group.gather(step.step_id)
-        disagreement = describe_disagreement(step.step_id, outputs)
-        if disagreement or any(out.step_id != step.step_id for out in outputs):
-            raise RuntimeError(disagreement or f"a reply to another step than {step.step_id}")
+        if is_ring and self.group.transport.zmq_ranks:
+            raise RuntimeError(f"ranks {self.group.transport.zmq_ranks} did not take the ring")
 
     def sample(self, make_step: Callable[[int], SchedulerOutput], num_iters: int) -> list[float]:
         """Broadcast + gather times of `num_iters` steps, built ahead (not part of the trip)."""
         first_id = self.group.last_step_id + 1
         steps = [make_step(first_id + i) for i in range(num_iters)]
-        execute = self.group.execute_model if self.ring is None else self.execute_over_ring
         samples = []
         for step in steps:
             start = time.perf_counter()
-            execute(step)
+            self.group.execute_model(step)
             samples.append(time.perf_counter() - start)
         return samples
 
@@ -147,15 +128,6 @@ class RankGroup:
         for proc in self.procs:
             proc.join(STEP_TIMEOUT_S)
         self.group.close()
-        for closable in [*self.replies, self.ring]:
-            if closable is not None:
-                closable.close()
-
-
-def reply_ring_name(conn: Connection) -> str:
-    if not conn.poll(HANDSHAKE_TIMEOUT_S):
-        raise TimeoutError(f"no reply ring named by a rank in {HANDSHAKE_TIMEOUT_S} s")
-    return conn.recv()
 
 
 def measure_codec(make_step: Callable[[int], SchedulerOutput], num_iters: int) -> float:
@@ -178,7 +150,7 @@ FLOORS = {  # sample key -> (over the ring, reader spin_s or None for its defaul
     "ring_pingpong_tp2": (True, None, 2),
 }
 SHM_FLOORS = {"shm_pingpong_tp1": 1, "shm_pingpong_tp2": 2}  # sample key -> echoes
-TRANSPORTS = {"": "zmq", "ring_": "ring", "shm_": "shm"}  # step key prefix -> RankGroup transport
+TRANSPORTS = {"": False, "ring_": True}  # step key prefix -> whether the engine's ring is on
 Rounds = list[dict[str, list[float]]]  # per round, per figure: round-trip times in seconds
 
 
@@ -196,10 +168,10 @@ def run(num_iters: int, num_rounds: int) -> dict[str, float | int | str]:
                 floors[key] = PingPong(ctx, address, is_ring, spin_s, num_echoes)
             for key, num_echoes in SHM_FLOORS.items():
                 floors[key] = ShmPingPong(num_echoes)
-            for prefix, transport in TRANSPORTS.items():
+            for prefix, is_ring in TRANSPORTS.items():
                 for tp_size in (1, 2):
-                    address = f"ipc://{folder}/{transport}-workers-{tp_size}"
-                    groups[prefix, tp_size] = RankGroup(ctx, address, tp_size, transport)
+                    address = f"ipc://{folder}/{prefix}workers-{tp_size}"
+                    groups[prefix, tp_size] = RankGroup(ctx, address, tp_size, is_ring)
             for _ in range(num_rounds):
                 samples = {key: floor.sample(batch) for key, floor in floors.items()}
                 for name, make_step in STEP_KINDS.items():
@@ -242,17 +214,11 @@ def figures_from(rounds: Rounds, num_iters: int) -> dict[str, float | int | str]
             key = f"{name}_tp{tp_size}"
             figures[f"{key}_us_per_step"] = median_us(pooled[key])
             figures[f"ratio_{key}_to_floor"] = median_ratio(rounds, key, "pingpong")
-        for tp_size in (1, 2):
-            key = f"ring_{name}_tp{tp_size}"
+        for tp_size in (1, 2):  # the ring's own floor: a 1-byte round trip over it to as many ranks
+            key, ring_floor = f"ring_{name}_tp{tp_size}", f"shm_pingpong_tp{tp_size}"
             figures[f"{key}_us_per_step"] = median_us(pooled[key])
             figures[f"ratio_{key}_to_floor"] = median_ratio(rounds, key, "pingpong")
-            figures[f"ratio_{key}_to_ring_floor"] = median_ratio(rounds, key, "ring_pingpong")
-        for tp_size in (1, 2):
-            key = f"shm_{name}_tp{tp_size}"
-            figures[f"{key}_us_per_step"] = median_us(pooled[key])
-            figures[f"ratio_{key}_to_floor"] = median_ratio(rounds, key, "pingpong")
-        key = f"ring_{name}_tp2"  # what the step adds to a 1-byte trip to the same two ranks
-        figures[f"ratio_{key}_to_ring_floor_tp2"] = median_ratio(rounds, key, "ring_pingpong_tp2")
+            figures[f"ratio_{key}_to_ring_floor"] = median_ratio(rounds, key, ring_floor)
     return figures
 
 

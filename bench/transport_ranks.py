@@ -1,6 +1,7 @@
 """The far side of bench/transport.py: rank processes that decode every step and reply over a
-ZMQ DEALER, taking steps either from that DEALER or from the shared-memory ring, and the 1-byte
-echo processes behind the floors (one answers over a ring of its own). No model runs.
+ZMQ DEALER, taking steps either from that DEALER or from the shared-memory ring the engine's
+WorkerGroup names in its KVCacheConfig (as worker/worker.py does), and the 1-byte echo processes
+behind the floors (one answers over a ring of its own). No model runs.
 """
 
 import os
@@ -14,6 +15,7 @@ from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from protocol.shm_ring import read_host_id
 from protocol.worker_messages import (
     EngineToWorker,
     ModelInfo,
@@ -57,8 +59,24 @@ def _connect(ctx: zmq.Context, address: str) -> zmq.Socket:
 def _hello(rank: int, tp_size: int) -> WorkerHello:
     host = socket.gethostname()
     return WorkerHello(
-        PROTOCOL_VERSION, rank, tp_size, os.getpid(), host, "cpu", MODEL_INFO, 1 << 20
+        PROTOCOL_VERSION,
+        rank,
+        tp_size,
+        os.getpid(),
+        host,
+        "cpu",
+        MODEL_INFO,
+        1 << 20,
+        host_id=read_host_id(),
+        is_shm_ring_capable=True,
     )
+
+
+def attach(config: KVCacheConfig, rank: int) -> ShmRingReader | None:
+    """The reader of the ring the engine's KVCacheConfig offers this rank, if any."""
+    if config.shm_ring_name is None or rank not in config.shm_ring_reader_ranks:
+        return None
+    return ShmRingReader(config.shm_ring_name, config.shm_ring_reader_ranks.index(rank))
 
 
 def next_frame(reader: ShmRingReader | None, sock: zmq.Socket, poller: zmq.Poller) -> bytes | None:
@@ -89,42 +107,35 @@ def next_frame(reader: ShmRingReader | None, sock: zmq.Socket, poller: zmq.Polle
             return None
 
 
-def rank_main(
-    address: str,
-    rank: int,
-    tp_size: int,
-    ring_name: str | None = None,
-    reply_ring_conn: Connection | None = None,
-) -> None:
-    """A rank that handshakes over its DEALER, then decodes every step in full and replies;
-    steps come over the DEALER, or over the ring `ring_name` when given. With
-    `reply_ring_conn`, step replies go over a ring this rank owns, named on that connection."""
+def rank_main(address: str, rank: int, tp_size: int) -> None:
+    """A rank that handshakes over its DEALER, then decodes every step in full and replies, as
+    worker/worker.py does: over the ring the engine's KVCacheConfig offers (steps off it, replies
+    in this rank's lane) or, without one, over the DEALER."""
     ctx = zmq.Context()
     sock = _connect(ctx, address)
-    reader = None if ring_name is None else ShmRingReader(ring_name, rank)
-    replies = None if reply_ring_conn is None else ShmRingWriter(1)
-    if reply_ring_conn is not None and replies is not None:
-        reply_ring_conn.send(replies.name)
+    reader: ShmRingReader | None = None
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    if reader is not None:
-        poller.register(reader.fileno(), zmq.POLLIN)
     encoder, decoder = make_encoder(), engine_to_worker_decoder()
     sock.send(encoder.encode(_hello(rank, tp_size)))
     while (frame := next_frame(reader, sock, poller)) is not None:
         message: EngineToWorker = decoder.decode(frame)
         match message:
             case KVCacheConfig() as config:
-                sock.send(encoder.encode(WorkerReady(rank, config.num_blocks)))
-            case SchedulerOutput() as step if replies is not None:
-                replies.write(encoder.encode(reply_for(step, rank)), STEP_TIMEOUT_S)
+                offered = attach(config, rank)
+                if offered is not None:
+                    reader = offered
+                    poller.register(reader.fileno(), zmq.POLLIN)
+                ready = WorkerReady(rank, config.num_blocks, config.generation, offered is not None)
+                sock.send(encoder.encode(ready))
+            case SchedulerOutput() as step if reader is not None:
+                reader.write_reply(encoder.encode(reply_for(step, rank)), STEP_TIMEOUT_S)
             case SchedulerOutput() as step:
                 sock.send(encoder.encode(reply_for(step, rank)))
             case Shutdown():
                 break
-    for closable in (reader, replies):
-        if closable is not None:
-            closable.close()
+    if reader is not None:
+        reader.close()
     sock.close(linger=0)
     ctx.term()
 
