@@ -42,6 +42,7 @@ class Workload:
     seed: int = 0
     check_invariants: bool = False  # walk the scheduler's and runner's invariants every step
     reserve_full_prompt: bool = False  # admit chunk by chunk, so tight pools preempt prefills too
+    async_scheduling: bool = False  # in-process ranks step in lockstep: the synchronous loop
 
 
 @dataclass
@@ -92,6 +93,7 @@ def engine_config(workload: Workload, model_max_len: int) -> EngineConfig:
         max_num_batched_tokens=workload.max_num_batched_tokens,
         max_model_len=min(longest, model_max_len),
         reserve_full_prompt=workload.reserve_full_prompt,
+        async_scheduling=workload.async_scheduling,
     )
     cache = CacheConfig(
         block_size=workload.block_size, enable_prefix_caching=workload.enable_prefix_caching

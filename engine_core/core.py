@@ -50,6 +50,10 @@ class SerialPipeline:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._outputs.append(self.executor.execute_model(scheduler_output))
 
+    def forget(self) -> None:
+        """Drop the outputs of steps that will never be collected (a lost generation)."""
+        self._outputs.clear()
+
     def collect(self, step_id: int) -> ModelRunnerOutput:
         output = self._outputs.popleft()
         if output.step_id != step_id:
@@ -216,6 +220,8 @@ class EngineCore:
     def requeue_for_new_workers(self) -> None:
         """The worker generation was lost: every request will recompute on the next one."""
         self._pending = None
+        if isinstance(self._pipeline, SerialPipeline):
+            self._pipeline.forget()  # WorkerGroup forgets its own when it retires a generation
         self.scheduler.requeue_for_new_workers()
 
     @property

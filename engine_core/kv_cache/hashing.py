@@ -14,7 +14,7 @@ import msgspec
 import xxhash
 
 from protocol.buffers import pack_int32
-from protocol.config import DEFAULT_HASH_SEED, HASH_ALGOS, HashAlgo
+from protocol.config import DEFAULT_HASH_SEED, HASH_ALGOS, CacheConfig, HashAlgo
 
 GROUP_ID_NUM_BYTES = 4
 
@@ -146,3 +146,10 @@ def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
 
 def get_group_id(key: BlockHashWithGroupId) -> int:
     return int.from_bytes(key[-GROUP_ID_NUM_BYTES:], "big")
+
+
+def make_block_hasher(cache_config: CacheConfig, block_size: int) -> BlockHasher | None:
+    """The hasher requests use with prefix caching on; None with it off (nothing is hashed)."""
+    if not cache_config.enable_prefix_caching:
+        return None
+    return BlockHasher(block_size, cache_config.prefix_caching_hash_algo, cache_config.hash_seed)

@@ -1,13 +1,20 @@
 """InFlightStep: the step broadcast to the workers and not yet answered.
 
-It checks that a worker's reply answers exactly that step, and never changes a request.
+It checks that a worker's reply answers exactly that step, then applies its sampled tokens to
+the step's requests (tokens, stop rules, client outputs); the queues stay the Scheduler's.
 """
 
+from array import array
+from collections import defaultdict
 from dataclasses import dataclass
 
-from engine_core.sched.request import Request
+from engine_core.sched.request import Request, RequestStatus
+from engine_core.sched.stop import check_stop
 from protocol.buffers import unpack_int32
+from protocol.client_messages import EngineCoreOutput
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -44,6 +51,43 @@ class InFlightStep:
                 f"rank {model_runner_output.rank} answered step {step_id} for other requests: "
                 f"expected {len(self.requests)} handles in SchedulerOutput order"
             )
+
+    def apply(
+        self, sampled: array, max_model_len: int
+    ) -> tuple[defaultdict[bytes, list[EngineCoreOutput]], list[tuple[Request, bool]]]:
+        """Append each request's sampled token and apply the stop rules: the client outputs by
+        client, and the requests that finished, each with whether it was running (else it was
+        preempted while the step ran, and waits in the queue)."""
+        outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        finished: list[tuple[Request, bool]] = []
+        for request, token_id, samples in zip(
+            self.requests, sampled, self.is_sampling, strict=True
+        ):
+            if not samples:
+                continue  # a partial prefill chunk: its sample means nothing
+            if request.status is not _RUNNING and request.status.is_finished:
+                continue  # aborted, or stopped a step earlier: a token past its end
+            # Running, or preempted while this step ran: the token is valid either way, and
+            # the workers appended it to their copy of the sequence as they sampled it.
+            request.num_output_placeholders -= 1
+            request.append_output_token_id(token_id)
+            request.num_tokens_sent += 1
+            finish_reason = None
+            num_tokens = len(request.all_token_ids)
+            if (  # the stop rules fire only on a finishing id or at a length cap: test those
+                token_id in request.finishing_token_ids
+                or num_tokens >= request.max_num_tokens
+                or num_tokens >= max_model_len
+            ) and (status := check_stop(request, max_model_len)) is not None:
+                finish_reason = status.finish_reason
+                finished.append((request, request.status is _RUNNING))
+                request.status = status
+            outputs[request.client_id].append(
+                EngineCoreOutput(
+                    request.client_req_id, [token_id], finish_reason, request.num_cached_tokens
+                )
+            )
+        return outputs, finished
 
     def check_invariants(self) -> None:
         assert len(self.is_sampling) == len(self.requests), (

@@ -6,9 +6,9 @@ tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 
 import itertools
 import logging
-from collections import defaultdict, deque
+from collections import deque
 
-from engine_core.kv_cache.hashing import BlockHasher
+from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import Admission, scoped_req_id
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
@@ -17,10 +17,9 @@ from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.request import Request, RequestStatus
-from engine_core.sched.stop import check_stop
 from engine_core.sched.validation import validate_request
 from protocol.buffers import pack_int32, unpack_int32
-from protocol.client_messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.stats import SchedulerStats
@@ -64,13 +63,7 @@ class Scheduler:
             hash_block_size=self.block_size,
             enable_kv_cache_events=enable_kv_cache_events,
         )
-        self._block_hasher = (
-            BlockHasher(
-                self.block_size, cache_config.prefix_caching_hash_algo, cache_config.hash_seed
-            )
-            if cache_config.enable_prefix_caching
-            else None
-        )
+        self._block_hasher = make_block_hasher(cache_config, self.block_size)
         self.requests: dict[str, Request] = {}  # by scoped_req_id
         self.admission = Admission(scheduler_config)
         self.running: list[Request] = []
@@ -78,8 +71,7 @@ class Scheduler:
         self._handles = itertools.count(1)  # 0 is never a live handle
         self._finished_handles: list[int] = []  # seen by the workers, to forget next step
         self._step_id = 0
-        # Steps broadcast and not yet answered, oldest first: at most one in the synchronous
-        # loop; two with asynchronous scheduling, which schedules step N+1 while N runs.
+        # Steps sent and not yet answered, oldest first: two with asynchronous scheduling.
         self._in_flight: deque[InFlightStep] = deque()
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
         self.num_preemptions = 0
@@ -157,10 +149,9 @@ class Scheduler:
         return self.finish_requests(list(self.requests), RequestStatus.FINISHED_ERROR, error)
 
     def requeue_for_new_workers(self) -> None:
-        """The worker generation is gone, and every KV block with it (DESIGN.md §8): preempt each
-        running request by recompute, keeping its tokens, forget what the workers were told (a
-        new generation gets every request whole), and clear the prefix cache, whose blocks hold
-        nothing now. The step in flight, if any, is never answered."""
+        """The worker generation is gone with every KV block (DESIGN.md §8): preempt each running
+        request by recompute, keeping its tokens, forget what the workers were told (the next
+        generation gets each request whole), and clear the prefix cache."""
         self._in_flight.clear()
         for request in reversed(self.running):  # prepending the last first keeps their order
             self.kv_cache_manager.free(request)
@@ -182,8 +173,7 @@ class Scheduler:
 
     @property
     def num_steps_in_flight(self) -> int:
-        """Steps scheduled and not yet updated: 0 or 1, and up to 2 while a step is scheduled
-        with asynchronous scheduling."""
+        """Steps scheduled and not yet updated (up to 2 with asynchronous scheduling)."""
         return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
@@ -334,41 +324,13 @@ class Scheduler:
         """Append each request's sampled token, apply the stop rules, and build client outputs."""
         step = self._check_step(scheduler_output, model_runner_output)
         sampled = unpack_int32(model_runner_output.sampled_token_ids)
-        max_model_len = self.max_model_len
-        outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
-        finished: list[Request] = []
-        for request, token_id, samples in zip(
-            step.requests, sampled, step.is_sampling, strict=True
-        ):
-            if not samples:
-                continue  # a partial prefill chunk: its sample means nothing
-            if request.status is not _RUNNING and request.status.is_finished:
-                continue  # aborted, or stopped a step earlier: a token past its end
-            # Running, or preempted while this step ran: the token is valid either way, and
-            # the workers appended it to their copy of the sequence as they sampled it.
-            request.num_output_placeholders -= 1
-            request.append_output_token_id(token_id)
-            request.num_tokens_sent += 1
-            finish_reason = None
-            num_tokens = len(request.all_token_ids)
-            if (  # the stop rules fire only on a finishing id or at a length cap: test those
-                token_id in request.finishing_token_ids
-                or num_tokens >= request.max_num_tokens
-                or num_tokens >= max_model_len
-            ) and (status := check_stop(request, max_model_len)) is not None:
-                finish_reason = status.finish_reason
-                if request.status is not _RUNNING:
-                    self.waiting.remove_requests([request])  # preempted while the step ran
-                request.status = status
-                finished.append(request)
-            outputs[request.client_id].append(
-                EngineCoreOutput(
-                    request.client_req_id, [token_id], finish_reason, request.num_cached_tokens
-                )
-            )
+        outputs, finished = step.apply(sampled, self.max_model_len)
         if finished:
+            preempted = [request for request, was_running in finished if not was_running]
+            if preempted:  # preempted while the step ran: they wait in the queue
+                self.waiting.remove_requests(preempted)
             self.running = [request for request in self.running if request.status is _RUNNING]
-            for request in finished:
+            for request, _ in finished:
                 self._free_request(request, request.status)
         return group_by_client(outputs)
 

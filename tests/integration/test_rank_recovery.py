@@ -229,6 +229,7 @@ def test_replies_of_a_retired_generation_are_dropped_and_never_reach_a_client(
         "1",
         "--worker-rejoin-timeout-s",
         "30",
+        "--no-async-scheduling",  # the fake ranks answer one step at a time
     )
     ctx = zmq.Context()
     stale = FakeRank(ctx, addresses["worker"])

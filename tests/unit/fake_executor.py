@@ -188,6 +188,8 @@ class Harness:
             spec = SlidingWindowSpec(block_size, 1, 8, "float32", sliding_window)
             groups.append(KVCacheGroupSpec(["layer.1"], spec))
         model_info = ModelInfo("fake", vocab_size, eos_token_id, max_model_len, groups)
+        # Step-by-step stories read the synchronous loop; a test asks for the other explicitly.
+        scheduler_fields.setdefault("async_scheduling", False)
         config = EngineConfig(
             check_invariants=True,
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),

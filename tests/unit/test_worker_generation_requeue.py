@@ -77,9 +77,10 @@ def _prompts(count: int) -> list[list[int]]:
     ]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(("model", "block_size"), [("checksum", 4), ("tiny-llama", 16)])
 def test_a_new_generation_finishes_every_request_with_the_reference_tokens(
-    model: str, block_size: int
+    model: str, block_size: int, async_scheduling: bool
 ) -> None:
     info = get_model_info(model, block_size)
     kv_cache_config = KVCacheConfig(48 if block_size == 4 else 12, info.kv_cache_groups)
@@ -87,7 +88,11 @@ def test_a_new_generation_finishes_every_request_with_the_reference_tokens(
     config = EngineConfig(
         check_invariants=True,
         cache=CacheConfig(block_size=block_size),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32,
+            max_model_len=MAX_MODEL_LEN,
+            async_scheduling=async_scheduling,
+        ),
     ).checked()
     core = EngineCore(config, kv_cache_config, info, executor)
     prompts = _prompts(8)
@@ -133,7 +138,8 @@ def test_requeue_keeps_the_running_order_and_forgets_what_the_workers_were_told(
     kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
     executor = LosableGeneration("checksum", kv_cache_config, fault_steps=set())
     config = EngineConfig(
-        cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN)
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, async_scheduling=False),
     ).checked()
     core = EngineCore(config, kv_cache_config, info, executor)
     for idx in range(3):
