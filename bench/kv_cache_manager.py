@@ -1,13 +1,15 @@
 """Requests per second through KVCacheManager on the seeded serving trace, against vLLM's.
 
 A small continuous-batching loop over bench/trace.py (bench/replay.py's ManagerReplay, which the
-peer runs too); building the Requests (hashing their prompts) stays out of the figures. Run:
-    .venv/bin/python -m bench.kv_cache_manager [--peer vllm] [--json FILE]
+peer, a fresh process per round of bench/peer_rounds.py, runs too); building the Requests (hashing
+their prompts) stays out of the figures. Run: python -m bench.kv_cache_manager [--peer vllm
+[--rounds N]] [--json FILE]
 """
 
 import os
 import statistics
 
+from bench.peer_rounds import Figures, PeerRatio, add_rounds_argument, run_rounds, summarize
 from bench.replay import ManagerReplay, ManagerReplayResult
 from bench.report import add_peer_arguments, base_parser, report, run_peer
 from bench.trace import Trace, TraceConfig, config_to_json, make_trace, trace_digest
@@ -19,6 +21,13 @@ from protocol.sampling import SamplingParams
 
 PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peers", "vllm_kv_cache_manager.py")
 MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
+PEER_ROUND_REPEATS = 3  # replays per side per round; the rounds give the ratio's median
+TITLE = "KVCacheManager on the seeded serving trace (ratios: ours over vLLM's requests per second)"
+WORK_COUNTS = ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations")
+RATIOS = [
+    PeerRatio("ratio_manager_vs_vllm", "manager_requests_per_s", is_ours_over_peer=True),
+    PeerRatio("ratio_replay_vs_vllm", "replay_requests_per_s", is_ours_over_peer=True),
+]
 
 
 def build_requests(trace: Trace) -> tuple[list[Request], list[list[int]]]:
@@ -51,64 +60,67 @@ def run_kvserve(trace: Trace, repeats: int) -> tuple[list[ManagerReplayResult], 
     return results, manager
 
 
-def _kvserve_figures(
-    trace: Trace, results: list[ManagerReplayResult]
-) -> dict[str, float | int | str]:
+def _kvserve_figures(trace: Trace, results: list[ManagerReplayResult]) -> Figures:
     """Counts from the first replay (every replay makes the same decisions), medians of times."""
     first = results[0]
-    num_requests = len(trace.requests)
     manager_s = statistics.median(r.manager_s for r in results)
+    figures: Figures = {"num_requests": len(trace.requests)}
+    figures.update({name: getattr(first, name) for name in WORK_COUNTS})
+    figures.update(
+        _rates(len(trace.requests), manager_s, statistics.median(r.replay_s for r in results))
+    )
+    return figures
+
+
+def _rates(num_requests: int, manager_s: float, replay_s: float) -> Figures:
     return {
-        "num_requests": num_requests,
-        "num_hit_tokens": first.num_hit_tokens,
-        "num_preemptions": first.num_preemptions,
-        "num_allocations": first.num_allocations,
-        "num_failed_allocations": first.num_failed_allocations,
         "manager_requests_per_s": num_requests / manager_s,
         "manager_us_per_request": manager_s / num_requests * 1e6,
-        "replay_requests_per_s": num_requests / statistics.median(r.replay_s for r in results),
+        "replay_requests_per_s": num_requests / replay_s,
     }
+
+
+def _peer_figures(trace: Trace, peer: dict) -> Figures:
+    """The peer's round in our figures' names, its counts and trace digest kept for the check."""
+    figures: Figures = {name: peer[name] for name in (*WORK_COUNTS, "trace_digest")}
+    figures.update(_rates(len(trace.requests), peer["manager_s"], peer["replay_s"]))
+    return figures
 
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     add_peer_arguments(parser)
+    add_rounds_argument(parser)
     parser.add_argument("--num-requests", type=int, default=1000, help="requests in the trace")
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    parser.set_defaults(repeats=PEER_ROUND_REPEATS)
     args = parser.parse_args()
     trace = make_trace(TraceConfig(seed=args.seed, num_requests=args.num_requests))
-    results, _ = run_kvserve(trace, args.repeats)
-    peer = None
-    if args.peer:
-        peer = run_peer(
-            args.peer_python,
-            PEER_SCRIPT,
-            ["--trace-config", config_to_json(trace.config), "--repeats", str(args.repeats)],
-        )
-        _check_same_work(trace, results[0], peer)
-        # As many runs again after the peer, so load drift on a shared machine hits both sides.
-        results += run_kvserve(trace, args.repeats)[0]
-    figures = _kvserve_figures(trace, results)
-    if peer is not None:
-        num_requests = len(trace.requests)
-        figures["vllm_manager_requests_per_s"] = num_requests / peer["manager_s"]
-        figures["vllm_replay_requests_per_s"] = num_requests / peer["replay_s"]
-        figures["ratio_manager_vs_vllm"] = (
-            figures["manager_requests_per_s"] / figures["vllm_manager_requests_per_s"]
-        )
-        figures["ratio_replay_vs_vllm"] = (
-            figures["replay_requests_per_s"] / figures["vllm_replay_requests_per_s"]
-        )
-    report("KVCacheManager on the seeded serving trace", figures, args.json)
+
+    def measure_ours() -> Figures:
+        return _kvserve_figures(trace, run_kvserve(trace, args.repeats)[0])
+
+    if not args.peer:
+        report(TITLE, measure_ours(), args.json)
+        return
+    peer_args = ["--trace-config", config_to_json(trace.config), "--repeats", str(args.repeats)]
+    rounds = run_rounds(
+        args.rounds,
+        measure_ours,
+        lambda: _peer_figures(trace, run_peer(args.peer_python, PEER_SCRIPT, peer_args)),
+        lambda ours, peer: _check_same_work(trace, ours, peer),
+    )
+    peer_keys = ["manager_requests_per_s", "replay_requests_per_s"]
+    report(TITLE, summarize(rounds, RATIOS, peer_keys), args.json)
 
 
-def _check_same_work(trace: Trace, result: ManagerReplayResult, peer: dict) -> None:
+def _check_same_work(trace: Trace, ours: Figures, peer: Figures) -> None:
     """Both sides replayed one trace and made the same decisions, or the ratio means nothing."""
     if peer["trace_digest"] != trace_digest(trace):
         raise SystemExit(f"trace digest {peer['trace_digest']} differs from {trace_digest(trace)}")
-    for name in ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations"):
-        if peer[name] != getattr(result, name):
-            raise SystemExit(f"{name}: kvserve {getattr(result, name)}, vllm {peer[name]}")
+    for name in WORK_COUNTS:
+        if peer[name] != ours[name]:
+            raise SystemExit(f"{name}: kvserve {ours[name]}, vllm {peer[name]}")
 
 
 if __name__ == "__main__":

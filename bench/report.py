@@ -1,7 +1,8 @@
 """How every benchmark reports: medians over repeated runs, a printed table, and `--json FILE`.
 
 Keys are named after what they measure (`decode_256_us_per_step`); ratios to the baseline
-measured in the same run go under `ratio_` keys.
+measured in the same run go under `ratio_` keys, and a ratio's per-round values
+(bench/peer_rounds.py) under `rounds_ratio_` keys.
 """
 
 import argparse
@@ -75,14 +76,21 @@ def run_peer(peer_python: str, script: str, args: list[str], timeout_s: float = 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def report(title: str, figures: dict[str, float | int | str], json_path: str | None) -> None:
+def report(
+    title: str, figures: dict[str, float | int | str | list[float]], json_path: str | None
+) -> None:
     """Print the figures as an aligned table and write them to `json_path` if given."""
     print(title)
     width = max(len(key) for key in figures)
     for key, value in figures.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
-        print(f"  {key:<{width}}  {shown}")
+        print(f"  {key:<{width}}  {_shown(value)}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(figures, f, indent=2, sort_keys=True)
             f.write("\n")
+
+
+def _shown(value: float | int | str | list[float]) -> str:
+    if isinstance(value, list):
+        return " ".join(_shown(item) for item in value)
+    return f"{value:,.3f}" if isinstance(value, float) else str(value)

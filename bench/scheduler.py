@@ -1,9 +1,9 @@
 """Microseconds per schedule() plus update_from_output(), against vLLM's Scheduler on one workload.
 
-Workloads: 64, 256 and 1,024 running decode requests, and a prefill-heavy mix (new 768-token
-prompts every step beside the running decodes). Building the fake runner output and adding
-requests stay out of the figures; bench/scheduler_workloads.py holds the loops both sides run.
-Run: `python -m bench.scheduler --peer vllm`.
+Workloads (bench/scheduler_workloads.py, run alike by both sides): 64, 256 and 1,024 running
+decodes, and a prefill-heavy mix (new 768-token prompts every step beside the decodes). Building
+runner outputs and adding requests stay out of the figures. The peer runs in a fresh process per
+round of bench/peer_rounds.py. Run: `python -m bench.scheduler --peer vllm [--rounds N]`.
 """
 
 import argparse
@@ -11,6 +11,7 @@ import os
 import time
 from array import array
 
+from bench.peer_rounds import Figures, PeerRatio, add_rounds_argument, run_rounds, summarize
 from bench.report import add_peer_arguments, base_parser, report, run_peer
 from bench.scheduler_workloads import (
     SAMPLED_TOKEN_ID,
@@ -28,6 +29,8 @@ from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput
 
 PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peers", "vllm_scheduler.py")
+PEER_ROUND_REPEATS = 3  # step windows per workload per side per round
+TITLE = "scheduler: µs per schedule() + update_from_output() (ratios: vLLM's time over ours)"
 
 
 class KvserveBench:
@@ -40,6 +43,7 @@ class KvserveBench:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
+                async_scheduling=False,  # one step in flight, as the peer's loop runs it
             ),
             CacheConfig(block_size=args.block_size),
             KVCacheConfig(args.num_blocks, [group]),
@@ -80,25 +84,40 @@ class KvserveBench:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     add_peer_arguments(parser)
+    add_rounds_argument(parser)
     add_workload_arguments(parser)
+    parser.set_defaults(repeats=PEER_ROUND_REPEATS)
     args = parser.parse_args()
-    figures: dict[str, float | int | str] = {}
-    figures.update(measure_workloads(lambda: KvserveBench(args), args))
-    if args.peer == "vllm":
-        _add_peer_figures(figures, args)
-    report("scheduler: µs per schedule() + update_from_output()", figures, args.json)
 
+    def measure_ours() -> Figures:
+        return measure_workloads(lambda: KvserveBench(args), args)
 
-def _add_peer_figures(figures: dict[str, float | int | str], args: argparse.Namespace) -> None:
-    """Run the same workloads through vLLM; `ratio_*` is vLLM's time over ours (> 1: faster)."""
+    if args.peer != "vllm":
+        report(TITLE, measure_ours(), args.json)
+        return
     peer_args = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in workload_keys()]
-    peer = run_peer(args.peer_python, PEER_SCRIPT, peer_args)
-    own_keys = list(figures)
-    for key in own_keys:
-        figures[f"vllm_{key}"] = peer[key]
-    for key in own_keys:
-        if key.endswith("_us_per_step"):
-            figures[f"ratio_{key}"] = peer[key] / figures[key]
+    rounds = run_rounds(
+        args.rounds,
+        measure_ours,
+        lambda: run_peer(args.peer_python, PEER_SCRIPT, peer_args),
+        check_same_work,
+    )
+    keys = list(rounds[0].ours)
+    ratios = [
+        PeerRatio(f"ratio_{key}", key, is_ours_over_peer=False)
+        for key in keys
+        if key.endswith("_us_per_step")
+    ]
+    report(TITLE, summarize(rounds, ratios, keys), args.json)
+
+
+def check_same_work(ours: Figures, peer: Figures) -> None:
+    """Both sides ran the same workloads and the prefill mix ended with as many requests running."""
+    if set(peer) != set(ours):
+        raise SystemExit(f"the vLLM peer reported {sorted(peer)}, kvserve {sorted(ours)}")
+    key = "prefill_mix_num_running_reqs"
+    if peer[key] != ours[key]:
+        raise SystemExit(f"{key}: kvserve {ours[key]}, vLLM {peer[key]}")
 
 
 if __name__ == "__main__":
