@@ -61,7 +61,7 @@ class SchedulerConfig(_Config, frozen=True):
     max_num_requests_per_client: PositiveInt = 1024  # live (waiting or running) per client
     # Schedule and send step N+1 while the ranks run step N (DESIGN.md §1): the engine's own
     # time per step hides behind the model's. Tokens are those of the synchronous loop.
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
 
 class KVEventsConfig(_Config, frozen=True):

@@ -268,7 +268,8 @@ def test_ranks_that_sample_different_tokens_stop_the_engine_naming_them(
     processes: Processes, addresses: dict
 ) -> None:
     """Two fake ranks finish the handshake, then rank 1 samples other tokens than rank 0."""
-    start_core(processes, addresses, 2, "--max-model-len", "256")
+    # the fake ranks answer one step at a time, so the engine waits for each answer
+    start_core(processes, addresses, 2, "--max-model-len", "256", "--no-async-scheduling")
     ctx = zmq.Context()
     ranks = [FakeRank(ctx, addresses["worker"]) for _ in range(2)]
     for rank, fake in enumerate(ranks):

@@ -68,7 +68,7 @@ def empty_step(step_id: int) -> SchedulerOutput:
 @pytest.mark.parametrize(
     ("frame", "reason"),
     [
-        (make_encoder().encode(empty_step(2)), "got step 2, expected 1"),
+        (make_encoder().encode(empty_step(2)), "got step 2 of generation 1, expected step 1 of 1"),
         (b"\xc1 not msgpack", "ProtocolError"),
     ],
     ids=["step-out-of-order", "undecodable-frame"],
