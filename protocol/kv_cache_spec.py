@@ -58,7 +58,28 @@ class SlidingWindowSpec(_AttentionSpec, frozen=True, tag=True):
     sliding_window: PositiveInt  # tokens, the current one included
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+class ChunkedLocalAttentionSpec(_AttentionSpec, frozen=True, tag=True):
+    """Every layer of the group attends only within its own chunk of `attention_chunk_size` tokens.
+
+    The query at position p reads positions `p // attention_chunk_size * attention_chunk_size`
+    through p: earlier chunks are never read again.
+    """
+
+    attention_chunk_size: PositiveInt  # tokens per chunk
+
+
+class RSWASpec(_AttentionSpec, frozen=True, tag=True):
+    """Reference sliding-window attention (R-SWA): the prompt stays visible, decode slides.
+
+    The query at position p reads every prompt token and the tokens at positions
+    `p - rswa_window` through p; generated tokens between the prompt and that window are never
+    read again.
+    """
+
+    rswa_window: PositiveInt  # tokens before the current one that stay visible after the prompt
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | RSWASpec
 
 
 class KVCacheGroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

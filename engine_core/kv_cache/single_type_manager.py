@@ -11,7 +11,14 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.kv_request import KVCacheRequest
-from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from engine_core.kv_cache.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -22,8 +29,11 @@ class SingleTypeKVCacheManager(ABC):
        same non-null block twice.
     2. `num_cached_block[req_id] <= len(req_to_blocks[req_id])`, and both dicts hold the same
        requests.
-    3. Null blocks appear only in sliding-window groups, and only as a prefix of a request's list.
+    3. Null blocks appear only where the manager skips blocks (`check_null_blocks`): as a prefix
+       of a request's list in sliding-window and chunked-local groups, never in full attention.
     """
+
+    can_skip_leading_blocks = False  # whether blocks before the attention span become null
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
@@ -144,8 +154,15 @@ class SingleTypeKVCacheManager(ABC):
         """Leading blocks that the next token's attention never reads; none for full attention."""
         return 0
 
-    def get_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
-        """The request's skipped blocks not yet replaced by the null block, tail first."""
+    def get_skipped_blocks(
+        self, req_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> list[KVCacheBlock]:
+        """The request's skipped blocks not yet replaced by the null block, tail first.
+
+        Args:
+            num_prompt_tokens: the request's prompt length, for attention kinds whose span
+                depends on it (R-SWA); the others ignore it.
+        """
         num_skipped = self.get_num_skipped_blocks(num_computed_tokens)
         if num_skipped == 0:
             return []
@@ -158,9 +175,11 @@ class SingleTypeKVCacheManager(ABC):
             skipped.append(block)
         return skipped
 
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, req_id: str, num_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         """Replace the skipped blocks with the null block and free them, tail first."""
-        skipped = self.get_skipped_blocks(req_id, num_computed_tokens)
+        skipped = self.get_skipped_blocks(req_id, num_computed_tokens, num_prompt_tokens)
         if not skipped:
             return
         blocks = self.req_to_blocks[req_id]
@@ -191,22 +210,14 @@ class SingleTypeKVCacheManager(ABC):
             f"group {self.kv_cache_group_id}: tables for {sorted(self.req_to_blocks)} but "
             f"cached counts for {sorted(self.num_cached_block)}"
         )
-        allows_null = isinstance(self.kv_cache_spec, SlidingWindowSpec)
         for req_id, blocks in self.req_to_blocks.items():
             num_cached = self.num_cached_block[req_id]
             assert num_cached <= len(blocks), (
                 f"{req_id} in group {self.kv_cache_group_id}: {num_cached} cached of "
                 f"{len(blocks)} blocks"
             )
+            self.check_null_blocks(req_id, blocks)
             real = [block for block in blocks if not block.is_null]
-            num_leading_null = len(blocks) - len(real)
-            assert all(block.is_null for block in blocks[:num_leading_null]), (
-                f"{req_id} in group {self.kv_cache_group_id}: null blocks are not a prefix"
-            )
-            assert allows_null or not num_leading_null, (
-                f"{req_id} holds {num_leading_null} null blocks in full-attention group "
-                f"{self.kv_cache_group_id}"
-            )
             assert len({block.block_id for block in real}) == len(real), (
                 f"{req_id} lists a block twice in group {self.kv_cache_group_id}: "
                 f"{[block.block_id for block in real]}"
@@ -215,6 +226,17 @@ class SingleTypeKVCacheManager(ABC):
                 assert block.ref_cnt > 0, (
                     f"{req_id} holds block {block.block_id} with ref_cnt {block.ref_cnt}"
                 )
+
+    def check_null_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        """Null blocks form a prefix of the table, and only where leading blocks are skipped."""
+        num_null = sum(1 for block in blocks if block.is_null)
+        assert all(block.is_null for block in blocks[:num_null]), (
+            f"{req_id} in group {self.kv_cache_group_id}: null blocks are not a prefix"
+        )
+        assert self.can_skip_leading_blocks or not num_null, (
+            f"{req_id} holds {num_null} null blocks in group {self.kv_cache_group_id}, "
+            f"which never skips blocks"
+        )
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -250,6 +272,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     A hit needs only the blocks that window covers, and blocks wholly before the window are
     handed back to the pool as soon as the request has computed past them.
     """
+
+    can_skip_leading_blocks = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
@@ -317,6 +341,17 @@ def spec_manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheMana
     match kv_cache_spec:
         case SlidingWindowSpec():
             return SlidingWindowManager
+        case ChunkedLocalAttentionSpec() | RSWASpec():
+            # These managers subclass the ones above from the module beside this one, so it is
+            # imported when such a spec is first met rather than at the top (an import cycle).
+            from engine_core.kv_cache.local_attention_managers import (
+                ChunkedLocalAttentionManager,
+                RSWAManager,
+            )
+
+            if isinstance(kv_cache_spec, RSWASpec):
+                return RSWAManager
+            return ChunkedLocalAttentionManager
         case FullAttentionSpec():
             return FullAttentionManager
     raise TypeError(f"no KV-cache manager for spec {kv_cache_spec!r}")

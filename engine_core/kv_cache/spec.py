@@ -7,25 +7,30 @@ and owns the capacity arithmetic. It never touches a tensor.
 import logging
 
 from protocol.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    RSWASpec,
     SlidingWindowSpec,
     bytes_per_block,
     cdiv,
 )
 
 __all__ = [
+    "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
+    "RSWASpec",
     "SlidingWindowSpec",
     "bytes_per_block",
     "cdiv",
     "describe_capacity",
     "num_blocks_per_request",
+    "num_chunk_blocks",
     "num_group_blocks_per_request",
     "num_window_blocks",
     "plan_kv_cache",
@@ -61,9 +66,18 @@ def num_group_blocks_per_request(
 ) -> int:
     """Blocks one request holds in one group at its peak (see `num_blocks_per_request`)."""
     num_sequence_blocks = cdiv(max_model_len, spec.block_size)
-    if not isinstance(spec, SlidingWindowSpec) or max_num_scheduled_tokens is None:
+    if max_num_scheduled_tokens is None:
         return num_sequence_blocks
-    return min(num_sequence_blocks, num_window_blocks(spec, max_num_scheduled_tokens))
+    match spec:
+        case SlidingWindowSpec():
+            num_span_blocks = num_window_blocks(spec, max_num_scheduled_tokens)
+        case ChunkedLocalAttentionSpec():
+            num_span_blocks = num_chunk_blocks(spec, max_num_scheduled_tokens)
+        case _:
+            # Full attention keeps everything. R-SWA frees only generated tokens between the
+            # prompt and its window, so a request whose prompt is max_model_len long keeps all.
+            num_span_blocks = num_sequence_blocks
+    return min(num_sequence_blocks, num_span_blocks)
 
 
 def num_window_blocks(spec: SlidingWindowSpec, max_num_scheduled_tokens: int) -> int:
@@ -81,6 +95,24 @@ def num_window_blocks(spec: SlidingWindowSpec, max_num_scheduled_tokens: int) ->
     """
     num_tokens = spec.sliding_window - 1 + max_num_scheduled_tokens
     return cdiv(num_tokens, spec.block_size) + 1
+
+
+def num_chunk_blocks(spec: ChunkedLocalAttentionSpec, max_num_scheduled_tokens: int) -> int:
+    """Blocks a chunked-local group holds for one request while it is given up to
+    `max_num_scheduled_tokens` tokens a step.
+
+    Before a step's allocation the manager frees the blocks wholly before the chunk of the first
+    scheduled token, so the request spans at most `attention_chunk_size - 1` tokens of that chunk
+    and the step's own tokens. A chunk that starts mid-block touches one block more:
+
+    ```
+    | freed (null) | chunk so far | scheduled tokens |
+                   |<-- cdiv(., block_size) (+ 1) -->|
+    ```
+    """
+    num_tokens = spec.attention_chunk_size - 1 + max_num_scheduled_tokens
+    is_chunk_block_aligned = spec.attention_chunk_size % spec.block_size == 0
+    return cdiv(num_tokens, spec.block_size) + (0 if is_chunk_block_aligned else 1)
 
 
 def plan_kv_cache(
