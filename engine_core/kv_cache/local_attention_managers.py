@@ -35,6 +35,13 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
                 f"ChunkedLocalAttentionManager needs a ChunkedLocalAttentionSpec, "
                 f"got {kv_cache_spec}"
             )
+        # A chunk that starts mid-block would leave its first tokens in a block that a hit
+        # returns as null; vLLM's chunked-local kernels refuse such sizes too.
+        if kv_cache_spec.attention_chunk_size % kv_cache_spec.block_size:
+            raise ValueError(
+                f"attention_chunk_size={kv_cache_spec.attention_chunk_size} is not a multiple of "
+                f"block_size={kv_cache_spec.block_size}"
+            )
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 

@@ -101,18 +101,17 @@ def num_chunk_blocks(spec: ChunkedLocalAttentionSpec, max_num_scheduled_tokens: 
     """Blocks a chunked-local group holds for one request while it is given up to
     `max_num_scheduled_tokens` tokens a step.
 
-    Before a step's allocation the manager frees the blocks wholly before the chunk of the first
-    scheduled token, so the request spans at most `attention_chunk_size - 1` tokens of that chunk
-    and the step's own tokens. A chunk that starts mid-block touches one block more:
+    Before a step's allocation the manager frees the blocks of earlier chunks, so the request
+    spans at most `attention_chunk_size - 1` tokens of the first scheduled token's chunk and the
+    step's own tokens; chunks start on a block boundary (the manager refuses other sizes):
 
     ```
     | freed (null) | chunk so far | scheduled tokens |
-                   |<-- cdiv(., block_size) (+ 1) -->|
+                   |<---- cdiv(., block_size) ------>|
     ```
     """
     num_tokens = spec.attention_chunk_size - 1 + max_num_scheduled_tokens
-    is_chunk_block_aligned = spec.attention_chunk_size % spec.block_size == 0
-    return cdiv(num_tokens, spec.block_size) + (0 if is_chunk_block_aligned else 1)
+    return cdiv(num_tokens, spec.block_size)
 
 
 def plan_kv_cache(

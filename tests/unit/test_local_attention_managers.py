@@ -71,9 +71,6 @@ def _free_ids(pool: BlockPool) -> list[int]:
         (4, "1101", 7, [0, 0]),
         (4, "1101", 3, [1]),  # within chunk 0 it is a full-attention scan from block 0
         (4, "0111", 3, []),
-        (3, "0111", 7, [0, 0, 0]),  # chunk 2 starts at token 6, inside block 3
-        (3, "0011", 5, [0]),  # chunk 1 starts at token 3, inside block 1, which misses
-        (3, "0111", 5, [0, 2]),
     ],
 )
 def test_chunked_local_hit_is_null_before_the_chunk_then_the_cached_run(
@@ -175,6 +172,14 @@ def test_managers_refuse_a_spec_of_another_kind() -> None:
         ChunkedLocalAttentionManager(rswa_spec(2), pool, 0)
 
 
+def test_chunked_local_refuses_a_chunk_that_starts_mid_block() -> None:
+    """A chunk of 5 over blocks of 2 starts inside block 2: a hit of 2 null blocks would leave
+    token 4 to be computed with its own chunk (tokens 0-4) already in the null block."""
+    pool = BlockPool(num_gpu_blocks=4, enable_caching=True)
+    with pytest.raises(ValueError, match="attention_chunk_size=5 is not a multiple of"):
+        make_single_type_manager(chunked_spec(5), pool, 0)
+
+
 def test_hybrid_coordinator_agrees_with_full_attention_on_a_chunked_hit() -> None:
     full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32")
     groups = [
@@ -199,8 +204,8 @@ def test_hybrid_coordinator_agrees_with_full_attention_on_a_chunked_hit() -> Non
 
 
 def test_capacity_counts_one_chunk_for_chunked_local_and_the_sequence_for_rswa() -> None:
-    assert num_chunk_blocks(chunked_spec(4), 3) == 3  # chunk starts on a block: cdiv(3 + 3, 2)
-    assert num_chunk_blocks(chunked_spec(3), 3) == 4  # mid-block start: one more
+    assert num_chunk_blocks(chunked_spec(4), 3) == 3  # cdiv(3 + 3, 2)
+    assert num_chunk_blocks(chunked_spec(4), 4) == 4  # cdiv(3 + 4, 2)
     assert num_group_blocks_per_request(chunked_spec(4), 32, 3) == 3
     assert num_group_blocks_per_request(chunked_spec(4), 32, None) == 16
     assert num_group_blocks_per_request(chunked_spec(64), 32, 3) == 16
