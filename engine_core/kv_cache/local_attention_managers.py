@@ -102,7 +102,8 @@ class RSWAManager(FullAttentionManager):
 
     Invariants, beside the base class's: a request's null blocks form one run that starts at or
     after block `cdiv(num_prompt_tokens, block_size)`, and no request caches a block past its
-    prompt. A table without a known prompt length holds no null block and caches nothing.
+    prompt. A table without a known prompt length holds no null block and publishes no
+    block to the prefix cache (its hits stay).
     """
 
     def __init__(
