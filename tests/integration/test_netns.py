@@ -65,8 +65,14 @@ def serve_batch(address: str, keys_dir: str, batch_file: str, results_file: str)
         for req_id, (prompt, max_tokens) in batch.items():
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             client.add_request(make_request(req_id, prompt, params))
-        if not client.poll_outputs(CLIENT_TIMEOUT_S):  # it raises when the engine is gone
-            raise TimeoutError(f"no outputs from the engine at {address} in {CLIENT_TIMEOUT_S} s")
+        # The engine's liveness probes are empty outputs: wait for a token, not for any frame.
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while not any(client.result(req_id).token_ids for req_id in batch):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no tokens from the engine at {address} in {CLIENT_TIMEOUT_S} s"
+                )
+            client.poll_outputs(POLL_S)  # it raises when the engine is gone
         print(FIRST_TOKENS, flush=True)
         results = client.run_until_finished(list(batch), CLIENT_TIMEOUT_S)
     answers = {r.req_id: {"token_ids": r.token_ids, "error": r.error} for r in results.values()}
