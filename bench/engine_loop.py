@@ -151,8 +151,9 @@ def slice_figures(before: Reading, after: Reading, step_s: float) -> dict[str, f
     figures["engine_us_per_step"] = sum(phases_us[p] for p in ("schedule", "encode", "update"))
     # the rest of each step's wall time: client input, outputs to clients, the loop itself
     figures["other_us_per_step"] = 1e6 / steps_per_s - sum(phases_us.values())
-    # what a round trip takes beyond the model's set time: the wire, and the ranks' CPU work
-    # (batch building, sampling, and any forward work longer than the step) that it did not hide
+    # what the engine waits beyond the model's set time: the wire, and the ranks' CPU work
+    # (batch building, sampling, and any forward work longer than the step) that it did not hide;
+    # negative in the asynchronous loop when the engine's own work hides under the model's
     figures["transport_beyond_model_us_per_step"] = phases_us["transport"] - 1e6 * step_s
     figures["ratio_model_bound"] = steps_per_s * step_s
     return figures

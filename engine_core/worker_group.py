@@ -97,7 +97,7 @@ class WorkerGroup:
         self.refusals: list[str] = []  # why peers were refused during startup
         self.last_step_id = 0
         self.encode_time_s = 0.0  # total seconds encoding steps
-        self.transport_time_s = 0.0  # total seconds from each broadcast to its last reply
+        self.transport_time_s = 0.0  # total seconds sending steps and waiting for their replies
         self._submit_times: deque[tuple[int, float]] = deque()  # (step_id, perf_counter) sent
         self._encoder = make_encoder()
         self._decoder = worker_to_engine_decoder()
@@ -252,18 +252,22 @@ class WorkerGroup:
         self.transport.broadcast(frame, step_id)
         self.last_step_id = step_id
         self.encode_time_s += encoded - start
+        self.transport_time_s += time.perf_counter() - encoded
         self._submit_times.append((step_id, encoded))
 
     def collect(self, step_id: int) -> ModelRunnerOutput:
         """Every rank's reply to `step_id`, the oldest step submitted and not yet collected;
         rank 0's once all agree."""
-        awaited_id, submitted = self._submit_times.popleft()
+        awaited_id, _ = self._submit_times.popleft()
         assert awaited_id == step_id, f"collecting step {step_id}, but step {awaited_id} is next"
+        start = time.perf_counter()
         outputs = self.gather(step_id)
+        # Only the time spent waiting counts: with asynchronous scheduling the ranks ran this
+        # step while the engine scheduled the next, and that time is the engine's own.
+        self.transport_time_s += time.perf_counter() - start
         disagreement = describe_disagreement(step_id, outputs)
         if disagreement:  # a new generation would diverge again: a bug, not a fault
             raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
-        self.transport_time_s += time.perf_counter() - submitted
         return outputs[0]
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:

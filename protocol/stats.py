@@ -49,7 +49,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     # Where the engine's time per step goes, in seconds, totals since the engine started:
     step_schedule_s: float = 0.0  # Scheduler.schedule
     step_encode_s: float = 0.0  # encoding each SchedulerOutput once
-    step_transport_s: float = 0.0  # from the broadcast to the last rank's reply, checks included
+    step_transport_s: float = 0.0  # sending each step, then waiting for every rank's reply
     step_update_s: float = 0.0  # Scheduler.update_from_output
     num_worker_restarts: int = 0  # worker generations replaced after a rank fault
 
