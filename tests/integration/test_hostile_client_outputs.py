@@ -45,7 +45,7 @@ def _idle(address: str) -> bool:
     return stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)  # a loaded 2-core machine fills the backlog slowly
 def test_a_slow_reader_gets_its_outputs_in_order_or_a_reason_never_a_silent_gap(
     processes: Processes, addresses: dict
 ) -> None:
@@ -60,7 +60,7 @@ def test_a_slow_reader_gets_its_outputs_in_order_or_a_reason_never_a_silent_gap(
         with good_client_alongside(addresses["client"], "beside-slow"):
             # It reads nothing while thousands of output frames fill the ZMQ queues, the
             # socket buffers and then the engine's backlog, until the bound ends its requests.
-            wait_for(lambda: _idle(addresses["client"]), 90, "the stalled requests to end")
+            wait_for(lambda: _idle(addresses["client"]), 200, "the stalled requests to end")
         assert rss_bytes(pid) < before + 64 * 1024 * 1024
         results = slow.run_until_finished(list(prompts), 60)
     # The reference model is quadratic in Python: an undisturbed run of the same requests on
