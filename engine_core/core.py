@@ -7,7 +7,7 @@ supplies an Executor that broadcasts each SchedulerOutput and gathers the ranks'
 import logging
 from collections import deque
 from time import perf_counter
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.limits import SchedulerLimits
@@ -28,6 +28,7 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+@runtime_checkable
 class PipelinedExecutor(Executor, Protocol):
     """An executor that can send a step before the previous one is answered (WorkerGroup)."""
 
@@ -83,8 +84,8 @@ class EngineCore:
         self.executor = executor
         self._pipeline: PipelinedExecutor | None = None  # asynchronous scheduling only
         if engine_config.scheduler.async_scheduling:
-            has_pipe = hasattr(executor, "submit") and hasattr(executor, "collect")
-            self._pipeline = executor if has_pipe else SerialPipeline(executor)  # type: ignore[assignment]
+            is_pipelined = isinstance(executor, PipelinedExecutor)
+            self._pipeline = executor if is_pipelined else SerialPipeline(executor)
         self._pending: SchedulerOutput | None = None  # sent, not yet collected (async only)
         self.scheduler = Scheduler(
             engine_config.scheduler,
