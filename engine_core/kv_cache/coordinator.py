@@ -93,22 +93,31 @@ class KVCacheCoordinator(ABC):
         for manager in self.single_type_managers:
             manager.free(req_id)
 
-    def get_num_freed_by_skipping(self, req_id: str, num_computed_tokens: int) -> int:
+    def get_num_freed_by_skipping(
+        self, req_id: str, num_computed_tokens: int, num_prompt_tokens: int
+    ) -> int:
         """Blocks that `remove_skipped_blocks` would return to the free queue right now."""
         if not self.can_skip_blocks:
             return 0
         num_freed = 0
         for manager in self.single_type_managers:
-            for block in manager.get_skipped_blocks(req_id, num_computed_tokens):
+            skipped = manager.get_skipped_blocks(req_id, num_computed_tokens, num_prompt_tokens)
+            for block in skipped:
                 if block.ref_cnt == 1:
                     num_freed += 1
         return num_freed
 
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self, req_id: str, num_computed_tokens: int, num_prompt_tokens: int
+    ) -> None:
+        """Null and free every group's blocks that the next token no longer reads.
+
+        `num_prompt_tokens` matters only to R-SWA, whose manager also records it here.
+        """
         if not self.can_skip_blocks:
             return
         for manager in self.single_type_managers:
-            manager.remove_skipped_blocks(req_id, num_computed_tokens)
+            manager.remove_skipped_blocks(req_id, num_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, req_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's whole table in every group (empty lists for an unknown request)."""

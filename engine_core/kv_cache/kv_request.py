@@ -30,6 +30,11 @@ class KVCacheRequest(Protocol):
     def num_tokens(self) -> int: ...
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Leading tokens of `all_token_ids` that came with the request; R-SWA keeps them all."""
+        ...
+
+    @property
     def num_computed_tokens(self) -> int:
         """Tokens whose K/V are in the cache, or scheduled to be."""
         ...

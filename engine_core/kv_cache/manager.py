@@ -14,7 +14,7 @@ from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
-from engine_core.kv_cache.spec import KVCacheConfig
+from engine_core.kv_cache.spec import KVCacheConfig, RSWASpec
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
 
@@ -69,6 +69,11 @@ class KVCacheManager:
         )
         self.metrics_collector = metrics_collector
         self._prefix_cache_stats = PrefixCacheStats()  # totals since start; readers get copies
+        # An R-SWA block past a request's prompt holds K/V computed as some other request's
+        # prompt, which a generated token of this one would not have computed: no hit goes there.
+        self.is_hit_capped_at_prompt = any(
+            isinstance(group.spec, RSWASpec) for group in kv_cache_config.kv_cache_groups
+        )
         # With one group that never skips blocks, a request that holds a table and brings no
         # hits (every decode step) needs no fan-out: its one manager grows it in one call.
         managers = self.coordinator.single_type_managers
@@ -100,12 +105,17 @@ class KVCacheManager:
         """The longest cached prefix of a waiting request and its length in tokens.
 
         The hit stops at `num_tokens - 1`: the last token is always computed, for its logits.
-        Nothing is touched; `allocate_slots` takes the references.
+        With an R-SWA group it also stops at the end of the prompt (a preempted request
+        resumes with generated tokens past it). Nothing is touched; `allocate_slots` takes the
+        references.
         """
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0
+        max_hit_length = request.num_tokens - 1
+        if self.is_hit_capped_at_prompt:
+            max_hit_length = min(max_hit_length, request.num_prompt_tokens)
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            request.block_hashes, max_hit_length
         )
         if not num_hit_tokens:
             return self.empty_kv_cache_blocks, 0
@@ -156,11 +166,14 @@ class KVCacheManager:
         coordinator = self.coordinator
         if not self._can_allocate(request, num_tokens_need_slot, computed):
             return None
-        coordinator.remove_skipped_blocks(req_id, request.num_computed_tokens)
         if not coordinator.has_request(req_id):
             self._admit(request, num_new_computed_tokens, computed)
         elif new_computed_blocks is not None:
             coordinator.save_new_computed_blocks(req_id, computed)  # empty, or it raises
+        # After admission, so an R-SWA group records the prompt length before caching any block.
+        coordinator.remove_skipped_blocks(
+            req_id, request.num_computed_tokens, request.num_prompt_tokens
+        )
         new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens_need_slot)
         if self.enable_caching:
             # Only real tokens are hashed: lookahead slots hold no known tokens yet.
@@ -182,7 +195,7 @@ class KVCacheManager:
             return True
         # Out-of-window blocks go back to the pool before allocating, and may make the room.
         num_freed = coordinator.get_num_freed_by_skipping(
-            request.req_id, request.num_computed_tokens
+            request.req_id, request.num_computed_tokens, request.num_prompt_tokens
         )
         return num_blocks <= num_free_blocks + num_freed
 
