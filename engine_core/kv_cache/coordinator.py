@@ -119,6 +119,16 @@ class KVCacheCoordinator(ABC):
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(req_id, num_computed_tokens, num_prompt_tokens)
 
+    def get_num_common_prefix_blocks(
+        self, running_request_id: str, num_running_requests: int
+    ) -> list[int]:
+        """Per group, the leading blocks of the request's table that every running request
+        holds; 0 for groups whose attention does not read a plain shared prefix."""
+        return [
+            manager.get_num_common_prefix_blocks(running_request_id, num_running_requests)
+            for manager in self.single_type_managers
+        ]
+
     def get_blocks(self, req_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's whole table in every group (empty lists for an unknown request)."""
         return tuple(manager.req_to_blocks.get(req_id, []) for manager in self.single_type_managers)

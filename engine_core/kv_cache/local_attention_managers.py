@@ -116,6 +116,12 @@ class RSWAManager(FullAttentionManager):
         # Each held request's prompt length, learned from remove_skipped_blocks.
         self.num_prompt_tokens: dict[str, int] = {}
 
+    def get_num_common_prefix_blocks(
+        self, running_request_id: str, num_running_requests: int
+    ) -> int:
+        """0: a generated token reads a window beside the prompt, not a plain shared prefix."""
+        return 0
+
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Cache the full blocks of the first `num_tokens` tokens that lie wholly in the prompt."""
         num_prompt_tokens = self.num_prompt_tokens.get(request.req_id, 0)

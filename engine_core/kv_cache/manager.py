@@ -229,6 +229,19 @@ class KVCacheManager:
             [block.block_id for block in blocks] for blocks in self.coordinator.get_blocks(req_id)
         )
 
+    def get_num_common_prefix_blocks(
+        self, running_request_id: str, num_running_requests: int
+    ) -> list[int]:
+        """Per group, how many leading blocks of `running_request_id`'s table all
+        `num_running_requests` running requests share (a full-attention block whose `ref_cnt`
+        is their number); 0 for groups other than full attention.
+
+        Exact only while every request that holds blocks is among the running ones.
+        """
+        return self.coordinator.get_num_common_prefix_blocks(
+            running_request_id, num_running_requests
+        )
+
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; False (with a logged reason) while a request holds blocks."""
         if not self.block_pool.reset_prefix_cache():

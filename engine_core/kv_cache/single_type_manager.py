@@ -188,6 +188,16 @@ class SingleTypeKVCacheManager(ABC):
             blocks[idx] = self.null_block
         self.block_pool.free_blocks(skipped)
 
+    def get_num_common_prefix_blocks(
+        self, running_request_id: str, num_running_requests: int
+    ) -> int:
+        """Leading blocks of the request's table that every running request shares.
+
+        Only plain full attention reads a shared prefix the same way for every request, so
+        every other kind answers 0.
+        """
+        return 0
+
     @classmethod
     @abstractmethod
     def find_longest_cache_hit(
@@ -264,6 +274,21 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for group_hits, block in zip(hits, cached, strict=True):
                 group_hits.append(block)
         return hits
+
+    def get_num_common_prefix_blocks(
+        self, running_request_id: str, num_running_requests: int
+    ) -> int:
+        """Leading blocks held by every running request: each one's `ref_cnt` is their number.
+
+        A block is shared only through a prefix hit, at the same position in every table, so
+        while all holders are running this is the run of positions where all tables agree.
+        """
+        num_common = 0
+        for block in self.req_to_blocks.get(running_request_id, ()):
+            if block.ref_cnt != num_running_requests:
+                break
+            num_common += 1
+        return num_common
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
