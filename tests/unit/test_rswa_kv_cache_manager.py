@@ -4,7 +4,14 @@
 
 from array import array
 
-from test_kv_cache_manager_state_machine import FULL, STEP_SETTINGS, KVCacheManagerMachine
+import hypothesis.strategies as st
+from hypothesis.stateful import precondition, rule
+from test_kv_cache_manager_state_machine import (
+    FULL,
+    MAX_MODEL_LEN,
+    STEP_SETTINGS,
+    KVCacheManagerMachine,
+)
 
 from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
@@ -105,6 +112,27 @@ class RSWAKVCacheManagerMachine(KVCacheManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.is_prompt_slot: dict[int, list[bool | None]] = {}  # block_id -> kind per slot
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """Preempt a request at will, so resumed requests with generated tokens look up hits."""
+        self._preempt(self.running[data.draw(st.integers(0, len(self.running) - 1))])
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def admit_extension(self, data: st.DataObject, token: int) -> None:
+        """Admit a prompt that is another request's tokens so far, generated ones included: its
+        prompt blocks then cache what the other request computed as generated tokens."""
+        other = self.running[data.draw(st.integers(0, len(self.running) - 1))]
+        if other.num_tokens >= MAX_MODEL_LEN - 4:
+            return
+        self.num_requests += 1
+        tokens = [*other.all_token_ids, token]
+        request = Request(
+            f"r{self.num_requests}", tokens, SamplingParams(), block_hasher=self.hasher
+        )
+        self._admit(request)
 
     def _check_attention_reads(
         self, request: Request, table: list[int], pos: int, spec: KVCacheSpec
