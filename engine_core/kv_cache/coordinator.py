@@ -21,6 +21,7 @@ from engine_core.kv_cache.single_type_manager import (
 from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
+HitLengths = tuple[int, ...]  # one hit length in tokens per KV-cache group
 
 
 class KVCacheCoordinator(ABC):
@@ -139,6 +140,16 @@ class KVCacheCoordinator(ABC):
     ) -> tuple[BlocksPerGroup, int]:
         """The hit blocks per group and the hit length in tokens, touching nothing."""
 
+    @abstractmethod
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, HitLengths]:
+        """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
+
+        No group shortens another's hit: a caller compares them (a group that hits further than
+        full attention means full attention's tail was evicted). Touches nothing.
+        """
+
     def check_invariants(self) -> None:
         """Check the pool, every manager, and that ref counts match the request tables."""
         self.block_pool.check_invariants()
@@ -172,6 +183,11 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int]:
         return self._no_hit, 0
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, HitLengths]:
+        return self._no_hit, (0,) * len(self._no_hit)
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -228,6 +244,12 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         )
         return hits, len(hits[0]) * manager.block_size
 
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, HitLengths]:
+        hits, hit_length = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+        return hits, (hit_length,)
+
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several groups of one block size, such as full attention beside sliding windows.
@@ -283,6 +305,21 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             hit_length = pass_length
         num_hit_blocks = hit_length // block_size
         return tuple(group_hits[:num_hit_blocks] for group_hits in hits), hit_length
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, HitLengths]:
+        """One search per spec group (groups of one spec hit together), none bounding another."""
+        hits: list[Sequence[KVCacheBlock]] = [()] * len(self.single_type_managers)
+        hit_lengths = [0] * len(self.single_type_managers)
+        for spec, group_ids in self.spec_groups:
+            found = spec_manager_class(spec).find_longest_cache_hit(
+                block_hashes, max_cache_hit_length, group_ids, self.block_pool, spec
+            )
+            for group_id, group_hits in zip(group_ids, found, strict=True):
+                hits[group_id] = group_hits
+                hit_lengths[group_id] = len(group_hits) * self.block_size
+        return tuple(hits), tuple(hit_lengths)
 
 
 def _group_ids_by_spec(kv_cache_config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:

@@ -1,0 +1,128 @@
+"""find_longest_cache_hit_per_group: each group's own longest hit, against a brute-force search."""
+
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_specs import BLOCK_SIZE, full_spec, window_spec
+
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
+from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+NUM_HASHES = 12
+CHUNKED = ChunkedLocalAttentionSpec(
+    block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", attention_chunk_size=4
+)
+RSWA = RSWASpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", rswa_window=2)
+LAYOUTS = [
+    (full_spec(),),
+    (window_spec(5),),
+    (full_spec(), window_spec(5)),
+    (full_spec(), window_spec(3), window_spec(3)),
+    (full_spec(), CHUNKED),
+    (full_spec(), RSWA),
+    (full_spec(), window_spec(7), CHUNKED, RSWA),
+]
+
+
+def _config(specs: tuple[KVCacheSpec, ...]) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=len(specs) * NUM_HASHES + 1, kv_cache_groups=groups)
+
+
+def _cache(pool: BlockPool, hashes: list[BlockHash], group_id: int, cached: list[bool]) -> None:
+    """Cache fresh blocks under `hashes[i]` in group `group_id` where `cached[i]`, then free."""
+    blocks = pool.get_new_blocks(len(hashes))
+    stand_in = SimpleNamespace(req_id="setup", block_hashes=hashes)
+    for idx, is_cached in enumerate(cached):
+        if is_cached:
+            pool.cache_full_blocks(stand_in, blocks, idx, idx + 1, BLOCK_SIZE, group_id)
+    pool.free_blocks(blocks[::-1])
+
+
+def _brute_force_hit_blocks(spec: KVCacheSpec, cached: list[bool], max_length: int) -> int:
+    """The most blocks n (n * block_size <= max_length) whose tokens a hit of n blocks may skip.
+
+    Straight from each attention kind's definition: which earlier blocks the next token reads.
+    """
+    max_blocks = min(max_length // BLOCK_SIZE, len(cached))
+    for num_blocks in range(max_blocks, -1, -1):
+        match spec:
+            case SlidingWindowSpec():
+                first_read = max(0, num_blocks - cdiv(spec.sliding_window - 1, BLOCK_SIZE))
+            case ChunkedLocalAttentionSpec():
+                chunk_start = max_length // spec.attention_chunk_size * spec.attention_chunk_size
+                first_read = chunk_start // BLOCK_SIZE
+                if num_blocks < first_read:
+                    continue
+            case FullAttentionSpec() | RSWASpec():
+                first_read = 0
+        if all(cached[first_read:num_blocks]):
+            return num_blocks
+    raise AssertionError("0 blocks is always a hit")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    data=st.data(),
+    max_length=st.integers(0, NUM_HASHES * BLOCK_SIZE + 3),
+)
+def test_each_group_hits_as_far_as_its_own_cached_blocks_allow(
+    layout: tuple[KVCacheSpec, ...], data: st.DataObject, max_length: int
+) -> None:
+    coordinator = get_kv_cache_coordinator(_config(layout), enable_caching=True)
+    pool = coordinator.block_pool
+    hashes = [BlockHash(bytes([idx]) * 8) for idx in range(NUM_HASHES)]
+    patterns = [
+        data.draw(st.lists(st.booleans(), min_size=NUM_HASHES, max_size=NUM_HASHES)) for _ in layout
+    ]
+    for group_id, pattern in enumerate(patterns):
+        _cache(pool, hashes, group_id, pattern)
+
+    hits, hit_lengths = coordinator.find_longest_cache_hit_per_group(hashes, max_length)
+
+    assert len(hits) == len(hit_lengths) == len(layout)
+    for group_id, spec in enumerate(layout):
+        # Groups of one spec search together, so a block hits only where all of them cached it.
+        same_spec = [patterns[other] for other, s in enumerate(layout) if s == spec]
+        cached = [all(column) for column in zip(*same_spec, strict=True)]
+        num_blocks = _brute_force_hit_blocks(spec, cached, max_length)
+        assert hit_lengths[group_id] == num_blocks * BLOCK_SIZE, (group_id, spec)
+        assert len(hits[group_id]) == num_blocks
+        for idx, block in enumerate(hits[group_id]):
+            if not block.is_null:
+                assert block.block_hash == hashes[idx] + group_id.to_bytes(4, "big")
+    # The agreed hit never goes past any group's own.
+    _, hit_length = coordinator.find_longest_cache_hit(hashes, max_length)
+    assert hit_length <= min(hit_lengths)
+    pool.check_invariants()
+
+
+def test_per_group_hit_shows_a_window_group_that_outlives_full_attention() -> None:
+    """Full attention lost its tail; the window group still holds it, and the per-group answer
+    says so while the agreed hit stops where full attention does."""
+    coordinator = get_kv_cache_coordinator(_config((full_spec(), window_spec(3))), True)
+    hashes = [BlockHash(bytes([idx]) * 8) for idx in range(6)]
+    _cache(coordinator.block_pool, hashes, 0, [True, True, False, False, False, False])
+    _cache(coordinator.block_pool, hashes, 1, [True] * 6)
+    _, hit_lengths = coordinator.find_longest_cache_hit_per_group(hashes, 11)
+    assert hit_lengths == (4, 10)
+    assert coordinator.find_longest_cache_hit(hashes, 11)[1] == 4
+
+
+def test_no_prefix_cache_coordinator_reports_no_hit_in_any_group() -> None:
+    coordinator = get_kv_cache_coordinator(_config((full_spec(), window_spec(3))), False)
+    hits, hit_lengths = coordinator.find_longest_cache_hit_per_group([BlockHash(b"x" * 8)], 8)
+    assert hit_lengths == (0, 0) and all(len(group_hits) == 0 for group_hits in hits)
