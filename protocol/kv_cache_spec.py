@@ -5,6 +5,7 @@ Groups share the KV tensors by layer index, as vLLM lays them out: tensor i hold
 group, so a block id, held by one group at a time, costs one page in each shared tensor.
 """
 
+import math
 from typing import Annotated
 
 import msgspec
@@ -19,6 +20,7 @@ DTYPE_SIZES_BYTES = {
 }
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+MAMBA_CACHE_MODES = ("none", "align")  # MambaSpec.mamba_cache_mode
 NULL_BLOCK_ID = 0  # the placeholder for skipped positions: never hashed, never holds live K/V
 
 
@@ -79,7 +81,87 @@ class RSWASpec(_AttentionSpec, frozen=True, tag=True):
     rswa_window: PositiveInt  # tokens before the current one that stay visible after the prompt
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | RSWASpec
+class CrossAttentionSpec(_AttentionSpec, frozen=True, tag=True):
+    """Cross-attention of an encoder-decoder model: every decoder token reads the K/V that the
+    encoder computed for the request's `encoder_token_ids`, never the decoder's own tokens.
+
+    A request's table holds `cdiv(num_encoder_tokens, block_size)` blocks from admission to its
+    end; it never grows with decoder tokens and is never prefix-cached.
+    """
+
+    max_num_encoder_tokens: PositiveInt  # the model's longest encoder input, in tokens
+
+
+class MLAAttentionSpec(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Multi-head latent attention: each token caches one latent vector per layer, from which every
+    head's K and V are up-projected at attention time. No K/V split and no heads, so the page is not
+    sharded over TP ranks: every rank holds the whole latent. The engine manages it as full
+    attention (every layer attends to the whole prefix).
+    """
+
+    block_size: PositiveInt  # tokens per block
+    latent_dim: PositiveInt  # values per token: the compressed K/V and any shared rotary key part
+    dtype: str  # a key of DTYPE_SIZES_BYTES
+
+    def page_size_bytes(self, tp_size: int = 1) -> int:
+        """Bytes one block takes in one layer on any rank: the latent of block_size tokens.
+
+        `tp_size` does not divide it (the latent is replicated); it is taken for the shared API.
+        """
+        return self.block_size * self.latent_dim * dtype_size_bytes(self.dtype)
+
+
+class MambaSpec(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Recurrent state layers (Mamba-style): each layer keeps one fixed-size state per request,
+    not K/V per token. A block holds one state for each layer of the group: the state after the
+    request's tokens up to some position (see engine_core/kv_cache/mamba_manager.py).
+
+    `state_shapes` are the whole model's; the first dimension of each (its heads or channels) is
+    split over TP ranks, as vLLM shards Mamba heads, so every rank holds its own heads' state.
+
+    Modes (`mamba_cache_mode`), as the reference names them: "none" keeps one state block per
+    request, updated in place and never prefix-cached; "align" also keeps, in its own block, the
+    state at each block boundary a prefix hit could resume from (every `block_size` tokens).
+    """
+
+    block_size: PositiveInt  # tokens a state block stands for: its hash and checkpoint spacing
+    state_shapes: tuple[tuple[PositiveInt, ...], ...]  # one layer's state tensors, whole model
+    dtype: str  # a key of DTYPE_SIZES_BYTES, for every state tensor
+    mamba_cache_mode: str = "none"  # one of MAMBA_CACHE_MODES
+
+    def __post_init__(self) -> None:
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode={self.mamba_cache_mode!r}: expected one of {MAMBA_CACHE_MODES}"
+            )
+        if not self.state_shapes or not all(self.state_shapes):
+            raise ValueError(
+                f"state_shapes={self.state_shapes}: expected at least one state tensor, each of "
+                f"at least one dimension"
+            )
+
+    def page_size_bytes(self, tp_size: int = 1) -> int:
+        """Bytes one block takes in one layer on one rank: that rank's share of every state."""
+        num_values = 0
+        for shape in self.state_shapes:
+            if shape[0] % tp_size:
+                raise ValueError(
+                    f"mamba state shape {shape} is not divisible by tp_size={tp_size} in its "
+                    f"first dimension"
+                )
+            num_values += math.prod(shape) // tp_size
+        return num_values * dtype_size_bytes(self.dtype)
+
+
+KVCacheSpec = (
+    FullAttentionSpec
+    | SlidingWindowSpec
+    | ChunkedLocalAttentionSpec
+    | RSWASpec
+    | MLAAttentionSpec
+    | CrossAttentionSpec
+    | MambaSpec
+)
 
 
 class KVCacheGroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

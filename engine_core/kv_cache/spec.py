@@ -8,10 +8,13 @@ import logging
 
 from protocol.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
     RSWASpec,
     SlidingWindowSpec,
     bytes_per_block,
@@ -20,10 +23,13 @@ from protocol.kv_cache_spec import (
 
 __all__ = [
     "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
+    "MLAAttentionSpec",
+    "MambaSpec",
     "RSWASpec",
     "SlidingWindowSpec",
     "bytes_per_block",
@@ -65,6 +71,14 @@ def num_group_blocks_per_request(
     spec: KVCacheSpec, max_model_len: int, max_num_scheduled_tokens: int | None
 ) -> int:
     """Blocks one request holds in one group at its peak (see `num_blocks_per_request`)."""
+    if isinstance(spec, CrossAttentionSpec):
+        # Encoder K/V, held whole from admission: its length is the encoder's, not the sequence's.
+        return cdiv(spec.max_num_encoder_tokens, spec.block_size)
+    if isinstance(spec, MambaSpec):
+        # One running state block; "align" also keeps the state the step starts from (a hit or
+        # the last step's) beside the new one, until the next step frees it (mamba_manager.py).
+        num_state_blocks = 2 if spec.mamba_cache_mode == "align" else 1
+        return min(num_state_blocks, cdiv(max_model_len, spec.block_size))
     num_sequence_blocks = cdiv(max_model_len, spec.block_size)
     if max_num_scheduled_tokens is None:
         return num_sequence_blocks
