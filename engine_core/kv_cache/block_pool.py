@@ -134,10 +134,12 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Hash `blocks[num_cached_blocks:num_full_blocks]` and cache them; skip null blocks.
 
-        `request.block_hashes[i]` is the hash of block i.
+        `request.block_hashes[i]` is the hash of block i. `block_mask`, aligned with that range,
+        skips (like a null block: no hash, no BlockStored) the blocks no hit can ever use.
         """
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
@@ -146,6 +148,11 @@ class BlockPool:
             raise ValueError(
                 f"cannot cache {num_full_blocks} full blocks of request {request.req_id}: "
                 f"it has {len(block_hashes)} block hashes and {len(blocks)} blocks"
+            )
+        if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
+            raise ValueError(
+                f"block_mask of {len(block_mask)} entries for blocks {num_cached_blocks} to "
+                f"{num_full_blocks} of request {request.req_id}: expected one per block"
             )
         suffix = self._group_id_suffixes[kv_cache_group_id]
         is_recording = self.enable_kv_cache_events
@@ -162,7 +169,9 @@ class BlockPool:
                     f"cannot cache block {block.block_id} at index {idx} of request "
                     f"{request.req_id}: it already has a hash"
                 )
-            if block.is_null:
+            if block.is_null or (
+                block_mask is not None and not block_mask[idx - num_cached_blocks]
+            ):
                 continue
             key = block_hashes[idx] + suffix
             block.block_hash = key
@@ -364,7 +373,7 @@ class BlockPool:
         """One BlockStored event per run of consecutive announced block indices.
 
         A run is a chain, each block's parent the one before it, so a gap (a hash already cached,
-        or a null block) starts a new event whose parent is the block just before the run.
+        or a skipped block) starts a new event whose parent is the block just before the run.
         """
         tokens = request.all_token_ids
         hashes = request.block_hashes

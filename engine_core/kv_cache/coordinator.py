@@ -10,15 +10,26 @@ from collections.abc import Sequence
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
 from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.cross_attention_manager import CrossAttentionManager
 from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.kv_request import KVCacheRequest
+from engine_core.kv_cache.retention import (
+    cache_retained_blocks,
+    sparse_retention_group_ids,
+    validate_retention_interval,
+)
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     make_single_type_manager,
     spec_manager_class,
 )
-from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from engine_core.kv_cache.spec import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+)
 
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
 HitLengths = tuple[int, ...]  # one hit length in tokens per KV-cache group
@@ -37,9 +48,13 @@ class KVCacheCoordinator(ABC):
         enable_caching: bool,
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockMetricsHook | None = None,
+        retention_interval: int | None = None,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
+        # None caches every full block; an interval thins the window groups' (retention.py).
+        self.retention_interval = retention_interval
+        self._sparse_group_ids = sparse_retention_group_ids(retention_interval, kv_cache_config)
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events, metrics_collector
         )
@@ -51,14 +66,26 @@ class KVCacheCoordinator(ABC):
         self.can_skip_blocks = any(
             type(manager) is not FullAttentionManager for manager in self.single_type_managers
         )
+        # Cross-attention groups size their tables by the encoder's tokens, not the decoder's.
+        self.is_cross_attention = tuple(
+            isinstance(manager, CrossAttentionManager) for manager in self.single_type_managers
+        )
 
     def get_num_blocks_to_allocate(
-        self, req_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
+        self,
+        req_id: str,
+        num_tokens: int,
+        new_computed_blocks: BlocksPerGroup,
+        num_encoder_tokens: int = 0,
     ) -> int:
-        """Free blocks an allocation up to `num_tokens` consumes, over every group."""
+        """Free blocks an allocation up to `num_tokens` consumes, over every group
+        (`num_encoder_tokens` in a cross-attention group)."""
         num_blocks = 0
-        for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
-            num_blocks += manager.get_num_blocks_to_allocate(req_id, num_tokens, blocks)
+        for manager, blocks, is_cross in zip(
+            self.single_type_managers, new_computed_blocks, self.is_cross_attention, strict=True
+        ):
+            num_group_tokens = num_encoder_tokens if is_cross else num_tokens
+            num_blocks += manager.get_num_blocks_to_allocate(req_id, num_group_tokens, blocks)
         return num_blocks
 
     def save_new_computed_blocks(self, req_id: str, new_computed_blocks: BlocksPerGroup) -> None:
@@ -78,17 +105,24 @@ class KVCacheCoordinator(ABC):
         """Whether the request holds a table (it was allocated and not freed since)."""
         return req_id in self.single_type_managers[0].num_cached_block
 
-    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+    def allocate_new_blocks(
+        self, req_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
             [
-                manager.allocate_new_blocks(req_id, num_tokens)
-                for manager in self.single_type_managers
+                manager.allocate_new_blocks(req_id, num_encoder_tokens if is_cross else num_tokens)
+                for manager, is_cross in zip(
+                    self.single_type_managers, self.is_cross_attention, strict=True
+                )
             ]
         )
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_tokens)
+            if manager.kv_cache_group_id in self._sparse_group_ids:
+                cache_retained_blocks(manager, request, num_tokens, self.retention_interval)
+            else:
+                manager.cache_blocks(request, num_tokens)
 
     def free(self, req_id: str) -> None:
         for manager in self.single_type_managers:
@@ -140,15 +174,17 @@ class KVCacheCoordinator(ABC):
     ) -> tuple[BlocksPerGroup, int]:
         """The hit blocks per group and the hit length in tokens, touching nothing."""
 
-    @abstractmethod
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, HitLengths]:
         """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
 
         No group shortens another's hit: a caller compares them (a group that hits further than
-        full attention means full attention's tail was evicted). Touches nothing.
+        full attention means full attention's tail was evicted). Touches nothing. With one
+        group, or none that hits, that is the agreed hit.
         """
+        hits, hit_length = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+        return hits, (hit_length,) * len(hits)
 
     def check_invariants(self) -> None:
         """Check the pool, every manager, and that ref counts match the request tables."""
@@ -184,11 +220,6 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     ) -> tuple[BlocksPerGroup, int]:
         return self._no_hit, 0
 
-    def find_longest_cache_hit_per_group(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[BlocksPerGroup, HitLengths]:
-        return self._no_hit, (0,) * len(self._no_hit)
-
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one group: its manager's own hit is the answer."""
@@ -198,13 +229,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         kv_cache_config: KVCacheConfig,
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockMetricsHook | None = None,
+        retention_interval: int | None = None,
     ) -> None:
-        super().__init__(kv_cache_config, True, enable_kv_cache_events, metrics_collector)
+        super().__init__(
+            kv_cache_config, True, enable_kv_cache_events, metrics_collector, retention_interval
+        )
         if len(self.single_type_managers) != 1:
             raise ValueError(
                 f"UnitaryKVCacheCoordinator takes exactly one KV-cache group, "
                 f"got {len(self.single_type_managers)}"
             )
+        if self.is_cross_attention[0]:
+            raise ValueError("the only KV-cache group is cross-attention: expected a decoder group")
         self._manager = self.single_type_managers[0]
         self._group_ids = [0]
 
@@ -212,7 +248,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     # every step, and the loops of the general case cost more than the work itself.
 
     def get_num_blocks_to_allocate(
-        self, req_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
+        self,
+        req_id: str,
+        num_tokens: int,
+        new_computed_blocks: BlocksPerGroup,
+        num_encoder_tokens: int = 0,
     ) -> int:
         return self._manager.get_num_blocks_to_allocate(req_id, num_tokens, new_computed_blocks[0])
 
@@ -222,10 +262,14 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             self.block_pool.touch(blocks)
         self._manager.save_new_computed_blocks(req_id, blocks)
 
-    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+    def allocate_new_blocks(
+        self, req_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
         return (self._manager.allocate_new_blocks(req_id, num_tokens),)
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
+        if self._sparse_group_ids:  # its one group is a window under a retention interval
+            return super().cache_blocks(request, num_tokens)
         self._manager.cache_blocks(request, num_tokens)
 
     def free(self, req_id: str) -> None:
@@ -244,18 +288,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         )
         return hits, len(hits[0]) * manager.block_size
 
-    def find_longest_cache_hit_per_group(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[BlocksPerGroup, HitLengths]:
-        hits, hit_length = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)
-        return hits, (hit_length,)
-
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several groups of one block size, such as full attention beside sliding windows.
 
     Groups with equal specs search together. Full attention searches first: its hit only ever
     shrinks by truncation, so it gives the others a tight upper bound.
+
+    Cross-attention groups take no part in the search: their hit is always empty, and the
+    decoder groups' hit stands alone. That is sound because a decoder block's hash covers the
+    request's encoder input (Request hashes it into the first block's extra keys), and the
+    workers compute every admitted request's encoder K/V anew. vLLM instead turns prefix
+    caching off for encoder-decoder models.
     """
 
     def __init__(
@@ -263,8 +307,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         kv_cache_config: KVCacheConfig,
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockMetricsHook | None = None,
+        retention_interval: int | None = None,
     ) -> None:
-        super().__init__(kv_cache_config, True, enable_kv_cache_events, metrics_collector)
+        super().__init__(
+            kv_cache_config, True, enable_kv_cache_events, metrics_collector, retention_interval
+        )
         block_sizes = sorted({manager.block_size for manager in self.single_type_managers})
         if len(block_sizes) != 1:
             raise ValueError(f"KV-cache groups use block sizes {block_sizes}: expected one")
@@ -326,7 +373,8 @@ def _group_ids_by_spec(kv_cache_config: KVCacheConfig) -> list[tuple[KVCacheSpec
     """Group ids sharing one spec, full attention first, otherwise in order of first group id."""
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-        by_spec.setdefault(group.spec, []).append(group_id)
+        if not isinstance(group.spec, CrossAttentionSpec):  # never a hit, never a limit
+            by_spec.setdefault(group.spec, []).append(group_id)
     return sorted(by_spec.items(), key=lambda item: not isinstance(item[0], FullAttentionSpec))
 
 
@@ -335,14 +383,17 @@ def get_kv_cache_coordinator(
     enable_caching: bool,
     enable_kv_cache_events: bool = False,
     metrics_collector: BlockMetricsHook | None = None,
+    retention_interval: int | None = None,
 ) -> KVCacheCoordinator:
     """No prefix cache when caching is off; Unitary for one group; Hybrid for several."""
     if not kv_cache_config.kv_cache_groups:
         raise ValueError("kv_cache_config has no KV-cache groups: expected at least one")
+    validate_retention_interval(retention_interval, kv_cache_config)  # caching off too
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(
             kv_cache_config, enable_kv_cache_events, metrics_collector
         )
+    args = (kv_cache_config, enable_kv_cache_events, metrics_collector, retention_interval)
     if len(kv_cache_config.kv_cache_groups) == 1:
-        return UnitaryKVCacheCoordinator(kv_cache_config, enable_kv_cache_events, metrics_collector)
-    return HybridKVCacheCoordinator(kv_cache_config, enable_kv_cache_events, metrics_collector)
+        return UnitaryKVCacheCoordinator(*args)
+    return HybridKVCacheCoordinator(*args)

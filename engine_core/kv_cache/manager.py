@@ -49,6 +49,7 @@ class KVCacheManager:
         hash_block_size: int | None = None,
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockMetricsCollector | None = None,
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         block_sizes = sorted({group.spec.block_size for group in kv_cache_config.kv_cache_groups})
         if hash_block_size is not None and block_sizes != [hash_block_size]:
@@ -58,8 +59,14 @@ class KVCacheManager:
             )
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        # None indexes every full block; an interval indexes a window group's blocks only where
+        # a hit could start reading them: each interval's end and each prompt's replay boundary.
         self.coordinator = get_kv_cache_coordinator(
-            kv_cache_config, enable_caching, enable_kv_cache_events, metrics_collector
+            kv_cache_config,
+            enable_caching,
+            enable_kv_cache_events,
+            metrics_collector,
+            prefix_cache_retention_interval,
         )
         self.block_pool = self.coordinator.block_pool
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -128,6 +135,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for `num_new_tokens` more tokens; the newly allocated blocks, or None.
 
@@ -138,7 +146,8 @@ class KVCacheManager:
         ```
         None means the blocks do not fit; then no `ref_cnt` and no table has changed. When no
         new block was needed, it returns `empty_kv_cache_blocks` itself, so callers may test that
-        by identity.
+        by identity. `num_encoder_tokens` sizes a cross-attention group's table when the request
+        is admitted (its whole encoder input at once); later calls may pass 0.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens={num_new_tokens} for {request.req_id}: expected >= 1")
@@ -164,7 +173,7 @@ class KVCacheManager:
         )
         req_id = request.req_id
         coordinator = self.coordinator
-        if not self._can_allocate(request, num_tokens_need_slot, computed):
+        if not self._can_allocate(request, num_tokens_need_slot, computed, num_encoder_tokens):
             return None
         if not coordinator.has_request(req_id):
             self._admit(request, num_new_computed_tokens, computed)
@@ -174,7 +183,9 @@ class KVCacheManager:
         coordinator.remove_skipped_blocks(
             req_id, request.num_computed_tokens, request.num_prompt_tokens
         )
-        new_blocks = coordinator.allocate_new_blocks(req_id, num_tokens_need_slot)
+        new_blocks = coordinator.allocate_new_blocks(
+            req_id, num_tokens_need_slot, num_encoder_tokens
+        )
         if self.enable_caching:
             # Only real tokens are hashed: lookahead slots hold no known tokens yet.
             coordinator.cache_blocks(
@@ -185,11 +196,17 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
 
     def _can_allocate(
-        self, request: KVCacheRequest, num_tokens: int, computed: BlocksPerGroup
+        self,
+        request: KVCacheRequest,
+        num_tokens: int,
+        computed: BlocksPerGroup,
+        num_encoder_tokens: int,
     ) -> bool:
         """Whether slots up to `num_tokens` fit, counting evictable hits as consumed."""
         coordinator = self.coordinator
-        num_blocks = coordinator.get_num_blocks_to_allocate(request.req_id, num_tokens, computed)
+        num_blocks = coordinator.get_num_blocks_to_allocate(
+            request.req_id, num_tokens, computed, num_encoder_tokens
+        )
         num_free_blocks = self.block_pool.get_num_free_blocks()
         if num_blocks <= num_free_blocks:
             return True

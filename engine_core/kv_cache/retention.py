@@ -1,0 +1,119 @@
+"""Prefix-cache retention: which full blocks of a sliding-window group enter the prefix cache.
+
+A window hit at token L reads only the `cdiv(sliding_window - 1, block_size)` blocks before L, so
+a window group serves hits at chosen boundaries while indexing only the blocks that end at them.
+It decides and caches; it never allocates, frees or looks a hit up.
+"""
+
+import math
+
+from engine_core.kv_cache.kv_request import KVCacheRequest
+from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
+from engine_core.kv_cache.spec import KVCacheConfig, SlidingWindowSpec, cdiv
+
+SPARSE_RETENTION_SPECS = (SlidingWindowSpec,)  # the kinds whose caching the interval thins out
+
+
+def scheduler_block_size(kv_cache_config: KVCacheConfig) -> int:
+    """The granularity every group's blocks end on: the lcm of the groups' block sizes."""
+    return math.lcm(*(group.spec.block_size for group in kv_cache_config.kv_cache_groups))
+
+
+def validate_retention_interval(
+    retention_interval: int | None, kv_cache_config: KVCacheConfig
+) -> None:
+    """Refuse an interval that is not a positive multiple of the block size, or that no group
+    would act on (the reference's `_validate_prefix_cache_retention_interval`)."""
+    if retention_interval is None:
+        return
+    if not any(
+        isinstance(group.spec, SPARSE_RETENTION_SPECS) for group in kv_cache_config.kv_cache_groups
+    ):
+        raise ValueError(
+            f"prefix_cache_retention_interval={retention_interval} is set but no KV-cache group "
+            f"is a sliding window, so it would change nothing: expected it unset"
+        )
+    block_size = scheduler_block_size(kv_cache_config)
+    if retention_interval < 1 or retention_interval % block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval={retention_interval}: expected a positive multiple "
+            f"of the block size {block_size}"
+        )
+
+
+def sparse_retention_group_ids(
+    retention_interval: int | None, kv_cache_config: KVCacheConfig
+) -> frozenset[int]:
+    """The groups whose caching `retention_interval` thins out (none when it is None)."""
+    validate_retention_interval(retention_interval, kv_cache_config)
+    if retention_interval is None:
+        return frozenset()
+    groups = kv_cache_config.kv_cache_groups
+    return frozenset(
+        group_id
+        for group_id, group in enumerate(groups)
+        if isinstance(group.spec, SPARSE_RETENTION_SPECS)
+    )
+
+
+def cache_retained_blocks(
+    manager: SingleTypeKVCacheManager,
+    request: KVCacheRequest,
+    num_tokens: int,
+    retention_interval: int,
+) -> None:
+    """A window group's `cache_blocks` under a retention interval: every block that fills up
+    counts as cached, but only those `window_block_mask` keeps enter the index."""
+    req_id, block_size = request.req_id, manager.block_size
+    num_cached = manager.num_cached_block[req_id]
+    num_full = num_tokens // block_size
+    if num_full <= num_cached:
+        return
+    spec = manager.kv_cache_spec
+    assert isinstance(spec, SlidingWindowSpec), f"retention on group of {spec}"
+    block_mask = window_block_mask(
+        spec, num_cached, num_full, retention_interval, request.num_prompt_tokens
+    )
+    manager.block_pool.cache_full_blocks(
+        request,
+        manager.req_to_blocks[req_id],
+        num_cached,
+        num_full,
+        block_size,
+        manager.kv_cache_group_id,
+        block_mask,
+    )
+    manager.num_cached_block[req_id] = num_full
+
+
+def window_block_mask(
+    spec: SlidingWindowSpec,
+    start_idx: int,
+    end_idx: int,
+    retention_interval: int,
+    num_prompt_tokens: int,
+) -> list[bool] | None:
+    """Which of blocks `[start_idx, end_idx)` a window group caches, or None for all of them.
+
+    It keeps the blocks a hit reads at each boundary worth a hit: the end of every
+    `retention_interval`-token segment, and the request's replay boundary, `num_prompt_tokens - 1`
+    rounded down to a block (where a resend of the same prompt stops its hit). None when a
+    segment holds no more blocks than one hit reads.
+
+    ```
+    interval 8, block 2, window 3 (a hit reads 1 block), prompt of 21 tokens:
+    block:  0 1 2 3 | 4 5 6 7 | 8 9 10 11
+    kept:         x |       x |   x    x   (9 ends the replay boundary, token 20)
+    ```
+    """
+    block_size = spec.block_size
+    num_read = cdiv(spec.sliding_window - 1, block_size)  # blocks one hit reads
+    num_per_segment = retention_interval // block_size
+    if num_read >= num_per_segment:
+        return None
+    first_kept = num_per_segment - num_read  # offset in a segment of its first kept block
+    mask = [idx % num_per_segment >= first_kept for idx in range(start_idx, end_idx)]
+    replay_end_idx = (num_prompt_tokens - 1) // block_size
+    for idx in range(max(start_idx, replay_end_idx - num_read), min(end_idx, replay_end_idx)):
+        mask[idx - start_idx] = True
+    return mask

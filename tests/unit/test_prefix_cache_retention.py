@@ -1,0 +1,163 @@
+"""block_mask on cache_full_blocks and the prefix-cache retention interval of window groups."""
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_specs import BLOCK_SIZE, full_spec, window_spec
+
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.hashing import BlockHash, BlockHasher, get_group_id
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_cache.retention import validate_retention_interval, window_block_mask
+from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from engine_core.sched.request import Request
+from protocol.kv_events import BlockStored
+from protocol.sampling import SamplingParams
+
+WINDOW = window_spec(5)  # a hit reads cdiv(4, 2) = 2 blocks
+INTERVAL = 8  # tokens: 4 blocks per segment, of which a window hit reads the last 2
+
+
+def _config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+
+
+def _request(req_id: str, token_ids: list[int]) -> Request:
+    return Request(req_id, token_ids, SamplingParams(), block_hasher=BlockHasher(BLOCK_SIZE))
+
+
+def _admit_and_free(manager: KVCacheManager, request: Request) -> int:
+    """Admit the whole prompt, cache it, free it; the hit length it found."""
+    hits, num_hit_tokens = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(
+        request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
+    )
+    manager.free(request)
+    manager.check_invariants()
+    return num_hit_tokens
+
+
+def _num_indexed(pool: BlockPool, group_id: int) -> int:
+    return sum(
+        1
+        for block in pool.blocks
+        if block.block_hash is not None and get_group_id(block.block_hash) == group_id
+    )
+
+
+def test_masked_blocks_stay_out_of_the_index_and_out_of_block_stored() -> None:
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, enable_kv_cache_events=True)
+    hashes = [BlockHash(bytes([idx]) * 8) for idx in range(4)]
+    request = SimpleNamespace(req_id="a", block_hashes=hashes, all_token_ids=array("l", range(8)))
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(request, blocks, 0, 4, BLOCK_SIZE, 0, [True, False, True, True])
+    assert [block.block_hash is not None for block in blocks] == [True, False, True, True]
+    assert pool.cached_block_hash_to_block.num_blocks() == 3
+    stored = [event for event in pool.take_events() if isinstance(event, BlockStored)]
+    # Two runs: block 0 from the root, then blocks 2-3 chained on block 1's hash.
+    assert [(event.block_hashes, event.parent_block_hash) for event in stored] == [
+        ([bytes(hashes[0])], None),
+        ([bytes(hashes[2]), bytes(hashes[3])], bytes(hashes[1])),
+    ]
+    pool.check_invariants()
+
+
+def test_a_mask_of_the_wrong_length_is_refused_and_changes_nothing() -> None:
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True)
+    request = SimpleNamespace(req_id="a", block_hashes=[BlockHash(b"h" * 8)] * 3)
+    blocks = pool.get_new_blocks(3)
+    with pytest.raises(ValueError, match="block_mask of 2 entries for blocks 0 to 3"):
+        pool.cache_full_blocks(request, blocks, 0, 3, BLOCK_SIZE, 0, [True, True])
+    assert all(block.block_hash is None for block in blocks)
+    pool.check_invariants()
+
+
+def test_window_mask_keeps_each_segment_tail_and_the_replay_tail() -> None:
+    mask = window_block_mask(window_spec(3), 0, 12, 8, num_prompt_tokens=21)
+    assert mask is not None
+    assert [idx for idx, is_kept in enumerate(mask) if is_kept] == [3, 7, 9, 11]
+    # The same answer when the blocks fill up a few at a time.
+    pieces = [window_block_mask(window_spec(3), start, start + 3, 8, 21) for start in (0, 3, 6, 9)]
+    assert [is_kept for piece in pieces for is_kept in piece or []] == mask
+
+
+def test_window_mask_is_none_when_a_hit_reads_a_whole_segment() -> None:
+    assert window_block_mask(window_spec(9), 0, 10, 8, num_prompt_tokens=20) is None
+
+
+@pytest.mark.parametrize(
+    ("interval", "specs", "message"),
+    [
+        (6, (full_spec(4), window_spec(5, 4)), "prefix_cache_retention_interval=6: expected a "),
+        (0, (full_spec(), WINDOW), "prefix_cache_retention_interval=0: expected a positive"),
+        (-4, (full_spec(), WINDOW), "prefix_cache_retention_interval=-4: expected a positive"),
+        (8, (full_spec(),), "prefix_cache_retention_interval=8 is set but no KV-cache group"),
+    ],
+)
+def test_retention_interval_is_validated_as_the_reference_does(
+    interval: int, specs: tuple[KVCacheSpec, ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate_retention_interval(interval, _config(8, *specs))
+    with pytest.raises(ValueError, match=message):
+        KVCacheManager(_config(8, *specs), 64, prefix_cache_retention_interval=interval)
+
+
+def test_a_valid_interval_and_none_pass() -> None:
+    validate_retention_interval(None, _config(8, full_spec()))
+    validate_retention_interval(16, _config(8, full_spec(), WINDOW))
+
+
+def test_resends_hit_as_far_with_fewer_window_blocks_indexed() -> None:
+    prompt = list(range(100, 133))  # 33 tokens: 16 full blocks, replay boundary at token 32
+    dense = KVCacheManager(_config(80, full_spec(), WINDOW), 64)
+    sparse = KVCacheManager(_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8)
+    for manager in (dense, sparse):
+        assert _admit_and_free(manager, _request("a", prompt)) == 0
+        assert _admit_and_free(manager, _request("b", prompt)) == 32
+    assert _num_indexed(dense.block_pool, 0) == _num_indexed(sparse.block_pool, 0) == 16
+    assert _num_indexed(dense.block_pool, 1) == 16
+    # Segment tails 2-3, 6-7, 10-11 and 14-15 (the last also the replay tail).
+    assert _num_indexed(sparse.block_pool, 1) == 8
+
+
+def test_a_sibling_between_kept_boundaries_falls_back_to_the_one_before() -> None:
+    """The trade the interval makes: a sibling that leaves the shared prefix at token 20 hits
+    only to 16, the last segment end, because the window blocks before 20 were not indexed."""
+    prompt = list(range(100, 133))
+    sibling = prompt[:20] + [7] * 13
+    dense = KVCacheManager(_config(80, full_spec(), WINDOW), 64)
+    sparse = KVCacheManager(_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8)
+    for manager in (dense, sparse):
+        _admit_and_free(manager, _request("a", prompt))
+    assert _admit_and_free(dense, _request("s", sibling)) == 20
+    assert _admit_and_free(sparse, _request("s", sibling)) == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    order=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+    interval=st.sampled_from([8, 12, 16]),
+)
+def test_replays_hit_the_same_under_any_interval(
+    prompt_lens: list[int], order: list[int], interval: int
+) -> None:
+    """Requests that replay earlier prompts hit exactly as far with the interval as without,
+    and the window group never indexes more blocks."""
+    prompts = [[idx * 1000 + pos for pos in range(n)] for idx, n in enumerate(prompt_lens)]
+    dense = KVCacheManager(_config(200, full_spec(), WINDOW), 64)
+    sparse = KVCacheManager(
+        _config(200, full_spec(), WINDOW), 64, prefix_cache_retention_interval=interval
+    )
+    for step, prompt_idx in enumerate(order):
+        prompt = prompts[prompt_idx % len(prompts)]
+        num_dense = _admit_and_free(dense, _request(f"r{step}", prompt))
+        num_sparse = _admit_and_free(sparse, _request(f"r{step}", prompt))
+        assert num_sparse == num_dense
+    assert _num_indexed(sparse.block_pool, 1) <= _num_indexed(dense.block_pool, 1)
+    assert _num_indexed(sparse.block_pool, 0) == _num_indexed(dense.block_pool, 0)
