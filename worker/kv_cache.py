@@ -18,6 +18,7 @@ from protocol.kv_cache_spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     bytes_per_block,
     num_shared_tensors,
     page_stride_bytes,
@@ -169,7 +170,8 @@ def allocate_kv_caches(
     kv_cache_config: KVCacheConfig, tp_size: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Each layer's view [num_blocks, 2, block_size, num_kv_heads_per_rank, head_dim] of a zeroed
-    shared tensor: layer i of every group views tensor i.
+    shared tensor (an MLA layer's [num_blocks, block_size, latent_dim]): layer i of every group
+    views tensor i.
 
     The null block 0 stays zero in every view because no group ever writes it.
     """
@@ -199,11 +201,21 @@ def allocate_kv_caches(
     return kv_caches
 
 
+def layer_page_shape(spec: KVCacheSpec, tp_size: int) -> tuple[int, ...]:
+    """The shape of one block of one layer on one rank, below the num_blocks dimension."""
+    match spec:
+        case MLAAttentionSpec():
+            return (spec.block_size, spec.latent_dim)  # the whole latent: no K/V, not sharded
+        case _:
+            return (2, spec.block_size, spec.num_kv_heads_per_rank(tp_size), spec.head_dim)
+
+
 def _layer_view(shared: torch.Tensor, spec: KVCacheSpec, tp_size: int) -> torch.Tensor:
     """One layer's typed view of a shared byte tensor; its page is the front of each block row."""
-    shape = (2, spec.block_size, spec.num_kv_heads_per_rank(tp_size), spec.head_dim)
+    shape = layer_page_shape(spec, tp_size)
     page = shared[:, : spec.page_size_bytes(tp_size)]  # [num_blocks, page_size_bytes]
-    # [num_blocks, 2 (K, V), block_size, num_kv_heads_per_rank, head_dim]
+    # attention: [num_blocks, 2 (K, V), block_size, num_kv_heads_per_rank, head_dim]
+    # MLA: [num_blocks, block_size, latent_dim]
     view = page.view(torch_dtype(spec.dtype)).unflatten(1, shape)
     assert view.shape[1:] == shape, f"a {spec} page viewed as {tuple(view.shape)}"
     return view
