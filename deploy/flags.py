@@ -125,6 +125,12 @@ ENGINE_FLAGS = [
     ),
     Flag(("--hash-seed",), ("cache", "hash_seed"), "seed string of the block hashes (fleet-wide)"),
     Flag(
+        ("--prefix-cache-retention-interval",),
+        ("cache", "prefix_cache_retention_interval"),
+        "tokens between the boundaries where sliding-window groups keep blocks for prefix hits, "
+        "a multiple of --block-size; unset keeps every block",
+    ),
+    Flag(
         ("--kv-cache-metrics",),
         ("cache", "kv_cache_metrics"),
         "export KV-cache block lifetime, idle-before-eviction and reuse-gap histograms (s)",

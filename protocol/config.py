@@ -46,6 +46,17 @@ class CacheConfig(_Config, frozen=True):
     hash_seed: str = DEFAULT_HASH_SEED  # NONE_HASH derives from it; a fleet's engines must agree
     kv_cache_metrics: bool = False  # time sampled blocks: lifetime, idle before eviction, reuse
     kv_cache_metrics_sample: Fraction = 0.01  # share of block allocations timed
+    # Tokens between the boundaries where a sliding-window group keeps its blocks indexed for
+    # prefix hits (each interval's end, plus each prompt's replay boundary); None keeps all.
+    prefix_cache_retention_interval: PositiveInt | None = None
+
+    def __post_init__(self) -> None:
+        interval = self.prefix_cache_retention_interval
+        if interval is not None and interval % self.block_size:
+            raise ValueError(
+                f"prefix_cache_retention_interval {interval}: expected a positive multiple of "
+                f"block_size {self.block_size}"
+            )
 
 
 class SchedulerConfig(_Config, frozen=True):

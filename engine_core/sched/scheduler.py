@@ -17,7 +17,11 @@ from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.request import Request, RequestStatus
-from engine_core.sched.validation import validate_request
+from engine_core.sched.validation import (
+    max_num_encoder_tokens,
+    validate_encoder_tokens,
+    validate_request,
+)
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
@@ -54,6 +58,7 @@ class Scheduler:
         self.block_size = limits.block_size
         self._prefill_cap = limits.prefill_cap
         self.vocab_size = model_info.vocab_size
+        self.max_num_encoder_tokens = max_num_encoder_tokens(kv_cache_config.kv_cache_groups)
         self.eos_token_id = model_info.eos_token_id
         self.policy = scheduler_config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(
@@ -62,6 +67,7 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             hash_block_size=self.block_size,
             enable_kv_cache_events=enable_kv_cache_events,
+            prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval,
         )
         self._block_hasher = make_block_hasher(cache_config, self.block_size)
         self.requests: dict[str, Request] = {}  # by scoped_req_id
@@ -88,6 +94,7 @@ class Scheduler:
             prompt, params = validate_request(
                 request, self.max_model_len, self.vocab_size, req_id in self.requests
             )
+            encoder = validate_encoder_tokens(request, self.max_num_encoder_tokens, self.vocab_size)
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)
             return rejection(request.req_id, str(exc))
@@ -103,6 +110,7 @@ class Scheduler:
             client_id=client_id,
             handle=next(self._handles),
             client_req_id=request.req_id,
+            encoder_token_ids=encoder,
         )
         self.requests[req_id] = state
         self.admission.on_admitted(client_id)
@@ -284,6 +292,7 @@ class Scheduler:
                 num_new_computed_tokens=num_computed,
                 new_computed_blocks=computed_blocks,
                 num_lookahead_tokens=num_reserved if config.reserve_full_prompt else 0,
+                num_encoder_tokens=request.num_encoder_tokens,  # all at admission, and on resume
             )
             if new_blocks is None:
                 break

@@ -8,14 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_specs import BLOCK_SIZE, full_spec, window_spec
 
+from deploy.cli import core_main, core_parser, engine_config_from
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash, BlockHasher, get_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.retention import validate_retention_interval, window_block_mask
 from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from engine_core.sched.request import Request
+from engine_core.sched.scheduler import Scheduler
+from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_events import BlockStored
 from protocol.sampling import SamplingParams
+from protocol.worker_messages import ModelInfo
 
 WINDOW = window_spec(5)  # a hit reads cdiv(4, 2) = 2 blocks
 INTERVAL = 8  # tokens: 4 blocks per segment, of which a window hit reads the last 2
@@ -161,3 +165,46 @@ def test_replays_hit_the_same_under_any_interval(
         assert num_sparse == num_dense
     assert _num_indexed(sparse.block_pool, 1) <= _num_indexed(dense.block_pool, 1)
     assert _num_indexed(sparse.block_pool, 0) == _num_indexed(dense.block_pool, 0)
+
+
+def _engine_config_from(*argv: str) -> EngineConfig:
+    return engine_config_from(core_parser().parse_args(list(argv)))
+
+
+def test_the_flag_sets_the_cache_config_and_defaults_to_every_block() -> None:
+    assert EngineConfig().cache.prefix_cache_retention_interval is None
+    config = _engine_config_from("--block-size", "16", "--prefix-cache-retention-interval", "512")
+    assert config.cache.prefix_cache_retention_interval == 512
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--prefix-cache-retention-interval", "0"],
+            "--prefix-cache-retention-interval 0: expected `int` >= 1",
+        ),
+        (
+            ["--block-size", "16", "--prefix-cache-retention-interval", "24"],
+            "prefix_cache_retention_interval 24: expected a positive multiple of block_size 16",
+        ),
+    ],
+)
+def test_a_bad_interval_is_a_usage_error_naming_the_value(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        core_main(argv)
+    assert exited.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_the_scheduler_hands_the_interval_to_its_kv_cache_manager() -> None:
+    groups = [
+        KVCacheGroupSpec(["layer.0"], full_spec(4)),
+        KVCacheGroupSpec(["layer.1"], window_spec(5, 4)),
+    ]
+    model_info = ModelInfo("fake", 64, None, 128, groups)
+    cache_config = CacheConfig(block_size=4, prefix_cache_retention_interval=16)
+    scheduler = Scheduler(SchedulerConfig(), cache_config, KVCacheConfig(80, groups), model_info)
+    assert scheduler.kv_cache_manager.coordinator.retention_interval == 16
