@@ -83,6 +83,7 @@ def make_request(
     sampling_params: SamplingParams | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    encoder_token_ids: list[int] | None = None,  # an encoder-decoder model's encoder input
 ) -> EngineCoreRequest:
     return EngineCoreRequest(
         req_id=req_id,
@@ -91,6 +92,7 @@ def make_request(
         arrival_time=time.time(),
         priority=priority,
         cache_salt=cache_salt,
+        encoder_token_ids=None if encoder_token_ids is None else pack_int32(encoder_token_ids),
     )
 
 
@@ -311,10 +313,14 @@ class AsyncEngineClient:
             raise ValueError(f"req_id {request.req_id!r} is still running: expected a new req_id")
         queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._queues[request.req_id] = queue
-        await self._sock.send(self._encoder.encode(request))
-        try:
+        try:  # from here a cancel at any await drops the queue; the caller aborts the request
+            await self._sock.send(self._encoder.encode(request))
             while True:
-                item = await asyncio.wait_for(queue.get(), self.timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns an output that is
+                # ready in the loop turn of a cancel and drops the cancel, so a request whose
+                # client had left (the front end cancelled its task) generated to its end
+                async with asyncio.timeout(self.timeout_s):
+                    item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -336,7 +342,8 @@ class AsyncEngineClient:
         self._calls[call_id] = future
         await self._sock.send(self._encoder.encode(UtilityCall(call_id, method, list(args))))
         try:
-            result = await asyncio.wait_for(future, self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: see generate
+                result = await future
         except TimeoutError:
             raise TimeoutError(f"no answer to {method} in {self.timeout_s} s") from None
         finally:

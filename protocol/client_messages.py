@@ -41,6 +41,8 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fi
     arrival_time: float  # seconds since the epoch, as the client saw it
     priority: Priority = 0  # lower runs first under the priority policy
     cache_salt: CacheSalt | None = None  # isolates this request's prefix-cache entries
+    # int32 little-endian: an encoder-decoder model's encoder input; None for decoder-only models
+    encoder_token_ids: bytes | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

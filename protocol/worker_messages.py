@@ -60,6 +60,9 @@ class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int  # tokens already in the cache (prefix hit) before this step
+    # int32 little-endian: the encoder input whose K/V the workers write into the cross-attention
+    # blocks when the request is first scheduled (and again when it resumes); None: no encoder
+    encoder_token_ids: bytes | None = None
 
 
 class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):

@@ -13,8 +13,11 @@ from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
     RSWASpec,
     SlidingWindowSpec,
     cdiv,
@@ -377,6 +380,14 @@ def spec_manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheMana
             if isinstance(kv_cache_spec, RSWASpec):
                 return RSWAManager
             return ChunkedLocalAttentionManager
-        case FullAttentionSpec():
-            return FullAttentionManager
+        case FullAttentionSpec() | MLAAttentionSpec():
+            return FullAttentionManager  # an MLA layer attends to the whole prefix of latents
+        case CrossAttentionSpec():
+            from engine_core.kv_cache.cross_attention_manager import CrossAttentionManager
+
+            return CrossAttentionManager
+        case MambaSpec():
+            from engine_core.kv_cache.mamba_manager import MambaManager
+
+            return MambaManager
     raise TypeError(f"no KV-cache manager for spec {kv_cache_spec!r}")

@@ -105,6 +105,9 @@ def _new_request_data(request: Request, block_ids: BlockIds) -> NewRequestData:
         sampling_params=request.sampling_params,
         block_ids=block_ids,
         num_computed_tokens=request.num_computed_tokens,
+        encoder_token_ids=(
+            None if request.encoder_token_ids is None else pack_int32(request.encoder_token_ids)
+        ),
     )
 
 

@@ -5,9 +5,16 @@ blocks of those tokens fill up, generated tokens included.
 """
 
 import enum
+import hashlib
 from array import array
 
-from engine_core.kv_cache.hashing import BlockHash, BlockHasher, first_block_extra_keys
+from engine_core.kv_cache.hashing import (
+    BlockHash,
+    BlockHasher,
+    ExtraKey,
+    first_block_extra_keys,
+)
+from protocol.buffers import pack_int32
 from protocol.client_messages import FinishReason
 from protocol.sampling import SamplingParams
 
@@ -53,6 +60,7 @@ class Request:
         "cache_salt",
         "client_id",
         "client_req_id",
+        "encoder_token_ids",
         "eos_token_id",
         "finishing_token_ids",
         "handle",
@@ -82,6 +90,7 @@ class Request:
         client_id: bytes = b"",
         handle: int = 0,
         client_req_id: str | None = None,
+        encoder_token_ids: array | None = None,
     ) -> None:
         self.req_id = req_id  # unique in the engine: the client's own id, scoped by its client
         self.client_req_id = req_id if client_req_id is None else client_req_id  # in outputs
@@ -91,6 +100,8 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # An encoder-decoder model's encoder input, whose K/V fill the cross-attention blocks.
+        self.encoder_token_ids = encoder_token_ids
         self.eos_token_id = eos_token_id
         # Derived once from the frozen sampling params, for the stop rules on every step.
         self.finishing_token_ids = frozenset(
@@ -116,6 +127,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return 0 if self.encoder_token_ids is None else len(self.encoder_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -151,8 +166,18 @@ class Request:
         if self._block_hasher is not None:
             block_hashes = self.block_hashes
             # Extra keys go on block 0 only: once it is hashed, they are never read again.
-            extra_keys = () if block_hashes else first_block_extra_keys(self.cache_salt)
+            extra_keys = () if block_hashes else self._first_block_extra_keys()
             self._block_hasher.extend_hashes(block_hashes, self.all_token_ids, extra_keys)
+
+    def _first_block_extra_keys(self) -> tuple[ExtraKey, ...]:
+        """The salt's keys, and a digest of the encoder input: every decoder block's K/V past
+        the first cross-attention layer depend on it, so two requests share a prefix only when
+        their encoder inputs are equal."""
+        extra_keys = first_block_extra_keys(self.cache_salt)
+        if self.encoder_token_ids is None:
+            return extra_keys
+        digest = hashlib.sha256(pack_int32(self.encoder_token_ids)).hexdigest()
+        return (*extra_keys, ("encoder", digest))
 
     def check_invariants(self) -> None:
         assert 0 <= self.num_computed_tokens <= self.num_tokens, repr(self)

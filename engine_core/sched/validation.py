@@ -12,6 +12,7 @@ import msgspec
 from protocol.bounds import checked_copy
 from protocol.buffers import unpack_int32
 from protocol.client_messages import EngineCoreRequest
+from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheGroupSpec
 from protocol.sampling import SamplingParams
 
 
@@ -55,6 +56,53 @@ def validate_request(
                 f"expected 0 <= id < {vocab_size}"
             )
     return prompt, params
+
+
+def max_num_encoder_tokens(kv_cache_groups: list[KVCacheGroupSpec]) -> int | None:
+    """The longest encoder input the model's cross-attention groups take; None without one."""
+    limits = [
+        group.spec.max_num_encoder_tokens
+        for group in kv_cache_groups
+        if isinstance(group.spec, CrossAttentionSpec)
+    ]
+    return min(limits) if limits else None
+
+
+def validate_encoder_tokens(
+    request: EngineCoreRequest, max_num_encoder_tokens: int | None, vocab_size: int
+) -> array | None:
+    """The encoder input's token ids (None for a decoder-only model), or `ValueError`.
+
+    Args:
+        max_num_encoder_tokens: the model's longest encoder input; None when the model has no
+            cross-attention group, and then a request must bring no encoder input.
+    """
+    if max_num_encoder_tokens is None:
+        if request.encoder_token_ids is not None:
+            raise ValueError(
+                f"{request.req_id!r} brings encoder_token_ids, but the model has no "
+                "cross-attention layers: expected none"
+            )
+        return None
+    if request.encoder_token_ids is None:
+        raise ValueError(
+            f"{request.req_id!r} brings no encoder_token_ids: the encoder-decoder model expects "
+            f"1 to {max_num_encoder_tokens} encoder tokens"
+        )
+    encoder = unpack_int32(request.encoder_token_ids)
+    if not 1 <= len(encoder) <= max_num_encoder_tokens:
+        raise ValueError(
+            f"encoder input of {request.req_id!r} has {len(encoder)} tokens: expected 1 to "
+            f"max_num_encoder_tokens={max_num_encoder_tokens}"
+        )
+    low, high = min(encoder), max(encoder)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"token id {bad} in the encoder input of {request.req_id!r} is out of the "
+            f"vocabulary: expected 0 <= id < {vocab_size}"
+        )
+    return encoder
 
 
 def _checked_sampling_params(params: SamplingParams) -> SamplingParams:
