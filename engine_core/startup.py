@@ -76,11 +76,17 @@ def start_kv_event_publisher(
 
 
 def bind_clients(
-    config: EngineConfig, ctx: zmq.Context, endpoints: Endpoints, max_model_len: int
+    config: EngineConfig,
+    ctx: zmq.Context,
+    endpoints: Endpoints,
+    max_model_len: int,
+    max_num_encoder_tokens: int = 0,
 ) -> ClientRouter:
-    """The client socket, refusing frames longer than a max_model_len prompt plus headroom."""
+    """The client socket, refusing frames longer than a max_model_len prompt, the longest
+    encoder input (0 without an encoder) and headroom."""
     sock = ctx.socket(zmq.ROUTER)
-    max_frame_bytes = 4 * max_model_len + REQUEST_FRAME_HEADROOM_BYTES  # int32 token ids
+    num_token_ids = max_model_len + max_num_encoder_tokens
+    max_frame_bytes = 4 * num_token_ids + REQUEST_FRAME_HEADROOM_BYTES  # int32 token ids
     ClientRouter.configure(sock, max_frame_bytes, CLIENT_LINGER_MS)
     try:
         endpoints.bind(sock, config.client_address, "--client-address")

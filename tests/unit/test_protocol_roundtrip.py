@@ -15,6 +15,7 @@ from protocol.client_messages import (
     UtilityResult,
 )
 from protocol.kv_cache_spec import (
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -63,6 +64,7 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
 specs = st.one_of(
     st.builds(FullAttentionSpec, positives, positives, positives, st.sampled_from(["float32"])),
     st.builds(SlidingWindowSpec, positives, positives, positives, st.just("bfloat16"), positives),
+    st.builds(CrossAttentionSpec, positives, positives, positives, st.just("float32"), positives),
 )
 group_specs = st.builds(KVCacheGroupSpec, st.lists(texts, max_size=3), specs)
 kv_cache_configs = st.builds(
@@ -81,6 +83,7 @@ client_to_engine = st.one_of(
         floats,
         st.integers(-(2**31), 2**31 - 1),  # priority: an int32 on the wire
         st.none() | st.text(min_size=1, max_size=20),
+        st.none() | int32_bytes,  # encoder_token_ids
     ),
     st.builds(AbortRequests, st.lists(req_ids, max_size=4)),
     st.builds(UtilityCall, st.integers(0, 2**63 - 1), texts, st.lists(stat_values, max_size=4)),
@@ -106,7 +109,13 @@ engine_to_client = st.one_of(
 )
 
 new_requests = st.builds(
-    NewRequestData, naturals, int32_bytes, sampling_params(), block_tables, naturals
+    NewRequestData,
+    naturals,
+    int32_bytes,
+    sampling_params(),
+    block_tables,
+    naturals,
+    st.none() | int32_bytes,  # encoder_token_ids
 )
 cached_requests = st.builds(
     CachedRequestData,
