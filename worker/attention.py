@@ -1,8 +1,8 @@
 """PagedKV: one step's view of the paged KV cache: writes new K/V, gathers each query's context.
 
-A query at position p reads positions [p - window + 1, p] (or [0, p] for full attention), always
-through the block table. It never gathers a position outside its window: the engine may already
-have freed those blocks. Context indices are built once per group and step and reused by its layers.
+A query reads the positions its group's spec allows (see `read_bounds`), always through the block
+table. It never gathers a position outside them: the engine may already have freed those blocks.
+Context indices are built once per group and step and reused by its layers.
 """
 
 import time
@@ -12,7 +12,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheConfig, SlidingWindowSpec
+from protocol.kv_cache_spec import (
+    NULL_BLOCK_ID,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+)
 from worker.block_table import BlockTable, MultiGroupBlockTable
 
 GATHER_BUDGET = 1 << 15  # query x context entries per chunk; bounds the gathered K/V and scores
@@ -27,6 +35,7 @@ class StepLayout:
     num_queries: np.ndarray  # [R] its scheduled token count
     token_offsets: np.ndarray  # [R] index of its first token in the flattened batch
     logits_reqs: np.ndarray  # [S] the requests sampled this step (their chunk reaches the end)
+    num_prompt_tokens: np.ndarray  # [R] leading tokens that came with it (R-SWA reads them all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +59,41 @@ class KVContext(Protocol):
     def gather(self, layer_name: str, chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def _window_start(positions: np.ndarray, window: int | None) -> np.ndarray:
-    if window is None:
-        return np.zeros_like(positions)
-    return np.maximum(positions - window + 1, 0)
+def read_bounds(
+    spec: KVCacheSpec, positions: np.ndarray, num_prompt_tokens: np.ndarray | int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(head_end, tail_start) of each query position p: it reads [0, head_end) and [tail_start, p].
+
+    head_end <= tail_start, so no position is read twice. Full attention reads [0, p]; a sliding
+    window the `sliding_window` tokens up to p; chunked local attention p's own chunk; R-SWA the
+    prompt and the `rswa_window` tokens before p:
+
+    ```
+    R-SWA, p past the prompt:  | prompt: [0, head_end) | gap, never read | [p - rswa_window, p] |
+    ```
+    """
+    head_end = np.zeros_like(positions)
+    match spec:
+        case SlidingWindowSpec():
+            return head_end, np.maximum(positions - spec.sliding_window + 1, 0)
+        case ChunkedLocalAttentionSpec():
+            return head_end, positions // spec.attention_chunk_size * spec.attention_chunk_size
+        case RSWASpec():
+            tail_start = np.maximum(positions - spec.rswa_window, 0)
+            # A query inside the prompt, or whose window reaches back into it, reads all of [0, p].
+            return np.minimum(num_prompt_tokens, tail_start), tail_start
+    return head_end, head_end
+
+
+def read_mask(
+    spec: KVCacheSpec,
+    ctx_pos: np.ndarray,
+    query_pos: np.ndarray,
+    num_prompt_tokens: np.ndarray | int,
+) -> np.ndarray:
+    """True where a query at `query_pos` reads the entry at `ctx_pos` (broadcast together)."""
+    head_end, tail_start = read_bounds(spec, query_pos, num_prompt_tokens)
+    return (ctx_pos <= query_pos) & ((ctx_pos < head_end) | (ctx_pos >= tail_start))
 
 
 class PagedKV:
@@ -77,18 +117,20 @@ class PagedKV:
         self.layout = layout
         self.tables = tables
         self.layer_to_group: dict[str, int] = {}
-        self.windows: list[int | None] = []
+        self.specs: list[KVCacheSpec] = []  # what each group's queries read (`read_bounds`)
         for group_idx, group in enumerate(kv_cache_config.kv_cache_groups):
             for name in group.layer_names:
                 self.layer_to_group[name] = group_idx
-            spec = group.spec
-            self.windows.append(
-                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            )
+            self.specs.append(group.spec)
         token_rows = np.repeat(layout.rows, layout.num_queries)
         token_positions = self._token_positions()
+        # A cross-attention group holds encoder K/V, never a decoder token's: PagedCrossKV
+        # (worker/cross_attention.py) owns it, so decoder positions skip its table.
         self.write_indices = [
-            self._block_indices(table, token_rows, token_positions) for table in tables.tables
+            None
+            if isinstance(spec, CrossAttentionSpec)
+            else self._block_indices(table, token_rows, token_positions)
+            for spec, table in zip(self.specs, tables.tables, strict=True)
         ]
         self._chunks: dict[tuple[int, bool], list[ContextChunk]] = {}
         self.build_s = 0.0  # seconds spent building context indices (batch preparation, not model)
@@ -138,42 +180,40 @@ class PagedKV:
         return self._chunks[key]
 
     def _build_chunks(self, group_idx: int, logits_only: bool) -> list[ContextChunk]:
-        layout, window = self.layout, self.windows[group_idx]
+        layout, spec = self.layout, self.specs[group_idx]
         table = self.tables[group_idx]
         last_positions = layout.first_positions + layout.num_queries - 1
         if logits_only:
             reqs = layout.logits_reqs
-            single = (
-                layout.rows[reqs],
+            last_query = (
                 last_positions[reqs],
                 layout.token_offsets[reqs] + layout.num_queries[reqs] - 1,
             )
-            return self._single_query_chunks(table, window, *single)
+            return self._single_query_chunks(table, spec, reqs, *last_query)
         is_single = layout.num_queries == 1
+        singles = np.flatnonzero(is_single)
         chunks = self._single_query_chunks(
-            table,
-            window,
-            layout.rows[is_single],
-            layout.first_positions[is_single],
-            layout.token_offsets[is_single],
+            table, spec, singles, layout.first_positions[singles], layout.token_offsets[singles]
         )
         for req in np.flatnonzero(~is_single):
-            chunks.extend(self._prefill_chunks(table, window, req))
+            chunks.extend(self._prefill_chunks(table, spec, req))
         return chunks
 
     def _single_query_chunks(
         self,
         table: BlockTable,
-        window: int | None,
-        rows: np.ndarray,
+        spec: KVCacheSpec,
+        reqs: np.ndarray,
         positions: np.ndarray,
         token_idx: np.ndarray,
     ) -> list[ContextChunk]:
-        """Decode-like queries, many per chunk, each context padded to the longest one."""
-        if len(rows) == 0:
+        """Decode-like queries of `reqs` (indices into the layout), many per chunk, each context
+        padded to the longest one: entry o is o in the head, then tail_start - head_end + o."""
+        if len(reqs) == 0:
             return []
-        starts = _window_start(positions, window)
-        lengths = positions - starts + 1
+        rows = self.layout.rows[reqs]
+        head_ends, tail_starts = read_bounds(spec, positions, self.layout.num_prompt_tokens[reqs])
+        lengths = head_ends + positions - tail_starts + 1
         per_chunk = max(1, GATHER_BUDGET // int(lengths.max()))
         chunks = []
         for lo in range(0, len(rows), per_chunk):
@@ -181,29 +221,35 @@ class PagedKV:
             num_ctx = int(lengths[part].max())
             offsets = np.arange(num_ctx)[None, :]
             valid = offsets < lengths[part, None]  # [S, L]
-            ctx_pos = np.minimum(starts[part, None] + offsets, positions[part, None])
+            head_end = head_ends[part, None]
+            ctx_pos = np.where(
+                offsets < head_end, offsets, tail_starts[part, None] - head_end + offsets
+            )
+            ctx_pos = np.minimum(ctx_pos, positions[part, None])  # padding repeats the query's own
             chunks.append(
                 self._chunk(table, rows[part], ctx_pos, token_idx[part, None], valid[:, None, :])
             )
         return chunks
 
-    def _prefill_chunks(
-        self, table: BlockTable, window: int | None, req: int
-    ) -> list[ContextChunk]:
-        """One request's queries, split so that queries x context stays within the budget."""
+    def _prefill_chunks(self, table: BlockTable, spec: KVCacheSpec, req: int) -> list[ContextChunk]:
+        """One request's queries, split so that queries x context stays within the budget.
+
+        A split's context is the union of its queries' reads: the head of its last query and the
+        tail from its first query's tail_start, which no engine step has freed yet.
+        """
         layout = self.layout
         first, count = int(layout.first_positions[req]), int(layout.num_queries[req])
         row, offset = int(layout.rows[req]), int(layout.token_offsets[req])
+        num_prompt_tokens = int(layout.num_prompt_tokens[req])
         per_chunk = max(1, GATHER_BUDGET // (first + count))
         chunks = []
         for q_lo in range(first, first + count, per_chunk):
             q_hi = min(q_lo + per_chunk, first + count)
-            ctx_lo = int(_window_start(np.array([q_lo]), window)[0])
-            ctx_pos = np.arange(ctx_lo, q_hi)[None, :]  # [1, L]
             query_pos = np.arange(q_lo, q_hi)[:, None]  # [n, 1]
-            visible = ctx_pos <= query_pos
-            if window is not None:
-                visible &= ctx_pos > query_pos - window
+            head_ends, tail_starts = read_bounds(spec, query_pos[:, 0], num_prompt_tokens)
+            head_end, tail_start = min(int(head_ends[-1]), int(tail_starts[0])), int(tail_starts[0])
+            ctx_pos = np.concatenate((np.arange(head_end), np.arange(tail_start, q_hi)))[None, :]
+            visible = read_mask(spec, ctx_pos, query_pos, num_prompt_tokens)  # [n, L]
             query_idx = (offset + query_pos[:, 0] - first)[None, :]
             chunks.append(self._chunk(table, np.array([row]), ctx_pos, query_idx, visible[None]))
         return chunks

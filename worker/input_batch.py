@@ -20,6 +20,7 @@ class ParkedRequest:
 
     token_ids: np.ndarray  # [num_tokens] int32
     sampling_params: SamplingParams
+    num_prompt_tokens: int | None = None  # leading token_ids that came with it; None: all of them
 
 
 class InputBatch:
@@ -28,6 +29,8 @@ class InputBatch:
     Invariants:
     - `handle_to_row` and `handles[:num_reqs]` are inverse maps; rows past num_reqs hold no request.
     - 0 < num_tokens[row] <= max_model_len for live rows, 0 for the others.
+    - 0 < num_prompt_tokens[row] <= num_tokens[row] for live rows, 0 for the others: the engine's
+      num_prompt_tokens of the request, which R-SWA layers keep reading while they decode.
     - the block tables have as many rows as the token array.
     """
 
@@ -36,6 +39,7 @@ class InputBatch:
         rows = INITIAL_MAX_NUM_REQS
         self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)  # [rows, max_model_len]
         self.num_tokens = np.zeros(rows, dtype=np.int32)  # [rows]
+        self.num_prompt_tokens = np.zeros(rows, dtype=np.int32)  # [rows]
         self.handles: list[int | None] = [None] * rows
         self.sampling_params: list[SamplingParams | None] = [None] * rows
         self.handle_to_row: dict[int, int] = {}
@@ -51,10 +55,18 @@ class InputBatch:
         token_ids: np.ndarray,
         sampling_params: SamplingParams,
         block_ids: tuple[list[int], ...],
+        num_prompt_tokens: int | None = None,  # leading token_ids that are its prompt; None: all
     ) -> int:
         """Give `handle` the next free row and return it."""
         if handle in self.handle_to_row:
             raise ValueError(f"request {handle} already has row {self.handle_to_row[handle]}")
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(token_ids)
+        if not 0 < num_prompt_tokens <= len(token_ids):
+            raise ValueError(
+                f"request {handle} has a {num_prompt_tokens}-token prompt, expected 1 to its "
+                f"{len(token_ids)} tokens"
+            )
         row = self.num_reqs
         if row == len(self.handles):
             self._grow(2 * row)
@@ -63,6 +75,7 @@ class InputBatch:
         self.sampling_params[row] = sampling_params
         self.num_tokens[row] = 0
         self.append_token_ids(row, token_ids)
+        self.num_prompt_tokens[row] = num_prompt_tokens
         self.block_table.add_row(block_ids, row)
         return row
 
@@ -70,7 +83,9 @@ class InputBatch:
         """Free the row of `handle`, moving the last row into it, and return what the row held."""
         row = self.handle_to_row.pop(handle)
         parked = ParkedRequest(
-            self.token_ids[row, : self.num_tokens[row]].copy(), self.sampling_params[row]
+            self.token_ids[row, : self.num_tokens[row]].copy(),
+            self.sampling_params[row],
+            int(self.num_prompt_tokens[row]),
         )
         last = self.num_reqs  # the row count after the pop
         if row != last:
@@ -78,6 +93,7 @@ class InputBatch:
         self.handles[last] = None
         self.sampling_params[last] = None
         self.num_tokens[last] = 0
+        self.num_prompt_tokens[last] = 0
         self.block_table.clear_row(last)
         return parked
 
@@ -106,6 +122,7 @@ class InputBatch:
         num_tokens = int(self.num_tokens[src])
         self.token_ids[tgt, :num_tokens] = self.token_ids[src, :num_tokens]
         self.num_tokens[tgt] = num_tokens
+        self.num_prompt_tokens[tgt] = self.num_prompt_tokens[src]
         self.handles[tgt] = self.handles[src]
         self.sampling_params[tgt] = self.sampling_params[src]
         self.handle_to_row[self.handles[tgt]] = tgt
@@ -118,6 +135,9 @@ class InputBatch:
             (self.token_ids, np.zeros((extra, self.max_model_len), dtype=np.int32))
         )
         self.num_tokens = np.concatenate((self.num_tokens, np.zeros(extra, dtype=np.int32)))
+        self.num_prompt_tokens = np.concatenate(
+            (self.num_prompt_tokens, np.zeros(extra, dtype=np.int32))
+        )
         self.handles.extend([None] * extra)
         self.sampling_params.extend([None] * extra)
         self.block_table.grow(rows)
@@ -130,9 +150,14 @@ class InputBatch:
             assert 0 < self.num_tokens[row] <= self.max_model_len, (
                 f"request {handle} holds {self.num_tokens[row]} tokens"
             )
+            assert 0 < self.num_prompt_tokens[row] <= self.num_tokens[row], (
+                f"request {handle} has a {self.num_prompt_tokens[row]}-token prompt in "
+                f"{self.num_tokens[row]} tokens"
+            )
         free_rows = range(num_reqs, len(self.handles))
         assert all(self.handles[row] is None for row in free_rows), "a free row names a request"
         assert not self.num_tokens[num_reqs:].any(), "a free row holds tokens"
+        assert not self.num_prompt_tokens[num_reqs:].any(), "a free row has a prompt length"
         for table in self.block_table.tables:
             assert table.max_num_reqs == len(self.handles), (
                 f"block table has {table.max_num_reqs} rows, batch has {len(self.handles)}"

@@ -14,7 +14,12 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheConfig, shared_tensor_layers
+from protocol.kv_cache_spec import (
+    NULL_BLOCK_ID,
+    KVCacheConfig,
+    MLAAttentionSpec,
+    shared_tensor_layers,
+)
 from protocol.worker_messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -211,7 +216,9 @@ class ModelRunner:
         if handle in self.parked:
             parked = self.parked.pop(handle)
             token_ids = np.concatenate((parked.token_ids, tokens))
-            return batch.add_request(handle, token_ids, parked.sampling_params, block_ids)
+            return batch.add_request(
+                handle, token_ids, parked.sampling_params, block_ids, parked.num_prompt_tokens
+            )
         if handle in batch.handle_to_row:
             raise ValueError(
                 f"resumed request {handle} is still in the batch of rank {self.rank} at row "
@@ -252,7 +259,8 @@ class ModelRunner:
         token_ids = batch.token_ids[np.repeat(rows, counts), positions]
         logits_reqs = np.flatnonzero(ends == known)  # the others are partial prefill chunks
         logits_idx = offsets[logits_reqs] + counts[logits_reqs] - 1
-        layout = StepLayout(rows, first, counts, offsets, logits_reqs)
+        num_prompt_tokens = batch.num_prompt_tokens[rows].astype(np.int64)
+        layout = StepLayout(rows, first, counts, offsets, logits_reqs, num_prompt_tokens)
         kv = PagedKV(self.kv_caches, self.kv_cache_config, batch.block_table, layout, self.device)
         sample_reqs = [
             SampleRequest(
@@ -301,14 +309,19 @@ class ModelRunner:
             for name in group.layer_names:
                 cache = self.kv_caches[name]
                 shape = tuple(cache.shape)
-                assert (
-                    len(shape) == 5
-                    and shape[:3] == (num_blocks, 2, spec.block_size)
-                    and shape[4] == spec.head_dim
-                ), (
-                    f"layer {name} cache is {shape}, expected ({num_blocks}, 2, "
-                    f"{spec.block_size}, num_kv_heads_per_rank, {spec.head_dim})"
-                )
+                match spec:
+                    case MLAAttentionSpec():  # the whole latent on every rank: no K/V, no heads
+                        expected = (num_blocks, spec.block_size, spec.latent_dim)
+                        assert shape == expected, f"layer {name} cache is {shape}, not {expected}"
+                    case _:
+                        assert (
+                            len(shape) == 5
+                            and shape[:3] == (num_blocks, 2, spec.block_size)
+                            and shape[4] == spec.head_dim
+                        ), (
+                            f"layer {name} cache is {shape}, expected ({num_blocks}, 2, "
+                            f"{spec.block_size}, num_kv_heads_per_rank, {spec.head_dim})"
+                        )
                 assert not cache[NULL_BLOCK_ID].any(), f"layer {name} wrote into the null block"
         for layer_names in shared_tensor_layers(self.kv_cache_config.kv_cache_groups):
             storages = {self.kv_caches[name].untyped_storage().data_ptr() for name in layer_names}

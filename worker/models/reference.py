@@ -1,21 +1,24 @@
 """Reference generation: each model's tokens computed without paging, from the prompt alone.
 
-tiny-llama runs a dense causal forward over the whole sequence per token; checksum and fixed-time
-sum their values straight from the token list. Stop rules match the engine's: max_tokens,
-max_model_len, and EOS (unless ignore_eos) or a stop id after min_tokens; the stop token is kept.
+tiny-llama runs a dense forward over the whole sequence per token, each layer masked as its spec
+reads (`read_mask`; R-SWA also by the prompt's length); checksum and fixed-time sum their values
+straight from the token list. Stop rules match the engine's: max_tokens, max_model_len, and EOS
+(unless ignore_eos) or a stop id after min_tokens; the stop token is kept.
 """
 
 from collections.abc import Callable
 
 import torch
 
-from protocol.kv_cache_spec import SlidingWindowSpec
+from protocol.kv_cache_spec import KVCacheSpec
 from protocol.sampling import SamplingParams
-from worker.attention import ContextChunk
+from worker.attention import ContextChunk, read_mask
 from worker.distributed import single_rank_group
 from worker.models.checksum import CHECKSUM, context_sum, kv_values, mix_logits
 from worker.models.registry import CHECKSUMS, TINY_LLAMAS, get_model_info
 from worker.models.tiny_llama import TinyLlama
+from worker.models.tiny_mla import TINY_MLA
+from worker.models.tiny_mla_reference import tiny_mla_logits
 from worker.sampler import Sampler, SampleRequest
 
 
@@ -24,11 +27,23 @@ class DenseKV:
 
     It lives for one dense forward, which writes every layer's K/V of all positions at once, so
     there is no state to walk between steps.
+
+    Args:
+        specs: each layer's KV-cache spec, which decides what its queries read; None is full
+            attention.
+        num_prompt_tokens: the leading tokens that are the prompt (R-SWA reads them all); None:
+            the whole sequence.
     """
 
-    def __init__(self, num_tokens: int, windows: dict[str, int | None]) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        specs: dict[str, KVCacheSpec | None],
+        num_prompt_tokens: int | None = None,
+    ) -> None:
         self.num_tokens = num_tokens
-        self.windows = windows
+        self.specs = specs
+        self.num_prompt_tokens = num_tokens if num_prompt_tokens is None else num_prompt_tokens
         self.store: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -37,10 +52,12 @@ class DenseKV:
     def chunks(self, layer_name: str, logits_only: bool = False) -> list[ContextChunk]:
         positions = torch.arange(self.num_tokens)
         queries = positions[-1:] if logits_only else positions
-        visible = positions[None, :] <= queries[:, None]  # [n, T]
-        window = self.windows[layer_name]
-        if window is not None:
-            visible &= positions[None, :] > queries[:, None] - window
+        spec = self.specs[layer_name]
+        if spec is None:
+            visible = positions[None, :] <= queries[:, None]  # [n, T]
+        else:
+            ctx, query = positions.numpy()[None, :], queries.numpy()[:, None]
+            visible = torch.from_numpy(read_mask(spec, ctx, query, self.num_prompt_tokens))
         zeros = torch.zeros((1, self.num_tokens), dtype=torch.int64)  # [1, T]
         return [ContextChunk(queries[None, :], zeros, zeros, positions[None, :], visible[None])]
 
@@ -68,9 +85,14 @@ class ReferenceModel:
 
     def __init__(self, model_name: str, seed: int = 0, sampling_seed: int = 0) -> None:
         self.info = get_model_info(model_name, block_size=16)
-        self._logits_of = (
-            _checksum_logits if model_name in CHECKSUMS else _tiny_llama_logits(model_name, seed)
-        )
+        if model_name == TINY_MLA.name:  # its own dense forward, over latents (tiny_mla_reference)
+            self._logits_of = _whole_sequence_logits(tiny_mla_logits(seed))
+        else:
+            self._logits_of = (
+                _whole_sequence_logits(_checksum_logits)
+                if model_name in CHECKSUMS
+                else _tiny_llama_logits(model_name, seed)
+            )
         self._sampler = Sampler(sampling_seed)
 
     def generate(
@@ -87,7 +109,7 @@ class ReferenceModel:
         limit = min(max_model_len or info.max_model_len, info.max_model_len)
         sequence, output = list(prompt_token_ids), []
         while len(sequence) < limit:
-            logits = self._logits_of(sequence)
+            logits = self._logits_of(sequence, len(prompt_token_ids))
             request = SampleRequest(handle, sampling_params, len(sequence))
             token_id = int(self._sampler.sample(logits[None], [request])[0])
             sequence.append(token_id)
@@ -114,6 +136,17 @@ def reference_generate(
     )
 
 
+def _whole_sequence_logits(
+    logits_of: Callable[[list[int]], torch.Tensor],
+) -> Callable[[list[int], int], torch.Tensor]:
+    """A model whose every layer reads every earlier position: the prompt length does not matter."""
+
+    def logits(sequence: list[int], num_prompt_tokens: int) -> torch.Tensor:
+        return logits_of(sequence)
+
+    return logits
+
+
 def _checksum_logits(sequence: list[int]) -> torch.Tensor:
     """Logits of the next token: the context sum over every position, layer and head."""
     tokens = torch.tensor(sequence, dtype=torch.int64)
@@ -127,19 +160,18 @@ def _checksum_logits(sequence: list[int]) -> torch.Tensor:
     return mix_logits(total, CHECKSUM.vocab_size)[0]
 
 
-def _tiny_llama_logits(model_name: str, seed: int) -> Callable[[list[int]], torch.Tensor]:
+def _tiny_llama_logits(model_name: str, seed: int) -> Callable[[list[int], int], torch.Tensor]:
     config = TINY_LLAMAS[model_name]
     model = TinyLlama(config, single_rank_group(), seed, torch.device("cpu"))
-    windows = {}
+    specs: dict[str, KVCacheSpec | None] = {}
     for group in config.kv_cache_groups(block_size=16, dtype="float64"):
-        spec = group.spec
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        windows.update(dict.fromkeys(group.layer_names, window))
+        specs.update(dict.fromkeys(group.layer_names, group.spec))
 
-    def logits_of(sequence: list[int]) -> torch.Tensor:
+    def logits_of(sequence: list[int], num_prompt_tokens: int) -> torch.Tensor:
         tokens = torch.tensor(sequence, dtype=torch.int64)
         positions = torch.arange(len(sequence), dtype=torch.int64)
         last = torch.tensor([len(sequence) - 1])
-        return model.forward(tokens, positions, last, DenseKV(len(sequence), windows))[0]
+        kv = DenseKV(len(sequence), specs, num_prompt_tokens)
+        return model.forward(tokens, positions, last, kv)[0]
 
     return logits_of

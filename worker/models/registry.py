@@ -2,7 +2,9 @@
 
 Names: `checksum`, `fixed-time` (checksum held to a set time per forward), `tiny-llama` and
 `tiny-llama-hybrid` (full and sliding-window layers: two KV-cache groups). kv_cache_groups report
-the whole model's num_kv_heads, before TP sharding. tiny-llama's KV is exact in float32 and float64.
+the whole model's num_kv_heads, before TP sharding. `tiny-local` has full-attention, chunked-local
+and R-SWA layers (three groups). tiny-llama's KV is exact in float32 and float64.
+`tiny-mla` caches one latent per token and layer (one MLA group, the same latent on every rank).
 """
 
 from typing import Protocol
@@ -15,14 +17,22 @@ from worker.attention import KVContext
 from worker.distributed import TPGroup
 from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
 from worker.models.fixed_time import FIXED_TIME, build_fixed_time
-from worker.models.tiny_llama import TINY_LLAMA, TINY_LLAMA_HYBRID, TinyLlama, TinyLlamaConfig
+from worker.models.tiny_llama import (
+    TINY_LLAMA,
+    TINY_LLAMA_HYBRID,
+    TINY_LOCAL,
+    TinyLlama,
+    TinyLlamaConfig,
+)
+from worker.models.tiny_mla import TINY_MLA, TinyMLA
 
 TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LLAMA.name: TINY_LLAMA,
     TINY_LLAMA_HYBRID.name: TINY_LLAMA_HYBRID,
+    TINY_LOCAL.name: TINY_LOCAL,
 }
 CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}
-MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS)
+MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name)
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 
 
@@ -54,6 +64,9 @@ def get_model_info(name: str, block_size: int, dtype: str = "float32") -> ModelI
     if name in CHECKSUMS:
         config = CHECKSUMS[name]
         groups = config.kv_cache_groups(block_size)
+    elif name == TINY_MLA.name:
+        config = TINY_MLA  # one MLA group: a latent per token and layer, the same on every rank
+        groups = config.kv_cache_groups(block_size, dtype)
     else:
         config = TINY_LLAMAS[name]
         groups = config.kv_cache_groups(block_size, dtype)
@@ -79,4 +92,6 @@ def build_model(
         return ChecksumModel(CHECKSUM, tp_group, device)
     if name == FIXED_TIME.name:
         return build_fixed_time(tp_group, device, model_step_ms)
+    if name == TINY_MLA.name:
+        return TinyMLA(TINY_MLA, tp_group, seed, device)
     return TinyLlama(TINY_LLAMAS[name], tp_group, seed, device)

@@ -2,14 +2,22 @@
 
 Seeded weights; heads and MLP columns sharded over TP ranks, all-reduced after attention and MLP.
 Fixed-point arithmetic (models/fixed_point.py) makes tokens bit-identical for any TP size, chunking,
-batch or block size. Optional sliding-window layers make the hybrid, with a second KV-cache group.
+batch or block size. Optional sliding-window, chunked-local and R-SWA layers each add a KV-cache
+group (tiny-llama-hybrid, tiny-local).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from protocol.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+)
 from worker.attention import KVContext
 from worker.distributed import TPGroup
 from worker.models.fixed_point import (
@@ -40,30 +48,59 @@ class TinyLlamaConfig:
     eos_token_id: int = 2
     sliding_window: int | None = None  # tokens, the current one included
     sliding_layers: tuple[int, ...] = ()  # layers that attend only within the window
+    attention_chunk_size: int | None = None  # tokens per chunk of the chunked-local layers
+    chunked_local_layers: tuple[int, ...] = ()  # layers that attend only within their chunk
+    rswa_window: int | None = None  # tokens before the current one that R-SWA layers read
+    rswa_layers: tuple[int, ...] = ()  # layers that read the prompt and a window (R-SWA)
 
     def layer_name(self, layer_idx: int) -> str:
         return f"layers.{layer_idx}.attn"
 
     def kv_cache_groups(self, block_size: int, dtype: str) -> list[KVCacheGroupSpec]:
-        """Full-attention layers first, then the sliding-window ones (a second group)."""
-        full = [i for i in range(self.num_layers) if i not in self.sliding_layers]
-        dims = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        groups = [
-            KVCacheGroupSpec(
-                [self.layer_name(i) for i in full], FullAttentionSpec(**dims, dtype=dtype)
-            )
-        ]
+        """Full-attention layers first, then one group per other kind that the model has:
+        sliding window, chunked local, R-SWA."""
+        dims = dict(
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+        local: list[tuple[tuple[int, ...], KVCacheSpec]] = []
         if self.sliding_layers:
-            if self.sliding_window is None:
-                raise ValueError(f"model {self.name} has sliding layers but no sliding_window")
-            spec = SlidingWindowSpec(**dims, dtype=dtype, sliding_window=self.sliding_window)
-            names = [self.layer_name(i) for i in sorted(self.sliding_layers)]
-            groups.append(KVCacheGroupSpec(names, spec))
-        return groups
+            window = self._size(self.sliding_window, "sliding_window")
+            local.append((self.sliding_layers, SlidingWindowSpec(**dims, sliding_window=window)))
+        if self.chunked_local_layers:
+            chunk = self._size(self.attention_chunk_size, "attention_chunk_size")
+            spec = ChunkedLocalAttentionSpec(**dims, attention_chunk_size=chunk)
+            local.append((self.chunked_local_layers, spec))
+        if self.rswa_layers:
+            window = self._size(self.rswa_window, "rswa_window")
+            local.append((self.rswa_layers, RSWASpec(**dims, rswa_window=window)))
+        local_layers = {i for layers, _ in local for i in layers}
+        full = tuple(i for i in range(self.num_layers) if i not in local_layers)
+        groups = [(full, FullAttentionSpec(**dims)), *local]
+        return [
+            KVCacheGroupSpec([self.layer_name(i) for i in sorted(layers)], spec)
+            for layers, spec in groups
+        ]
+
+    def _size(self, size: int | None, field_name: str) -> int:
+        if size is None:
+            raise ValueError(f"model {self.name} has layers that need {field_name}, which is None")
+        return size
 
 
 TINY_LLAMA = TinyLlamaConfig("tiny-llama")
 TINY_LLAMA_HYBRID = TinyLlamaConfig("tiny-llama-hybrid", sliding_window=48, sliding_layers=(1, 3))
+# Three KV-cache groups: full attention (layers 0 and 3), chunked local (1) and R-SWA (2). The
+# chunk is a multiple of every block size the tests use (1, 4, 16, 32), as the manager requires.
+TINY_LOCAL = TinyLlamaConfig(
+    "tiny-local",
+    attention_chunk_size=32,
+    chunked_local_layers=(1,),
+    rswa_window=24,
+    rswa_layers=(2,),
+)
 
 
 @dataclass(slots=True)
