@@ -11,6 +11,7 @@ from collections import deque
 from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import Admission, scoped_req_id
+from engine_core.sched.block_aligned_chunks import BlockAlignedChunks
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
 from engine_core.sched.in_flight_step import InFlightStep
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
@@ -57,6 +58,11 @@ class Scheduler:
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
         self._prefill_cap = limits.prefill_cap
+        # Chunks end on block boundaries where an align-mode Mamba group checkpoints its state,
+        # and admission reserves no lookahead there (such a group takes a step's slots only).
+        self._aligned_chunks = BlockAlignedChunks.for_configs(
+            kv_cache_config, cache_config, scheduler_config
+        )
         self.vocab_size = model_info.vocab_size
         self.max_num_encoder_tokens = max_num_encoder_tokens(kv_cache_config.kv_cache_groups)
         self.eos_token_id = model_info.eos_token_id
@@ -231,6 +237,7 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         empty = self.kv_cache_manager.empty_kv_cache_blocks  # what most decode steps get
         cap = self._prefill_cap
+        aligned = self._aligned_chunks
         idx = 0
         while idx < len(running) and budget > 0:
             request = running[idx]
@@ -247,6 +254,11 @@ class Scheduler:
                 num_new_tokens = cap
             if num_new_tokens > budget:
                 num_new_tokens = budget
+            if aligned is not None:
+                num_new_tokens = aligned.clip(request, request.num_computed_tokens, num_new_tokens)
+                if not num_new_tokens:  # not even the rest of its block fits this step
+                    idx += 1
+                    continue
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -274,6 +286,7 @@ class Scheduler:
         """Admit waiting requests in queue order until one does not fit (head of line)."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
+        reserves_full_prompt = config.reserve_full_prompt and self._aligned_chunks is None
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
             computed_blocks, num_computed = kv.get_computed_blocks(request)
@@ -284,6 +297,10 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break
                 num_new_tokens = budget
+            if self._aligned_chunks is not None:
+                num_new_tokens = self._aligned_chunks.clip(request, num_computed, num_new_tokens)
+                if not num_new_tokens:
+                    break
             # Reserving the rest of the prompt as lookahead admits only what fits whole.
             num_reserved = request.num_tokens - num_computed - num_new_tokens
             new_blocks = kv.allocate_slots(
@@ -291,7 +308,7 @@ class Scheduler:
                 num_new_tokens,
                 num_new_computed_tokens=num_computed,
                 new_computed_blocks=computed_blocks,
-                num_lookahead_tokens=num_reserved if config.reserve_full_prompt else 0,
+                num_lookahead_tokens=num_reserved if reserves_full_prompt else 0,
                 num_encoder_tokens=request.num_encoder_tokens,  # all at admission, and on resume
             )
             if new_blocks is None:
