@@ -2,25 +2,46 @@
 
 A small continuous-batching loop over bench/trace.py (bench/replay.py's ManagerReplay, which the
 peer, a fresh process per round of bench/peer_rounds.py, runs too); building the Requests (hashing
-their prompts) stays out of the figures. Run: python -m bench.kv_cache_manager [--peer vllm
-[--rounds N]] [--json FILE]
+their prompts) stays out of the figures. `--spec` picks the KV-cache groups; with a peer, one
+untimed replay first checks every decision (each request's hit length, each refused allocation)
+against vLLM's and stops at the first that differs. Run: python -m bench.kv_cache_manager
+[--spec LAYOUT] [--peer vllm [--rounds N]] [--json FILE]
 """
 
+import dataclasses
 import os
 import statistics
 
+from bench.manager_decisions import CheckingManager, DecisionMismatch
 from bench.peer_rounds import Figures, PeerRatio, add_rounds_argument, run_rounds, summarize
 from bench.replay import ManagerReplay, ManagerReplayResult
 from bench.report import add_peer_arguments, base_parser, report, run_peer
 from bench.trace import Trace, TraceConfig, config_to_json, make_trace, trace_digest
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
-from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from engine_core.kv_cache.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+)
 from engine_core.sched.request import Request, RequestStatus
 from protocol.sampling import SamplingParams
 
 PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "peers", "vllm_kv_cache_manager.py")
 MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
+# The layouts of --spec, in tokens; bench/peers/vllm_kv_cache_manager.py builds the same.
+SLIDING_WINDOW = 256
+ATTENTION_CHUNK_SIZE = 1024
+RSWA_WINDOW = 256
+LAYOUTS = ("full", "full+sliding", "full+chunked-local", "full+rswa")
+# R-SWA: a pool where no request is preempted. A resumed request would hit its own generated
+# blocks in vLLM, which caches them; kvserve caches only an R-SWA group's prompt blocks (a
+# generated token's K/V depends on where its prompt ended) and caps the hit at the prompt.
+NUM_GPU_BLOCKS_BY_LAYOUT = {"full+rswa": 24576}
 PEER_ROUND_REPEATS = 3  # replays per side per round; the rounds give the ratio's median
 TITLE = "KVCacheManager on the seeded serving trace (ratios: ours over vLLM's requests per second)"
 WORK_COUNTS = ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations")
@@ -40,15 +61,46 @@ def build_requests(trace: Trace) -> tuple[list[Request], list[list[int]]]:
     return requests, outputs
 
 
-def run_kvserve(trace: Trace, repeats: int) -> tuple[list[ManagerReplayResult], KVCacheManager]:
+def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> KVCacheConfig:
+    """Full attention (2 KV heads of 16, float32) as group 0, and the layout's second group."""
+    shape = {"block_size": block_size, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
+    specs: list[KVCacheSpec] = [FullAttentionSpec(**shape)]
+    match layout:
+        case "full+sliding":
+            specs.append(SlidingWindowSpec(**shape, sliding_window=SLIDING_WINDOW))
+        case "full+chunked-local":
+            specs.append(
+                ChunkedLocalAttentionSpec(**shape, attention_chunk_size=ATTENTION_CHUNK_SIZE)
+            )
+        case "full+rswa":
+            specs.append(RSWASpec(**shape, rswa_window=RSWA_WINDOW))
+    groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+
+
+def check_decisions(trace: Trace, layout: str, expected: list[list]) -> int:
+    """Replay once, comparing every decision with vLLM's as it is made; the number checked."""
     config = trace.config
-    spec = FullAttentionSpec(
-        block_size=config.block_size, num_kv_heads=2, head_dim=16, dtype="float32"
+    requests, outputs = build_requests(trace)
+    kv_cache_config = layout_kv_cache_config(layout, config.block_size, config.num_gpu_blocks)
+    checker = CheckingManager(
+        KVCacheManager(kv_cache_config, MAX_MODEL_LEN),
+        requests,
+        [(kind, idx, num) for kind, idx, num in expected],
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=config.num_gpu_blocks,
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], spec=spec)],
-    )
+    try:
+        ManagerReplay(checker, requests, outputs, RequestStatus.PREEMPTED).run(config.max_running)
+        checker.check_complete()
+    except DecisionMismatch as exc:
+        raise SystemExit(f"--spec {layout}: {exc}") from None
+    return len(checker.decisions)
+
+
+def run_kvserve(
+    trace: Trace, repeats: int, layout: str = "full"
+) -> tuple[list[ManagerReplayResult], KVCacheManager]:
+    config = trace.config
+    kv_cache_config = layout_kv_cache_config(layout, config.block_size, config.num_gpu_blocks)
     results = []
     for _ in range(repeats):
         requests, outputs = build_requests(trace)
@@ -93,17 +145,27 @@ def main() -> None:
     add_rounds_argument(parser)
     parser.add_argument("--num-requests", type=int, default=1000, help="requests in the trace")
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    parser.add_argument("--spec", choices=LAYOUTS, default="full", help="the KV-cache groups")
+    parser.add_argument("--num-gpu-blocks", type=int, help="blocks in the pool (default by --spec)")
     parser.set_defaults(repeats=PEER_ROUND_REPEATS)
     args = parser.parse_args()
-    trace = make_trace(TraceConfig(seed=args.seed, num_requests=args.num_requests))
+    num_gpu_blocks = args.num_gpu_blocks or NUM_GPU_BLOCKS_BY_LAYOUT.get(args.spec)
+    trace_config = TraceConfig(seed=args.seed, num_requests=args.num_requests)
+    if num_gpu_blocks:
+        trace_config = dataclasses.replace(trace_config, num_gpu_blocks=num_gpu_blocks)
+    trace = make_trace(trace_config)
+    title = f"{TITLE}, --spec {args.spec}"
 
     def measure_ours() -> Figures:
-        return _kvserve_figures(trace, run_kvserve(trace, args.repeats)[0])
+        return _kvserve_figures(trace, run_kvserve(trace, args.repeats, args.spec)[0])
 
     if not args.peer:
-        report(TITLE, measure_ours(), args.json)
+        report(title, {"spec": args.spec, **measure_ours()}, args.json)
         return
-    peer_args = ["--trace-config", config_to_json(trace.config), "--repeats", str(args.repeats)]
+    peer_args = ["--trace-config", config_to_json(trace.config), "--spec", args.spec]
+    recorded = run_peer(args.peer_python, PEER_SCRIPT, [*peer_args, "--decisions"])
+    num_checked = check_decisions(trace, args.spec, recorded["decisions"])
+    peer_args += ["--repeats", str(args.repeats)]
     rounds = run_rounds(
         args.rounds,
         measure_ours,
@@ -111,7 +173,8 @@ def main() -> None:
         lambda ours, peer: _check_same_work(trace, ours, peer),
     )
     peer_keys = ["manager_requests_per_s", "replay_requests_per_s"]
-    report(TITLE, summarize(rounds, RATIOS, peer_keys), args.json)
+    figures = {"spec": args.spec, "num_decisions_checked": num_checked}
+    report(title, {**figures, **summarize(rounds, RATIOS, peer_keys)}, args.json)
 
 
 def _check_same_work(trace: Trace, ours: Figures, peer: Figures) -> None:

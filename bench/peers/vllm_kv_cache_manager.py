@@ -2,7 +2,8 @@
 
 Runs under the peer interpreter and never imports kvserve; bench/trace.py (the identical trace)
 and bench/replay.py (the identical loop) are standard library only. Prints one JSON object as its
-last line: median seconds, the counts of what the replay did, and the trace digest.
+last line: median seconds, the counts of what the replay did, and the trace digest; with
+--decisions, one untimed replay's decisions (bench/manager_decisions.py) instead.
 """
 
 import argparse
@@ -15,11 +16,41 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # importable thanks to the path above:
-from bench.peers.vllm_kv_cache import one_group_kv_cache_config, sha256_request_block_hasher
+from bench.manager_decisions import RecordingManager
+from bench.peers.vllm_kv_cache import sha256_request_block_hasher
 from bench.replay import ManagerReplay
 from bench.trace import Trace, config_from_json, make_trace, trace_digest
 
 MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
+# The layouts of bench/kv_cache_manager.py --spec, in tokens; kvserve's side builds the same.
+SLIDING_WINDOW = 256
+ATTENTION_CHUNK_SIZE = 1024
+RSWA_WINDOW = 256
+LAYOUTS = ("full", "full+sliding", "full+chunked-local", "full+rswa")
+
+
+def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> object:
+    """Full attention (2 KV heads of 16, float32) as group 0, and the layout's second group."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        RSWASpec,
+        SlidingWindowSpec,
+    )
+
+    shape = {"block_size": block_size, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    specs = [FullAttentionSpec(**shape)]
+    if layout == "full+sliding":
+        specs.append(SlidingWindowSpec(**shape, sliding_window=SLIDING_WINDOW))
+    elif layout == "full+chunked-local":
+        specs.append(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=ATTENTION_CHUNK_SIZE))
+    elif layout == "full+rswa":
+        specs.append(RSWASpec(**shape, rswa_window=RSWA_WINDOW))
+    groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def build_requests(trace: Trace, block_hasher: object) -> tuple[list, list[list[int]]]:
@@ -45,6 +76,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trace-config", required=True, help="TraceConfig as JSON")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--spec", choices=LAYOUTS, default="full", help="KV-cache groups")
+    parser.add_argument("--decisions", action="store_true", help="print one replay's decisions")
     args = parser.parse_args()
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -53,11 +86,10 @@ def main() -> None:
     trace = make_trace(config_from_json(args.trace_config))
     config = trace.config
     block_hasher = sha256_request_block_hasher(config.block_size)
-    kv_cache_config = one_group_kv_cache_config(config.block_size, config.num_gpu_blocks)
-    results = []
-    for _ in range(args.repeats):
-        requests, outputs = build_requests(trace, block_hasher)
-        manager = KVCacheManager(
+    kv_cache_config = layout_kv_cache_config(args.spec, config.block_size, config.num_gpu_blocks)
+
+    def new_manager() -> object:
+        return KVCacheManager(
             kv_cache_config,
             MAX_MODEL_LEN,
             scheduler_block_size=config.block_size,
@@ -65,7 +97,18 @@ def main() -> None:
             enable_caching=True,
             log_stats=False,
         )
-        replay = ManagerReplay(manager, requests, outputs, RequestStatus.PREEMPTED)
+
+    if args.decisions:
+        requests, outputs = build_requests(trace, block_hasher)
+        recorder = RecordingManager(new_manager(), requests)
+        ManagerReplay(recorder, requests, outputs, RequestStatus.PREEMPTED).run(config.max_running)
+        digest = trace_digest(trace)
+        print(json.dumps({"decisions": recorder.decisions, "trace_digest": digest}))
+        return
+    results = []
+    for _ in range(args.repeats):
+        requests, outputs = build_requests(trace, block_hasher)
+        replay = ManagerReplay(new_manager(), requests, outputs, RequestStatus.PREEMPTED)
         results.append(dataclasses.asdict(replay.run(config.max_running)))
     figures = dict(results[0])
     figures["manager_s"] = statistics.median(r["manager_s"] for r in results)

@@ -1,0 +1,66 @@
+"""bench/manager_decisions.py stops a replay at the first decision unlike the peer's, and every
+--spec layout of bench/kv_cache_manager.py replays a small trace without leaking a block."""
+
+import pytest
+
+from bench.kv_cache_manager import LAYOUTS, run_kvserve
+from bench.manager_decisions import CheckingManager, DecisionMismatch, RecordingManager
+from bench.trace import TraceConfig, make_trace
+
+
+class _ScriptedManager:
+    """Answers lookups with the hit lengths given, in order; refuses no allocation."""
+
+    def __init__(self, hit_lengths: list[int]) -> None:
+        self.hit_lengths = hit_lengths
+
+    def get_computed_blocks(self, request: object) -> tuple[tuple, int]:
+        return (), self.hit_lengths.pop(0)
+
+    def allocate_slots(self, request: object, *args: object) -> object:
+        return ()
+
+    def free(self, request: object) -> None:
+        pass
+
+
+def test_checking_stops_at_the_first_differing_hit() -> None:
+    requests = [object(), object(), object()]
+    checker = CheckingManager(
+        _ScriptedManager([0, 16, 32]), requests, [("hit", 0, 0), ("hit", 1, 16), ("hit", 2, 48)]
+    )
+    checker.get_computed_blocks(requests[0])
+    checker.get_computed_blocks(requests[1])
+    with pytest.raises(DecisionMismatch, match=r"decision 2 differs: kvserve \('hit', 2, 32\)"):
+        checker.get_computed_blocks(requests[2])
+
+
+def test_checking_notices_a_decision_the_peer_made_and_we_did_not() -> None:
+    requests = [object()]
+    checker = CheckingManager(_ScriptedManager([0]), requests, [("hit", 0, 0), ("full", 0, 0)])
+    checker.get_computed_blocks(requests[0])
+    with pytest.raises(DecisionMismatch, match="kvserve made 1 decisions, vllm 2"):
+        checker.check_complete()
+
+
+def test_recording_names_requests_by_their_index() -> None:
+    requests = [object(), object()]
+    recorder = RecordingManager(_ScriptedManager([5, 7]), requests)
+    recorder.get_computed_blocks(requests[1])
+    recorder.get_computed_blocks(requests[0])
+    assert recorder.decisions == [("hit", 1, 5), ("hit", 0, 7)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_replays_a_small_trace_without_leaking(layout: str) -> None:
+    config = TraceConfig(
+        num_requests=12,
+        system_prompt_min_tokens=64,
+        system_prompt_max_tokens=256,
+        num_gpu_blocks=128,
+        max_running=4,
+    )
+    results, manager = run_kvserve(make_trace(config), repeats=1, layout=layout)
+    assert results[0].num_hit_tokens > 0
+    assert len(manager.coordinator.single_type_managers) == (1 if layout == "full" else 2)
+    manager.check_invariants()
