@@ -1,0 +1,136 @@
+"""tiny-local through the real service (launcher, engine, workers): served tokens equal the dense
+reference at TP=1 and TP=2, prefix caching on and off, block sizes 16 and 32, chunked prefill, and
+pools small enough to force preemption.
+
+Every request decodes far enough past its prompt that the engine frees R-SWA gap blocks and
+earlier chunks while the workers still read the prompt and the current chunk. Each launch costs
+seconds on a loaded machine, so three cases cover every axis at least once rather than their
+product.
+"""
+
+import random
+
+import pytest
+
+from engine_core.client import EngineClient, make_request
+from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, launch, stop_launch
+from worker.models.reference import ReferenceModel
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-local"
+CLIENT_TIMEOUT_S = 180.0
+
+
+def shared_prefix_prompts(
+    num_prompts: int, prefix_len: int, tail_len: int, seed: int
+) -> list[list[int]]:
+    """Prompts that share one prefix (so prefix caching has something to hit), with own tails."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
+    return [
+        prefix + [rng.randrange(3, 500) for _ in range(tail_len + i)] for i in range(num_prompts)
+    ]
+
+
+def mixed_params(num_prompts: int, num_tokens: int) -> list[SamplingParams]:
+    """Greedy requests, and every third one sampled with its own seed (so no handle matters)."""
+    return [
+        SamplingParams(max_tokens=num_tokens, temperature=0.8, seed=i, ignore_eos=True)
+        if i % 3 == 2
+        else SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+        for i in range(num_prompts)
+    ]
+
+
+def serve_and_check(client: EngineClient, prompts: list[list[int]], num_tokens: int) -> None:
+    """Submit every prompt at once; each output must equal the reference model's."""
+    params = mixed_params(len(prompts), num_tokens)
+    req_ids = [f"req-{i}" for i in range(len(prompts))]
+    for req_id, prompt, request_params in zip(req_ids, prompts, params, strict=True):
+        client.add_request(make_request(req_id, prompt, request_params))
+    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
+    reference = ReferenceModel(MODEL)
+    for req_id, prompt, request_params in zip(req_ids, prompts, params, strict=True):
+        result = results[req_id]
+        assert result.error is None, f"{req_id} failed: {result.error}"
+        expected = reference.generate(prompt, request_params)
+        assert result.token_ids == expected, (
+            f"{req_id}: served {result.token_ids}, expected {expected}"
+        )
+
+
+@pytest.mark.timeout(300)
+def test_chunked_prefills_with_prefix_hits_serve_the_reference_tokens(
+    processes: Processes, addresses: dict
+) -> None:
+    """TP=1, block size 16, caching on: prompts of 49 to 54 tokens in steps of at most 24 cross
+    the 32-token chunk boundary mid-prefill, later requests hit the shared 40-token prefix, and
+    56 generated tokens each take the R-SWA window past the prompt's blocks."""
+    launch(
+        processes,
+        addresses,
+        1,
+        MODEL,
+        "--enable-prefix-caching",
+        "--block-size",
+        "16",
+        "--max-num-batched-tokens",
+        "24",
+        "--max-model-len",
+        "128",
+        "--check-invariants",  # the engine walks its managers' null runs; the workers their tables
+    )
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        assert client.check_health() is True
+        serve_and_check(client, shared_prefix_prompts(6, 40, 9, seed=1), 56)
+        stats = client.get_stats()
+    assert stats["prefix_cache_hits"] > 0, stats
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    stop_launch(processes)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("block_size", "caching_flag", "num_blocks", "max_model_len", "prefix_len"),
+    [(32, "--no-enable-prefix-caching", 12, 96, 12), (16, "--enable-prefix-caching", 24, 112, 30)],
+    ids=["tp2-block32-uncached", "tp2-block16-cached"],
+)
+def test_small_pool_forces_preemption_and_outputs_still_match(
+    processes: Processes,
+    addresses: dict,
+    block_size: int,
+    caching_flag: str,
+    num_blocks: int,
+    max_model_len: int,
+    prefix_len: int,
+) -> None:
+    """TP=2: four requests decode 60 to 70 tokens in a pool that holds fewer of them at once (the
+    chunked-local group keeps only its current chunk; full and R-SWA their whole sequence).
+    Preempted requests resume and recompute with the prompt they came with, so R-SWA reads the
+    same positions as before."""
+    launch(
+        processes,
+        addresses,
+        2,
+        MODEL,
+        caching_flag,
+        "--block-size",
+        str(block_size),
+        "--num-gpu-blocks-override",
+        str(num_blocks),
+        "--max-num-batched-tokens",
+        "32",
+        "--max-model-len",
+        str(max_model_len),
+        "--check-invariants",
+    )
+    num_tokens = 70 if block_size == 32 else 60
+    prompts = shared_prefix_prompts(4, prefix_len, 10, seed=7)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        serve_and_check(client, prompts, num_tokens)
+        stats = client.get_stats()
+    assert stats["num_preemptions"] > 0, f"expected preemption with {num_blocks} blocks: {stats}"
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    stop_launch(processes)
