@@ -43,6 +43,7 @@ class Workload:
     check_invariants: bool = False  # walk the scheduler's and runner's invariants every step
     reserve_full_prompt: bool = False  # admit chunk by chunk, so tight pools preempt prefills too
     async_scheduling: bool = False  # in-process ranks step in lockstep: the synchronous loop
+    encoder_prompts: list[list[int]] | None = None  # each request's encoder input (tiny-encdec)
 
 
 @dataclass
@@ -124,7 +125,14 @@ def build_rank(
     core = EngineCore(config, kv_cache_config, info, executor)
     requests = zip(workload.prompts, workload.sampling_params, strict=True)
     for idx, (prompt, params) in enumerate(requests):
-        request = EngineCoreRequest(str(idx + 1), pack_int32(prompt), params, float(idx))
+        encoder = None if workload.encoder_prompts is None else workload.encoder_prompts[idx]
+        request = EngineCoreRequest(
+            str(idx + 1),
+            pack_int32(prompt),
+            params,
+            float(idx),
+            encoder_token_ids=None if encoder is None else pack_int32(encoder),
+        )
         rejection = core.add_request(request)
         if rejection is not None:
             raise ValueError(f"request {idx + 1} rejected: {rejection.outputs[0].error}")

@@ -27,7 +27,9 @@ from protocol.worker_messages import (
     SchedulerOutput,
 )
 from worker.attention import PagedKV, StepLayout
+from worker.cross_attention import EncoderDecoderKV, encoder_decoder_kv
 from worker.distributed import TPGroup
+from worker.encoder_inputs import EncoderInputs
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches
 from worker.models.registry import Model, build_model, get_model_info
@@ -94,6 +96,7 @@ class ModelRunner:
         block_sizes = [group.spec.block_size for group in kv_cache_config.kv_cache_groups]
         self.input_batch = InputBatch(max_model_len, block_sizes)
         self.parked: dict[int, ParkedRequest] = {}
+        self.encoder_inputs = EncoderInputs(kv_cache_config)  # held by encoder-decoder models only
         self.sampler = Sampler(sampling_seed)
         self.last_step_id = kv_cache_config.first_step_id - 1  # a later generation starts late
         self.timings = StepTimings()
@@ -149,6 +152,7 @@ class ModelRunner:
             if handle in batch.handle_to_row:
                 batch.remove_request(handle)
             self.parked.pop(handle, None)
+            self.encoder_inputs.forget(handle)
         for handle in scheduler_output.preempted_handles:
             if handle in batch.handle_to_row:
                 self.parked[handle] = batch.remove_request(handle)
@@ -178,6 +182,7 @@ class ModelRunner:
         prompt = _int32_column(new.prompt_token_ids, "prompt_token_ids")
         if len(prompt) == 0:
             raise ValueError(f"new request {new.handle} has an empty prompt")
+        self.encoder_inputs.add(new.handle, new.encoder_token_ids)
         row = self.input_batch.add_request(new.handle, prompt, new.sampling_params, new.block_ids)
         return new.handle, row, new.num_computed_tokens
 
@@ -215,6 +220,7 @@ class ModelRunner:
         batch = self.input_batch
         if handle in self.parked:
             parked = self.parked.pop(handle)
+            self.encoder_inputs.resume(handle)  # its cross-attention blocks are new: re-encode
             token_ids = np.concatenate((parked.token_ids, tokens))
             return batch.add_request(
                 handle, token_ids, parked.sampling_params, block_ids, parked.num_prompt_tokens
@@ -240,7 +246,14 @@ class ModelRunner:
 
     def _prepare(
         self, scheduled: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedKV, list[SampleRequest], np.ndarray]:
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        PagedKV | EncoderDecoderKV,
+        list[SampleRequest],
+        np.ndarray,
+    ]:
         """Flatten the step: token ids, positions, the sampled tokens, and the paged-cache view."""
         batch = self.input_batch
         rows = np.array([req.row for req in scheduled], dtype=np.int64)
@@ -262,6 +275,8 @@ class ModelRunner:
         num_prompt_tokens = batch.num_prompt_tokens[rows].astype(np.int64)
         layout = StepLayout(rows, first, counts, offsets, logits_reqs, num_prompt_tokens)
         kv = PagedKV(self.kv_caches, self.kv_cache_config, batch.block_table, layout, self.device)
+        if self.encoder_inputs.is_required:  # its decoder also reads each request's encoder
+            kv = encoder_decoder_kv(kv, self.encoder_inputs, [req.handle for req in scheduled])
         sample_reqs = [
             SampleRequest(
                 scheduled[i].handle, batch.sampling_params[scheduled[i].row], int(known[i])
@@ -293,6 +308,7 @@ class ModelRunner:
         assert len(batch.block_table) == num_groups, (
             f"{len(batch.block_table)} block tables for {num_groups} KV-cache groups"
         )
+        self.encoder_inputs.check_invariants(set(self.parked) | set(batch.handle_to_row))
         num_blocks = self.kv_cache_config.num_blocks
         for group_idx, table in enumerate(batch.block_table.tables):
             max_id = int(table.block_table.max(initial=0))

@@ -6,7 +6,7 @@ largest step the engine may schedule can be measured. No sockets; every rank of 
 import torch
 
 from protocol.buffers import pack_int32
-from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block, cdiv
+from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheConfig, bytes_per_block, cdiv
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from worker.kv_cache import allocate_kv_caches
@@ -40,7 +40,8 @@ def profile_step_output(
         )
         next_block_id += cdiv(length, block_size)
         prompt = pack_int32([PROFILE_TOKEN_ID] * length)
-        requests.append(NewRequestData(handle, prompt, params, block_ids, 0))
+        encoder = _profile_encoder_token_ids(model_info, length)
+        requests.append(NewRequestData(handle, prompt, params, block_ids, 0, encoder))
     step = SchedulerOutput(
         step_id=1,
         scheduled_new_reqs=requests,
@@ -51,6 +52,19 @@ def profile_step_output(
         preempted_handles=[],
     )
     return step, next_block_id
+
+
+def _profile_encoder_token_ids(model_info: ModelInfo, length: int) -> bytes | None:
+    """An encoder-decoder model's dummy encoder input: as long as its limit allows, within the
+    `length` tokens the request's cross-attention blocks hold; None for a decoder-only model."""
+    limits = [
+        group.spec.max_num_encoder_tokens
+        for group in model_info.kv_cache_groups
+        if isinstance(group.spec, CrossAttentionSpec)
+    ]
+    if not limits:
+        return None
+    return pack_int32([PROFILE_TOKEN_ID] * min(length, *limits))
 
 
 def run_profile_step(

@@ -5,6 +5,8 @@ Names: `checksum`, `fixed-time` (checksum held to a set time per forward), `tiny
 the whole model's num_kv_heads, before TP sharding. `tiny-local` has full-attention, chunked-local
 and R-SWA layers (three groups). tiny-llama's KV is exact in float32 and float64.
 `tiny-mla` caches one latent per token and layer (one MLA group, the same latent on every rank).
+`tiny-encdec` is an encoder-decoder: its requests bring encoder input, cached in a cross-attention
+group beside the decoder's self-attention group.
 """
 
 from typing import Protocol
@@ -17,6 +19,7 @@ from worker.attention import KVContext
 from worker.distributed import TPGroup
 from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
 from worker.models.fixed_time import FIXED_TIME, build_fixed_time
+from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.tiny_llama import (
     TINY_LLAMA,
     TINY_LLAMA_HYBRID,
@@ -32,7 +35,7 @@ TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LOCAL.name: TINY_LOCAL,
 }
 CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}
-MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name)
+MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name)
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 
 
@@ -67,6 +70,9 @@ def get_model_info(name: str, block_size: int, dtype: str = "float32") -> ModelI
     elif name == TINY_MLA.name:
         config = TINY_MLA  # one MLA group: a latent per token and layer, the same on every rank
         groups = config.kv_cache_groups(block_size, dtype)
+    elif name == TINY_ENCDEC.name:
+        config = TINY_ENCDEC  # the decoder's self-attention group, then the cross-attention group
+        groups = config.kv_cache_groups(block_size, dtype)
     else:
         config = TINY_LLAMAS[name]
         groups = config.kv_cache_groups(block_size, dtype)
@@ -94,4 +100,6 @@ def build_model(
         return build_fixed_time(tp_group, device, model_step_ms)
     if name == TINY_MLA.name:
         return TinyMLA(TINY_MLA, tp_group, seed, device)
+    if name == TINY_ENCDEC.name:
+        return TinyEncDec(TINY_ENCDEC, tp_group, seed, device)
     return TinyLlama(TINY_LLAMAS[name], tp_group, seed, device)
