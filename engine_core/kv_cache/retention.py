@@ -13,6 +13,21 @@ from engine_core.kv_cache.spec import KVCacheConfig, SlidingWindowSpec, cdiv
 
 SPARSE_RETENTION_SPECS = (SlidingWindowSpec,)  # the kinds whose caching the interval thins out
 
+# What vLLM 0.33.0 does (kv_cache_coordinator.py, SlidingWindowManager.reachable_block_mask), and
+# where kvserve differs on purpose:
+# - None indexes every full block (both). A positive interval, a multiple of the block size,
+#   indexes in each interval-long segment only the blocks a hit at its end reads, plus those a
+#   hit at the replay boundary (`num_prompt_tokens - 1`, rounded down to a block) reads (both).
+#   Full-attention, chunked-local and R-SWA groups always index densely (both).
+# - vLLM also keeps the blocks ending at a request's shared-prefix junction, which its scheduler
+#   learns from the lookup (the part of a prefix full attention hit but a window group did not);
+#   kvserve has no junction, so a sibling that leaves a shared prefix between two kept
+#   boundaries hits only to the earlier one.
+# - vLLM's engine flag defaults to 0 (replay boundaries and junctions only) and accepts 0;
+#   kvserve defaults to None (what it always did) and, as the reference documents say, takes
+#   only a positive multiple: without junctions, 0 would drop every shared-prefix window hit.
+# - vLLM also thins Mamba groups; kvserve's Mamba groups (when they exist) index densely.
+
 
 def scheduler_block_size(kv_cache_config: KVCacheConfig) -> int:
     """The granularity every group's blocks end on: the lcm of the groups' block sizes."""
