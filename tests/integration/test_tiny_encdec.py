@@ -1,0 +1,142 @@
+"""tiny-encdec through the real service (launcher, engine, workers): requests bring encoder input,
+and the served tokens equal the dense reference at TP=1 and TP=2, prefix caching on and off, block
+sizes 16 and 32, chunked prefill, and a pool small enough to force preemption (a resumed request
+re-encodes into new cross-attention blocks).
+
+Each launch costs seconds on a loaded machine, so three cases cover every axis at least once
+rather than their product.
+"""
+
+import random
+
+import pytest
+
+from engine_core.client import EngineClient, make_request
+from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, launch, stop_launch
+from worker.models.tiny_encdec_reference import TinyEncDecReference
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-encdec"
+CLIENT_TIMEOUT_S = 120.0
+
+
+def encdec_requests(
+    num_requests: int, prefix_len: int, tail_len: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts that share one prefix, with own tails, and encoder inputs of 5 to 30 tokens that
+    pairs of requests share (so prefix caching has something to hit under one encoder input)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
+    prompts = [
+        prefix + [rng.randrange(3, 500) for _ in range(tail_len + i)] for i in range(num_requests)
+    ]
+    encoders = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 31))] for _ in range(3)]
+    return prompts, [encoders[i // 2 % len(encoders)] for i in range(num_requests)]
+
+
+def mixed_params(num_requests: int, num_tokens: int) -> list[SamplingParams]:
+    """Greedy requests, and every third one sampled with its own seed (so no handle matters)."""
+    return [
+        SamplingParams(max_tokens=num_tokens, temperature=0.8, seed=i, ignore_eos=True)
+        if i % 3 == 2
+        else SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+        for i in range(num_requests)
+    ]
+
+
+def serve_and_check(
+    client: EngineClient,
+    prompts: list[list[int]],
+    encoders: list[list[int]],
+    params: list[SamplingParams],
+) -> None:
+    """Submit every request at once; each output must equal the reference model's."""
+    req_ids = [f"req-{i}" for i in range(len(prompts))]
+    for req_id, prompt, encoder, request_params in zip(
+        req_ids, prompts, encoders, params, strict=True
+    ):
+        client.add_request(make_request(req_id, prompt, request_params, encoder_token_ids=encoder))
+    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
+    reference = TinyEncDecReference()
+    for req_id, prompt, encoder, request_params in zip(
+        req_ids, prompts, encoders, params, strict=True
+    ):
+        result = results[req_id]
+        assert result.error is None, f"{req_id} failed: {result.error}"
+        expected = reference.generate(prompt, encoder, request_params)
+        assert result.token_ids == expected, (
+            f"{req_id}: served {result.token_ids}, expected {expected}"
+        )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("tp_size", "block_size", "caching_flag"),
+    [(1, 16, "--enable-prefix-caching"), (2, 32, "--no-enable-prefix-caching")],
+    ids=["tp1-block16-cached", "tp2-block32-uncached"],
+)
+def test_chunked_prefills_serve_the_reference_tokens(
+    processes: Processes, addresses: dict, tp_size: int, block_size: int, caching_flag: str
+) -> None:
+    """Prompts of 57 to 62 tokens in steps of at most 24: every prefill runs in three chunks,
+    the encoder only in the first; a request without encoder input is refused by name."""
+    launch(
+        processes,
+        addresses,
+        tp_size,
+        MODEL,
+        caching_flag,
+        "--block-size",
+        str(block_size),
+        "--max-num-batched-tokens",
+        "24",
+        "--max-model-len",
+        "256",
+        "--check-invariants",  # the workers walk their encoder inputs and cross tables too
+    )
+    prompts, encoders = encdec_requests(6, 48, 9, seed=tp_size)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        assert client.check_health() is True
+        serve_and_check(client, prompts, encoders, mixed_params(len(prompts), 6))
+        refused = client.add_request(make_request("no-encoder", prompts[0]))
+        client.run_until_finished(["no-encoder"], CLIENT_TIMEOUT_S)
+        stats = client.get_stats()
+    assert "brings no encoder_token_ids" in (refused.error or ""), refused.error
+    if caching_flag == "--enable-prefix-caching":
+        assert stats["prefix_cache_hits"] > 0, stats
+    else:
+        assert stats["prefix_cache_hits"] == 0, stats
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    stop_launch(processes)
+
+
+@pytest.mark.timeout(240)
+def test_small_pool_forces_preemption_and_outputs_still_match(
+    processes: Processes, addresses: dict
+) -> None:
+    """Three requests grow to 50-52 decoder tokens beside encoder inputs of up to 30 tokens, in
+    10 blocks of 16 (9 usable; one request needs 6 at most): some are preempted, lose their
+    encoder blocks, and re-encode when they resume."""
+    launch(
+        processes,
+        addresses,
+        2,
+        MODEL,
+        "--enable-prefix-caching",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks-override",
+        "10",
+        "--max-model-len",
+        "64",
+        "--check-invariants",
+    )
+    prompts, encoders = encdec_requests(3, 16, 14, seed=7)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        serve_and_check(client, prompts, encoders, mixed_params(len(prompts), 20))
+        stats = client.get_stats()
+    assert stats["num_preemptions"] > 0, f"expected preemption with 10 blocks: {stats}"
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    stop_launch(processes)
