@@ -2,6 +2,10 @@
 models, required by encoder-decoder ones, and carried to the workers with its cross-attention
 blocks on admission and again on resume."""
 
+import contextlib
+import random
+
+import msgspec
 import pytest
 
 from engine_core.client import make_request
@@ -10,7 +14,9 @@ from engine_core.sched.scheduler import Scheduler
 from engine_core.sched.validation import max_num_encoder_tokens, validate_encoder_tokens
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreRequest, FinishReason
+from protocol.codec import client_to_engine_decoder
 from protocol.config import CacheConfig, SchedulerConfig
+from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import (
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -130,3 +136,28 @@ def _answer(scheduler: Scheduler, output: object, handles: list[int]) -> None:
     sampled = pack_int32([9] * len(handles))
     reply = ModelRunnerOutput(output.step_id, 0, pack_int32(handles), sampled)  # type: ignore[attr-defined]
     scheduler.update_from_output(output, reply)  # type: ignore[arg-type]
+
+
+def test_a_malformed_encoder_field_is_a_protocol_error() -> None:
+    decoder = client_to_engine_decoder()
+    frame = msgspec.to_builtins(_request(pack_int32([1, 2])))
+    for bad in ([1, 2], "12", 7):
+        with pytest.raises(ProtocolError):
+            decoder.decode(msgspec.msgpack.encode({**frame, "encoder_token_ids": bad}))
+
+
+def test_mutated_encoder_frames_fail_only_at_the_boundary_or_in_validation() -> None:
+    """Random byte flips in a request with encoder input: the decoder raises ProtocolError or
+    yields a request that validation accepts or refuses with ValueError, never anything else."""
+    rng = random.Random(0)
+    decoder = client_to_engine_decoder()
+    valid = msgspec.msgpack.encode(_request(pack_int32([1, 2, 3, 4])))
+    for _ in range(2000):
+        frame = bytearray(valid)
+        for _ in range(rng.randrange(1, 4)):
+            frame[rng.randrange(len(frame))] = rng.randrange(256)
+        with contextlib.suppress(ProtocolError):
+            request = decoder.decode(bytes(frame[: rng.randrange(1, len(frame) + 1)]))
+            if isinstance(request, EngineCoreRequest):
+                with contextlib.suppress(ValueError):
+                    validate_encoder_tokens(request, MAX_ENCODER, VOCAB_SIZE)

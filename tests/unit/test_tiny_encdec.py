@@ -15,8 +15,10 @@ from protocol.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec
 from protocol.sampling import SamplingParams
 from tests.conftest import worker_test_device
 from worker.distributed import TPGroup, single_rank_group
+from worker.models.registry import get_model_info
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.tiny_encdec_reference import DenseCrossKV, TinyEncDecReference
+from worker.profiling import profile_step_output, run_profile_step
 
 DEVICE = torch.device(worker_test_device())
 MODEL = TINY_ENCDEC.name
@@ -212,3 +214,14 @@ def test_tp2_shards_all_reduce_to_exactly_the_tp1_logits() -> None:
     assert not any(thread.is_alive() for thread in threads)
     for logits in results:
         assert torch.equal(logits, expected)
+
+
+def test_the_profiling_step_brings_encoder_input_within_its_cross_blocks() -> None:
+    """A CUDA rank measures its peak on one dummy step: an encoder-decoder model's dummy requests
+    need encoder input (the runner refuses one without), as long as the cross blocks allow."""
+    info = get_model_info(MODEL, block_size=16)
+    step, _ = profile_step_output(info, max_num_batched_tokens=100)
+    lengths = [len(new.encoder_token_ids or b"") // 4 for new in step.scheduled_new_reqs]
+    assert lengths == [64]  # one 100-token request, its encoder input at the model's limit
+    model = TinyEncDec(TINY_ENCDEC, single_rank_group(), 0, DEVICE)
+    assert run_profile_step(model, info, 0, 1, DEVICE, max_num_batched_tokens=100) > 0
