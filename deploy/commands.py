@@ -236,12 +236,17 @@ def _api_settings(
 def demo_command(args: argparse.Namespace) -> int:
     from deploy.demo import DemoSettings, run_demo
     from deploy.logs import setup_logging
-    from worker.models.registry import MODEL_NAMES
+    from worker.models.registry import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
 
     if not 1 <= args.tensor_parallel_size <= 8:
         raise UsageError(f"-tp {args.tensor_parallel_size}: expected a rank count in [1, 8]")
     if args.model not in MODEL_NAMES:
         raise UsageError(f"--model {args.model}: expected one of {list(MODEL_NAMES)}")
+    if args.model in ENCODER_DECODER_MODEL_NAMES:
+        raise UsageError(
+            f"--model {args.model}: its requests need encoder input, which the demo does not "
+            "send; serve it with kvserve launch"
+        )
     setup_logging("demo", args.log_level)
     return run_demo(
         DemoSettings(tp_size=args.tensor_parallel_size, model=args.model), args.log_level

@@ -161,3 +161,15 @@ def test_mutated_encoder_frames_fail_only_at_the_boundary_or_in_validation() -> 
             if isinstance(request, EngineCoreRequest):
                 with contextlib.suppress(ValueError):
                     validate_encoder_tokens(request, MAX_ENCODER, VOCAB_SIZE)
+
+
+def test_the_demo_refuses_an_encoder_decoder_model_before_starting_anything(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Its requests carry no encoder input: every one would be refused."""
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["demo", "--model", "tiny-encdec"])
+    assert exited.value.code == 2
+    assert "--model tiny-encdec: its requests need encoder input" in capsys.readouterr().err

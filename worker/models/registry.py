@@ -36,6 +36,7 @@ TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
 }
 CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}
 MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name)
+ENCODER_DECODER_MODEL_NAMES = (TINY_ENCDEC.name,)  # each request must bring encoder_token_ids
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 
 
