@@ -234,8 +234,9 @@ class PagedKV:
     def _prefill_chunks(self, table: BlockTable, spec: KVCacheSpec, req: int) -> list[ContextChunk]:
         """One request's queries, split so that queries x context stays within the budget.
 
-        A split's context is the union of its queries' reads: the head of its last query and the
-        tail from its first query's tail_start, which no engine step has freed yet.
+        A split's context is the union of its queries' reads: its first query's head and its tail
+        onwards (bounds never decrease with the position, and a later query's longer R-SWA head
+        lies inside the first one's tail). The engine frees nothing from there on.
         """
         layout = self.layout
         first, count = int(layout.first_positions[req]), int(layout.num_queries[req])
@@ -247,7 +248,7 @@ class PagedKV:
             q_hi = min(q_lo + per_chunk, first + count)
             query_pos = np.arange(q_lo, q_hi)[:, None]  # [n, 1]
             head_ends, tail_starts = read_bounds(spec, query_pos[:, 0], num_prompt_tokens)
-            head_end, tail_start = min(int(head_ends[-1]), int(tail_starts[0])), int(tail_starts[0])
+            head_end, tail_start = int(head_ends[0]), int(tail_starts[0])
             ctx_pos = np.concatenate((np.arange(head_end), np.arange(tail_start, q_hi)))[None, :]
             visible = read_mask(spec, ctx_pos, query_pos, num_prompt_tokens)  # [n, L]
             query_idx = (offset + query_pos[:, 0] - first)[None, :]

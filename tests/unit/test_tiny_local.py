@@ -81,6 +81,7 @@ class EngineNullsMirror:
         self.runner = runner
         self.num_nulled = [0, 0, 0]  # entries nulled per group, summed over steps
         self.resumed_prompts: dict[int, int] = {}  # handle -> worker prompt length when resumed
+        self.num_null_hits = 0  # null blocks in new requests' chunked-local tables (prefix hits)
 
     @property
     def timings(self) -> StepTimings:
@@ -88,6 +89,8 @@ class EngineNullsMirror:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._mirror_nulls()
+        for new in scheduler_output.scheduled_new_reqs:
+            self.num_null_hits += new.block_ids[CHUNKED_GROUP].count(NULL_BLOCK_ID)
         output = self.runner.execute_model(scheduler_output)
         batch = self.runner.input_batch
         for handle in scheduler_output.scheduled_cached_reqs.resumed_handles:
@@ -210,6 +213,8 @@ def test_paged_tokens_equal_reference(block_size: int, enable_prefix_caching: bo
     assert mirror.num_nulled[RSWA_GROUP] > 0, "no R-SWA gap was freed while decoding"
     num_hit_tokens = int(core.get_stats()["prefix_cache_hits"])
     assert (num_hit_tokens > 0) == enable_prefix_caching
+    # A hit past a chunk boundary arrives with the earlier chunk's blocks as null.
+    assert (mirror.num_null_hits > 0) == enable_prefix_caching
     assert max(len(p) for p in PROMPTS) > 24 + CHUNK  # some prefill spans two step chunks past 32
 
 
@@ -299,3 +304,15 @@ def test_a_corrupted_local_table_entry_changes_the_tokens(group_idx: int, block_
     table.block_table[row, block_idx] = table.block_table[other_row, 0]
     outputs = run_to_completion(core)
     assert tokens and tokens + outputs[1] != expected
+
+
+def test_prefills_split_by_a_small_gather_budget_keep_the_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A budget of 256 query x context entries splits every prefill into pieces of a few
+    queries: each piece gathers the union of its queries' reads (the prompt head of its last
+    query, the tail from its first query's start), and decodes go a couple per gather."""
+    monkeypatch.setattr("worker.attention.GATHER_BUDGET", 256)
+    outputs, mirror, _ = run_mirrored(workload(16, 61, max_num_batched_tokens=64))
+    assert_matches_reference(outputs)
+    assert mirror.num_nulled[RSWA_GROUP] > 0
