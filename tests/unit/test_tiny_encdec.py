@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from bench.workload import Workload, build_rank, run_to_completion
-from protocol.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec
+from protocol.buffers import pack_int32
+from protocol.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig
 from protocol.sampling import SamplingParams
 from tests.conftest import worker_test_device
 from worker.distributed import TPGroup, single_rank_group
+from worker.encoder_inputs import EncoderInputs
 from worker.models.registry import get_model_info
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.tiny_encdec_reference import DenseCrossKV, TinyEncDecReference
@@ -225,3 +227,27 @@ def test_the_profiling_step_brings_encoder_input_within_its_cross_blocks() -> No
     assert lengths == [64]  # one 100-token request, its encoder input at the model's limit
     model = TinyEncDec(TINY_ENCDEC, single_rank_group(), 0, DEVICE)
     assert run_profile_step(model, info, 0, 1, DEVICE, max_num_batched_tokens=100) > 0
+
+
+def test_the_runner_refuses_encoder_input_that_does_not_fit_its_model() -> None:
+    encdec = EncoderInputs(KVCacheConfig(8, TINY_ENCDEC.kv_cache_groups(16, "float32")))
+    with pytest.raises(ValueError, match="new request 3 brings encoder_token_ids of None bytes"):
+        encdec.add(3, None)
+    with pytest.raises(ValueError, match="new request 3 brings encoder_token_ids of 6 bytes"):
+        encdec.add(3, b"\x01" * 6)
+    decoder_only = EncoderInputs(
+        KVCacheConfig(8, TINY_ENCDEC.decoder.kv_cache_groups(16, "float32"))
+    )
+    with pytest.raises(ValueError, match="the model has no cross-attention layers"):
+        decoder_only.add(3, pack_int32([1]))
+
+
+def test_a_cross_attention_table_missing_blocks_is_refused() -> None:
+    """The engine sends every encoder block at admission; a row short of them is a broken step."""
+    work = workload(16, 80, max_num_batched_tokens=200)
+    core, executor = build_rank(work, single_rank_group(), DEVICE)
+    core.step()
+    batch = executor.runner.input_batch
+    batch.block_table[CROSS_GROUP].clear_row(batch.handle_to_row[1])
+    with pytest.raises(ValueError, match="holds 0 cross-attention blocks for"):
+        core.step()
