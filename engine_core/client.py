@@ -316,9 +316,8 @@ class AsyncEngineClient:
         try:  # from here a cancel at any await drops the queue; the caller aborts the request
             await self._sock.send(self._encoder.encode(request))
             while True:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns an output that is
-                # ready in the loop turn of a cancel and drops the cancel, so a request whose
-                # client had left (the front end cancelled its task) generated to its end
+                # asyncio.timeout, not wait_for, which on Python 3.11 returns an output ready in a
+                # cancel's loop turn and drops the cancel: a left client's request ran to its end
                 async with asyncio.timeout(self.timeout_s):
                     item = await queue.get()
                 if isinstance(item, Exception):
