@@ -197,7 +197,8 @@ async def models(state: ApiState, request: Request) -> Response:
 
 async def health(state: ApiState, request: Request) -> Response:
     serving, _ = state.running()
-    await asyncio.wait_for(serving.pool.check_health(), HEALTH_CHECK_TIMEOUT_S)
+    async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
+        await serving.pool.check_health()
     engines = {handle.address: handle.is_healthy for handle in serving.pool.handles}
     return JSONResponse({"engines": engines}, status_code=200 if any(engines.values()) else 503)
 

@@ -50,7 +50,8 @@ class EngineHandle:
 
     async def check_health(self) -> bool:
         try:
-            await asyncio.wait_for(self.client.call_utility("check_health"), HEALTH_TIMEOUT_S)
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):  # not wait_for, which can drop a cancel
+                await self.client.call_utility("check_health")
         except EngineDeadError as exc:
             self.mark_down(str(exc))
             await self.reconnect()
@@ -120,9 +121,8 @@ class EnginePool:
             if not handle.is_healthy:
                 return None
             try:
-                stats = await asyncio.wait_for(
-                    handle.client.call_utility("get_stats"), STATS_TIMEOUT_S
-                )
+                async with asyncio.timeout(STATS_TIMEOUT_S):
+                    stats = await handle.client.call_utility("get_stats")
             except (TimeoutError, EngineDeadError, UtilityCallError):
                 return None
             return stats if isinstance(stats, dict) else None
