@@ -63,6 +63,10 @@ class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
     # int32 little-endian: the encoder input whose K/V the workers write into the cross-attention
     # blocks when the request is first scheduled (and again when it resumes); None: no encoder
     encoder_token_ids: bytes | None = None
+    # Leading prompt_token_ids that are the client's prompt; None: all of them. A request sent
+    # again whole after a rank fault carries its generated tokens too, and R-SWA layers must
+    # still keep only the real prompt visible.
+    num_prompt_tokens: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):

@@ -183,7 +183,9 @@ class ModelRunner:
         if len(prompt) == 0:
             raise ValueError(f"new request {new.handle} has an empty prompt")
         self.encoder_inputs.add(new.handle, new.encoder_token_ids)
-        row = self.input_batch.add_request(new.handle, prompt, new.sampling_params, new.block_ids)
+        row = self.input_batch.add_request(
+            new.handle, prompt, new.sampling_params, new.block_ids, new.num_prompt_tokens
+        )
         return new.handle, row, new.num_computed_tokens
 
     def _update_cached(self, cached: CachedRequestData) -> list[tuple[int, int, int]]:

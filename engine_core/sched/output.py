@@ -108,6 +108,11 @@ def _new_request_data(request: Request, block_ids: BlockIds) -> NewRequestData:
         encoder_token_ids=(
             None if request.encoder_token_ids is None else pack_int32(request.encoder_token_ids)
         ),
+        num_prompt_tokens=(
+            None
+            if request.num_prompt_tokens == len(request.all_token_ids)
+            else request.num_prompt_tokens
+        ),
     )
 
 

@@ -158,3 +158,50 @@ def test_requeue_keeps_the_running_order_and_forgets_what_the_workers_were_told(
     resent = [new.handle for new in output.scheduled_new_reqs]
     assert resent == [scheduler.requests[req_id].handle for req_id in order]
     assert not output.scheduled_cached_reqs.resumed_handles and not output.finished_handles
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_new_generation_keeps_the_prompt_of_a_request_sent_again_whole(
+    async_scheduling: bool,
+) -> None:
+    """After the fault the request goes out with its generated tokens as NewRequestData; its
+    R-SWA layer must still see only the real prompt whole, or the tokens change. The fault comes
+    after decoding passed prompt + window + a block, so the gap is already freed."""
+    info = get_model_info("tiny-local", 4)
+    kv_cache_config = KVCacheConfig(200, info.kv_cache_groups)
+    executor = LosableGeneration("tiny-local", kv_cache_config, fault_steps={45})
+    config = EngineConfig(
+        check_invariants=True,
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=16,
+            max_model_len=MAX_MODEL_LEN,
+            async_scheduling=async_scheduling,
+        ),
+    ).checked()
+    core = EngineCore(config, kv_cache_config, info, executor)
+    prompt = list(range(3, 13))
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    assert core.add_request(EngineCoreRequest("r0", pack_int32(prompt), params, 0.0)) is None
+    handle = core.scheduler.requests["r0"].handle
+    tokens: list[int] = []
+    num_tokens_at_fault = None
+    for _ in range(300):
+        if not core.has_work():
+            break
+        try:
+            outputs = core.step()
+        except ConnectionError:
+            num_tokens_at_fault = len(tokens)
+            core.requeue_for_new_workers()
+            executor.replace(core.next_step_id)
+            continue
+        for batch in outputs.values():
+            for output in batch.outputs:
+                assert output.error is None
+                tokens.extend(output.new_token_ids)
+    assert num_tokens_at_fault is not None and num_tokens_at_fault > 24 + 4
+    expected = reference_generate(
+        "tiny-local", prompt, params, max_model_len=MAX_MODEL_LEN, handle=handle
+    )
+    assert tokens == expected
