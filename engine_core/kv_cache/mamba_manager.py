@@ -167,8 +167,15 @@ class MambaManager(SingleTypeKVCacheManager):
         self._pending_block_ids[req_id] = block_id
 
     def free(self, req_id: str) -> None:
+        """Release the request's blocks, tail first; a checkpoint its dropped step would have
+        written leaves the prefix cache first (a preempted request's planned step never runs).
+        """
         self.num_retired_block.pop(req_id, None)
-        self._forget_pending(req_id)
+        pending = self._forget_pending(req_id)
+        if pending is not None:
+            block_id, (publisher, num_tokens) = pending
+            if publisher.num_computed_tokens < num_tokens:
+                self.block_pool.evict_blocks([block_id])
         super().free(req_id)
 
     def get_skipped_blocks(
@@ -208,12 +215,15 @@ class MambaManager(SingleTypeKVCacheManager):
         # The scheduler advances a request's computed tokens once its step is planned.
         return publisher.num_computed_tokens < num_tokens
 
-    def _forget_pending(self, req_id: str) -> None:
+    def _forget_pending(self, req_id: str) -> tuple[int, tuple[KVCacheRequest, int]] | None:
+        """Drop the request's last published checkpoint from the pending map; return it."""
         block_id = self._pending_block_ids.pop(req_id, None)
         pending = self._pending_checkpoints.get(block_id) if block_id is not None else None
         # The block may since have been reused and published again by another request.
-        if pending is not None and pending[0].req_id == req_id:
-            del self._pending_checkpoints[block_id]
+        if block_id is None or pending is None or pending[0].req_id != req_id:
+            return None
+        del self._pending_checkpoints[block_id]
+        return block_id, pending
 
     def check_null_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
         """See the class docstring for where null blocks may be."""

@@ -216,3 +216,25 @@ def test_factory_makes_a_mamba_manager_for_a_mamba_spec() -> None:
     assert isinstance(make_single_type_manager(ALIGN, pool, 0), MambaManager)
     with pytest.raises(TypeError, match="MambaManager needs a MambaSpec"):
         MambaManager(FULL, pool, 0)
+
+
+def test_a_checkpoint_whose_step_is_dropped_before_it_runs_is_not_left_cached() -> None:
+    """A request preempted in the step that published its checkpoint never writes that state:
+    left in the prefix cache, a later hit would resume from whatever the block held before."""
+    manager = _manager(ALIGN)
+    victim = _request("a", PROMPT)
+    assert manager.allocate_slots(victim, 8) is not None  # publishes the checkpoint at 8
+    checkpoint = manager.block_pool.blocks[manager.get_block_ids("a")[0][1]]
+    assert checkpoint.block_hash is not None
+    manager.free(victim)  # preempted before the step was planned: its computed tokens stay 0
+    assert checkpoint.block_hash is None
+    assert manager.get_computed_blocks(_request("b", PROMPT))[1] == 0
+    manager.check_invariants()
+
+
+def test_a_finished_request_leaves_its_last_checkpoint_cached() -> None:
+    manager = _manager(ALIGN)
+    request = _request("a", PROMPT)
+    _step(manager, request, 8)  # planned: the step that writes the checkpoint runs
+    manager.free(request)
+    assert manager.get_computed_blocks(_request("b", PROMPT))[1] == 8

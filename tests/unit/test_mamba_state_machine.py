@@ -45,6 +45,11 @@ class MambaKVCacheManagerMachine(RuleBasedStateMachine):
     specs: tuple[KVCacheSpec, ...] = (ALIGN,)
     enable_caching = True
     num_blocks = 12
+    # Whether a request allocated in a step may be preempted before the step is planned, as the
+    # priority policy's victim can be. A state group takes back the checkpoint such a request
+    # published; a full-attention group keeps the blocks it cached at allocation, whose K/V
+    # are then never written, so the machines with one (and a prefix cache) do not drop.
+    can_drop_planned = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,6 +106,11 @@ class MambaKVCacheManagerMachine(RuleBasedStateMachine):
             if admitted is None:
                 break  # head of line, as the scheduler admits
             scheduled.append(admitted)
+        if self.can_drop_planned:
+            for planned in list(scheduled):
+                if data.draw(st.booleans(), label=f"drop {planned[0].req_id}"):
+                    scheduled.remove(planned)  # preempted after its allocation: never runs
+                    self._preempt(planned[0])
         for request, start, num_new in scheduled:  # the step is planned
             request.num_computed_tokens = start + num_new
         self._execute(scheduled)
@@ -297,6 +307,7 @@ class MambaKVCacheManagerMachine(RuleBasedStateMachine):
 
 class HybridMambaMachine(MambaKVCacheManagerMachine):
     specs = (FULL, ALIGN)
+    can_drop_planned = False
     num_blocks = 28
 
 
@@ -307,6 +318,7 @@ class OneBlockMambaMachine(MambaKVCacheManagerMachine):
 
 class HybridOneBlockMambaMachine(MambaKVCacheManagerMachine):
     specs = (FULL, ONE_BLOCK)
+    can_drop_planned = False
     num_blocks = 20
 
 
