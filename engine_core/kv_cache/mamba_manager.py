@@ -14,6 +14,27 @@ from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheSpec, MambaSpec, cdiv
 
+# What vLLM 0.33.0 does (MambaManager, MambaSpec, Scheduler._mamba_block_aligned_split), and
+# where kvserve differs on purpose:
+# - Align mode: the state after t tokens at position cdiv(t, block_size) - 1, skipped positions
+#   null, one new block per step that crosses a boundary, the previous state block returned once
+#   the next step begins, hits scanned right to left for the last cached state, and a hit on a
+#   state cached by the step being scheduled deferred a step (both).
+# - Mode none: vLLM sets the group's block_size to max_model_len so a request spans one block;
+#   kvserve keeps the model's block size (one hash block size for every group) and holds one.
+#   vLLM refuses a prefix cache without align mode; kvserve serves it and never hits (a hybrid
+#   then hits nothing), and runs align mode without a prefix cache as one block (no checkpoint
+#   could ever be read).
+# - vLLM caches every full block of a chunk, trusting aligned chunks; kvserve caches only the
+#   block that holds its own boundary's state, so a chunk ending mid-block never publishes one.
+# - vLLM clears the hashes cached "this step" at each step start; kvserve needs no step hook: a
+#   checkpoint is pending while its publisher's computed tokens (advanced once a step is
+#   planned) fall short of it, and a pending one is evicted if its publisher is freed.
+# - vLLM ignores lookahead slots in align mode; kvserve's scheduler reserves none beside such a
+#   group, and cache_blocks refuses a table grown past the step.
+# - Not built: speculative-decoding blocks, partial-block hits with copy-on-write, sparse
+#   retention of Mamba checkpoints, and checkpoints written inside a chunk.
+
 
 class MambaManager(SingleTypeKVCacheManager):
     """State blocks of a Mamba group, in the reference's two modes.
