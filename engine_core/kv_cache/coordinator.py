@@ -63,9 +63,12 @@ class KVCacheCoordinator(ABC):
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         )
         # Only sliding-window groups ever skip blocks; full attention pays nothing for it.
-        self.can_skip_blocks = any(
-            type(manager) is not FullAttentionManager for manager in self.single_type_managers
+        self._skipping_managers = tuple(
+            manager
+            for manager in self.single_type_managers
+            if type(manager) is not FullAttentionManager
         )
+        self.can_skip_blocks = bool(self._skipping_managers)
         # Cross-attention groups size their tables by the encoder's tokens, not the decoder's.
         self.is_cross_attention = tuple(
             isinstance(manager, CrossAttentionManager) for manager in self.single_type_managers
@@ -132,10 +135,8 @@ class KVCacheCoordinator(ABC):
         self, req_id: str, num_computed_tokens: int, num_prompt_tokens: int
     ) -> int:
         """Blocks that `remove_skipped_blocks` would return to the free queue right now."""
-        if not self.can_skip_blocks:
-            return 0
         num_freed = 0
-        for manager in self.single_type_managers:
+        for manager in self._skipping_managers:
             skipped = manager.get_skipped_blocks(req_id, num_computed_tokens, num_prompt_tokens)
             for block in skipped:
                 if block.ref_cnt == 1:
@@ -149,9 +150,7 @@ class KVCacheCoordinator(ABC):
 
         `num_prompt_tokens` matters only to R-SWA, whose manager also records it here.
         """
-        if not self.can_skip_blocks:
-            return
-        for manager in self.single_type_managers:
+        for manager in self._skipping_managers:  # full attention never skips: not asked
             manager.remove_skipped_blocks(req_id, num_computed_tokens, num_prompt_tokens)
 
     def get_num_common_prefix_blocks(

@@ -13,10 +13,23 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
 from engine_core.kv_cache.kv_request import KVCacheRequest
-from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
+from engine_core.kv_cache.local_attention_managers import ChunkedLocalAttentionManager, RSWAManager
+from engine_core.kv_cache.single_type_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 from engine_core.kv_cache.spec import KVCacheConfig, RSWASpec
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
+
+# Managers that do nothing on a step that needs no new block and fills none, but skip blocks.
+IN_PLACE_MANAGER_TYPES = (
+    FullAttentionManager,
+    SlidingWindowManager,
+    ChunkedLocalAttentionManager,
+    RSWAManager,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -87,6 +100,10 @@ class KVCacheManager:
         self._held_manager: SingleTypeKVCacheManager | None = (
             managers[0] if len(managers) == 1 and not self.coordinator.can_skip_blocks else None
         )
+        # With several such groups, most decode steps need no new block and fill none: they
+        # only hand skipped blocks back (`_is_step_in_place`), without the per-group fan-out.
+        is_in_place = all(type(manager) in IN_PLACE_MANAGER_TYPES for manager in managers)
+        self._in_place_managers = managers if len(managers) > 1 and is_in_place else ()
 
     @property
     def usage(self) -> float:
@@ -166,6 +183,13 @@ class KVCacheManager:
                     return None
                 # Most decode steps: the last block has room, and nothing new is handed out.
                 return KVCacheBlocks((new_held,)) if new_held else self.empty_kv_cache_blocks
+        if new_computed_blocks is None and self._in_place_managers:
+            num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            if self._is_step_in_place(request, num_tokens_need_slot, num_real_tokens):
+                self.coordinator.remove_skipped_blocks(
+                    request.req_id, request.num_computed_tokens, request.num_prompt_tokens
+                )
+                return self.empty_kv_cache_blocks
         computed: BlocksPerGroup = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
@@ -194,6 +218,25 @@ class KVCacheManager:
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
+
+    def _is_step_in_place(
+        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+    ) -> bool:
+        """Whether the request's table in every group holds `num_tokens` slots already and has
+        cached every block its first `num_real_tokens` tokens fill (R-SWA: those of the prompt);
+        then `allocate_slots` would only hand skipped blocks back."""
+        req_id, is_caching = request.req_id, self.enable_caching
+        for manager in self._in_place_managers:
+            blocks = manager.req_to_blocks.get(req_id)
+            if blocks is None or len(blocks) * manager.block_size < num_tokens:
+                return False
+            if is_caching:
+                num_cacheable_tokens = num_real_tokens
+                if type(manager) is RSWAManager:
+                    num_cacheable_tokens = min(num_real_tokens, request.num_prompt_tokens)
+                if manager.num_cached_block[req_id] < num_cacheable_tokens // manager.block_size:
+                    return False
+        return True
 
     def _can_allocate(
         self,
