@@ -183,13 +183,36 @@ class KVCacheManager:
                     return None
                 # Most decode steps: the last block has room, and nothing new is handed out.
                 return KVCacheBlocks((new_held,)) if new_held else self.empty_kv_cache_blocks
-        if new_computed_blocks is None and self._in_place_managers:
-            num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            if self._is_step_in_place(request, num_tokens_need_slot, num_real_tokens):
-                self.coordinator.remove_skipped_blocks(
-                    request.req_id, request.num_computed_tokens, request.num_prompt_tokens
-                )
-                return self.empty_kv_cache_blocks
+        # Only real tokens are hashed: lookahead slots hold no known tokens yet.
+        num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+        if (
+            new_computed_blocks is None
+            and self._in_place_managers
+            and self._is_step_in_place(request, num_tokens_need_slot, num_real_tokens)
+        ):
+            self.coordinator.remove_skipped_blocks(
+                request.req_id, request.num_computed_tokens, request.num_prompt_tokens
+            )
+            return self.empty_kv_cache_blocks
+        return self._allocate_in_every_group(
+            request,
+            num_tokens_need_slot,
+            num_real_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+        )
+
+    def _allocate_in_every_group(
+        self,
+        request: KVCacheRequest,
+        num_tokens_need_slot: int,
+        num_real_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_encoder_tokens: int,
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots` through the coordinator: admit, skip, allocate and cache per group."""
         computed: BlocksPerGroup = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
@@ -211,10 +234,7 @@ class KVCacheManager:
             req_id, num_tokens_need_slot, num_encoder_tokens
         )
         if self.enable_caching:
-            # Only real tokens are hashed: lookahead slots hold no known tokens yet.
-            coordinator.cache_blocks(
-                request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            )
+            coordinator.cache_blocks(request, num_real_tokens)
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
