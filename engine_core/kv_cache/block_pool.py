@@ -12,12 +12,7 @@ from collections.abc import Iterable, Sequence
 from engine_core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from engine_core.kv_cache.block_hash_map import BlockHashToBlockMap
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
-from engine_core.kv_cache.hashing import (
-    BlockHash,
-    get_block_hash,
-    get_group_id,
-    group_id_suffix,
-)
+from engine_core.kv_cache.hashing import BlockHash, get_block_hash, get_group_id, group_id_suffix
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from protocol.kv_cache_spec import NULL_BLOCK_ID
 from protocol.kv_events import AllBlocksCleared, KVCacheEvent, block_removed, block_stored
@@ -33,6 +28,23 @@ class _GroupIdSuffixes(dict[int, bytes]):
     def __missing__(self, group_id: int) -> bytes:
         suffix = self[group_id] = group_id_suffix(group_id)
         return suffix
+
+
+def _check_cacheable(
+    request: KVCacheRequest, num_blocks: int, start: int, end: int, mask: Sequence[bool] | None
+) -> None:
+    """Refuse to cache blocks `[start, end)` past the hashes or blocks held, or a wrong mask."""
+    num_hashes = len(request.block_hashes)
+    if end > num_hashes or end > num_blocks:
+        raise ValueError(
+            f"cannot cache {end} full blocks of request {request.req_id}: "
+            f"it has {num_hashes} block hashes and {num_blocks} blocks"
+        )
+    if mask is not None and len(mask) != end - start:
+        raise ValueError(
+            f"block_mask of {len(mask)} entries for blocks {start} to {end} of request "
+            f"{request.req_id}: expected one per block"
+        )
 
 
 def _make_blocks(num_blocks: int) -> list[KVCacheBlock]:
@@ -144,16 +156,7 @@ class BlockPool:
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
         block_hashes = request.block_hashes
-        if num_full_blocks > len(block_hashes) or num_full_blocks > len(blocks):
-            raise ValueError(
-                f"cannot cache {num_full_blocks} full blocks of request {request.req_id}: "
-                f"it has {len(block_hashes)} block hashes and {len(blocks)} blocks"
-            )
-        if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
-            raise ValueError(
-                f"block_mask of {len(block_mask)} entries for blocks {num_cached_blocks} to "
-                f"{num_full_blocks} of request {request.req_id}: expected one per block"
-            )
+        _check_cacheable(request, len(blocks), num_cached_blocks, num_full_blocks, block_mask)
         suffix = self._group_id_suffixes[kv_cache_group_id]
         is_recording = self.enable_kv_cache_events
         announced: list[int] = []  # indices whose hash had no cached copy: routers learn these
