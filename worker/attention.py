@@ -133,6 +133,7 @@ class PagedKV:
             for spec, table in zip(self.specs, tables.tables, strict=True)
         ]
         self._chunks: dict[tuple[int, bool], list[ContextChunk]] = {}
+        self._rows: dict[str, tuple[torch.Tensor, int, int]] = {}  # see _token_rows
         self.build_s = 0.0  # seconds spent building context indices (batch preparation, not model)
 
     def _token_positions(self) -> np.ndarray:
@@ -157,17 +158,46 @@ class PagedKV:
 
     def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V [T, num_kv_heads_per_rank, head_dim] of every scheduled token."""
-        cache = self.kv_caches[layer_name]
+        rows, block_rows, block_size = self._token_rows(layer_name)
         block_idx, offsets = self.write_indices[self.layer_to_group[layer_name]]
-        cache[block_idx, 0, offsets] = k.to(cache.dtype)
-        cache[block_idx, 1, offsets] = v.to(cache.dtype)
+        k_rows = block_idx * block_rows + offsets
+        rows.index_copy_(0, k_rows, k.to(rows.dtype))
+        rows.index_copy_(0, k_rows + block_size, v.to(rows.dtype))
 
     def gather(self, layer_name: str, chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [S, L, num_kv_heads_per_rank, head_dim] of a chunk's context, in cache dtype."""
-        cache = self.kv_caches[layer_name]
-        return cache[chunk.block_idx, 0, chunk.block_offsets], cache[
-            chunk.block_idx, 1, chunk.block_offsets
-        ]
+        rows, block_rows, block_size = self._token_rows(layer_name)
+        shape = (*chunk.block_idx.shape, *rows.shape[1:])
+        k_rows = (chunk.block_idx * block_rows + chunk.block_offsets).reshape(-1)
+        return (
+            rows.index_select(0, k_rows).view(shape),
+            rows.index_select(0, k_rows + block_size).view(shape),
+        )
+
+    def _token_rows(self, layer_name: str) -> tuple[torch.Tensor, int, int]:
+        """The layer's cache [num_blocks, 2, block_size, H, D] as rows [N, H, D] of one token's K
+        or V, the rows from one block to the next, and block_size (K's rows to V's).
+
+        One-dimensional index_select and index_copy_ over these rows cost a fifth of indexing
+        the five-dimensional cache with two index tensors. Block b's K of offset o is row
+        b * block_rows + o and its V that row + block_size; block_rows exceeds 2 * block_size
+        when the shared tensor pads this group's pages to a larger one.
+        """
+        if layer_name not in self._rows:
+            cache = self.kv_caches[layer_name]
+            num_blocks, _, block_size, heads, head_dim = cache.shape
+            row_elems = heads * head_dim
+            inner = (block_size * row_elems, row_elems, head_dim, 1)
+            if cache.stride()[1:] != inner or cache.stride(0) % row_elems:
+                raise ValueError(
+                    f"layer {layer_name}'s KV cache has strides {cache.stride()}: expected "
+                    f"contiguous blocks (inner strides {inner}) at a multiple of {row_elems}"
+                )
+            block_rows = cache.stride(0) // row_elems
+            num_rows = (num_blocks - 1) * block_rows + 2 * block_size
+            rows = cache.as_strided((num_rows, heads, head_dim), (row_elems, head_dim, 1))
+            self._rows[layer_name] = (rows, block_rows, block_size)
+        return self._rows[layer_name]
 
     def chunks(self, layer_name: str, logits_only: bool = False) -> list[ContextChunk]:
         """Context chunks of every scheduled token, or only of each sampled request's last token."""
