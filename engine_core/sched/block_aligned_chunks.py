@@ -39,10 +39,10 @@ class BlockAlignedChunks:
         for group in kv_cache_config.kv_cache_groups:
             spec = group.spec
             if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-                max_chunk_tokens = (
-                    scheduler_config.long_prefill_token_threshold
-                    or scheduler_config.max_num_batched_tokens
-                )
+                max_chunk_tokens = scheduler_config.max_num_batched_tokens
+                threshold = scheduler_config.long_prefill_token_threshold
+                if threshold:
+                    max_chunk_tokens = min(max_chunk_tokens, threshold)
                 return cls(spec.block_size, max_chunk_tokens)
         return None
 

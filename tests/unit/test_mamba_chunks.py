@@ -63,15 +63,22 @@ def test_a_block_wider_than_any_chunk_is_crossed_in_pieces_that_meet_its_boundar
 
 
 def test_only_an_align_mode_group_with_a_prefix_cache_and_chunking_clips() -> None:
-    def make(spec: MambaSpec, caching: bool, chunked: bool = True) -> BlockAlignedChunks | None:
+    def make(
+        spec: MambaSpec, caching: bool, chunked: bool = True, max_batched: int = 64
+    ) -> BlockAlignedChunks | None:
         groups = [KVCacheGroupSpec(["full.0"], FULL), KVCacheGroupSpec(["mamba.0"], spec)]
         return BlockAlignedChunks.for_configs(
             KVCacheConfig(16, groups),
             CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching),
-            SchedulerConfig(enable_chunked_prefill=chunked, long_prefill_token_threshold=12),
+            SchedulerConfig(
+                enable_chunked_prefill=chunked,
+                long_prefill_token_threshold=12,
+                max_num_batched_tokens=max_batched,
+            ),
         )
 
     assert make(_mamba("align"), caching=True) == BlockAlignedChunks(BLOCK_SIZE, 12)
+    assert make(_mamba("align"), caching=True, max_batched=8) == BlockAlignedChunks(BLOCK_SIZE, 8)
     assert make(_mamba("align"), caching=False) is None
     assert make(_mamba("align"), caching=True, chunked=False) is None
     assert make(_mamba("none"), caching=True) is None
