@@ -12,6 +12,7 @@ from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec
 from protocol.sampling import SamplingParams
 
 Rank = Annotated[int, msgspec.Meta(ge=0)]
+NumBlocks = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # a count of blocks, int32
 
 
 class ModelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -97,6 +98,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     finished_handles: list[int]  # requests the workers must forget
     preempted_handles: list[int]  # requests whose blocks were freed; a later step resumes them
     generation: int = 1  # the worker generation it is for; a rank of another one refuses it
+    # Per KV-cache group, the leading blocks every running request's table shares once this
+    # step's blocks are allocated (cascade attention reads them once); []: none reported
+    num_common_prefix_blocks: list[NumBlocks] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -111,6 +111,7 @@ class PagedKV:
         tables: MultiGroupBlockTable,
         layout: StepLayout,
         device: torch.device,
+        cascade_tokens: list[int] | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.device = device
@@ -132,7 +133,10 @@ class PagedKV:
             else self._block_indices(table, token_rows, token_positions)
             for spec, table in zip(self.specs, tables.tables, strict=True)
         ]
-        self._chunks: dict[tuple[int, bool], list[ContextChunk]] = {}
+        # Per group, leading tokens every query reads through cascade attention (worker/cascade.py)
+        # and that `suffix_chunks` leaves out; 0 where the group reads each context whole.
+        self.cascade_tokens = cascade_tokens or [0] * len(self.specs)
+        self._chunks: dict[tuple[int, bool, int], list[ContextChunk]] = {}
         self._rows: dict[str, tuple[torch.Tensor, int, int]] = {}  # see _token_rows
         self.build_s = 0.0  # seconds spent building context indices (batch preparation, not model)
 
@@ -201,15 +205,26 @@ class PagedKV:
 
     def chunks(self, layer_name: str, logits_only: bool = False) -> list[ContextChunk]:
         """Context chunks of every scheduled token, or only of each sampled request's last token."""
+        return self._cached_chunks(self.layer_to_group[layer_name], logits_only, 0)
+
+    def num_cascade_tokens(self, layer_name: str) -> int:
+        """Leading tokens of every context that cascade attention reads once for the layer."""
+        return self.cascade_tokens[self.layer_to_group[layer_name]]
+
+    def suffix_chunks(self, layer_name: str, logits_only: bool = False) -> list[ContextChunk]:
+        """As `chunks`, but each context starts after the group's cascade prefix."""
         group_idx = self.layer_to_group[layer_name]
-        key = (group_idx, logits_only)
+        return self._cached_chunks(group_idx, logits_only, self.cascade_tokens[group_idx])
+
+    def _cached_chunks(self, group_idx: int, logits_only: bool, skip: int) -> list[ContextChunk]:
+        key = (group_idx, logits_only, skip)
         if key not in self._chunks:
             start = time.perf_counter()
-            self._chunks[key] = self._build_chunks(group_idx, logits_only)
+            self._chunks[key] = self._build_chunks(group_idx, logits_only, skip)
             self.build_s += time.perf_counter() - start
         return self._chunks[key]
 
-    def _build_chunks(self, group_idx: int, logits_only: bool) -> list[ContextChunk]:
+    def _build_chunks(self, group_idx: int, logits_only: bool, skip: int) -> list[ContextChunk]:
         layout, spec = self.layout, self.specs[group_idx]
         table = self.tables[group_idx]
         last_positions = layout.first_positions + layout.num_queries - 1
@@ -219,14 +234,15 @@ class PagedKV:
                 last_positions[reqs],
                 layout.token_offsets[reqs] + layout.num_queries[reqs] - 1,
             )
-            return self._single_query_chunks(table, spec, reqs, *last_query)
+            return self._single_query_chunks(table, spec, reqs, *last_query, skip)
         is_single = layout.num_queries == 1
         singles = np.flatnonzero(is_single)
+        first_positions, token_offsets = layout.first_positions, layout.token_offsets
         chunks = self._single_query_chunks(
-            table, spec, singles, layout.first_positions[singles], layout.token_offsets[singles]
+            table, spec, singles, first_positions[singles], token_offsets[singles], skip
         )
         for req in np.flatnonzero(~is_single):
-            chunks.extend(self._prefill_chunks(table, spec, req))
+            chunks.extend(self._prefill_chunks(table, spec, req, skip))
         return chunks
 
     def _single_query_chunks(
@@ -236,13 +252,16 @@ class PagedKV:
         reqs: np.ndarray,
         positions: np.ndarray,
         token_idx: np.ndarray,
+        skip: int,
     ) -> list[ContextChunk]:
         """Decode-like queries of `reqs` (indices into the layout), many per chunk, each context
-        padded to the longest one: entry o is o in the head, then tail_start - head_end + o."""
+        padded to the longest one: entry o is o in the head, then tail_start - head_end + o.
+        The first `skip` positions are left out (a cascade prefix; full attention only)."""
         if len(reqs) == 0:
             return []
         rows = self.layout.rows[reqs]
         head_ends, tail_starts = read_bounds(spec, positions, self.layout.num_prompt_tokens[reqs])
+        tail_starts = np.maximum(tail_starts, skip)
         lengths = head_ends + positions - tail_starts + 1
         per_chunk = max(1, GATHER_BUDGET // int(lengths.max()))
         chunks = []
@@ -261,7 +280,9 @@ class PagedKV:
             )
         return chunks
 
-    def _prefill_chunks(self, table: BlockTable, spec: KVCacheSpec, req: int) -> list[ContextChunk]:
+    def _prefill_chunks(
+        self, table: BlockTable, spec: KVCacheSpec, req: int, skip: int
+    ) -> list[ContextChunk]:
         """One request's queries, split so that queries x context stays within the budget.
 
         A split's context is the union of its queries' reads: its first query's head and its tail
@@ -272,13 +293,13 @@ class PagedKV:
         first, count = int(layout.first_positions[req]), int(layout.num_queries[req])
         row, offset = int(layout.rows[req]), int(layout.token_offsets[req])
         num_prompt_tokens = int(layout.num_prompt_tokens[req])
-        per_chunk = max(1, GATHER_BUDGET // (first + count))
+        per_chunk = max(1, GATHER_BUDGET // (first + count - skip))
         chunks = []
         for q_lo in range(first, first + count, per_chunk):
             q_hi = min(q_lo + per_chunk, first + count)
             query_pos = np.arange(q_lo, q_hi)[:, None]  # [n, 1]
             head_ends, tail_starts = read_bounds(spec, query_pos[:, 0], num_prompt_tokens)
-            head_end, tail_start = int(head_ends[0]), int(tail_starts[0])
+            head_end, tail_start = int(head_ends[0]), max(int(tail_starts[0]), skip)
             ctx_pos = np.concatenate((np.arange(head_end), np.arange(tail_start, q_hi)))[None, :]
             visible = read_mask(spec, ctx_pos, query_pos, num_prompt_tokens)  # [n, L]
             query_idx = (offset + query_pos[:, 0] - first)[None, :]

@@ -27,6 +27,7 @@ from protocol.worker_messages import (
     SchedulerOutput,
 )
 from worker.attention import PagedKV, StepLayout
+from worker.cascade import plan_cascade
 from worker.cross_attention import EncoderDecoderKV, encoder_decoder_kv
 from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
@@ -86,8 +87,13 @@ class ModelRunner:
         device: torch.device,
         sampling_seed: int = 0,
         check_each_step: bool = False,
+        enable_cascade_attention: bool = True,
     ) -> None:
         self.model = model
+        # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
+        # each request reads it through its own table. The engine's counts are checked either way.
+        self.enable_cascade_attention = enable_cascade_attention
+        self.num_cascade_steps = 0  # steps where some group read a shared prefix once
         self.check_each_step = check_each_step  # walk the invariants every step (tests, debugging)
         self.kv_cache_config = kv_cache_config
         self.kv_caches = kv_caches
@@ -118,7 +124,9 @@ class ModelRunner:
             return ModelRunnerOutput(
                 scheduler_output.step_id, self.rank, handles, b"", scheduler_output.generation
             )
-        token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(scheduled)
+        token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(
+            scheduled, scheduler_output.num_common_prefix_blocks
+        )
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         modelled = time.perf_counter()
@@ -247,7 +255,7 @@ class ModelRunner:
         return row
 
     def _prepare(
-        self, scheduled: list[ScheduledRequest]
+        self, scheduled: list[ScheduledRequest], num_common_prefix_blocks: list[int]
     ) -> tuple[
         torch.Tensor,
         torch.Tensor,
@@ -276,7 +284,12 @@ class ModelRunner:
         logits_idx = offsets[logits_reqs] + counts[logits_reqs] - 1
         num_prompt_tokens = batch.num_prompt_tokens[rows].astype(np.int64)
         layout = StepLayout(rows, first, counts, offsets, logits_reqs, num_prompt_tokens)
-        kv = PagedKV(self.kv_caches, self.kv_cache_config, batch.block_table, layout, self.device)
+        config, tables = self.kv_cache_config, batch.block_table
+        cascade_tokens = plan_cascade(
+            num_common_prefix_blocks, config, tables, layout, self.enable_cascade_attention
+        )
+        self.num_cascade_steps += any(cascade_tokens)
+        kv = PagedKV(self.kv_caches, config, tables, layout, self.device, cascade_tokens)
         if self.encoder_inputs.is_required:  # its decoder also reads each request's encoder
             kv = encoder_decoder_kv(kv, self.encoder_inputs, [req.handle for req in scheduled])
         sample_reqs = [

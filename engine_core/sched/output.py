@@ -7,6 +7,7 @@ changes a request: the Scheduler advances requests once the message is built.
 from array import array
 from dataclasses import dataclass, field
 
+from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.request import Request
 from protocol.buffers import pack_int32
 from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
@@ -69,10 +70,19 @@ class StepPlan:
         """Every scheduled request in SchedulerOutput order: new, then running, then resumed."""
         return self.new_reqs + self.running_reqs + self.resumed_reqs
 
-    def build(self, step_id: int, finished_handles: list[int]) -> SchedulerOutput:
+    def build(
+        self,
+        step_id: int,
+        finished_handles: list[int],
+        kv_cache_manager: KVCacheManager | None = None,
+        running: list[Request] | None = None,
+    ) -> SchedulerOutput:
         """The wire message, read from each request as it stood before this step; writes nothing.
 
-        The Scheduler advances `num_computed_tokens` and `num_tokens_sent` once it is built.
+        The Scheduler advances `num_computed_tokens` and `num_tokens_sent` once it is built. The
+        common prefix is read from the pool as this step's allocations left it, which is what
+        the workers' tables hold when they run this step, whatever steps are still in flight.
+        Without the pool and the running requests it reports none.
         """
         new_reqs_data = [
             _new_request_data(request, block_ids)
@@ -95,7 +105,24 @@ class StepPlan:
             total_num_scheduled_tokens=sum(num_scheduled_tokens),
             finished_handles=finished_handles,
             preempted_handles=self.preempted_handles,
+            num_common_prefix_blocks=(
+                []
+                if kv_cache_manager is None or running is None
+                else num_common_prefix_blocks(kv_cache_manager, running)
+            ),
         )
+
+
+def num_common_prefix_blocks(kv_cache_manager: KVCacheManager, running: list[Request]) -> list[int]:
+    """Per group, the leading blocks every running request holds, as vLLM's scheduler asks it
+    of one running request; [] when nothing can be shared (no prefix cache, or one request).
+
+    Every request that holds blocks is running here (a preempted or finished one was freed), so
+    a block whose ref_cnt is the number of running requests is in every running table.
+    """
+    if not kv_cache_manager.enable_caching or len(running) < 2:
+        return []
+    return kv_cache_manager.get_num_common_prefix_blocks(running[0].req_id, len(running))
 
 
 def _new_request_data(request: Request, block_ids: BlockIds) -> NewRequestData:

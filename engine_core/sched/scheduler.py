@@ -213,7 +213,7 @@ class Scheduler:
         self._step_id += 1
         requests = plan.requests_in_order()
         finished, self._finished_handles = self._finished_handles, []
-        output = plan.build(self._step_id, finished)
+        output = plan.build(self._step_id, finished, self.kv_cache_manager, self.running)
         # Advance only once the message is built: it carries each request's state before the step.
         num_tokens = plan.new_num_tokens + plan.running_num_tokens + plan.resumed_num_tokens
         is_sampling = []

@@ -18,7 +18,8 @@ from protocol.kv_cache_spec import (
     RSWASpec,
     SlidingWindowSpec,
 )
-from worker.attention import KVContext
+from worker.attention import KVContext, PagedKV
+from worker.cascade import cascade_attention
 from worker.distributed import TPGroup
 from worker.models.fixed_point import (
     MAX_CONTEXT_TOKENS,
@@ -248,6 +249,8 @@ class TinyLlama:
         v = quantize(h @ layer.wv).view(num_tokens, self.kv_heads_per_rank, hd)
         name = self.config.layer_name(layer_idx)
         kv.write(name, k, v)  # before any read: a same-step neighbour may share these blocks
+        if isinstance(kv, PagedKV) and kv.num_cascade_tokens(name):  # a prefix all requests share
+            return cascade_attention(kv, name, q, logits_only, self.exp_table)
         out = x.new_zeros((num_tokens, self.heads_per_rank * hd))  # [T, H_r * head_dim]
         for chunk in kv.chunks(name, logits_only):
             k_ctx, v_ctx = kv.gather(name, chunk)

@@ -1,0 +1,252 @@
+"""Cascade attention in the worker: a prefix every request of a step shares is read once per
+layer, and the logits stay bit-identical to reading each request's whole context.
+
+The engine's real Scheduler (prefix caching on) drives two ModelRunners with the same
+SchedulerOutputs, one with cascade attention and one without; every step's logits must be equal,
+and the tokens equal the dense reference. A count the tables contradict is refused.
+"""
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import worker.models.tiny_llama as tiny_llama_module
+from engine_core.core import EngineCore
+from protocol.buffers import pack_int32, unpack_int32
+from protocol.client_messages import EngineCoreRequest
+from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.sampling import SamplingParams
+from protocol.worker_messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tests.conftest import worker_test_device
+from worker.distributed import single_rank_group
+from worker.kv_cache import allocate_kv_caches
+from worker.model_runner import ModelRunner
+from worker.models.reference import reference_generate
+from worker.models.registry import build_model, get_model_info
+
+DEVICE = torch.device(worker_test_device())
+MAX_MODEL_LEN = 96
+SHARED_PREFIX_LEN = 41
+PARAMS = [
+    SamplingParams(max_tokens=8, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True),  # reads fine logits
+    SamplingParams(max_tokens=7, ignore_eos=True),
+]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def make_runner(
+    model: str, kv_cache_config: KVCacheConfig, enable_cascade_attention: bool
+) -> ModelRunner:
+    info = get_model_info(model, kv_cache_config.kv_cache_groups[0].spec.block_size)
+    return ModelRunner(
+        build_model(model, single_rank_group(), DEVICE),
+        kv_cache_config,
+        allocate_kv_caches(kv_cache_config, 1, DEVICE),
+        0,
+        info.max_model_len,
+        DEVICE,
+        check_each_step=True,
+        enable_cascade_attention=enable_cascade_attention,
+    )
+
+
+def record_logits(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every logits tensor the runner's model returns, in step order."""
+    recorded: list[torch.Tensor] = []
+    forward = runner.model.forward
+
+    def recording_forward(*args: object) -> torch.Tensor:
+        logits = forward(*args)  # type: ignore[arg-type]
+        recorded.append(logits.clone())
+        return logits
+
+    runner.model.forward = recording_forward  # type: ignore[method-assign]
+    return recorded
+
+
+class TwoRunners:
+    """The engine's executor: runs each step on a cascade runner and a plain one, and checks
+    that they sample the same tokens from bit-identical logits."""
+
+    def __init__(self, cascade: ModelRunner, plain: ModelRunner) -> None:
+        self.cascade, self.plain = cascade, plain
+        self.cascade_logits = record_logits(cascade)
+        self.plain_logits = record_logits(plain)
+        self.common_prefix_counts: list[list[int]] = []
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.common_prefix_counts.append(scheduler_output.num_common_prefix_blocks)
+        output = self.cascade.execute_model(scheduler_output)
+        plain_output = self.plain.execute_model(scheduler_output)
+        assert output.sampled_token_ids == plain_output.sampled_token_ids
+        assert len(self.cascade_logits) == len(self.plain_logits)
+        if self.cascade_logits:
+            assert torch.equal(self.cascade_logits[-1], self.plain_logits[-1]), (
+                f"step {scheduler_output.step_id}: cascade logits differ"
+            )
+        return output
+
+
+def prompts(count: int) -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 500) for _ in range(SHARED_PREFIX_LEN)]
+    return [
+        shared + [rng.randrange(3, 500) for _ in range(rng.randrange(2, 12))] for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("model", "block_size"),
+    [("tiny-llama", 4), ("tiny-llama", 16), ("tiny-llama-hybrid", 4), ("tiny-local", 16)],
+)
+def test_cascade_gives_the_tokens_and_logits_of_the_plain_path_and_the_reference(
+    model: str, block_size: int, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half the requests arrive while the first half decode, so their prefills (prefix hit)
+    run beside decodes over the shared prefix, and both kinds of query read it once."""
+    calls = count_cascade_calls(monkeypatch)
+    info = get_model_info(model, block_size)
+    kv_cache_config = KVCacheConfig(1 + 12 * 64 // block_size, info.kv_cache_groups)
+    executor = TwoRunners(
+        make_runner(model, kv_cache_config, True), make_runner(model, kv_cache_config, False)
+    )
+    config = EngineConfig(
+        check_invariants=True,
+        cache=CacheConfig(block_size=block_size),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=64,
+            max_model_len=MAX_MODEL_LEN,
+            async_scheduling=async_scheduling,
+        ),
+    ).checked()
+    core = EngineCore(config, kv_cache_config, info, executor)
+    tokens = run(core, prompts(10))
+    assert executor.cascade.num_cascade_steps > 0 and calls, "the cascade path never ran"
+    assert executor.plain.num_cascade_steps == 0
+    shared_blocks = SHARED_PREFIX_LEN // block_size
+    assert max(counts[0] for counts in executor.common_prefix_counts if counts) == shared_blocks
+    for idx, prompt in enumerate(prompts(10)):
+        params = PARAMS[idx % len(PARAMS)]
+        expected = reference_generate(
+            model, prompt, params, max_model_len=MAX_MODEL_LEN, handle=idx + 1
+        )
+        assert tokens[idx] == expected, f"request {idx}"
+
+
+def count_cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Spy on tiny-llama's cascade path: the layer name of each call, in order."""
+    calls: list[str] = []
+    real: Callable[..., torch.Tensor] = tiny_llama_module.cascade_attention
+
+    def spy(kv: object, layer_name: str, *args: object) -> torch.Tensor:
+        calls.append(layer_name)
+        return real(kv, layer_name, *args)
+
+    monkeypatch.setattr(tiny_llama_module, "cascade_attention", spy)
+    return calls
+
+
+def run(core: EngineCore, all_prompts: list[list[int]]) -> list[list[int]]:
+    """Tokens of each prompt; the second half is submitted three steps after the first."""
+    tokens: list[list[int]] = [[] for _ in all_prompts]
+    half = len(all_prompts) // 2
+    for step_idx in range(1000):
+        if step_idx in (0, 3):
+            first = 0 if step_idx == 0 else half
+            for idx in range(first, first + half):
+                params = PARAMS[idx % len(PARAMS)]
+                prompt = pack_int32(all_prompts[idx])
+                assert core.add_request(EngineCoreRequest(str(idx), prompt, params, idx)) is None
+        elif not core.has_work():
+            break
+        for outputs in core.step().values():
+            for output in outputs.outputs:
+                tokens[int(output.req_id)].extend(output.new_token_ids)
+    return tokens
+
+
+# ---- hand-written steps: the runner checks the engine's counts --------------------------------
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def shared_block_writer() -> SchedulerOutput:
+    """Step 1: a request writes block 1 (tokens 5..8) that step 2's two requests then share."""
+    new = NewRequestData(9, pack_int32([5, 6, 7, 8, 1]), GREEDY, ([1, 2],), 0)
+    return SchedulerOutput(1, [new], CachedRequestData(), pack_int32([5]), 5, [], [])
+
+
+def two_sharing_requests(
+    block_ids: tuple[list[int], list[int]], num_common_prefix_blocks: list[int]
+) -> SchedulerOutput:
+    """Step 2: two requests whose first 4 tokens (block 1) are already computed (a prefix hit)."""
+    prompts = ([5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11])
+    new = [
+        NewRequestData(idx + 1, pack_int32(prompt), GREEDY, (ids,), 4)
+        for idx, (prompt, ids) in enumerate(zip(prompts, block_ids, strict=True))
+    ]
+    return SchedulerOutput(
+        2,
+        new,
+        CachedRequestData(),
+        pack_int32([2, 1]),
+        3,
+        [9],
+        [],
+        num_common_prefix_blocks=num_common_prefix_blocks,
+    )
+
+
+def tiny_llama_runner(enable_cascade_attention: bool = True) -> ModelRunner:
+    info = get_model_info("tiny-llama", 4)
+    runner = make_runner(
+        "tiny-llama", KVCacheConfig(16, info.kv_cache_groups), enable_cascade_attention
+    )
+    runner.execute_model(shared_block_writer())
+    return runner
+
+
+@pytest.mark.parametrize("enable_cascade_attention", [True, False], ids=["on", "off"])
+def test_a_right_count_gives_the_tokens_of_no_count(enable_cascade_attention: bool) -> None:
+    tokens = []
+    for counts in ([1], []):
+        runner = tiny_llama_runner(enable_cascade_attention)
+        output = runner.execute_model(two_sharing_requests(([1, 3], [1, 4]), counts))
+        tokens.append(list(unpack_int32(output.sampled_token_ids)))
+        assert runner.num_cascade_steps == int(enable_cascade_attention and bool(counts))
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("enable_cascade_attention", [True, False], ids=["on", "off"])
+@pytest.mark.parametrize(
+    ("block_ids", "counts", "error"),
+    [
+        (([1, 3], [2, 4]), [1], "block 0 is 2 in row 1 and 1 in row 0"),
+        (([1, 3], [1, 4]), [2], "block 1 is 4 in row 1 and 3 in row 0"),
+        (([1, 3], [1, 4]), [3], "the request in row 0 holds 2"),
+        (([1, 3], [1, 4]), [1, 0], "names 2 groups, the model has 1"),
+    ],
+    ids=["other-block", "diverging-tail", "short-table", "group-count"],
+)
+def test_a_count_the_tables_contradict_is_refused(
+    block_ids: tuple[list[int], list[int]],
+    counts: list[int],
+    error: str,
+    enable_cascade_attention: bool,
+) -> None:
+    """Guards against reading one request's blocks as another's: a wrong count is a clear error
+    whether or not cascade attention is on, never silently different tokens."""
+    runner = tiny_llama_runner(enable_cascade_attention)
+    with pytest.raises(ValueError, match=error):
+        runner.execute_model(two_sharing_requests(block_ids, counts))
