@@ -17,7 +17,7 @@ from bench.peer_rounds import Figures, PeerRatio, add_rounds_argument, run_round
 from bench.replay import ManagerReplay, ManagerReplayResult
 from bench.report import add_peer_arguments, base_parser, report, run_peer
 from bench.trace import Trace, TraceConfig, config_to_json, make_trace, trace_digest
-from engine_core.kv_cache.hashing import BlockHasher
+from engine_core.kv_cache.hashing import BlockHasher, get_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
@@ -78,13 +78,18 @@ def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> KVC
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
 
 
-def check_decisions(trace: Trace, layout: str, expected: list[list]) -> int:
+def check_decisions(
+    trace: Trace, layout: str, expected: list[list], retention_interval: int | None = None
+) -> int:
     """Replay once, comparing every decision with vLLM's as it is made; the number checked."""
     config = trace.config
     requests, outputs = build_requests(trace)
     kv_cache_config = layout_kv_cache_config(layout, config.block_size, config.num_gpu_blocks)
+    manager = KVCacheManager(
+        kv_cache_config, MAX_MODEL_LEN, prefix_cache_retention_interval=retention_interval
+    )
     checker = CheckingManager(
-        KVCacheManager(kv_cache_config, MAX_MODEL_LEN),
+        manager,
         requests,
         [(kind, idx, num) for kind, idx, num in expected],
     )
@@ -97,14 +102,16 @@ def check_decisions(trace: Trace, layout: str, expected: list[list]) -> int:
 
 
 def run_kvserve(
-    trace: Trace, repeats: int, layout: str = "full"
+    trace: Trace, repeats: int, layout: str = "full", retention_interval: int | None = None
 ) -> tuple[list[ManagerReplayResult], KVCacheManager]:
     config = trace.config
     kv_cache_config = layout_kv_cache_config(layout, config.block_size, config.num_gpu_blocks)
     results = []
     for _ in range(repeats):
         requests, outputs = build_requests(trace)
-        manager = KVCacheManager(kv_cache_config, MAX_MODEL_LEN)
+        manager = KVCacheManager(
+            kv_cache_config, MAX_MODEL_LEN, prefix_cache_retention_interval=retention_interval
+        )
         replay = ManagerReplay(manager, requests, outputs, RequestStatus.PREEMPTED)
         results.append(replay.run(config.max_running))
         if manager.block_pool.get_num_free_blocks() != config.num_gpu_blocks - 1:
@@ -122,6 +129,15 @@ def _kvserve_figures(trace: Trace, results: list[ManagerReplayResult]) -> Figure
         _rates(len(trace.requests), manager_s, statistics.median(r.replay_s for r in results))
     )
     return figures
+
+
+def _indexed_blocks(manager: KVCacheManager) -> Figures:
+    """Prefix-cache entries per group left after the replay (all requests done)."""
+    counts = [0] * manager.num_kv_cache_groups
+    for block in manager.block_pool.blocks:
+        if block.block_hash is not None:
+            counts[get_group_id(block.block_hash)] += 1
+    return {f"num_indexed_blocks_group_{idx}": count for idx, count in enumerate(counts)}
 
 
 def _rates(num_requests: int, manager_s: float, replay_s: float) -> Figures:
@@ -147,6 +163,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--spec", choices=LAYOUTS, default="full", help="the KV-cache groups")
     parser.add_argument("--num-gpu-blocks", type=int, help="blocks in the pool (default by --spec)")
+    parser.add_argument(
+        "--prefix-cache-retention-interval",
+        type=int,
+        help="tokens; thins the window group's prefix-cache entries (full+sliding only)",
+    )
     parser.set_defaults(repeats=PEER_ROUND_REPEATS)
     args = parser.parse_args()
     num_gpu_blocks = args.num_gpu_blocks or NUM_GPU_BLOCKS_BY_LAYOUT.get(args.spec)
@@ -154,17 +175,24 @@ def main() -> None:
     if num_gpu_blocks:
         trace_config = dataclasses.replace(trace_config, num_gpu_blocks=num_gpu_blocks)
     trace = make_trace(trace_config)
+    retention_interval = args.prefix_cache_retention_interval
     title = f"{TITLE}, --spec {args.spec}"
+    layout_figures: Figures = {"spec": args.spec}
+    peer_args = ["--trace-config", config_to_json(trace.config), "--spec", args.spec]
+    if retention_interval is not None:
+        title += f", retention interval {retention_interval}"
+        layout_figures["prefix_cache_retention_interval"] = retention_interval
+        peer_args += ["--prefix-cache-retention-interval", str(retention_interval)]
 
     def measure_ours() -> Figures:
-        return _kvserve_figures(trace, run_kvserve(trace, args.repeats, args.spec)[0])
+        results, manager = run_kvserve(trace, args.repeats, args.spec, retention_interval)
+        return {**_kvserve_figures(trace, results), **_indexed_blocks(manager)}
 
     if not args.peer:
-        report(title, {"spec": args.spec, **measure_ours()}, args.json)
+        report(title, {**layout_figures, **measure_ours()}, args.json)
         return
-    peer_args = ["--trace-config", config_to_json(trace.config), "--spec", args.spec]
     recorded = run_peer(args.peer_python, PEER_SCRIPT, [*peer_args, "--decisions"])
-    num_checked = check_decisions(trace, args.spec, recorded["decisions"])
+    num_checked = check_decisions(trace, args.spec, recorded["decisions"], retention_interval)
     peer_args += ["--repeats", str(args.repeats)]
     rounds = run_rounds(
         args.rounds,
@@ -173,7 +201,7 @@ def main() -> None:
         lambda ours, peer: _check_same_work(trace, ours, peer),
     )
     peer_keys = ["manager_requests_per_s", "replay_requests_per_s"]
-    figures = {"spec": args.spec, "num_decisions_checked": num_checked}
+    figures = {**layout_figures, "num_decisions_checked": num_checked}
     report(title, {**figures, **summarize(rounds, RATIOS, peer_keys)}, args.json)
 
 

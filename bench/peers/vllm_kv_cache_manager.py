@@ -29,7 +29,9 @@ RSWA_WINDOW = 256
 LAYOUTS = ("full", "full+sliding", "full+chunked-local", "full+rswa")
 
 
-def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> object:
+def layout_kv_cache_config(
+    layout: str, block_size: int, num_blocks: int, retention_interval: int | None
+) -> object:
     """Full attention (2 KV heads of 16, float32) as group 0, and the layout's second group."""
     import torch
     from vllm.v1.kv_cache_interface import (
@@ -50,7 +52,12 @@ def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> obj
     elif layout == "full+rswa":
         specs.append(RSWASpec(**shape, rswa_window=RSWA_WINDOW))
     groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=retention_interval,
+    )
 
 
 def build_requests(trace: Trace, block_hasher: object) -> tuple[list, list[list[int]]]:
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--spec", choices=LAYOUTS, default="full", help="KV-cache groups")
     parser.add_argument("--decisions", action="store_true", help="print one replay's decisions")
+    parser.add_argument("--prefix-cache-retention-interval", type=int, help="tokens")
     args = parser.parse_args()
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -86,7 +94,9 @@ def main() -> None:
     trace = make_trace(config_from_json(args.trace_config))
     config = trace.config
     block_hasher = sha256_request_block_hasher(config.block_size)
-    kv_cache_config = layout_kv_cache_config(args.spec, config.block_size, config.num_gpu_blocks)
+    kv_cache_config = layout_kv_cache_config(
+        args.spec, config.block_size, config.num_gpu_blocks, args.prefix_cache_retention_interval
+    )
 
     def new_manager() -> object:
         return KVCacheManager(

@@ -3,9 +3,10 @@
 
 import pytest
 
-from bench.kv_cache_manager import LAYOUTS, run_kvserve
+from bench.kv_cache_manager import LAYOUTS, _indexed_blocks, run_kvserve
 from bench.manager_decisions import CheckingManager, DecisionMismatch, RecordingManager
 from bench.trace import TraceConfig, make_trace
+from engine_core.kv_cache.manager import KVCacheManager
 
 
 class _ScriptedManager:
@@ -64,3 +65,23 @@ def test_every_layout_replays_a_small_trace_without_leaking(layout: str) -> None
     assert results[0].num_hit_tokens > 0
     assert len(manager.coordinator.single_type_managers) == (1 if layout == "full" else 2)
     manager.check_invariants()
+
+
+def test_the_window_layout_replays_under_a_retention_interval_with_fewer_entries() -> None:
+    """A 512-token interval keeps, of each 32 window blocks, the 16 a 256-token window reads."""
+    config = TraceConfig(
+        num_requests=12,
+        system_prompt_min_tokens=1024,
+        system_prompt_max_tokens=2048,
+        num_gpu_blocks=8192,
+        max_running=4,
+    )
+    trace = make_trace(config)
+    dense = run_kvserve(trace, repeats=1, layout="full+sliding")[1]
+    sparse = run_kvserve(trace, repeats=1, layout="full+sliding", retention_interval=512)[1]
+    assert _num_indexed(sparse, 1) < _num_indexed(dense, 1)
+    sparse.check_invariants()
+
+
+def _num_indexed(manager: KVCacheManager, group_id: int) -> int:
+    return _indexed_blocks(manager)[f"num_indexed_blocks_group_{group_id}"]
