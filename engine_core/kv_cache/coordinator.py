@@ -131,6 +131,11 @@ class KVCacheCoordinator(ABC):
         for manager in self.single_type_managers:
             manager.free(req_id)
 
+    def uncache_unwritten(self, req_id: str, num_written_tokens: int) -> None:
+        """Every group's `uncache_unwritten` (single_type_manager.py)."""
+        for manager in self.single_type_managers:
+            manager.uncache_unwritten(req_id, num_written_tokens)
+
     def get_num_freed_by_skipping(
         self, req_id: str, num_computed_tokens: int, num_prompt_tokens: int
     ) -> int:

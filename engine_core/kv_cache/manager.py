@@ -299,8 +299,16 @@ class KVCacheManager:
                 stats.hits += num_hit_tokens
         self.coordinator.save_new_computed_blocks(request.req_id, computed)
 
-    def free(self, request: KVCacheRequest) -> None:
-        """Release every block of the request, tail first in each group."""
+    def free(self, request: KVCacheRequest, num_written_tokens: int | None = None) -> None:
+        """Release every block of the request, tail first in each group.
+
+        Args:
+            num_written_tokens: the tokens whose K/V the ranks hold or will write, when fewer
+                than the request's cached blocks cover (it was unscheduled from the step being
+                planned); blocks cached past them leave the prefix-cache index first.
+        """
+        if num_written_tokens is not None and self.enable_caching:
+            self.coordinator.uncache_unwritten(request.req_id, num_written_tokens)
         self.coordinator.free(request.req_id)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:

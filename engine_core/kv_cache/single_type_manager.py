@@ -145,6 +145,27 @@ class SingleTypeKVCacheManager(ABC):
         )
         self.num_cached_block[req_id] = num_full
 
+    def uncache_unwritten(self, req_id: str, num_written_tokens: int) -> None:
+        """Drop from the prefix-cache index the request's blocks cached past its first
+        `num_written_tokens` tokens that no other request holds: their K/V will never be written.
+
+        A request unscheduled from the step being planned (a preemption victim scheduled earlier
+        in it) had its full blocks cached when they were allocated; left in the index, a later
+        request would hit pages no rank ever wrote.
+        """
+        blocks = self.req_to_blocks.get(req_id)
+        if not blocks:
+            return
+        first = num_written_tokens // self.block_size  # the first block not wholly written
+        unwritten = [
+            block.block_id
+            for block in blocks[first:]
+            if block.block_hash is not None and block.ref_cnt == 1
+        ]
+        if unwritten:
+            self.block_pool.evict_blocks(unwritten)
+        self.num_cached_block[req_id] = min(self.num_cached_block.get(req_id, 0), first)
+
     def free(self, req_id: str) -> None:
         """Release the request's blocks tail first, so its prefix's tail is evicted first."""
         self.num_cached_block.pop(req_id, None)

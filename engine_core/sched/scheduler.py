@@ -262,11 +262,14 @@ class Scheduler:
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim = self._pick_victim()
-                if victim in plan.running_reqs:
+                # A victim scheduled earlier in this step will not run it: blocks it cached for
+                # this step's tokens must leave the index (num_computed_tokens is pre-step here).
+                was_scheduled = victim in plan.running_reqs
+                if was_scheduled:
                     budget += plan.unschedule_running(victim)
                 if running.index(victim) < idx:
                     idx -= 1
-                self._preempt(victim, plan)
+                self._preempt(victim, plan, was_scheduled)
                 if victim is request:
                     break
                 new_blocks = allocate_slots(request, num_new_tokens)
@@ -332,10 +335,10 @@ class Scheduler:
             return max(self.running, key=lambda request: (request.priority, request.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+    def _preempt(self, victim: Request, plan: StepPlan, was_scheduled: bool) -> None:
         """Free the victim's blocks and queue it first to recompute; the workers keep its tokens."""
         self.running.remove(victim)
-        self.kv_cache_manager.free(victim)
+        self.kv_cache_manager.free(victim, victim.num_computed_tokens if was_scheduled else None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1

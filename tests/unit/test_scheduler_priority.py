@@ -94,3 +94,36 @@ def test_queues_pop_in_policy_order_and_forget_removed_requests() -> None:
     assert fcfs.peek_request() is requests[3] and len(fcfs) == 4
     with pytest.raises(IndexError, match="empty waiting queue"):
         by_priority.pop_request()
+
+
+def test_a_victim_unscheduled_from_the_step_leaves_no_unwritten_block_in_the_prefix_cache(
+    make_harness: MakeHarness,
+) -> None:
+    """Priority preemption may pick a request scheduled earlier in the same step. The block its
+    chunk filled was cached when allocated, but that chunk never runs: a later lookup must not
+    hit it, or the request (or a twin) would read K/V no rank wrote."""
+    harness = make_harness(
+        num_blocks=6,
+        block_size=4,
+        max_model_len=20,
+        scheduling_policy="priority",
+        long_prefill_token_threshold=4,
+    )
+    prompt = list(range(1, 14))  # 13 tokens: 4 blocks, reserved whole at admission
+    harness.add("a", prompt, priority=1, arrival_time=0.0, max_tokens=4)
+    harness.step()  # a computes [0, 4)
+    harness.add("b", [9, 8, 7, 6], priority=0, arrival_time=1.0, max_tokens=4)
+    harness.step()  # a computes [4, 8); b its prompt, filling the pool
+    assert harness.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    harness.step()  # a's chunk [8, 12) is planned, then b's decode needs a block: a is the victim
+    preempting = harness.scheduler_outputs[-1]
+    assert preempting.preempted_handles == [harness.handle("a")]
+    assert list(unpack_int32(preempting.scheduled_cached_reqs.handles)) == [harness.handle("b")]
+    kv = harness.scheduler.kv_cache_manager
+    _, num_hit_tokens = kv.get_computed_blocks(harness.request("a"))
+    assert num_hit_tokens == 8, "only the blocks of chunks that ran may be hit"
+    kv.check_invariants()
+    harness.run()
+    assert harness.tokens["a"] == reference_tokens(prompt, 4, harness.vocab_size)
+    assert harness.tokens["b"] == reference_tokens([9, 8, 7, 6], 4, harness.vocab_size)
+    harness.check_no_leaks()
