@@ -1,19 +1,23 @@
 """Cascade attention: a prefix that every request of a step shares is read once per layer.
 
-The engine names each group's shared leading blocks (SchedulerOutput.num_common_prefix_blocks);
-`plan_cascade` checks them against the step's block tables and picks the prefix each
-full-attention group reads once. `cascade_attention` gathers that prefix's K/V once, scores every
-query against it in one product and merges it with each request's own suffix exactly, so tokens
-are bit-identical to reading each request's whole context. It never trusts an unchecked count.
+`plan_cascade` checks the engine's counts (SchedulerOutput.num_common_prefix_blocks) against the
+step's tables; `attend_with_shared_prefix` scores every query against the prefix's K/V, gathered
+(and for MLA up-projected) once, in one product, and merges each request's suffix exactly.
 """
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from protocol.kv_cache_spec import NULL_BLOCK_ID, FullAttentionSpec, KVCacheConfig
-from worker.attention import PagedKV, StepLayout
+from protocol.kv_cache_spec import (
+    NULL_BLOCK_ID,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MLAAttentionSpec,
+)
+from worker.attention import ContextChunk, PagedKV, StepLayout
 from worker.block_table import MultiGroupBlockTable
 from worker.models.fixed_point import ACT_FRAC_BITS, ACT_INT_BITS, quantize
 
@@ -57,7 +61,7 @@ def plan_cascade(
         prefix_len = min(num_blocks * block_size, first_query) // block_size * block_size
         if (
             is_enabled
-            and type(specs[group_idx]) is FullAttentionSpec  # reads a plain causal prefix
+            and type(specs[group_idx]) in (FullAttentionSpec, MLAAttentionSpec)  # plain causal
             and len(rows) >= 2  # one request alone shares nothing
             and num_queries * prefix_len <= CASCADE_SCORE_BUDGET
         ):
@@ -101,24 +105,59 @@ def cascade_attention(
     """Attention of the step's queries q [T, H, head_dim] as `attend` computes it, reading the
     group's shared prefix once; returns [T, H * head_dim] (only sampled rows if `logits_only`).
     """
-    k_prefix, v_prefix = gather_prefix(kv, layer_name)  # each [P, G, head_dim]
+    cache = kv.kv_caches[layer_name]  # [num_blocks, 2, block_size, G, head_dim]
+    prefix = cache[prefix_block_ids(kv, layer_name)].double()  # [N, 2, block_size, G, head_dim]
+    k_prefix = prefix[:, 0].reshape(-1, *prefix.shape[3:])  # [P, G, head_dim]
+    v_prefix = prefix[:, 1].reshape(-1, *prefix.shape[3:])
+
+    def gather(chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        k_ctx, v_ctx = kv.gather(layer_name, chunk)
+        return k_ctx.double(), v_ctx.double()
+
     chunks = kv.suffix_chunks(layer_name, logits_only)
+    return attend_with_shared_prefix(chunks, q, k_prefix, v_prefix, gather, table)
+
+
+def prefix_block_ids(kv: PagedKV, layer_name: str) -> torch.Tensor:
+    """The ids [N] of the blocks that hold the group's shared prefix, on the cache's device."""
+    group_idx = kv.layer_to_group[layer_name]
+    table = kv.tables[group_idx]
+    num_blocks = kv.cascade_tokens[group_idx] // table.block_size
+    block_ids = table.block_table[kv.layout.rows[0], :num_blocks].astype(np.int64)
+    return torch.from_numpy(block_ids).to(kv.device)
+
+
+def attend_with_shared_prefix(
+    chunks: list[ContextChunk],
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    gather: Callable[[ContextChunk], tuple[torch.Tensor, torch.Tensor]],
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """`attend` for every query of `chunks` over the shared prefix, then its own suffix chunk.
+
+    Args:
+        q: [T, H, head_dim] the step's queries; k_prefix, v_prefix: [P, G, head_dim] float64.
+        gather: a suffix chunk's float64 K and V [S, L, G, head_dim].
+    Returns [T, H * head_dim]; rows no chunk names stay zero.
+    """
     out = q.new_zeros((q.shape[0], q.shape[1] * q.shape[2]))  # [T, H * head_dim]
     if not chunks:
         return out
     query_idx = torch.cat([chunk.query_idx.reshape(-1) for chunk in chunks])  # [Q]
-    prefix_scores = _prefix_scores(q[query_idx], k_prefix)  # [G, H/G, Q, P]
+    prefix_scores = _prefix_scores(q[query_idx], k_prefix)  # [G, H/G, Q, P]: one product
     start = 0
     for chunk in chunks:
         num_seqs, num_queries = chunk.query_idx.shape
         end = start + num_seqs * num_queries
         scores = prefix_scores[:, :, start:end]
         scores = scores.reshape(*scores.shape[:2], num_seqs, num_queries, scores.shape[-1])
-        k_ctx, v_ctx = kv.gather(layer_name, chunk)
+        k_ctx, v_ctx = gather(chunk)
         result = _attend_after_prefix(
             q[chunk.query_idx],
-            k_ctx.double(),
-            v_ctx.double(),
+            k_ctx,
+            v_ctx,
             chunk.mask,
             scores.permute(2, 0, 1, 3, 4),  # [S, G, H/G, n, P]
             v_prefix,
@@ -127,18 +166,6 @@ def cascade_attention(
         out[chunk.query_idx.reshape(-1)] = result.reshape(-1, out.shape[1])
         start = end
     return out
-
-
-def gather_prefix(kv: PagedKV, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [P, G, head_dim] (float64) of the group's shared prefix, gathered once."""
-    group_idx = kv.layer_to_group[layer_name]
-    table = kv.tables[group_idx]
-    num_blocks = kv.cascade_tokens[group_idx] // table.block_size
-    block_ids = table.block_table[kv.layout.rows[0], :num_blocks].astype(np.int64)
-    cache = kv.kv_caches[layer_name]  # [num_blocks, 2, block_size, G, head_dim]
-    prefix = cache[torch.from_numpy(block_ids).to(kv.device)].double()  # [N, 2, bs, G, hd]
-    k, v = prefix[:, 0], prefix[:, 1]
-    return k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
 
 
 def _prefix_scores(q: torch.Tensor, k_prefix: torch.Tensor) -> torch.Tensor:

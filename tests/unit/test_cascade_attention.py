@@ -12,7 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import worker.models.tiny_llama as tiny_llama_module
+import worker.cascade as cascade_module
+import worker.models.tiny_mla as tiny_mla_module
 from engine_core.core import EngineCore
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreRequest
@@ -26,6 +27,7 @@ from protocol.worker_messages import (
     SchedulerOutput,
 )
 from tests.conftest import worker_test_device
+from worker.attention import ContextChunk
 from worker.distributed import single_rank_group
 from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import ModelRunner
@@ -108,7 +110,14 @@ def prompts(count: int) -> list[list[int]]:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
     ("model", "block_size"),
-    [("tiny-llama", 4), ("tiny-llama", 16), ("tiny-llama-hybrid", 4), ("tiny-local", 16)],
+    [
+        ("tiny-llama", 4),
+        ("tiny-llama", 16),
+        ("tiny-llama-hybrid", 4),
+        ("tiny-local", 16),
+        ("tiny-mla", 4),
+        ("tiny-mla", 16),
+    ],
 )
 def test_cascade_gives_the_tokens_and_logits_of_the_plain_path_and_the_reference(
     model: str, block_size: int, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
@@ -144,16 +153,17 @@ def test_cascade_gives_the_tokens_and_logits_of_the_plain_path_and_the_reference
         assert tokens[idx] == expected, f"request {idx}"
 
 
-def count_cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Spy on tiny-llama's cascade path: the layer name of each call, in order."""
-    calls: list[str] = []
-    real: Callable[..., torch.Tensor] = tiny_llama_module.cascade_attention
+def count_cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy on the merge every model's cascade path ends in: the number of queries per call."""
+    calls: list[int] = []
+    real: Callable[..., torch.Tensor] = cascade_module.attend_with_shared_prefix
 
-    def spy(kv: object, layer_name: str, *args: object) -> torch.Tensor:
-        calls.append(layer_name)
-        return real(kv, layer_name, *args)
+    def spy(chunks: list[ContextChunk], *args: object) -> torch.Tensor:
+        calls.append(sum(chunk.query_idx.numel() for chunk in chunks))
+        return real(chunks, *args)
 
-    monkeypatch.setattr(tiny_llama_module, "cascade_attention", spy)
+    monkeypatch.setattr(cascade_module, "attend_with_shared_prefix", spy)
+    monkeypatch.setattr(tiny_mla_module, "attend_with_shared_prefix", spy)
     return calls
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from protocol.kv_cache_spec import KVCacheGroupSpec, MLAAttentionSpec
-from worker.attention import KVContext, PagedKV
+from worker.attention import ContextChunk, KVContext, PagedKV
+from worker.cascade import attend_with_shared_prefix, prefix_block_ids
 from worker.distributed import TPGroup
 from worker.latent_attention import LatentContext, PagedLatentKV
 from worker.models.fixed_point import (
@@ -238,6 +239,8 @@ class TinyMLA:
         name = cfg.layer_name(layer_idx)
         # before any read: a same-step neighbour may share these blocks
         latents.write_latent(name, torch.cat((compressed, k_rotary[:, 0]), dim=-1))
+        if isinstance(latents, PagedLatentKV) and latents.paged.num_cascade_tokens(name):
+            return self._cascade_attention(layer, name, q, latents, logits_only)
         out = x.new_zeros((num_tokens, self.heads_per_rank * cfg.head_dim))  # [T, H_r * hd]
         for chunk in latents.chunks(name, logits_only):
             k_ctx, v_ctx = self._up_project(layer, latents.gather_latent(name, chunk).double())
@@ -246,6 +249,29 @@ class TinyMLA:
             )  # [S, n, H_r * head_dim]
             out[chunk.query_idx.reshape(-1)] = result.reshape(-1, out.shape[1])
         return out
+
+    def _cascade_attention(
+        self,
+        layer: MLALayerWeights,
+        name: str,
+        q: torch.Tensor,
+        latents: PagedLatentKV,
+        logits_only: bool,
+    ) -> torch.Tensor:
+        """Attention over a prefix all the step's requests share: its latents are gathered and
+        up-projected once, not once per request (worker/cascade.py); returns [T, H_r * hd]."""
+        paged = latents.paged
+        prefix = paged.kv_caches[name][prefix_block_ids(paged, name)]  # [N, block_size, latent]
+        latent = prefix.reshape(1, -1, prefix.shape[-1]).double()  # [1, P, latent_dim]
+        k_prefix, v_prefix = self._up_project(layer, latent)  # each [1, P, H_r, head_dim]
+
+        def gather(chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
+            return self._up_project(layer, latents.gather_latent(name, chunk).double())
+
+        chunks = paged.suffix_chunks(name, logits_only)
+        return attend_with_shared_prefix(
+            chunks, q, k_prefix[0], v_prefix[0], gather, self.exp_table
+        )
 
     def _up_project(
         self, layer: MLALayerWeights, latent: torch.Tensor
