@@ -288,7 +288,9 @@ class ModelRunner:
         cascade_tokens = plan_cascade(
             num_common_prefix_blocks, config, tables, layout, self.enable_cascade_attention
         )
-        self.num_cascade_steps += any(cascade_tokens)
+        if any(cascade_tokens):
+            self.num_cascade_steps += 1
+            logger.debug("cascade attention: %s shared prefix tokens per group", cascade_tokens)
         kv = PagedKV(self.kv_caches, config, tables, layout, self.device, cascade_tokens)
         if self.encoder_inputs.is_required:  # its decoder also reads each request's encoder
             kv = encoder_decoder_kv(kv, self.encoder_inputs, [req.handle for req in scheduled])
