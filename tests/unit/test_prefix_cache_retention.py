@@ -208,3 +208,22 @@ def test_the_scheduler_hands_the_interval_to_its_kv_cache_manager() -> None:
     cache_config = CacheConfig(block_size=4, prefix_cache_retention_interval=16)
     scheduler = Scheduler(SchedulerConfig(), cache_config, KVCacheConfig(80, groups), model_info)
     assert scheduler.kv_cache_manager.coordinator.retention_interval == 16
+
+
+def test_block_stored_names_only_the_window_blocks_kept_in_the_index() -> None:
+    """A router learns of exactly the window blocks a hit can use; full attention of all 16."""
+    manager = KVCacheManager(
+        _config(80, full_spec(), WINDOW),
+        64,
+        enable_kv_cache_events=True,
+        prefix_cache_retention_interval=8,
+    )
+    request = _request("a", list(range(100, 133)))
+    _admit_and_free(manager, request)
+    stored = [event for event in manager.take_events() if isinstance(event, BlockStored)]
+    hashes = [bytes(block_hash) for block_hash in request.block_hashes]
+    by_group: dict[int, list[bytes]] = {0: [], 1: []}
+    for event in stored:
+        by_group[event.group_idx].extend(event.block_hashes)
+    assert by_group[0] == hashes[:16]
+    assert by_group[1] == [hashes[idx] for idx in (2, 3, 6, 7, 10, 11, 14, 15)]
