@@ -6,6 +6,7 @@ It decides and caches; it never allocates, frees or looks a hit up.
 """
 
 import math
+from collections.abc import Sequence
 
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
@@ -76,6 +77,7 @@ def cache_retained_blocks(
     request: KVCacheRequest,
     num_tokens: int,
     retention_interval: int,
+    shared_prefix_boundary: int = 0,
 ) -> None:
     """A window group's `cache_blocks` under a retention interval: every block that fills up
     counts as cached, but only those `window_block_mask` keeps enter the index."""
@@ -86,9 +88,10 @@ def cache_retained_blocks(
         return
     spec = manager.kv_cache_spec
     assert isinstance(spec, SlidingWindowSpec), f"retention on group of {spec}"
-    block_mask = window_block_mask(
-        spec, num_cached, num_full, retention_interval, request.num_prompt_tokens
-    )
+    boundaries = [request.num_prompt_tokens - 1]
+    if shared_prefix_boundary:
+        boundaries.append(shared_prefix_boundary)
+    block_mask = window_block_mask(spec, num_cached, num_full, retention_interval, boundaries)
     manager.block_pool.cache_full_blocks(
         request,
         manager.req_to_blocks[req_id],
@@ -106,14 +109,14 @@ def window_block_mask(
     start_idx: int,
     end_idx: int,
     retention_interval: int,
-    num_prompt_tokens: int,
+    boundaries: Sequence[int],
 ) -> list[bool] | None:
     """Which of blocks `[start_idx, end_idx)` a window group caches, or None for all of them.
 
     It keeps the blocks a hit reads at each boundary worth a hit: the end of every
-    `retention_interval`-token segment, and the request's replay boundary, `num_prompt_tokens - 1`
-    rounded down to a block (where a resend of the same prompt stops its hit). None when a
-    segment holds no more blocks than one hit reads.
+    `retention_interval`-token segment, and each of `boundaries` rounded down to a block: the
+    replay boundary `num_prompt_tokens - 1` (where a resend of the same prompt stops its hit)
+    and a shared-prefix junction. None when a segment holds no more blocks than one hit reads.
 
     ```
     interval 8, block 2, window 3 (a hit reads 1 block), prompt of 21 tokens:
@@ -128,7 +131,8 @@ def window_block_mask(
         return None
     first_kept = num_per_segment - num_read  # offset in a segment of its first kept block
     mask = [idx % num_per_segment >= first_kept for idx in range(start_idx, end_idx)]
-    replay_end_idx = (num_prompt_tokens - 1) // block_size
-    for idx in range(max(start_idx, replay_end_idx - num_read), min(end_idx, replay_end_idx)):
-        mask[idx - start_idx] = True
+    for boundary in boundaries:
+        boundary_idx = boundary // block_size
+        for idx in range(max(start_idx, boundary_idx - num_read), min(end_idx, boundary_idx)):
+            mask[idx - start_idx] = True
     return mask

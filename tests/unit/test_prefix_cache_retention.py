@@ -81,16 +81,23 @@ def test_a_mask_of_the_wrong_length_is_refused_and_changes_nothing() -> None:
 
 
 def test_window_mask_keeps_each_segment_tail_and_the_replay_tail() -> None:
-    mask = window_block_mask(window_spec(3), 0, 12, 8, num_prompt_tokens=21)
+    mask = window_block_mask(window_spec(3), 0, 12, 8, boundaries=[20])  # a 21-token prompt
     assert mask is not None
     assert [idx for idx, is_kept in enumerate(mask) if is_kept] == [3, 7, 9, 11]
     # The same answer when the blocks fill up a few at a time.
-    pieces = [window_block_mask(window_spec(3), start, start + 3, 8, 21) for start in (0, 3, 6, 9)]
+    pieces = [window_block_mask(window_spec(3), idx, idx + 3, 8, [20]) for idx in (0, 3, 6, 9)]
     assert [is_kept for piece in pieces for is_kept in piece or []] == mask
 
 
 def test_window_mask_is_none_when_a_hit_reads_a_whole_segment() -> None:
-    assert window_block_mask(window_spec(9), 0, 10, 8, num_prompt_tokens=20) is None
+    assert window_block_mask(window_spec(9), 0, 10, 8, boundaries=[19]) is None
+
+
+def test_window_mask_also_keeps_the_tail_ending_at_a_shared_prefix_junction() -> None:
+    mask = window_block_mask(window_spec(5), 0, 16, 8, boundaries=[32, 22])
+    assert mask is not None
+    # Segment tails 2-3, 6-7, 10-11, 14-15; the junction at token 22 keeps 9-10.
+    assert [idx for idx, is_kept in enumerate(mask) if is_kept] == [2, 3, 6, 7, 9, 10, 11, 14, 15]
 
 
 @pytest.mark.parametrize(
