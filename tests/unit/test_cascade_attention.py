@@ -28,9 +28,11 @@ from protocol.worker_messages import (
 )
 from tests.conftest import worker_test_device
 from worker.attention import ContextChunk
+from worker.cascade import attend_with_shared_prefix
 from worker.distributed import single_rank_group
 from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import ModelRunner
+from worker.models.fixed_point import attend, exp_table, quantize
 from worker.models.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
 
@@ -260,3 +262,38 @@ def test_a_count_the_tables_contradict_is_refused(
     runner = tiny_llama_runner(enable_cascade_attention)
     with pytest.raises(ValueError, match=error):
         runner.execute_model(two_sharing_requests(block_ids, counts))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_split_softmax_equals_attend_over_the_whole_context(seed: int) -> None:
+    """Random grid values, large enough that some weights round to 0 and the max falls in the
+    prefix for some queries and in the suffix for others: results are bit-identical."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs, num_queries, num_heads, num_groups, head_dim = 3, 4, 4, 2, 16
+    prefix_len, suffix_len = 5 + seed, 7
+
+    def grid(*shape: int, std: float = 2.0) -> torch.Tensor:
+        return quantize(torch.randn(shape, generator=gen, dtype=torch.float64) * std)
+
+    q = grid(num_seqs * num_queries, num_heads, head_dim)  # [T, H, head_dim]
+    k_prefix, v_prefix = grid(prefix_len, num_groups, head_dim), grid(prefix_len, num_groups, 16)
+    k_suffix = grid(num_seqs, suffix_len, num_groups, head_dim)
+    v_suffix = grid(num_seqs, suffix_len, num_groups, head_dim)
+    mask = torch.rand((num_seqs, num_queries, suffix_len), generator=gen) < 0.6
+    mask[..., 0] = True  # each query reads at least one suffix entry (itself, in a model)
+    query_idx = torch.arange(num_seqs * num_queries).view(num_seqs, num_queries)
+    zeros = torch.zeros((num_seqs, suffix_len), dtype=torch.int64)
+    chunk = ContextChunk(query_idx, zeros, zeros, zeros, mask)
+    table = exp_table(torch.device("cpu"))
+    merged = attend_with_shared_prefix(
+        [chunk], q, k_prefix, v_prefix, lambda _: (k_suffix, v_suffix), table
+    )
+    whole_mask = torch.cat((torch.ones((num_seqs, num_queries, prefix_len), dtype=bool), mask), -1)
+    expected = attend(
+        q[query_idx],
+        torch.cat((k_prefix.expand(num_seqs, -1, -1, -1), k_suffix), dim=1),
+        torch.cat((v_prefix.expand(num_seqs, -1, -1, -1), v_suffix), dim=1),
+        whole_mask,
+        table,
+    )  # [S, n, H * head_dim]
+    assert torch.equal(merged, expected.reshape(num_seqs * num_queries, -1))
