@@ -38,7 +38,13 @@ def plan_cascade(
     Raises ValueError when the engine's counts do not fit the tables: another group count, a
     request whose table is shorter, or a block that differs between two scheduled requests.
     The prefix stops before every scheduled query, so no query reads it masked, and before
-    any token this step writes.
+    any token this step writes:
+
+    ```
+    row A: | shared blocks, read once | A's own computed tokens | A's queries |
+    row B: | shared blocks, read once | B's queries |
+           0                   prefix_len <= min first query position, a block multiple
+    ```
     """
     specs = [group.spec for group in kv_cache_config.kv_cache_groups]
     num_tokens = [0] * len(specs)
