@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
 from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.block_sized_request import RequestAtBlockSize
 from engine_core.kv_cache.cross_attention_manager import CrossAttentionManager
 from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_cache.hybrid_hit_search import BlocksPerGroup, HitLengths, HybridHitSearch
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.retention import (
     cache_retained_blocks,
@@ -22,17 +24,18 @@ from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     make_single_type_manager,
-    spec_manager_class,
 )
-from engine_core.kv_cache.spec import (
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-)
+from engine_core.kv_cache.spec import KVCacheConfig
 
-BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
-HitLengths = tuple[int, ...]  # one hit length in tokens per KV-cache group
+__all__ = [
+    "BlocksPerGroup",
+    "HitLengths",
+    "HybridKVCacheCoordinator",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "UnitaryKVCacheCoordinator",
+    "get_kv_cache_coordinator",
+]
 
 
 class KVCacheCoordinator(ABC):
@@ -119,10 +122,16 @@ class KVCacheCoordinator(ABC):
             ]
         )
 
-    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: KVCacheRequest, num_tokens: int, shared_prefix_boundary: int = 0
+    ) -> None:
+        """Cache the full blocks of the first `num_tokens` tokens; a window group under a
+        retention interval also keeps those a hit at `shared_prefix_boundary` reads."""
         for manager in self.single_type_managers:
             if manager.kv_cache_group_id in self._sparse_group_ids:
-                cache_retained_blocks(manager, request, num_tokens, self.retention_interval)
+                cache_retained_blocks(
+                    manager, request, num_tokens, self.retention_interval, shared_prefix_boundary
+                )
             else:
                 manager.cache_blocks(request, num_tokens)
 
@@ -266,7 +275,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     ) -> tuple[list[KVCacheBlock], ...]:
         return (self._manager.allocate_new_blocks(req_id, num_tokens),)
 
-    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: KVCacheRequest, num_tokens: int, shared_prefix_boundary: int = 0
+    ) -> None:
         if self._sparse_group_ids:  # its one group is a window under a retention interval
             return super().cache_blocks(request, num_tokens)
         self._manager.cache_blocks(request, num_tokens)
@@ -289,16 +300,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """Several groups of one block size, such as full attention beside sliding windows.
-
-    Groups with equal specs search together. Full attention searches first: its hit only ever
-    shrinks by truncation, so it gives the others a tight upper bound.
+    """Several groups, such as full attention beside sliding windows, maybe of different block
+    sizes over one `hash_block_size`; HybridHitSearch finds the hit every group agrees on.
 
     Cross-attention groups take no part in the search: their hit is always empty, and the
     decoder groups' hit stands alone. That is sound because a decoder block's hash covers the
     request's encoder input (Request hashes it into the first block's extra keys), and the
     workers compute every admitted request's encoder K/V anew. vLLM instead turns prefix
     caching off for encoder-decoder models.
+
+    With mixed block sizes a group caches only the blocks within the request's tokens rounded
+    down to the lcm of the block sizes, where every hit ends (as vLLM 0.33.0 does), and reads the
+    request's hashes at its own block size.
     """
 
     def __init__(
@@ -311,70 +324,40 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         super().__init__(
             kv_cache_config, True, enable_kv_cache_events, metrics_collector, retention_interval
         )
-        block_sizes = sorted({manager.block_size for manager in self.single_type_managers})
-        if len(block_sizes) != 1:
-            raise ValueError(f"KV-cache groups use block sizes {block_sizes}: expected one")
-        self.block_size = block_sizes[0]
-        self.spec_groups = _group_ids_by_spec(kv_cache_config)
+        self.hit_search = HybridHitSearch(kv_cache_config, self.block_pool)
+        self.hash_block_size = self.hit_search.hash_block_size
+        self.alignment_tokens = self.hit_search.alignment_tokens
+        self.has_mixed_block_sizes = self.hit_search.has_mixed_block_sizes
+
+    def cache_blocks(
+        self, request: KVCacheRequest, num_tokens: int, shared_prefix_boundary: int = 0
+    ) -> None:
+        if not self.has_mixed_block_sizes:
+            return super().cache_blocks(request, num_tokens, shared_prefix_boundary)
+        num_tokens = num_tokens // self.alignment_tokens * self.alignment_tokens
+        for manager, is_cross in zip(
+            self.single_type_managers, self.is_cross_attention, strict=True
+        ):
+            if is_cross:
+                continue  # never cached, and its block size need not divide into hashes
+            seen = request
+            if manager.block_size != self.hash_block_size:
+                seen = RequestAtBlockSize(request, self.hash_block_size, manager.block_size)
+            if manager.kv_cache_group_id in self._sparse_group_ids:
+                interval, junction = self.retention_interval, shared_prefix_boundary
+                cache_retained_blocks(manager, seen, num_tokens, interval, junction)
+            else:
+                manager.cache_blocks(seen, num_tokens)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int]:
-        """Shrink the hit length until every group hits at least that far (a fixed point).
-
-        Each pass asks every spec group for its hit within the current length; the length can
-        only fall, so the loop ends, and when a pass changes nothing every group agrees.
-        """
-        block_size = self.block_size
-        hit_length = max_cache_hit_length // block_size * block_size
-        hits: list[Sequence[KVCacheBlock]] = [()] * len(self.single_type_managers)
-        searched_full: set[KVCacheSpec] = set()
-        while True:
-            pass_length = hit_length
-            for spec, group_ids in self.spec_groups:
-                if spec in searched_full:
-                    # A full-attention hit is a prefix: a shorter hit is its truncation.
-                    for group_id in group_ids:
-                        hits[group_id] = hits[group_id][: pass_length // block_size]
-                    continue
-                manager_cls = spec_manager_class(spec)
-                found = manager_cls.find_longest_cache_hit(
-                    block_hashes, pass_length, group_ids, self.block_pool, spec
-                )
-                for group_id, group_hits in zip(group_ids, found, strict=True):
-                    hits[group_id] = group_hits
-                pass_length = len(found[0]) * block_size
-                if isinstance(spec, FullAttentionSpec):
-                    searched_full.add(spec)
-            if pass_length == hit_length:
-                break
-            hit_length = pass_length
-        num_hit_blocks = hit_length // block_size
-        return tuple(group_hits[:num_hit_blocks] for group_hits in hits), hit_length
+        return self.hit_search.find_longest_cache_hit(block_hashes, max_cache_hit_length)
 
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, HitLengths]:
-        """One search per spec group (groups of one spec hit together), none bounding another."""
-        hits: list[Sequence[KVCacheBlock]] = [()] * len(self.single_type_managers)
-        hit_lengths = [0] * len(self.single_type_managers)
-        for spec, group_ids in self.spec_groups:
-            found = spec_manager_class(spec).find_longest_cache_hit(
-                block_hashes, max_cache_hit_length, group_ids, self.block_pool, spec
-            )
-            for group_id, group_hits in zip(group_ids, found, strict=True):
-                hits[group_id] = group_hits
-                hit_lengths[group_id] = len(group_hits) * self.block_size
-        return tuple(hits), tuple(hit_lengths)
-
-
-def _group_ids_by_spec(kv_cache_config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
-    """Group ids sharing one spec, full attention first, otherwise in order of first group id."""
-    by_spec: dict[KVCacheSpec, list[int]] = {}
-    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-        if not isinstance(group.spec, CrossAttentionSpec):  # never a hit, never a limit
-            by_spec.setdefault(group.spec, []).append(group_id)
-    return sorted(by_spec.items(), key=lambda item: not isinstance(item[0], FullAttentionSpec))
+        return self.hit_search.find_longest_cache_hit_per_group(block_hashes, max_cache_hit_length)
 
 
 def get_kv_cache_coordinator(

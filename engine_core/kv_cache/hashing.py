@@ -1,14 +1,16 @@
 """Chained block hashes over a canonical byte encoding; never pickle, never Python's hash().
 
 Any process, in any language, reproduces a hash from the tokens alone (BlockHasher documents
-the bytes). Prefix-cache keys append the KV-cache group id to the hash.
+the bytes). Prefix-cache keys append the KV-cache group id to the hash. Requests hash at one
+`hash_block_size`; a group with larger blocks reads them through BlockHashListWithBlockSize.
 """
 
 import hashlib
+import math
 import struct
 from array import array
-from collections.abc import Callable, Sequence
-from typing import NewType, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import NewType, Protocol, overload
 
 import msgspec
 import xxhash
@@ -123,6 +125,64 @@ class BlockHasher:
         hashes: list[BlockHash] = []
         self.extend_hashes(hashes, token_ids, extra_keys)
         return hashes
+
+
+def get_hash_block_size(block_sizes: Iterable[int]) -> int:
+    """The block size requests hash at: the gcd of the prefix-cached groups' block sizes.
+
+    Every group's block size is then a whole number of hash blocks, which is the one rule vLLM
+    0.33.0 puts on its groups (its default `hash_block_size` is this gcd too). With one block
+    size, as in most models, it is that size and no group needs a view.
+    """
+    sizes = list(block_sizes)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"block sizes {sizes}: expected at least one, each at least 1")
+    return math.gcd(*sizes)
+
+
+class BlockHashListWithBlockSize(Sequence[BlockHash]):
+    """A request's hashes at `hash_block_size`, seen as hashes of blocks of `block_size` tokens.
+
+    Block i of `block_size` tokens ends where hash block `(i + 1) * scale - 1` ends (scale =
+    block_size // hash_block_size). That hash already chains over every token before it, so it
+    names the larger block and its whole prefix: the view indexes it and combines nothing, and
+    it reads the list live (a hash appended later shows through). Prefix-cache keys append the
+    group id, so a larger group's key never meets a smaller group's key for the same hash.
+
+    | tokens      | 0-15 | 16-31 | 32-47 | 48-63 |   hash_block_size 16
+    | hashes      | A    | B     | C     | D     |
+    | view (32)   |      B       |      D        |
+    """
+
+    __slots__ = ("_block_hashes", "_scale")
+
+    def __init__(
+        self, block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+    ) -> None:
+        if block_size % hash_block_size:
+            raise ValueError(
+                f"block_size={block_size} is not a multiple of hash_block_size={hash_block_size}"
+            )
+        self._block_hashes = block_hashes
+        self._scale = block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self._block_hashes) // self._scale
+
+    @overload
+    def __getitem__(self, idx: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"block {idx} of a view holding {len(self)} full blocks")
+        return self._block_hashes[(idx + 1) * self._scale - 1]
 
 
 def first_block_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:

@@ -6,6 +6,7 @@ and owns the capacity arithmetic. It never touches a tensor.
 
 import logging
 
+from engine_core.kv_cache.hashing import get_hash_block_size
 from protocol.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -40,6 +41,7 @@ __all__ = [
     "num_group_blocks_per_request",
     "num_window_blocks",
     "plan_kv_cache",
+    "resolve_hash_block_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,6 +130,18 @@ def num_chunk_blocks(spec: ChunkedLocalAttentionSpec, max_num_scheduled_tokens: 
     return cdiv(num_tokens, spec.block_size)
 
 
+def resolve_hash_block_size(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
+    """The block size requests hash at: the gcd of the groups' block sizes (`get_hash_block_size`).
+
+    Cross-attention groups are left out: they are never prefix-cached, so their block size need
+    not divide into hashes (unless they are the only groups).
+    """
+    sizes = [
+        g.spec.block_size for g in kv_cache_groups if not isinstance(g.spec, CrossAttentionSpec)
+    ]
+    return get_hash_block_size(sizes or [g.spec.block_size for g in kv_cache_groups])
+
+
 def plan_kv_cache(
     kv_cache_groups: list[KVCacheGroupSpec],
     num_blocks_per_rank: list[int],
@@ -141,9 +155,8 @@ def plan_kv_cache(
     """
     if not kv_cache_groups:
         raise ValueError("kv_cache_groups is empty: expected at least one group of layers")
-    block_sizes = sorted({group.spec.block_size for group in kv_cache_groups})
-    if len(block_sizes) != 1:
-        raise ValueError(f"kv_cache_groups use block sizes {block_sizes}: expected one block_size")
+    # Groups may differ in block size: requests hash at the gcd (`hash_block_size`), which
+    # every group's block size is a multiple of, and each block id still serves one group.
     if not num_blocks_per_rank or min(num_blocks_per_rank) < 0:
         raise ValueError(
             f"num_blocks_per_rank={num_blocks_per_rank}: expected a count per rank, none negative"

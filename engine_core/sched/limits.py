@@ -7,7 +7,11 @@ progress (a prompt that fits no step, a sequence that fits no pool) is refused h
 import logging
 from dataclasses import dataclass
 
-from engine_core.kv_cache.spec import NUM_NULL_BLOCKS, num_blocks_per_request
+from engine_core.kv_cache.spec import (
+    NUM_NULL_BLOCKS,
+    num_blocks_per_request,
+    resolve_hash_block_size,
+)
 from protocol.config import CacheConfig, SchedulerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import ModelInfo
@@ -18,7 +22,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SchedulerLimits:
     max_model_len: int  # tokens per sequence, prompt and output; never above the model's
-    block_size: int  # tokens per block, the same in every KV-cache group
+    # Tokens per hashed block (the KV cache's hash_block_size): the gcd of the groups' block
+    # sizes, so every group's block is a whole number of them; the cache config's block_size.
+    block_size: int
     prefill_cap: int  # most tokens one prefill gets per step; 0 means no cap
     num_blocks_per_request: int  # the most blocks one request holds at once, over every group
 
@@ -81,10 +87,17 @@ def _max_model_len(scheduler_config: SchedulerConfig, model_info: ModelInfo) -> 
 
 
 def _block_size(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> int:
-    for group in kv_cache_config.kv_cache_groups:
-        if group.spec.block_size != cache_config.block_size:
-            raise ValueError(
-                f"kv-cache group {group.layer_names[:1]} has block_size={group.spec.block_size}: "
-                f"expected the cache config's {cache_config.block_size}"
-            )
-    return cache_config.block_size
+    """The block size requests hash at, which must be the one the engine was configured with.
+
+    Groups may use larger blocks (a multiple of it, as a model's window layers may); the cache
+    config names the gcd, so a mistyped --block-size is still refused by name.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    hash_block_size = resolve_hash_block_size(groups)
+    if hash_block_size != cache_config.block_size:
+        block_sizes = sorted({group.spec.block_size for group in groups})
+        raise ValueError(
+            f"kv-cache groups use block sizes {block_sizes}, so requests hash at "
+            f"block_size={hash_block_size}: expected the cache config's {cache_config.block_size}"
+        )
+    return hash_block_size

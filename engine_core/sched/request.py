@@ -50,6 +50,8 @@ class Request:
 
     Invariants: `num_computed_tokens <= num_tokens`; `block_hashes[i]` is the hash of tokens
     `[i * block_size, (i + 1) * block_size)` for every full block, and there is one per full block.
+    The block size is the hasher's: the KV cache's `hash_block_size` (the gcd of its groups'
+    block sizes); a group with larger blocks reads these through BlockHashListWithBlockSize.
     """
 
     __slots__ = (

@@ -14,6 +14,7 @@ from engine_core.kv_cache.spec import (
     num_blocks_per_request,
     num_window_blocks,
     plan_kv_cache,
+    resolve_hash_block_size,
 )
 from protocol.kv_cache_spec import num_shared_tensors, page_stride_bytes, shared_tensor_layers
 
@@ -132,8 +133,10 @@ def test_plan_rejects_missing_or_negative_capacities(num_blocks_per_rank: list[i
         plan_kv_cache(_groups(), num_blocks_per_rank)
 
 
-def test_plan_rejects_groups_of_different_block_sizes() -> None:
+def test_plan_takes_groups_of_different_block_sizes_over_their_gcd() -> None:
     other = FullAttentionSpec(block_size=8, num_kv_heads=2, head_dim=8, dtype="float32")
     groups = [*_groups(), KVCacheGroupSpec(layer_names=["x"], spec=other)]
-    with pytest.raises(ValueError, match=r"block sizes \[4, 8\]"):
-        plan_kv_cache(groups, [1 << 20])
+    assert plan_kv_cache(groups, [100]).num_blocks == 100
+    assert resolve_hash_block_size(groups) == 4
+    # Each group counts its own blocks: 64 tokens are 16 blocks of 4 and 8 blocks of 8.
+    assert num_blocks_per_request(groups, max_model_len=64) == 16 + 8
