@@ -19,7 +19,13 @@ from protocol.kv_cache_spec import (
 )
 from worker.attention import ContextChunk, PagedKV, StepLayout
 from worker.block_table import MultiGroupBlockTable
-from worker.models.fixed_point import ACT_FRAC_BITS, ACT_INT_BITS, quantize
+from worker.models.fixed_point import (
+    grouped_values,
+    masked_scores,
+    quantize,
+    table_weights,
+    ungroup,
+)
 
 # Queries x prefix tokens scored in one product: the step's prefix scores are held at once
 # ([heads, queries, prefix] float64), so a step past this (a long prefill) reads per request.
@@ -204,26 +210,11 @@ def _attend_after_prefix(
         prefix_scores: [S, G, H/G, n, P], every entry readable; v_prefix: [P, G, head_dim].
     Returns [S, n, H * head_dim].
     """
-    num_seqs, num_queries, num_heads, head_dim = q.shape
-    num_groups = k.shape[2]
-    q = q.view(num_seqs, num_queries, num_groups, num_heads // num_groups, head_dim)
-    q = q.permute(0, 2, 3, 1, 4)  # [S, G, H/G, n, head_dim]
-    keys = k.permute(0, 2, 3, 1).unsqueeze(2)  # [S, G, 1, head_dim, L]
-    scores = quantize((q @ keys) * (1.0 / math.sqrt(head_dim)))  # [S, G, H/G, n, L]
-    allowed = mask[:, None, None, :, :]
-    scores = torch.where(allowed, scores, -float(2**ACT_INT_BITS))
+    scores, allowed = masked_scores(q, k, mask)  # [S, G, H/G, n, L]
     top = torch.maximum(scores.amax(dim=-1, keepdim=True), prefix_scores.amax(dim=-1, keepdim=True))
-    weights = torch.where(allowed, _table_weights(top - scores, table), 0.0)
-    prefix_weights = _table_weights(top - prefix_scores, table)  # [S, G, H/G, n, P]
-    values = v.permute(0, 2, 1, 3).unsqueeze(2)  # [S, G, 1, L, head_dim]
+    weights = torch.where(allowed, table_weights(top - scores, table), 0.0)
+    prefix_weights = table_weights(top - prefix_scores, table)  # [S, G, H/G, n, P]
     prefix_values = v_prefix.permute(1, 0, 2).unsqueeze(1)  # [G, 1, P, head_dim]
-    total = weights @ values + prefix_weights @ prefix_values  # [S, G, H/G, n, head_dim]
+    total = weights @ grouped_values(v) + prefix_weights @ prefix_values  # [S, G, H/G, n, hd]
     norm = weights.sum(dim=-1, keepdim=True) + prefix_weights.sum(dim=-1, keepdim=True)
-    out = quantize(total / norm)
-    return out.permute(0, 3, 1, 2, 4).reshape(num_seqs, num_queries, num_heads * head_dim)
-
-
-def _table_weights(distance: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """exp(-distance) from `attend`'s table; distance >= 0 on the activation grid."""
-    index = torch.clamp(distance * 2**ACT_FRAC_BITS, max=table.shape[0] - 1).long()
-    return table[index]
+    return ungroup(quantize(total / norm))

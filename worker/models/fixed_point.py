@@ -74,6 +74,20 @@ def attend(
         mask: [S, n, L] True where a query may read an entry; each query reads at least itself.
     Returns [S, n, H * head_dim].
     """
+    scores, allowed = masked_scores(q, k, mask)  # [S, G, H/G, n, L]
+    weights = torch.where(
+        allowed, table_weights(scores.amax(dim=-1, keepdim=True) - scores, table), 0.0
+    )
+    out = quantize((weights @ grouped_values(v)) / weights.sum(dim=-1, keepdim=True))
+    return ungroup(out)
+
+
+def masked_scores(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [S, G, H/G, n, L] of queries q [S, n, H, head_dim] against keys k [S, L, G,
+    head_dim] on the activation grid, masked-out entries at the grid's floor, and the mask as
+    [S, 1, 1, n, L]; `attend`'s first half, shared with cascade attention (worker/cascade.py)."""
     num_seqs, num_queries, num_heads, head_dim = q.shape
     num_groups = k.shape[2]
     q = q.view(num_seqs, num_queries, num_groups, num_heads // num_groups, head_dim)
@@ -82,10 +96,23 @@ def attend(
     scale = 1.0 / math.sqrt(head_dim)  # a power of two for head_dim 4, 16, 64
     scores = quantize((q @ keys) * scale)  # [S, G, H/G, n, L]
     allowed = mask[:, None, None, :, :]
-    scores = torch.where(allowed, scores, -float(2**ACT_INT_BITS))
-    distance = scores.amax(dim=-1, keepdim=True) - scores  # exact: both on the grid
+    return torch.where(allowed, scores, -float(2**ACT_INT_BITS)), allowed
+
+
+def table_weights(distance: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """exp(-distance) from `exp_table`; distance >= 0 on the activation grid (exact)."""
     index = torch.clamp(distance * 2**ACT_FRAC_BITS, max=table.shape[0] - 1).long()
-    weights = torch.where(allowed, table[index], 0.0)
-    values = v.permute(0, 2, 1, 3).unsqueeze(2)  # [S, G, 1, L, head_dim]
-    out = quantize((weights @ values) / weights.sum(dim=-1, keepdim=True))  # [S, G, H/G, n, hd]
-    return out.permute(0, 3, 1, 2, 4).reshape(num_seqs, num_queries, num_heads * head_dim)
+    return table[index]
+
+
+def grouped_values(v: torch.Tensor) -> torch.Tensor:
+    """Values [S, L, G, head_dim] as [S, G, 1, L, head_dim], to multiply `attend`'s weights."""
+    return v.permute(0, 2, 1, 3).unsqueeze(2)
+
+
+def ungroup(out: torch.Tensor) -> torch.Tensor:
+    """Per-group results [S, G, H/G, n, head_dim] as [S, n, H * head_dim]."""
+    num_seqs, num_groups, per_group, num_queries, head_dim = out.shape
+    return out.permute(0, 3, 1, 2, 4).reshape(
+        num_seqs, num_queries, num_groups * per_group * head_dim
+    )
