@@ -60,6 +60,21 @@ def layout_kv_cache_config(
     )
 
 
+def keep_shared_prefix_boundary(manager: object) -> object:
+    """Store each lookup's shared-prefix junction on the request, as vLLM's scheduler does (its
+    window groups keep the blocks there under a retention interval); kvserve's manager keeps it
+    itself. Only the lookup is wrapped, so allocation runs unwrapped."""
+    lookup = manager.get_computed_blocks
+
+    def get_computed_blocks(request: object) -> tuple:
+        computed = lookup(request)
+        request.shared_prefix_boundary = computed[2]
+        return computed
+
+    manager.get_computed_blocks = get_computed_blocks
+    return manager
+
+
 def build_requests(trace: Trace, block_hasher: object) -> tuple[list, list[list[int]]]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
@@ -99,7 +114,7 @@ def main() -> None:
     )
 
     def new_manager() -> object:
-        return KVCacheManager(
+        manager = KVCacheManager(
             kv_cache_config,
             MAX_MODEL_LEN,
             scheduler_block_size=config.block_size,
@@ -107,6 +122,7 @@ def main() -> None:
             enable_caching=True,
             log_stats=False,
         )
+        return keep_shared_prefix_boundary(manager)
 
     if args.decisions:
         requests, outputs = build_requests(trace, block_hasher)

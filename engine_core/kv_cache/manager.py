@@ -19,7 +19,7 @@ from engine_core.kv_cache.single_type_manager import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from engine_core.kv_cache.spec import KVCacheConfig, RSWASpec
+from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, RSWASpec
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
 
@@ -37,6 +37,9 @@ class KVCacheBlocks:
     """Blocks handed to one request by one call, one sequence per KV-cache group."""
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
+    # Tokens of a prefix full attention hit past where a window group's retained blocks let the
+    # agreed hit reach (vLLM's shared-prefix junction); 0 if none. A sum of blocks drops it.
+    shared_prefix_boundary: int = 0
 
     def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
         return KVCacheBlocks(
@@ -89,6 +92,18 @@ class KVCacheManager:
         )
         self.metrics_collector = metrics_collector
         self._prefix_cache_stats = PrefixCacheStats()  # totals since start; readers get copies
+        # With a retention interval beside other groups, a lookup also reports where the group
+        # searched first (full attention if any, as vLLM orders them) hit on its own, and an
+        # admitted request keeps that junction so its window group retains the blocks there.
+        groups = kv_cache_config.kv_cache_groups
+        self._junction_group_id: int | None = None
+        if enable_caching and prefix_cache_retention_interval is not None and len(groups) > 1:
+            specs = [group.spec for group in groups]
+            full_ids = [
+                idx for idx, spec in enumerate(specs) if isinstance(spec, FullAttentionSpec)
+            ]
+            self._junction_group_id = full_ids[0] if full_ids else 0
+        self._shared_prefix_boundaries: dict[str, int] = {}  # req_id -> junction, in tokens
         # An R-SWA block past a request's prompt holds K/V computed as some other request's
         # prompt, which a generated token of this one would not have computed: no hit goes there.
         self.is_hit_capped_at_prompt = any(
@@ -141,9 +156,16 @@ class KVCacheManager:
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_hit_length
         )
-        if not num_hit_tokens:
+        junction = 0
+        if self._junction_group_id is not None:
+            _, hit_lengths = self.coordinator.find_longest_cache_hit_per_group(
+                request.block_hashes, max_hit_length
+            )
+            longest = hit_lengths[self._junction_group_id]
+            junction = longest if longest > num_hit_tokens else 0
+        if not num_hit_tokens and not junction:
             return self.empty_kv_cache_blocks, 0
-        return KVCacheBlocks(hits), num_hit_tokens
+        return KVCacheBlocks(hits, junction), num_hit_tokens
 
     def allocate_slots(
         self,
@@ -224,6 +246,8 @@ class KVCacheManager:
             return None
         if not coordinator.has_request(req_id):
             self._admit(request, num_new_computed_tokens, computed)
+            if new_computed_blocks is not None and new_computed_blocks.shared_prefix_boundary:
+                self._shared_prefix_boundaries[req_id] = new_computed_blocks.shared_prefix_boundary
         elif new_computed_blocks is not None:
             coordinator.save_new_computed_blocks(req_id, computed)  # empty, or it raises
         # After admission, so an R-SWA group records the prompt length before caching any block.
@@ -234,7 +258,8 @@ class KVCacheManager:
             req_id, num_tokens_need_slot, num_encoder_tokens
         )
         if self.enable_caching:
-            coordinator.cache_blocks(request, num_real_tokens)
+            junction = self._shared_prefix_boundaries.get(req_id, 0)
+            coordinator.cache_blocks(request, num_real_tokens, junction)
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
@@ -309,6 +334,7 @@ class KVCacheManager:
         """
         if num_written_tokens is not None and self.enable_caching:
             self.coordinator.uncache_unwritten(request.req_id, num_written_tokens)
+        self._shared_prefix_boundaries.pop(request.req_id, None)
         self.coordinator.free(request.req_id)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:

@@ -20,14 +20,14 @@ SPARSE_RETENTION_SPECS = (SlidingWindowSpec,)  # the kinds whose caching the int
 #   indexes in each interval-long segment only the blocks a hit at its end reads, plus those a
 #   hit at the replay boundary (`num_prompt_tokens - 1`, rounded down to a block) reads (both).
 #   Full-attention, chunked-local and R-SWA groups always index densely (both).
-# - vLLM also keeps the blocks ending at a request's shared-prefix junction, which its scheduler
-#   learns from the lookup (the part of a prefix full attention hit but a window group did not);
-#   kvserve has no junction, so a sibling that leaves a shared prefix between two kept
-#   boundaries hits only to the earlier one.
+# - Both also keep the blocks ending at a request's shared-prefix junction: where the group
+#   searched first (full attention) hit on its own at admission, when a window group stopped
+#   the agreed hit short of it, so the next sibling leaving that prefix there hits all of it.
+#   vLLM's scheduler keeps the junction on the request; kvserve's KVCacheManager keeps it.
 # - vLLM's engine flag defaults to 0 (replay boundaries and junctions only) and accepts 0;
-#   kvserve defaults to None (what it always did) and, as the reference documents say, takes
-#   only a positive multiple: without junctions, 0 would drop every shared-prefix window hit.
-# - vLLM also thins Mamba groups; kvserve's Mamba groups (when they exist) index densely.
+#   kvserve defaults to None (what it always did) and takes, as the reference documents say,
+#   only a positive multiple of the block size.
+# - vLLM also thins Mamba groups; the interval does not apply to kvserve's Mamba groups.
 
 
 def scheduler_block_size(kv_cache_config: KVCacheConfig) -> int:

@@ -234,3 +234,24 @@ def test_block_stored_names_only_the_window_blocks_kept_in_the_index() -> None:
         by_group[event.group_idx].extend(event.block_hashes)
     assert by_group[0] == hashes[:16]
     assert by_group[1] == [hashes[idx] for idx in (2, 3, 6, 7, 10, 11, 14, 15)]
+
+
+def test_a_sibling_keeps_the_junction_so_the_next_sibling_hits_all_of_the_shared_prefix() -> None:
+    """As vLLM's scheduler does with a lookup's shared_prefix_boundary: the first sibling that
+    leaves A's prompt at token 20 hits only to 16, but keeps its window tail at 20 (the junction
+    full attention reached), so the next sibling hits the whole shared 20."""
+    prompt = list(range(100, 133))
+    sparse = KVCacheManager(_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8)
+    _admit_and_free(sparse, _request("a", prompt))
+    first = _request("s1", prompt[:20] + [7] * 13)
+    hits, num_hit_tokens = sparse.get_computed_blocks(first)
+    assert (num_hit_tokens, hits.shared_prefix_boundary) == (16, 20)
+    assert _admit_and_free(sparse, first) == 16
+    assert _admit_and_free(sparse, _request("s2", prompt[:20] + [9] * 13)) == 20
+
+
+def test_no_junction_without_a_retention_interval() -> None:
+    dense = KVCacheManager(_config(80, full_spec(), WINDOW), 64)
+    _admit_and_free(dense, _request("a", list(range(100, 133))))
+    hits, num_hit_tokens = dense.get_computed_blocks(_request("s", [*range(100, 120), 7]))
+    assert (num_hit_tokens, hits.shared_prefix_boundary) == (20, 0)
