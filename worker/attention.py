@@ -18,6 +18,7 @@ from protocol.kv_cache_spec import (
     CrossAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     RSWASpec,
     SlidingWindowSpec,
 )
@@ -126,10 +127,11 @@ class PagedKV:
         token_rows = np.repeat(layout.rows, layout.num_queries)
         token_positions = self._token_positions()
         # A cross-attention group holds encoder K/V, never a decoder token's: PagedCrossKV
-        # (worker/cross_attention.py) owns it, so decoder positions skip its table.
+        # (worker/cross_attention.py) owns it, so decoder positions skip its table. A Mamba
+        # group holds one state per block, not a slot per token: worker/mamba_state.py owns it.
         self.write_indices = [
             None
-            if isinstance(spec, CrossAttentionSpec)
+            if isinstance(spec, (CrossAttentionSpec, MambaSpec))
             else self._block_indices(table, token_rows, token_positions)
             for spec, table in zip(self.specs, tables.tables, strict=True)
         ]

@@ -18,6 +18,7 @@ from protocol.kv_cache_spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     bytes_per_block,
     num_shared_tensors,
@@ -170,8 +171,8 @@ def allocate_kv_caches(
     kv_cache_config: KVCacheConfig, tp_size: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Each layer's view [num_blocks, 2, block_size, num_kv_heads_per_rank, head_dim] of a zeroed
-    shared tensor (an MLA layer's [num_blocks, block_size, latent_dim]): layer i of every group
-    views tensor i.
+    shared tensor (an MLA layer's [num_blocks, block_size, latent_dim], a Mamba layer's
+    [num_blocks, *state_shape_per_rank]): layer i of every group views tensor i.
 
     The null block 0 stays zero in every view because no group ever writes it.
     """
@@ -206,6 +207,19 @@ def layer_page_shape(spec: KVCacheSpec, tp_size: int) -> tuple[int, ...]:
     match spec:
         case MLAAttentionSpec():
             return (spec.block_size, spec.latent_dim)  # the whole latent: no K/V, not sharded
+        case MambaSpec():  # one state per block, its first dimension split over the ranks
+            if len(spec.state_shapes) != 1:
+                raise ValueError(
+                    f"a Mamba layer with {len(spec.state_shapes)} state tensors: the worker "
+                    f"views exactly one per layer"
+                )
+            first, *rest = spec.state_shapes[0]
+            if first % tp_size:
+                raise ValueError(
+                    f"mamba state shape {spec.state_shapes[0]} is not divisible by "
+                    f"tp_size={tp_size} in its first dimension"
+                )
+            return (first // tp_size, *rest)
         case _:
             return (2, spec.block_size, spec.num_kv_heads_per_rank(tp_size), spec.head_dim)
 
@@ -216,6 +230,7 @@ def _layer_view(shared: torch.Tensor, spec: KVCacheSpec, tp_size: int) -> torch.
     page = shared[:, : spec.page_size_bytes(tp_size)]  # [num_blocks, page_size_bytes]
     # attention: [num_blocks, 2 (K, V), block_size, num_kv_heads_per_rank, head_dim]
     # MLA: [num_blocks, block_size, latent_dim]
+    # Mamba: [num_blocks, state channels per rank, *the rest of the state shape]
     view = page.view(torch_dtype(spec.dtype)).unflatten(1, shape)
     assert view.shape[1:] == shape, f"a {spec} page viewed as {tuple(view.shape)}"
     return view

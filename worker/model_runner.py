@@ -17,6 +17,7 @@ from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import (
     NULL_BLOCK_ID,
     KVCacheConfig,
+    MambaSpec,
     MLAAttentionSpec,
     shared_tensor_layers,
 )
@@ -346,6 +347,16 @@ class ModelRunner:
                     case MLAAttentionSpec():  # the whole latent on every rank: no K/V, no heads
                         expected = (num_blocks, spec.block_size, spec.latent_dim)
                         assert shape == expected, f"layer {name} cache is {shape}, not {expected}"
+                    case MambaSpec():  # one state per block, channels split over the ranks
+                        (first, *rest) = spec.state_shapes[0]
+                        assert (
+                            shape[0] == num_blocks
+                            and list(shape[2:]) == rest
+                            and first % shape[1] == 0
+                        ), (
+                            f"layer {name} cache is {shape}, expected ({num_blocks}, {first} / "
+                            f"tp_size, *{rest})"
+                        )
                     case _:
                         assert (
                             len(shape) == 5

@@ -17,6 +17,8 @@ from worker.distributed import single_rank_group
 from worker.models.checksum import CHECKSUM, context_sum, kv_values, mix_logits
 from worker.models.registry import CHECKSUMS, TINY_LLAMAS, get_model_info
 from worker.models.tiny_llama import TinyLlama
+from worker.models.tiny_mamba import TINY_MAMBA_HYBRID
+from worker.models.tiny_mamba_reference import tiny_mamba_logits
 from worker.models.tiny_mla import TINY_MLA
 from worker.models.tiny_mla_reference import tiny_mla_logits
 from worker.sampler import Sampler, SampleRequest
@@ -87,6 +89,8 @@ class ReferenceModel:
         self.info = get_model_info(model_name, block_size=16)
         if model_name == TINY_MLA.name:  # its own dense forward, over latents (tiny_mla_reference)
             self._logits_of = _whole_sequence_logits(tiny_mla_logits(seed))
+        elif model_name == TINY_MAMBA_HYBRID.name:  # states carried from zero (its own module)
+            self._logits_of = _whole_sequence_logits(tiny_mamba_logits(seed))
         else:
             self._logits_of = (
                 _whole_sequence_logits(_checksum_logits)

@@ -6,7 +6,8 @@ the whole model's num_kv_heads, before TP sharding. `tiny-local` has full-attent
 and R-SWA layers (three groups). tiny-llama's KV is exact in float32 and float64.
 `tiny-mla` caches one latent per token and layer (one MLA group, the same latent on every rank).
 `tiny-encdec` is an encoder-decoder: its requests bring encoder input, cached in a cross-attention
-group beside the decoder's self-attention group.
+group beside the decoder's self-attention group. `tiny-mamba-hybrid` has full-attention layers
+and recurrent layers whose states live in a Mamba group (mode align).
 """
 
 from typing import Protocol
@@ -27,6 +28,7 @@ from worker.models.tiny_llama import (
     TinyLlama,
     TinyLlamaConfig,
 )
+from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
 from worker.models.tiny_mla import TINY_MLA, TinyMLA
 
 TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
@@ -35,7 +37,7 @@ TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LOCAL.name: TINY_LOCAL,
 }
 CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}
-MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name)
+MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name, TINY_MAMBA_HYBRID.name)
 ENCODER_DECODER_MODEL_NAMES = (TINY_ENCDEC.name,)  # each request must bring encoder_token_ids
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 
@@ -74,6 +76,9 @@ def get_model_info(name: str, block_size: int, dtype: str = "float32") -> ModelI
     elif name == TINY_ENCDEC.name:
         config = TINY_ENCDEC  # the decoder's self-attention group, then the cross-attention group
         groups = config.kv_cache_groups(block_size, dtype)
+    elif name == TINY_MAMBA_HYBRID.name:
+        config = TINY_MAMBA_HYBRID  # the attention layers' group, then the recurrent states'
+        groups = config.kv_cache_groups(block_size, dtype)
     else:
         config = TINY_LLAMAS[name]
         groups = config.kv_cache_groups(block_size, dtype)
@@ -103,4 +108,6 @@ def build_model(
         return TinyMLA(TINY_MLA, tp_group, seed, device)
     if name == TINY_ENCDEC.name:
         return TinyEncDec(TINY_ENCDEC, tp_group, seed, device)
+    if name == TINY_MAMBA_HYBRID.name:
+        return TinyMambaHybrid(TINY_MAMBA_HYBRID, tp_group, seed, device)
     return TinyLlama(TINY_LLAMAS[name], tp_group, seed, device)

@@ -1,0 +1,233 @@
+"""tiny-mamba-hybrid's paged tokens equal its unpaged reference: block sizes 16 and 32, prefix
+caching on (align mode: checkpoints, hits) and off (one state block), chunked prefill, preemption
+with recompute; its states are read and written through the Mamba group's block table, so a wrong
+block id or a lost checkpoint changes the tokens; its TP shards all-reduce to the TP=1 logits.
+"""
+
+import functools
+import random
+import threading
+
+import pytest
+import torch
+from test_tiny_mla import BARRIER_TIMEOUT_S, ThreadedTPGroup
+
+from bench.workload import Workload, build_rank, run_to_completion, run_workload
+from engine_core.client import make_request
+from protocol.kv_cache_spec import FullAttentionSpec, MambaSpec, cdiv
+from protocol.sampling import SamplingParams
+from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+from tests.conftest import worker_test_device
+from worker.distributed import single_rank_group
+from worker.mamba_state import DenseMambaState
+from worker.model_runner import ModelRunner, StepTimings
+from worker.models.reference import reference_generate
+from worker.models.registry import get_model_info
+from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
+from worker.models.tiny_mamba_reference import DenseCausalKV
+
+DEVICE = torch.device(worker_test_device())
+MODEL = TINY_MAMBA_HYBRID.name
+MAMBA_GROUP = 1
+PARAMS = [
+    SamplingParams(max_tokens=7, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=1.3, ignore_eos=True),  # unseeded: handle-derived
+    SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5, 77, 301]),
+]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def make_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts of 10..90 tokens; most share a 70-token prefix so prefix caching hits."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(70)]
+    prompts = []
+    for i in range(count):
+        head = shared[: rng.randrange(10, 70)] if i % 3 else []
+        prompts.append(head + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 25))])
+    return prompts
+
+
+PROMPTS = make_prompts(seed=3, count=6)
+
+
+@functools.cache
+def reference(prompt_idx: int) -> list[int]:
+    params = PARAMS[prompt_idx % len(PARAMS)]
+    return reference_generate(MODEL, PROMPTS[prompt_idx], params, handle=prompt_idx + 1)
+
+
+def workload(block_size: int, num_blocks: int, **options: object) -> Workload:
+    params = [PARAMS[i % len(PARAMS)] for i in range(len(PROMPTS))]
+    return Workload(
+        MODEL, block_size, num_blocks, PROMPTS, params, check_invariants=True, **options
+    )
+
+
+def assert_matches_reference(outputs: dict[int, list[int]]) -> None:
+    for i in range(len(PROMPTS)):
+        assert outputs[i + 1] == reference(i), f"request {i + 1}"
+
+
+def test_groups_are_full_attention_then_align_mode_states() -> None:
+    groups = get_model_info(MODEL, 16).kv_cache_groups
+    assert [type(group.spec) for group in groups] == [FullAttentionSpec, MambaSpec]
+    assert groups[MAMBA_GROUP].spec.mamba_cache_mode == "align"
+    assert groups[MAMBA_GROUP].layer_names == ["layers.1.mamba", "layers.3.mamba"]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_paged_tokens_equal_reference(block_size: int, enable_prefix_caching: bool) -> None:
+    """Every prompt longer than 24 tokens is prefilled in chunks; with a cache, in block-aligned
+    chunks that leave checkpoints later prompts resume from."""
+    work = workload(
+        block_size,
+        1 + 4 * 128 // block_size,  # room for several requests at once
+        max_num_batched_tokens=24,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    result = run_workload(work, single_rank_group(), DEVICE)
+    assert_matches_reference(result.outputs)
+    assert (result.num_hit_tokens > 0) == enable_prefix_caching
+    assert max(len(p) for p in PROMPTS) > 24
+
+
+# Pools too small for the batch, yet each holding the longest request alone (its attention
+# blocks and two state blocks).
+TIGHT_NUM_BLOCKS = {16: 11, 32: 6}
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_tokens_survive_preemption_and_resumption(
+    block_size: int, enable_prefix_caching: bool
+) -> None:
+    """Preempted requests come back with fresh blocks and recompute their states from a hit or
+    from zero: a state read from a block of the old table would change the tokens."""
+    work = workload(
+        block_size,
+        TIGHT_NUM_BLOCKS[block_size],
+        max_num_batched_tokens=48,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    result = run_workload(work, single_rank_group(), DEVICE)
+    assert result.num_preemptions > 0
+    assert_matches_reference(result.outputs)
+
+
+def test_float64_states_give_the_same_tokens() -> None:
+    result = run_workload(workload(16, 40, dtype="float64"), single_rank_group(), DEVICE)
+    assert_matches_reference(result.outputs)
+
+
+class CheckpointWatch:
+    """Runs each step on the ModelRunner; a new request that starts past token 0 (a prefix hit)
+    has its starting state block recorded, and zeroed first when `lose_checkpoint` is set."""
+
+    def __init__(self, runner: ModelRunner, lose_checkpoint: bool) -> None:
+        self.runner = runner
+        self.lose_checkpoint = lose_checkpoint
+        self.resumed: list[tuple[int, list[int]]] = []  # (hit tokens, Mamba table) per new hit
+
+    @property
+    def timings(self) -> StepTimings:
+        return self.runner.timings
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        group = self.runner.kv_cache_config.kv_cache_groups[MAMBA_GROUP]
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.num_computed_tokens == 0:
+                continue
+            table = new.block_ids[MAMBA_GROUP]
+            self.resumed.append((new.num_computed_tokens, table))
+            checkpoint = table[cdiv(new.num_computed_tokens, group.spec.block_size) - 1]
+            for name in group.layer_names:
+                if self.lose_checkpoint:
+                    self.runner.kv_caches[name][checkpoint] = 0
+        return self.runner.execute_model(scheduler_output)
+
+
+@pytest.mark.parametrize("lose_checkpoint", [False, True], ids=["kept", "lost"])
+def test_a_prefix_hit_resumes_from_the_checkpoint_block(lose_checkpoint: bool) -> None:
+    """A 45-token prompt at block size 16 is prefilled in chunks ending at 32 (the last boundary
+    an identical prefix can hit) and 45; a second prompt sharing 40 of its 45 tokens resumes from
+    the state at 32 in that block: zeroing the block changes its tokens."""
+    rng = random.Random(9)
+    first = [rng.randrange(3, 500) for _ in range(45)]
+    second = first[:40] + [rng.randrange(3, 500) for _ in range(5)]  # within max_model_len
+    work = Workload(MODEL, 16, 40, [first], [PARAMS[0]], 64, check_invariants=True)
+    core, executor = build_rank(work, single_rank_group(), DEVICE)
+    watch = CheckpointWatch(executor.runner, lose_checkpoint)
+    executor.runner = watch  # type: ignore[assignment]  # the TimedRunner calls it as the runner
+    assert run_to_completion(core)[1] == reference_generate(MODEL, first, PARAMS[0], handle=1)
+    assert core.add_request(make_request("2", second, PARAMS[0])) is None
+    outputs = run_to_completion(core)
+    [(num_hit_tokens, table)] = watch.resumed
+    assert num_hit_tokens == 32 and table[0] == 0 and table[1] != 0, table
+    expected = reference_generate(MODEL, second, PARAMS[0], handle=2)
+    assert (outputs[2] == expected) != lose_checkpoint
+
+
+def test_a_corrupted_state_block_id_changes_the_tokens() -> None:
+    """Without a prefix cache each request keeps one state block; pointing one request's table
+    at an unused block after its first step makes it resume from a zero state."""
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    work = Workload(MODEL, 4, 80, prompts, [PARAMS[0]] * 2, 200, enable_prefix_caching=False)
+    core, executor = build_rank(work, single_rank_group(), DEVICE)
+    first_step = core.step()  # both prefills, each with its first token
+    tokens = [
+        token_id
+        for client_outputs in first_step.values()
+        for output in client_outputs.outputs
+        if output.req_id == "1"
+        for token_id in output.new_token_ids
+    ]
+    input_batch = executor.runner.input_batch
+    table = input_batch.block_table[MAMBA_GROUP]
+    row = input_batch.handle_to_row[1]
+    assert table.num_blocks_per_row[row] == 1
+    table.block_table[row, 0] = 79  # a block no request holds: all zeros
+    outputs = run_to_completion(core)
+    expected = reference_generate(MODEL, prompts[0], PARAMS[0], handle=1)
+    assert tokens == expected[:1] and tokens + outputs[1] != expected
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(tp_size: int) -> None:
+    """Each rank carries its own channels' states; the all-reduced logits of every position are
+    bit-identical to one rank's, and the ranks' final states tile the whole model's."""
+    sequence = PROMPTS[1]
+    num_tokens = len(sequence)
+    tokens = torch.tensor(sequence, dtype=torch.int64)
+    positions = torch.arange(num_tokens, dtype=torch.int64)
+    every = torch.arange(num_tokens)
+    config = TINY_MAMBA_HYBRID
+    full = TinyMambaHybrid(config, single_rank_group(), 0, DEVICE)
+    whole = DenseMambaState(num_tokens, (config.num_channels, config.state_dim), DEVICE)
+    expected = full.forward_with_states(tokens, positions, every, DenseCausalKV(num_tokens), whole)
+    slots: list = [None] * tp_size
+    barrier = threading.Barrier(tp_size, timeout=BARRIER_TIMEOUT_S)
+    results: list = [None] * tp_size
+
+    def run_rank(rank: int) -> None:
+        group = ThreadedTPGroup(rank, tp_size, slots, barrier)
+        model = TinyMambaHybrid(config, group, 0, DEVICE)
+        shape = (config.num_channels // tp_size, config.state_dim)
+        states = DenseMambaState(num_tokens, shape, DEVICE)
+        kv = DenseCausalKV(num_tokens)
+        results[rank] = (model.forward_with_states(tokens, positions, every, kv, states), states)
+
+    threads = [threading.Thread(target=run_rank, args=(r,)) for r in range(tp_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BARRIER_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    for logits, _ in results:
+        assert torch.equal(logits, expected)
+    for name, state in whole.store.items():
+        tiled = torch.cat([states.store[name] for _, states in results], dim=1)
+        assert torch.equal(tiled, state), name
