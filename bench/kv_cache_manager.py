@@ -37,7 +37,17 @@ MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bit
 SLIDING_WINDOW = 256
 ATTENTION_CHUNK_SIZE = 1024
 RSWA_WINDOW = 256
-LAYOUTS = ("full", "full+sliding", "full+chunked-local", "full+rswa")
+# full2x+sliding: full attention's blocks twice the trace's, the window's the trace's (mixed
+# block sizes: requests hash at the smaller, hits end on the larger); full2x+sliding16 the same
+# with a 16-token window, which a hit reads from one window block.
+LAYOUTS = (
+    "full",
+    "full+sliding",
+    "full+chunked-local",
+    "full+rswa",
+    "full2x+sliding",
+    "full2x+sliding16",
+)
 # R-SWA: a pool where no request is preempted. A resumed request would hit its own generated
 # blocks in vLLM, which caches them; kvserve caches only an R-SWA group's prompt blocks (a
 # generated token's K/V depends on where its prompt ended) and caps the hit at the prompt.
@@ -65,9 +75,13 @@ def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> KVC
     """Full attention (2 KV heads of 16, float32) as group 0, and the layout's second group."""
     shape = {"block_size": block_size, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
     specs: list[KVCacheSpec] = [FullAttentionSpec(**shape)]
+    if layout.startswith("full2x"):
+        specs = [FullAttentionSpec(**{**shape, "block_size": 2 * block_size})]
     match layout:
-        case "full+sliding":
+        case "full+sliding" | "full2x+sliding":
             specs.append(SlidingWindowSpec(**shape, sliding_window=SLIDING_WINDOW))
+        case "full2x+sliding16":
+            specs.append(SlidingWindowSpec(**shape, sliding_window=16))
         case "full+chunked-local":
             specs.append(
                 ChunkedLocalAttentionSpec(**shape, attention_chunk_size=ATTENTION_CHUNK_SIZE)

@@ -9,6 +9,7 @@ last line: median seconds, the counts of what the replay did, and the trace dige
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -26,7 +27,14 @@ MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bit
 SLIDING_WINDOW = 256
 ATTENTION_CHUNK_SIZE = 1024
 RSWA_WINDOW = 256
-LAYOUTS = ("full", "full+sliding", "full+chunked-local", "full+rswa")
+LAYOUTS = (
+    "full",
+    "full+sliding",
+    "full+chunked-local",
+    "full+rswa",
+    "full2x+sliding",
+    "full2x+sliding16",
+)
 
 
 def layout_kv_cache_config(
@@ -45,8 +53,12 @@ def layout_kv_cache_config(
 
     shape = {"block_size": block_size, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
     specs = [FullAttentionSpec(**shape)]
-    if layout == "full+sliding":
+    if layout.startswith("full2x"):  # mixed block sizes: requests still hash at `block_size`
+        specs = [FullAttentionSpec(**{**shape, "block_size": 2 * block_size})]
+    if layout in ("full+sliding", "full2x+sliding"):
         specs.append(SlidingWindowSpec(**shape, sliding_window=SLIDING_WINDOW))
+    elif layout == "full2x+sliding16":
+        specs.append(SlidingWindowSpec(**shape, sliding_window=16))
     elif layout == "full+chunked-local":
         specs.append(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=ATTENTION_CHUNK_SIZE))
     elif layout == "full+rswa":
@@ -112,12 +124,13 @@ def main() -> None:
     kv_cache_config = layout_kv_cache_config(
         args.spec, config.block_size, config.num_gpu_blocks, args.prefix_cache_retention_interval
     )
+    groups = kv_cache_config.kv_cache_groups
 
     def new_manager() -> object:
         manager = KVCacheManager(
             kv_cache_config,
             MAX_MODEL_LEN,
-            scheduler_block_size=config.block_size,
+            scheduler_block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
             hash_block_size=config.block_size,
             enable_caching=True,
             log_stats=False,

@@ -19,6 +19,7 @@ from engine_core.kv_cache.retention import (
     cache_retained_blocks,
     sparse_retention_group_ids,
     validate_retention_interval,
+    window_group_ids,
 )
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
@@ -328,6 +329,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.hash_block_size = self.hit_search.hash_block_size
         self.alignment_tokens = self.hit_search.alignment_tokens
         self.has_mixed_block_sizes = self.hit_search.has_mixed_block_sizes
+        # With mixed sizes a window block that ends no hit on the lcm stays out of the index.
+        self._window_group_ids = window_group_ids(kv_cache_config)
 
     def cache_blocks(
         self, request: KVCacheRequest, num_tokens: int, shared_prefix_boundary: int = 0
@@ -343,9 +346,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             seen = request
             if manager.block_size != self.hash_block_size:
                 seen = RequestAtBlockSize(request, self.hash_block_size, manager.block_size)
-            if manager.kv_cache_group_id in self._sparse_group_ids:
+            if manager.kv_cache_group_id in self._window_group_ids:
                 interval, junction = self.retention_interval, shared_prefix_boundary
-                cache_retained_blocks(manager, seen, num_tokens, interval, junction)
+                alignment = self.alignment_tokens
+                cache_retained_blocks(manager, seen, num_tokens, interval, junction, alignment)
             else:
                 manager.cache_blocks(seen, num_tokens)
 

@@ -57,13 +57,8 @@ def validate_retention_interval(
         )
 
 
-def sparse_retention_group_ids(
-    retention_interval: int | None, kv_cache_config: KVCacheConfig
-) -> frozenset[int]:
-    """The groups whose caching `retention_interval` thins out (none when it is None)."""
-    validate_retention_interval(retention_interval, kv_cache_config)
-    if retention_interval is None:
-        return frozenset()
+def window_group_ids(kv_cache_config: KVCacheConfig) -> frozenset[int]:
+    """The groups a retention interval or a coarser hit alignment thins out."""
     groups = kv_cache_config.kv_cache_groups
     return frozenset(
         group_id
@@ -72,15 +67,28 @@ def sparse_retention_group_ids(
     )
 
 
+def sparse_retention_group_ids(
+    retention_interval: int | None, kv_cache_config: KVCacheConfig
+) -> frozenset[int]:
+    """The groups whose caching `retention_interval` thins out (none when it is None)."""
+    validate_retention_interval(retention_interval, kv_cache_config)
+    if retention_interval is None:
+        return frozenset()
+    return window_group_ids(kv_cache_config)
+
+
 def cache_retained_blocks(
     manager: SingleTypeKVCacheManager,
     request: KVCacheRequest,
     num_tokens: int,
-    retention_interval: int,
+    retention_interval: int | None,
     shared_prefix_boundary: int = 0,
+    alignment_tokens: int | None = None,
 ) -> None:
-    """A window group's `cache_blocks` under a retention interval: every block that fills up
-    counts as cached, but only those `window_block_mask` keeps enter the index."""
+    """A window group's `cache_blocks` when not every block can serve a hit (a retention
+    interval, or hits that end on `alignment_tokens`, a multiple of its block size): every
+    block that fills up counts as cached, but only those `window_block_mask` keeps enter the
+    index."""
     req_id, block_size = request.req_id, manager.block_size
     num_cached = manager.num_cached_block[req_id]
     num_full = num_tokens // block_size
@@ -91,7 +99,9 @@ def cache_retained_blocks(
     boundaries = [request.num_prompt_tokens - 1]
     if shared_prefix_boundary:
         boundaries.append(shared_prefix_boundary)
-    block_mask = window_block_mask(spec, num_cached, num_full, retention_interval, boundaries)
+    block_mask = window_block_mask(
+        spec, num_cached, num_full, retention_interval, boundaries, alignment_tokens or block_size
+    )
     manager.block_pool.cache_full_blocks(
         request,
         manager.req_to_blocks[req_id],
@@ -108,15 +118,18 @@ def window_block_mask(
     spec: SlidingWindowSpec,
     start_idx: int,
     end_idx: int,
-    retention_interval: int,
+    retention_interval: int | None,
     boundaries: Sequence[int],
+    alignment_tokens: int | None = None,
 ) -> list[bool] | None:
     """Which of blocks `[start_idx, end_idx)` a window group caches, or None for all of them.
 
-    It keeps the blocks a hit reads at each boundary worth a hit: the end of every
-    `retention_interval`-token segment, and each of `boundaries` rounded down to a block: the
-    replay boundary `num_prompt_tokens - 1` (where a resend of the same prompt stops its hit)
-    and a shared-prefix junction. None when a segment holds no more blocks than one hit reads.
+    Hits end on multiples of `alignment_tokens` (the lcm of the groups' block sizes; this
+    group's block size by default). It keeps the blocks a hit reads at each boundary worth a
+    hit: the end of every segment (`retention_interval` tokens, or `alignment_tokens` without
+    one), and, with an interval, each of `boundaries` rounded down to the alignment: the replay
+    boundary `num_prompt_tokens - 1` (where a resend of the same prompt stops its hit) and a
+    shared-prefix junction. None when a segment holds no more blocks than one hit reads.
 
     ```
     interval 8, block 2, window 3 (a hit reads 1 block), prompt of 21 tokens:
@@ -125,14 +138,17 @@ def window_block_mask(
     ```
     """
     block_size = spec.block_size
+    alignment = alignment_tokens or block_size
+    if alignment % block_size:
+        return None  # a block-granular mask cannot follow a finer alignment: keep them all
     num_read = cdiv(spec.sliding_window - 1, block_size)  # blocks one hit reads
-    num_per_segment = retention_interval // block_size
+    num_per_segment = (retention_interval or alignment) // block_size
     if num_read >= num_per_segment:
         return None
     first_kept = num_per_segment - num_read  # offset in a segment of its first kept block
     mask = [idx % num_per_segment >= first_kept for idx in range(start_idx, end_idx)]
-    for boundary in boundaries:
-        boundary_idx = boundary // block_size
+    for boundary in boundaries if retention_interval is not None else ():
+        boundary_idx = boundary // alignment * alignment // block_size
         for idx in range(max(start_idx, boundary_idx - num_read), min(end_idx, boundary_idx)):
             mask[idx - start_idx] = True
     return mask

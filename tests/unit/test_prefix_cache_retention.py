@@ -255,3 +255,42 @@ def test_no_junction_without_a_retention_interval() -> None:
     _admit_and_free(dense, _request("a", list(range(100, 133))))
     hits, num_hit_tokens = dense.get_computed_blocks(_request("s", [*range(100, 120), 7]))
     assert (num_hit_tokens, hits.shared_prefix_boundary) == (20, 0)
+
+
+def _mixed_manager(is_masked: bool = True) -> KVCacheManager:
+    """Full attention in blocks of 4 beside a 3-token window in blocks of 2: hits end on 4."""
+    manager = KVCacheManager(_config(400, full_spec(4), window_spec(3)), 128)
+    if not is_masked:  # the index as it would be if every window block were entered
+        manager.coordinator._window_group_ids = frozenset()
+    return manager
+
+
+def test_mixed_block_sizes_index_only_window_blocks_that_end_on_the_lcm() -> None:
+    manager = _mixed_manager()
+    prompt = list(range(100, 117))  # 17 tokens: 8 window blocks, 4 full-attention blocks
+    assert _admit_and_free(manager, _request("a", prompt)) == 0
+    # Window blocks 1, 3, 5 and 7 (each ends a 4-token boundary) of 8; all 4 of full attention.
+    assert (_num_indexed(manager.block_pool, 0), _num_indexed(manager.block_pool, 1)) == (4, 4)
+    assert _admit_and_free(manager, _request("b", prompt)) == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40)), min_size=1, max_size=8),
+)
+def test_mixed_block_sizes_hit_as_far_with_the_window_mask(
+    prompt_lens: list[int], steps: list[tuple[int, int]]
+) -> None:
+    """Against the same manager without the mask: every hit length is the same (the masked
+    blocks end no 4-aligned hit), and the window group never indexes more blocks."""
+    prompts = [[idx * 1000 + pos for pos in range(n)] for idx, n in enumerate(prompt_lens)]
+    masked, unmasked = _mixed_manager(), _mixed_manager(is_masked=False)
+    for step, (prompt_idx, num_shared) in enumerate(steps):
+        base = prompts[prompt_idx % len(prompts)]
+        prompt = base[:num_shared] + [7, 8, 9][: max(1, len(base) - num_shared)]
+        num_masked = _admit_and_free(masked, _request(f"r{step}", prompt))
+        assert num_masked == _admit_and_free(unmasked, _request(f"r{step}", prompt))
+    num_window_masked = _num_indexed(masked.block_pool, 1)
+    assert num_window_masked <= _num_indexed(unmasked.block_pool, 1)
+    assert _num_indexed(masked.block_pool, 0) == _num_indexed(unmasked.block_pool, 0)
