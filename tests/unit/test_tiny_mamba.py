@@ -118,6 +118,23 @@ def test_tokens_survive_preemption_and_resumption(
     assert_matches_reference(result.outputs)
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_asynchronous_scheduling_gives_the_same_tokens(enable_prefix_caching: bool) -> None:
+    """The next step is planned before the workers answer, on a placeholder token: its state
+    blocks still follow the rule, through hits, chunks and preemption."""
+    work = workload(
+        16,
+        TIGHT_NUM_BLOCKS[16],
+        max_num_batched_tokens=24,
+        enable_prefix_caching=enable_prefix_caching,
+        async_scheduling=True,
+    )
+    result = run_workload(work, single_rank_group(), DEVICE)
+    assert result.num_preemptions > 0
+    assert (result.num_hit_tokens > 0) == enable_prefix_caching
+    assert_matches_reference(result.outputs)
+
+
 def test_float64_states_give_the_same_tokens() -> None:
     result = run_workload(workload(16, 40, dtype="float64"), single_rank_group(), DEVICE)
     assert_matches_reference(result.outputs)
