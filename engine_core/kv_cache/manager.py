@@ -19,7 +19,12 @@ from engine_core.kv_cache.single_type_manager import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from engine_core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, RSWASpec
+from engine_core.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    RSWASpec,
+    resolve_hash_block_size,
+)
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
 
@@ -67,11 +72,13 @@ class KVCacheManager:
         metrics_collector: BlockMetricsCollector | None = None,
         prefix_cache_retention_interval: int | None = None,
     ) -> None:
-        block_sizes = sorted({group.spec.block_size for group in kv_cache_config.kv_cache_groups})
-        if hash_block_size is not None and block_sizes != [hash_block_size]:
+        # Requests hash at the gcd of the groups' block sizes; a larger group reads a view.
+        expected_hash_block_size = resolve_hash_block_size(kv_cache_config.kv_cache_groups)
+        if hash_block_size is not None and hash_block_size != expected_hash_block_size:
+            block_sizes = sorted({g.spec.block_size for g in kv_cache_config.kv_cache_groups})
             raise ValueError(
-                f"hash_block_size={hash_block_size} differs from the KV-cache block sizes "
-                f"{block_sizes}: expected them equal"
+                f"hash_block_size={hash_block_size} differs from {expected_hash_block_size}, "
+                f"the gcd of the KV-cache block sizes {block_sizes}: expected them equal"
             )
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching

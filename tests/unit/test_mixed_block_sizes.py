@@ -19,8 +19,11 @@ from engine_core.kv_cache.hashing import (
 )
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from engine_core.sched.limits import resolve_limits
 from engine_core.sched.request import Request
+from protocol.config import CacheConfig, SchedulerConfig
 from protocol.sampling import SamplingParams
+from protocol.worker_messages import ModelInfo
 
 HASH_BLOCK_SIZE = 2
 
@@ -138,3 +141,20 @@ def test_capacity_counts_each_group_at_its_own_block_size(sizes: tuple[int, int]
     assert len(window_ids) == math.ceil(13 / window_size)
     manager.free(request)
     assert manager.block_pool.get_num_free_blocks() == 39
+
+
+def test_the_manager_takes_the_gcd_as_hash_block_size() -> None:
+    config = _config(30, full_spec(2), window_spec(5, 4))
+    KVCacheManager(config, max_model_len=64, hash_block_size=2)
+    with pytest.raises(ValueError, match=r"hash_block_size=4 differs from 2, the gcd .* \[2, 4\]"):
+        KVCacheManager(config, max_model_len=64, hash_block_size=4)
+
+
+def test_scheduler_limits_hash_at_the_gcd_named_by_the_cache_config() -> None:
+    config = _config(60, full_spec(2), window_spec(5, 4))
+    model = ModelInfo("m", 16, None, 64, config.kv_cache_groups)
+    limits = resolve_limits(SchedulerConfig(), CacheConfig(block_size=2), config, model)
+    # 32 blocks of 2 and 16 of 4 for 64 tokens: one step may schedule them all, window too.
+    assert (limits.block_size, limits.num_blocks_per_request) == (2, 32 + 16)
+    with pytest.raises(ValueError, match="hash at block_size=2: expected the cache config's 4"):
+        resolve_limits(SchedulerConfig(), CacheConfig(block_size=4), config, model)
