@@ -40,6 +40,8 @@ RSWA_WINDOW = 256
 # full2x+sliding: full attention's blocks twice the trace's, the window's the trace's (mixed
 # block sizes: requests hash at the smaller, hits end on the larger); full2x+sliding16 the same
 # with a 16-token window, which a hit reads from one window block.
+# full+sliding2x: the other way round, the window's blocks twice the trace's (full 16 + window 32
+# by default), so full attention reads the request's own hashes and the window group a view.
 LAYOUTS = (
     "full",
     "full+sliding",
@@ -47,6 +49,7 @@ LAYOUTS = (
     "full+rswa",
     "full2x+sliding",
     "full2x+sliding16",
+    "full+sliding2x",
 )
 # R-SWA: a pool where no request is preempted. A resumed request would hit its own generated
 # blocks in vLLM, which caches them; kvserve caches only an R-SWA group's prompt blocks (a
@@ -80,6 +83,9 @@ def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> KVC
     match layout:
         case "full+sliding" | "full2x+sliding":
             specs.append(SlidingWindowSpec(**shape, sliding_window=SLIDING_WINDOW))
+        case "full+sliding2x":
+            window_shape = {**shape, "block_size": 2 * block_size}
+            specs.append(SlidingWindowSpec(**window_shape, sliding_window=SLIDING_WINDOW))
         case "full2x+sliding16":
             specs.append(SlidingWindowSpec(**shape, sliding_window=16))
         case "full+chunked-local":

@@ -34,6 +34,7 @@ LAYOUTS = (
     "full+rswa",
     "full2x+sliding",
     "full2x+sliding16",
+    "full+sliding2x",
 )
 
 
@@ -57,6 +58,9 @@ def layout_kv_cache_config(
         specs = [FullAttentionSpec(**{**shape, "block_size": 2 * block_size})]
     if layout in ("full+sliding", "full2x+sliding"):
         specs.append(SlidingWindowSpec(**shape, sliding_window=SLIDING_WINDOW))
+    elif layout == "full+sliding2x":  # the window's blocks twice the hashes'
+        window_shape = {**shape, "block_size": 2 * block_size}
+        specs.append(SlidingWindowSpec(**window_shape, sliding_window=SLIDING_WINDOW))
     elif layout == "full2x+sliding16":
         specs.append(SlidingWindowSpec(**shape, sliding_window=16))
     elif layout == "full+chunked-local":
