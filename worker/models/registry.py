@@ -24,6 +24,7 @@ from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.tiny_llama import (
     TINY_LLAMA,
     TINY_LLAMA_HYBRID,
+    TINY_LLAMA_HYBRID_2X,
     TINY_LOCAL,
     TinyLlama,
     TinyLlamaConfig,
@@ -34,6 +35,7 @@ from worker.models.tiny_mla import TINY_MLA, TinyMLA
 TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LLAMA.name: TINY_LLAMA,
     TINY_LLAMA_HYBRID.name: TINY_LLAMA_HYBRID,
+    TINY_LLAMA_HYBRID_2X.name: TINY_LLAMA_HYBRID_2X,
     TINY_LOCAL.name: TINY_LOCAL,
 }
 CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}

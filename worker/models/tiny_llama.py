@@ -53,6 +53,7 @@ class TinyLlamaConfig:
     chunked_local_layers: tuple[int, ...] = ()  # layers that attend only within their chunk
     rswa_window: int | None = None  # tokens before the current one that R-SWA layers read
     rswa_layers: tuple[int, ...] = ()  # layers that read the prompt and a window (R-SWA)
+    sliding_block_size_factor: int = 1  # the window group's blocks hold this many engine blocks
 
     def layer_name(self, layer_idx: int) -> str:
         return f"layers.{layer_idx}.attn"
@@ -69,7 +70,11 @@ class TinyLlamaConfig:
         local: list[tuple[tuple[int, ...], KVCacheSpec]] = []
         if self.sliding_layers:
             window = self._size(self.sliding_window, "sliding_window")
-            local.append((self.sliding_layers, SlidingWindowSpec(**dims, sliding_window=window)))
+            # A factor above 1 gives the window group larger blocks than the others (mixed block
+            # sizes: the engine hashes at --block-size, the gcd, and the window reads a view).
+            window_dims = {**dims, "block_size": block_size * self.sliding_block_size_factor}
+            spec = SlidingWindowSpec(**window_dims, sliding_window=window)
+            local.append((self.sliding_layers, spec))
         if self.chunked_local_layers:
             chunk = self._size(self.attention_chunk_size, "attention_chunk_size")
             spec = ChunkedLocalAttentionSpec(**dims, attention_chunk_size=chunk)
@@ -93,6 +98,10 @@ class TinyLlamaConfig:
 
 TINY_LLAMA = TinyLlamaConfig("tiny-llama")
 TINY_LLAMA_HYBRID = TinyLlamaConfig("tiny-llama-hybrid", sliding_window=48, sliding_layers=(1, 3))
+# tiny-llama-hybrid whose window group uses blocks twice --block-size: groups of two block sizes.
+TINY_LLAMA_HYBRID_2X = TinyLlamaConfig(
+    "tiny-llama-hybrid-2x", sliding_window=48, sliding_layers=(1, 3), sliding_block_size_factor=2
+)
 # Three KV-cache groups: full attention (layers 0 and 3), chunked local (1) and R-SWA (2). The
 # chunk is a multiple of every block size the tests use (1, 4, 16, 32), as the manager requires.
 TINY_LOCAL = TinyLlamaConfig(
