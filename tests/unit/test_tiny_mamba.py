@@ -248,3 +248,64 @@ def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(tp_size: int) -> None:
     for name, state in whole.store.items():
         tiled = torch.cat([states.store[name] for _, states in results], dim=1)
         assert torch.equal(tiled, state), name
+
+
+FUZZ_STEPS = 200
+FUZZ_NUM_BLOCKS = 14  # the longest request needs 8 attention and 2 state blocks of 8 tokens
+
+
+@pytest.mark.parametrize(
+    ("enable_prefix_caching", "async_scheduling", "seed"),
+    [(True, False, 1), (True, True, 2), (False, False, 3)],
+    ids=["cached-sync", "cached-async", "uncached-sync"],
+)
+def test_random_arrivals_and_aborts_serve_the_reference_tokens(
+    enable_prefix_caching: bool, async_scheduling: bool, seed: int
+) -> None:
+    """Requests over three shared prefixes arrive at random into a pool that forces preemption,
+    some are aborted: every state is loaded where the engine says it was stored, so each
+    request's tokens (a prefix of them when aborted) equal the reference."""
+    rng = random.Random(seed)
+    bases = [[rng.randrange(3, 500) for _ in range(40)] for _ in range(3)]
+    prompts = {"1": bases[0] + [rng.randrange(3, 500) for _ in range(16)]}  # sets max_model_len
+    greedy = [SamplingParams(max_tokens=8, ignore_eos=True)]
+    work = Workload(
+        MODEL,
+        8,
+        FUZZ_NUM_BLOCKS,
+        [prompts["1"]],
+        greedy,
+        24,  # max_num_batched_tokens
+        6,  # max_num_seqs
+        enable_prefix_caching,
+        check_invariants=True,
+        async_scheduling=async_scheduling,
+    )
+    core, _ = build_rank(work, single_rank_group(), DEVICE)
+    params = {"1": greedy[0]}
+    outputs: dict[str, list[int]] = {"1": []}
+    aborted: set[str] = set()
+    for step_idx in range(FUZZ_STEPS):
+        is_open = step_idx < FUZZ_STEPS * 2 // 3  # then the last requests drain
+        if is_open and rng.random() < 0.3 and core.num_unfinished_requests < 8:
+            req_id = str(len(prompts) + 1)
+            head = rng.choice(bases)[: rng.randrange(0, 41)]
+            prompts[req_id] = head + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 16))]
+            params[req_id] = SamplingParams(max_tokens=rng.randrange(1, 9), ignore_eos=True)
+            outputs[req_id] = []
+            assert core.add_request(make_request(req_id, prompts[req_id], params[req_id])) is None
+        if rng.random() < 0.03 and core.num_unfinished_requests:
+            victim = rng.choice(list(core.scheduler.requests.values())).req_id
+            aborted.add(victim)
+            core.abort_requests([victim])
+        for client_outputs in core.step().values():
+            for output in client_outputs.outputs:
+                outputs[output.req_id].extend(output.new_token_ids)
+    assert not core.has_work(), "every request should have finished"
+    assert core.kv_cache_usage == 0.0 and core.get_stats()["num_preemptions"] > 0
+    assert (core.get_stats()["prefix_cache_hits"] > 0) == enable_prefix_caching
+    for req_id, prompt in prompts.items():
+        expected = reference_generate(MODEL, prompt, params[req_id])
+        if req_id in aborted:
+            expected = expected[: len(outputs[req_id])]
+        assert outputs[req_id] == expected, req_id
