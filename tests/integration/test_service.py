@@ -70,6 +70,8 @@ def serve_and_check(
         (2, "tiny-llama", "--enable-prefix-caching"),
         (1, "tiny-llama-hybrid", "--no-enable-prefix-caching"),
         (2, "tiny-llama-hybrid", "--enable-prefix-caching"),
+        # its window group's blocks are twice --block-size: two block sizes over one pool
+        (2, "tiny-llama-hybrid-2x", "--enable-prefix-caching"),
     ],
 )
 def test_concurrent_requests_equal_the_reference(
@@ -97,6 +99,7 @@ def test_concurrent_requests_equal_the_reference(
         (1, "checksum", "24", "256", 60),
         (2, "checksum", "24", "256", 60),
         (2, "tiny-llama-hybrid", "12", "64", 20),
+        (1, "tiny-llama-hybrid-2x", "12", "64", 20),
     ],
 )
 def test_small_pool_forces_preemption_and_outputs_still_match(
