@@ -107,7 +107,7 @@ def _start_and_serve(
     signal.signal(signal.SIGINT, request_stop)
     try:
         core = start_engine_core(config, workers)
-        max_num_encoder_tokens = core.scheduler.max_num_encoder_tokens or 0
+        max_num_encoder_tokens = core.scheduler.intake.max_num_encoder_tokens or 0
         router = bind_clients(config, ctx, endpoints, core.max_model_len, max_num_encoder_tokens)
     except (HandshakeError, WorkerGroupError, AddressInUseError) as exc:
         logger.error("startup failed: %s", exc)

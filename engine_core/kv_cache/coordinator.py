@@ -24,9 +24,9 @@ from engine_core.kv_cache.retention import (
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
-    make_single_type_manager,
 )
 from engine_core.kv_cache.spec import KVCacheConfig
+from engine_core.kv_cache.spec_managers import make_single_type_manager
 
 __all__ = [
     "BlocksPerGroup",

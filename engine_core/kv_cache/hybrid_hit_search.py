@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash, BlockHashListWithBlockSize, get_hash_block_size
-from engine_core.kv_cache.single_type_manager import spec_manager_class
 from engine_core.kv_cache.spec import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
 )
+from engine_core.kv_cache.spec_managers import spec_manager_class
 
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
 HitLengths = tuple[int, ...]  # one hit length in tokens per KV-cache group

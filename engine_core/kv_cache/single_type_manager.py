@@ -12,13 +12,7 @@ from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    RSWASpec,
     SlidingWindowSpec,
     cdiv,
 )
@@ -376,39 +370,3 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """
         num_skipped_tokens = num_computed_tokens - self.sliding_window + 1
         return max(num_skipped_tokens, 0) // self.block_size
-
-
-def make_single_type_manager(
-    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
-) -> SingleTypeKVCacheManager:
-    """The manager class for the spec's attention kind."""
-    manager_cls = spec_manager_class(kv_cache_spec)
-    return manager_cls(kv_cache_spec, block_pool, kv_cache_group_id)
-
-
-def spec_manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    match kv_cache_spec:
-        case SlidingWindowSpec():
-            return SlidingWindowManager
-        case ChunkedLocalAttentionSpec() | RSWASpec():
-            # These managers subclass the ones above from the module beside this one, so it is
-            # imported when such a spec is first met rather than at the top (an import cycle).
-            from engine_core.kv_cache.local_attention_managers import (
-                ChunkedLocalAttentionManager,
-                RSWAManager,
-            )
-
-            if isinstance(kv_cache_spec, RSWASpec):
-                return RSWAManager
-            return ChunkedLocalAttentionManager
-        case FullAttentionSpec() | MLAAttentionSpec():
-            return FullAttentionManager  # an MLA layer attends to the whole prefix of latents
-        case CrossAttentionSpec():
-            from engine_core.kv_cache.cross_attention_manager import CrossAttentionManager
-
-            return CrossAttentionManager
-        case MambaSpec():
-            from engine_core.kv_cache.mamba_manager import MambaManager
-
-            return MambaManager
-    raise TypeError(f"no KV-cache manager for spec {kv_cache_spec!r}")

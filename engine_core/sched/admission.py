@@ -1,7 +1,14 @@
-"""Admission: which client requests may queue (the waiting bound and each client's share), and the
-engine's key for a client's request id. Pure bookkeeping, no I/O; the Scheduler calls it.
+"""Admission: which client requests may queue (the waiting bound and each client's share), the
+engine's key for a client's request id, and the Request built from an accepted one. Pure
+bookkeeping, no I/O; the Scheduler calls it.
 """
 
+import itertools
+
+from engine_core.kv_cache.hashing import BlockHasher
+from engine_core.sched.request import Request
+from engine_core.sched.validation import validate_encoder_tokens, validate_request
+from protocol.client_messages import EngineCoreRequest
 from protocol.config import SchedulerConfig
 
 
@@ -59,4 +66,52 @@ class Admission:
             counted[client_id] = counted.get(client_id, 0) + 1
         assert counted == self.num_live_by_client, (
             f"live requests per client {counted}, admission counted {self.num_live_by_client}"
+        )
+
+
+class RequestIntake:
+    """Checks a client's request against the model and the queue bounds and builds its Request.
+
+    Each built Request gets a fresh handle (the workers' key for it); 0 is never a live handle.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        max_num_encoder_tokens: int | None,
+        block_hasher: BlockHasher | None,
+    ) -> None:
+        self.admission = Admission(config)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        self._block_hasher = block_hasher
+        self._handles = itertools.count(1)
+
+    def build(
+        self, request: EngineCoreRequest, client_id: bytes, num_waiting: int, is_live: bool
+    ) -> Request:
+        """The queued Request, or ValueError naming what is wrong or which bound is full.
+
+        `is_live`: whether the client already has a live request with this id."""
+        self.admission.check(client_id, request.req_id, num_waiting)
+        prompt, params = validate_request(request, self.max_model_len, self.vocab_size, is_live)
+        encoder = validate_encoder_tokens(request, self.max_num_encoder_tokens, self.vocab_size)
+        return Request(
+            scoped_req_id(client_id, request.req_id),
+            prompt,
+            params,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            eos_token_id=self.eos_token_id,
+            block_hasher=self._block_hasher,
+            client_id=client_id,
+            handle=next(self._handles),
+            client_req_id=request.req_id,
+            encoder_token_ids=encoder,
         )

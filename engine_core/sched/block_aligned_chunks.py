@@ -46,7 +46,13 @@ class BlockAlignedChunks:
                 return cls(spec.block_size, max_chunk_tokens)
         return None
 
-    def clip(self, request: KVCacheRequest, num_computed_tokens: int, num_new_tokens: int) -> int:
+    def clip(
+        self,
+        request: KVCacheRequest,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        shared_prefix_boundary: int = 0,
+    ) -> int:
         """The tokens to schedule from `num_computed_tokens` (hits included): at most
         `num_new_tokens`, possibly 0 when not even one block's worth fits this step.
 
@@ -54,6 +60,11 @@ class BlockAlignedChunks:
         end the prefill ends on a block boundary, and no chunk runs past the last boundary
         before `num_tokens` (the farthest a hit on an identical prompt reaches, since the last
         token is always computed) or past the next boundary when it starts mid-block.
+
+        `shared_prefix_boundary` is the request's junction (KVCacheBlocks): how far a group
+        other than this one hit, past the state this one holds. No chunk runs past the last
+        boundary before it either, so the state there is written and the next request sharing
+        that prefix resumes from it, as the reference's scheduler stops there.
         """
         block_size = self.block_size
         start = num_computed_tokens
@@ -68,7 +79,11 @@ class BlockAlignedChunks:
                 end = aligned_end
         last_boundary = (request.num_tokens - 1) // block_size * block_size
         next_boundary = (start // block_size + 1) * block_size
-        for stop in (last_boundary, next_boundary if start % block_size else 0):
+        junction_stop = 0
+        if start < shared_prefix_boundary < end:
+            junction_stop = start + (shared_prefix_boundary - start) // block_size * block_size
+        stops = (last_boundary, next_boundary if start % block_size else 0, junction_stop)
+        for stop in stops:
             if start < stop < end:
                 end = stop
         return max(end - start, 0)

@@ -4,25 +4,21 @@ It decides which requests run each step and with how many tokens, and turns the 
 tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 """
 
-import itertools
 import logging
 from collections import deque
 
 from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
-from engine_core.sched.admission import Admission, scoped_req_id
+from engine_core.sched.admission import RequestIntake, scoped_req_id
 from engine_core.sched.block_aligned_chunks import BlockAlignedChunks
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
 from engine_core.sched.in_flight_step import InFlightStep
+from engine_core.sched.invariants import check_scheduler
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.request import Request, RequestStatus
-from engine_core.sched.validation import (
-    max_num_encoder_tokens,
-    validate_encoder_tokens,
-    validate_request,
-)
+from engine_core.sched.validation import max_num_encoder_tokens
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
@@ -63,9 +59,6 @@ class Scheduler:
         self._aligned_chunks = BlockAlignedChunks.for_configs(
             kv_cache_config, cache_config, scheduler_config
         )
-        self.vocab_size = model_info.vocab_size
-        self.max_num_encoder_tokens = max_num_encoder_tokens(kv_cache_config.kv_cache_groups)
-        self.eos_token_id = model_info.eos_token_id
         self.policy = scheduler_config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
@@ -75,12 +68,18 @@ class Scheduler:
             enable_kv_cache_events=enable_kv_cache_events,
             prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval,
         )
-        self._block_hasher = make_block_hasher(cache_config, self.block_size)
+        self.intake = RequestIntake(
+            scheduler_config,
+            self.max_model_len,
+            model_info.vocab_size,
+            model_info.eos_token_id,
+            max_num_encoder_tokens(kv_cache_config.kv_cache_groups),
+            make_block_hasher(cache_config, self.block_size),
+        )
+        self.admission = self.intake.admission
         self.requests: dict[str, Request] = {}  # by scoped_req_id
-        self.admission = Admission(scheduler_config)
         self.running: list[Request] = []
         self.waiting = create_request_queue(self.policy)
-        self._handles = itertools.count(1)  # 0 is never a live handle
         self._finished_handles: list[int] = []  # seen by the workers, to forget next step
         self._step_id = 0
         # Steps sent and not yet answered, oldest first: two with asynchronous scheduling.
@@ -96,28 +95,12 @@ class Scheduler:
         full, else None. Ids are scoped by client: two clients may both use "req-1"."""
         req_id = scoped_req_id(client_id, request.req_id)
         try:
-            self.admission.check(client_id, request.req_id, len(self.waiting))
-            prompt, params = validate_request(
-                request, self.max_model_len, self.vocab_size, req_id in self.requests
+            state = self.intake.build(
+                request, client_id, len(self.waiting), req_id in self.requests
             )
-            encoder = validate_encoder_tokens(request, self.max_num_encoder_tokens, self.vocab_size)
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)
             return rejection(request.req_id, str(exc))
-        state = Request(
-            req_id,
-            prompt,
-            params,
-            arrival_time=request.arrival_time,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            eos_token_id=self.eos_token_id,
-            block_hasher=self._block_hasher,
-            client_id=client_id,
-            handle=next(self._handles),
-            client_req_id=request.req_id,
-            encoder_token_ids=encoder,
-        )
         self.requests[req_id] = state
         self.admission.on_admitted(client_id)
         self.waiting.add_request(state)
@@ -404,26 +387,4 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        running_ids = {id(request) for request in self.running}
-        waiting = list(self.waiting)
-        assert len(running_ids) == len(self.running), "a request is running twice"
-        assert len(self.running) <= self.scheduler_config.max_num_seqs, (
-            f"{len(self.running)} running requests exceed max_num_seqs"
-        )
-        for request in self.running:
-            assert request.status is _RUNNING, f"{request!r} is in running"
-        for request in waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
-            assert request.num_computed_tokens == 0, f"{request!r} waits with computed tokens"
-        live = {id(request) for request in self.requests.values()}
-        queued = running_ids | {id(request) for request in waiting}
-        assert live == queued and len(queued) == len(self.running) + len(waiting), (
-            f"{len(live)} live requests, {len(self.running)} running, {len(waiting)} waiting"
-        )
-        for request in self.requests.values():
-            request.check_invariants()
-        self.admission.check_invariants([r.client_id for r in self.requests.values()])
-        self.waiting.check_invariants()
-        self.kv_cache_manager.check_invariants()
-        for step in self._in_flight:
-            step.check_invariants()
+        check_scheduler(self)

@@ -9,7 +9,6 @@ from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
 from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.local_attention_managers import ChunkedLocalAttentionManager, RSWAManager
-from engine_core.kv_cache.single_type_manager import make_single_type_manager
 from engine_core.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -19,6 +18,7 @@ from engine_core.kv_cache.spec import (
     num_chunk_blocks,
     num_group_blocks_per_request,
 )
+from engine_core.kv_cache.spec_managers import make_single_type_manager
 
 BLOCK_SIZE = 2
 

@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher
-from engine_core.kv_cache.single_type_manager import make_single_type_manager
 from engine_core.kv_cache.spec import ChunkedLocalAttentionSpec, KVCacheSpec, RSWASpec, cdiv
+from engine_core.kv_cache.spec_managers import make_single_type_manager
 from engine_core.sched.request import Request
 from protocol.sampling import SamplingParams
 

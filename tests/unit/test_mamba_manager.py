@@ -10,7 +10,6 @@ from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash, BlockHasher
 from engine_core.kv_cache.mamba_manager import MambaManager
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from engine_core.kv_cache.single_type_manager import make_single_type_manager
 from engine_core.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -18,6 +17,7 @@ from engine_core.kv_cache.spec import (
     KVCacheSpec,
     MambaSpec,
 )
+from engine_core.kv_cache.spec_managers import make_single_type_manager
 from engine_core.sched.request import Request
 from protocol.sampling import SamplingParams
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_core.kv_cache.single_type_manager import FullAttentionManager, spec_manager_class
+from engine_core.kv_cache.single_type_manager import FullAttentionManager
 from engine_core.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -19,6 +19,7 @@ from engine_core.kv_cache.spec import (
     num_blocks_per_request,
     plan_kv_cache,
 )
+from engine_core.kv_cache.spec_managers import spec_manager_class
 from protocol import codec
 from protocol.kv_cache_spec import page_stride_bytes
 from protocol.worker_messages import WorkerHello

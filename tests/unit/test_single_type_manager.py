@@ -11,8 +11,8 @@ from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SlidingWindowManager,
-    make_single_type_manager,
 )
+from engine_core.kv_cache.spec_managers import make_single_type_manager
 
 FULL = full_spec(BLOCK_SIZE)
 _window = functools.partial(window_spec, block_size=BLOCK_SIZE)
