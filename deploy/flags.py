@@ -201,7 +201,8 @@ WORKER_FLAGS = [
         ("--model",),
         ("model",),
         "model name: checksum, fixed-time, tiny-llama, tiny-llama-hybrid, tiny-llama-hybrid-2x, "
-        "tiny-local, tiny-mla, tiny-encdec or tiny-mamba-hybrid (README.md's model list says what each exercises)",
+        "tiny-local, tiny-mla, tiny-encdec or tiny-mamba-hybrid (README.md's model list says what "
+        "each exercises)",
     ),
     Flag(("--dtype",), ("dtype",), "dtype of the weights and the KV cache"),
     Flag(("--device",), ("device",), "device; auto takes cuda when available"),
