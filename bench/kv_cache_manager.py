@@ -14,7 +14,7 @@ import statistics
 
 from bench.manager_decisions import CheckingManager, DecisionMismatch
 from bench.peer_rounds import Figures, PeerRatio, add_rounds_argument, run_rounds, summarize
-from bench.replay import ManagerReplay, ManagerReplayResult
+from bench.replay import ManagerReplay, ManagerReplayResult, PrefillChunks
 from bench.report import add_peer_arguments, base_parser, report, run_peer
 from bench.trace import Trace, TraceConfig, config_to_json, make_trace, trace_digest
 from engine_core.kv_cache.hashing import BlockHasher, get_group_id
@@ -25,9 +25,11 @@ from engine_core.kv_cache.spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     RSWASpec,
     SlidingWindowSpec,
 )
+from engine_core.sched.block_aligned_chunks import BlockAlignedChunks
 from engine_core.sched.request import Request, RequestStatus
 from protocol.sampling import SamplingParams
 
@@ -42,6 +44,13 @@ RSWA_WINDOW = 256
 # with a 16-token window, which a hit reads from one window block.
 # full+sliding2x: the other way round, the window's blocks twice the trace's (full 16 + window 32
 # by default), so full attention reads the request's own hashes and the window group a view.
+# full+mamba: a Mamba group in align mode beside full attention, both in the trace's blocks (16).
+# Real hybrid models enlarge the attention block until its page matches the state's; here the
+# state is sized to the attention page instead (2 x 16 tokens x 2 heads x 16 x 4 B = 4096 B =
+# (4*64 + 4*8*24) float32 values), valid on both sides. Prefills run in chunks of at most
+# MAMBA_PREFILL_CHUNK_TOKENS, each side's scheduler rule ending them where states are kept.
+MAMBA_STATE_SHAPES = ((4, 64), (4, 8, 24))
+MAMBA_PREFILL_CHUNK_TOKENS = 512
 LAYOUTS = (
     "full",
     "full+sliding",
@@ -50,11 +59,16 @@ LAYOUTS = (
     "full2x+sliding",
     "full2x+sliding16",
     "full+sliding2x",
+    "full+mamba",
 )
 # R-SWA: a pool where no request is preempted. A resumed request would hit its own generated
 # blocks in vLLM, which caches them; kvserve caches only an R-SWA group's prompt blocks (a
 # generated token's K/V depends on where its prompt ended) and caps the hit at the prompt.
-NUM_GPU_BLOCKS_BY_LAYOUT = {"full+rswa": 24576}
+# full+mamba: one where no request is preempted either (4096 blocks on the default trace, which
+# still evicts). A refused allocation frees a Mamba group's skipped state block in vLLM and changes
+# nothing in kvserve (DESIGN.md 3.4: allocate_slots returning None changes no ref count), so
+# under preemption the two free queues fill in different orders and later evictions differ.
+NUM_GPU_BLOCKS_BY_LAYOUT = {"full+rswa": 24576, "full+mamba": 4096}
 PEER_ROUND_REPEATS = 3  # replays per side per round; the rounds give the ratio's median
 TITLE = "KVCacheManager on the seeded serving trace (ratios: ours over vLLM's requests per second)"
 WORK_COUNTS = ("num_hit_tokens", "num_preemptions", "num_allocations", "num_failed_allocations")
@@ -94,8 +108,48 @@ def layout_kv_cache_config(layout: str, block_size: int, num_blocks: int) -> KVC
             )
         case "full+rswa":
             specs.append(RSWASpec(**shape, rswa_window=RSWA_WINDOW))
+        case "full+mamba":
+            specs.append(MambaSpec(block_size, MAMBA_STATE_SHAPES, "float32", "align"))
     groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+
+
+def layout_chunks(layout: str, manager: KVCacheManager) -> PrefillChunks | None:
+    """The scheduler's block-aligned prefill chunks where a layout has a Mamba group, each
+    stopping short of its request's junction too (see keep_shared_prefix_boundaries)."""
+    if layout != "full+mamba":
+        return None
+    junctions = keep_shared_prefix_boundaries(manager)
+    block_size = manager.coordinator.single_type_managers[1].block_size
+    aligned = BlockAlignedChunks(block_size, MAMBA_PREFILL_CHUNK_TOKENS)
+
+    def clip(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        junction = junctions.get(request.req_id, 0)
+        return aligned.clip(request, num_computed_tokens, num_new_tokens, junction)
+
+    return PrefillChunks(clip, MAMBA_PREFILL_CHUNK_TOKENS)
+
+
+def keep_shared_prefix_boundaries(manager: KVCacheManager) -> dict[str, int]:
+    """Each request's junction from its last lookup: how far full attention (group 0) hits past
+    the agreed hit, else 0. vLLM's lookup returns it and its Scheduler keeps it on the request for
+    the Mamba chunks; kvserve's KVCacheManager reports it only under a retention interval and its
+    Scheduler does not pass it to BlockAlignedChunks yet, so the bench finds it here, inside the
+    timed lookup, by the full attention scan vLLM's lookup makes first."""
+    lookup, junctions = manager.get_computed_blocks, {}
+    full = manager.coordinator.single_type_managers[0]
+    find_full_hit = type(full).find_longest_cache_hit
+    pool, spec = full.block_pool, full.kv_cache_spec
+
+    def get_computed_blocks(request: Request) -> tuple:
+        computed = lookup(request)
+        hits = find_full_hit(request.block_hashes, request.num_tokens - 1, [0], pool, spec)[0]
+        num_full_hit = len(hits) * spec.block_size
+        junctions[request.req_id] = num_full_hit if num_full_hit > computed[1] else 0
+        return computed
+
+    manager.get_computed_blocks = get_computed_blocks
+    return junctions
 
 
 def check_decisions(
@@ -113,8 +167,10 @@ def check_decisions(
         requests,
         [(kind, idx, num) for kind, idx, num in expected],
     )
+    chunks = layout_chunks(layout, manager)
+    replay = ManagerReplay(checker, requests, outputs, RequestStatus.PREEMPTED, chunks)
     try:
-        ManagerReplay(checker, requests, outputs, RequestStatus.PREEMPTED).run(config.max_running)
+        replay.run(config.max_running)
         checker.check_complete()
     except DecisionMismatch as exc:
         raise SystemExit(f"--spec {layout}: {exc}") from None
@@ -132,7 +188,8 @@ def run_kvserve(
         manager = KVCacheManager(
             kv_cache_config, MAX_MODEL_LEN, prefix_cache_retention_interval=retention_interval
         )
-        replay = ManagerReplay(manager, requests, outputs, RequestStatus.PREEMPTED)
+        chunks = layout_chunks(layout, manager)
+        replay = ManagerReplay(manager, requests, outputs, RequestStatus.PREEMPTED, chunks)
         results.append(replay.run(config.max_running))
         if manager.block_pool.get_num_free_blocks() != config.num_gpu_blocks - 1:
             raise RuntimeError("blocks leaked: not every block is free after the replay")

@@ -108,19 +108,41 @@ class ManagerReplayResult:
     num_failed_allocations: int
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillChunks:
+    """How a layout whose prefills must run in chunks (an align-mode Mamba group) splits them.
+
+    Each side hands in its own scheduler's rule, `clip(request, num_computed_tokens,
+    num_new_tokens) -> tokens to schedule` (hits count as computed), and the per-step hook its
+    manager needs, if any; the replay caps every chunk at `max_chunk_tokens` before clipping.
+    """
+
+    clip: Callable[[Any, int, int], int]
+    max_chunk_tokens: int
+    new_step_starts: Callable[[], None] | None = None
+
+
 class ManagerReplay:
     """The replay rule of the KVCacheManager benchmark, for kvserve's manager and vLLM's alike.
 
     Each step admits the head of the waiting queue when fewer than `max_running` run, then gives
     every running request one token: a finished one is freed, and a decode that does not fit
     preempts the youngest running request (possibly itself) to the front of the queue.
+    With `chunks`, steps are planned as a scheduler plans them (see `step_in_chunks`).
     Invariants: every request index is in exactly one of `waiting`, `running`, or neither (done).
     """
 
     def __init__(
-        self, manager: Any, requests: list, outputs: list[list[int]], preempted_status: object
+        self,
+        manager: Any,
+        requests: list,
+        outputs: list[list[int]],
+        preempted_status: object,
+        chunks: PrefillChunks | None = None,
     ) -> None:
         self.manager, self.requests, self.outputs = manager, requests, outputs
+        self.chunks = chunks
+        self.planned: dict[int, int] = {}  # with chunks: request index -> tokens this step
         self.preempted_status = preempted_status  # each side's RequestStatus.PREEMPTED
         self.waiting, self.running = deque(range(len(requests))), []
         self.manager_s = 0.0
@@ -128,6 +150,8 @@ class ManagerReplay:
 
     def run(self, max_running: int) -> ManagerReplayResult:
         start = time.perf_counter()
+        while self.chunks is not None and (self.waiting or self.running):
+            self.step_in_chunks(max_running)
         while self.waiting or self.running:
             if self.waiting and len(self.running) < max_running:
                 self.admit_head()
@@ -195,3 +219,82 @@ class ManagerReplay:
         start = time.perf_counter()
         self.manager.free(request)
         self.manager_s += time.perf_counter() - start
+
+    def step_in_chunks(self, max_running: int) -> None:
+        """One step planned as the schedulers plan it: the manager's step hook, then each running
+        request's next prefill chunk or decode token (oldest first, a chunk that does not fit
+        preempting the youngest), then the head of the queue unless the step preempted.
+
+        Computed tokens advance once the whole step is planned, as both schedulers advance them,
+        so a state a step publishes is not yet there for a hit within that step. A preempted
+        request is the youngest running one, never one planned earlier in the step.
+        """
+        assert self.chunks is not None
+        if self.chunks.new_step_starts is not None:
+            start = time.perf_counter()
+            self.chunks.new_step_starts()
+            self.manager_s += time.perf_counter() - start
+        num_preemptions = self.num_preemptions
+        for idx in list(self.running):
+            if idx in self.running:  # not preempted earlier in this step
+                self.advance(idx)
+        has_room = self.waiting and len(self.running) < max_running
+        if has_room and self.num_preemptions == num_preemptions:
+            self.admit_head_chunk()
+        for idx, num_new_tokens in self.planned.items():
+            self.requests[idx].num_computed_tokens += num_new_tokens
+        self.planned.clear()
+
+    def admit_head_chunk(self) -> None:
+        """The head's prefix hit and its first prefill chunk, as the side's rule clips it."""
+        assert self.chunks is not None
+        idx = self.waiting[0]
+        request = self.requests[idx]
+        start = time.perf_counter()
+        computed = self.manager.get_computed_blocks(request)
+        self.manager_s += time.perf_counter() - start
+        hits, num_hits = computed[0], computed[1]
+        num_new_tokens = min(request.num_tokens - num_hits, self.chunks.max_chunk_tokens)
+        num_new_tokens = self.chunks.clip(request, num_hits, num_new_tokens)
+        if not num_new_tokens:  # never with a chunk cap of at least a block
+            return
+        start = time.perf_counter()
+        new_blocks = self.manager.allocate_slots(request, num_new_tokens, num_hits, hits)
+        self.manager_s += time.perf_counter() - start
+        self.num_allocations += 1
+        if new_blocks is None:
+            self.num_failed += 1
+            return
+        self.running.append(self.waiting.popleft())
+        self.planned[idx] = num_hits + num_new_tokens
+        self.num_hit_tokens += num_hits
+
+    def advance(self, idx: int) -> None:
+        """A running request's next prefill chunk, or its next token (or its end) once prefilled."""
+        assert self.chunks is not None
+        request = self.requests[idx]
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        if num_new_tokens > 0:
+            num_new_tokens = min(num_new_tokens, self.chunks.max_chunk_tokens)
+            num_new_tokens = self.chunks.clip(request, request.num_computed_tokens, num_new_tokens)
+            if not num_new_tokens:
+                return
+        else:
+            output = self.outputs[idx]
+            if request.num_output_tokens == len(output):
+                self.free(request)
+                self.running.remove(idx)
+                return
+            request.append_output_token_ids(output[request.num_output_tokens])
+            num_new_tokens = 1
+        while True:
+            start = time.perf_counter()
+            new_blocks = self.manager.allocate_slots(request, num_new_tokens)
+            self.manager_s += time.perf_counter() - start
+            self.num_allocations += 1
+            if new_blocks is not None:
+                self.planned[idx] = num_new_tokens
+                return
+            self.num_failed += 1
+            if self.preempt_youngest() == idx:
+                return

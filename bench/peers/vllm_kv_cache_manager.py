@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 # importable thanks to the path above:
 from bench.manager_decisions import RecordingManager
 from bench.peers.vllm_kv_cache import sha256_request_block_hasher
-from bench.replay import ManagerReplay
+from bench.replay import ManagerReplay, PrefillChunks
 from bench.trace import Trace, config_from_json, make_trace, trace_digest
 
 MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bites
@@ -27,6 +27,8 @@ MAX_MODEL_LEN = 8192  # above the trace's longest sequence, so the cap never bit
 SLIDING_WINDOW = 256
 ATTENTION_CHUNK_SIZE = 1024
 RSWA_WINDOW = 256
+MAMBA_STATE_SHAPES = ((4, 64), (4, 8, 24))  # a 4096-byte float32 page, the attention page's
+MAMBA_PREFILL_CHUNK_TOKENS = 512
 LAYOUTS = (
     "full",
     "full+sliding",
@@ -35,6 +37,7 @@ LAYOUTS = (
     "full2x+sliding",
     "full2x+sliding16",
     "full+sliding2x",
+    "full+mamba",
 )
 
 
@@ -48,6 +51,7 @@ def layout_kv_cache_config(
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         RSWASpec,
         SlidingWindowSpec,
     )
@@ -67,6 +71,10 @@ def layout_kv_cache_config(
         specs.append(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=ATTENTION_CHUNK_SIZE))
     elif layout == "full+rswa":
         specs.append(RSWASpec(**shape, rswa_window=RSWA_WINDOW))
+    elif layout == "full+mamba":
+        dtypes = (torch.float32,) * len(MAMBA_STATE_SHAPES)
+        mamba = MambaSpec(block_size, MAMBA_STATE_SHAPES, dtypes, mamba_cache_mode="align")
+        specs.append(mamba)
     groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -89,6 +97,38 @@ def keep_shared_prefix_boundary(manager: object) -> object:
 
     manager.get_computed_blocks = get_computed_blocks
     return manager
+
+
+def layout_chunks(layout: str, block_size: int, manager: object) -> PrefillChunks | None:
+    """vLLM's Scheduler._mamba_block_aligned_split where a layout has a Mamba group, read off a
+    stand-in holding what a Scheduler derives for this config (align mode, hashes the size of
+    every block, so no partial hits, no EAGLE, no checkpoint blocks inside a chunk), and the
+    manager's per-step hook, which forgets the states cached by the step before."""
+    if layout != "full+mamba":
+        return None
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    scheduler = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block_size),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        block_size=block_size,
+        hash_block_size=block_size,
+        max_num_scheduled_tokens=MAMBA_PREFILL_CHUNK_TOKENS,
+        use_eagle_block_drop=False,
+        num_hash_lookahead_tokens=0,
+        mamba_partial_cache_hit=False,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+        mamba_shared_prefix_checkpoint=False,
+    )
+
+    def clip(request: object, num_computed_tokens: int, num_new_tokens: int) -> int:
+        num_hits = num_computed_tokens - request.num_computed_tokens
+        return Scheduler._mamba_block_aligned_split(scheduler, request, num_new_tokens, num_hits)
+
+    return PrefillChunks(clip, MAMBA_PREFILL_CHUNK_TOKENS, manager.new_step_starts)
 
 
 def build_requests(trace: Trace, block_hasher: object) -> tuple[list, list[list[int]]]:
@@ -143,15 +183,20 @@ def main() -> None:
 
     if args.decisions:
         requests, outputs = build_requests(trace, block_hasher)
-        recorder = RecordingManager(new_manager(), requests)
-        ManagerReplay(recorder, requests, outputs, RequestStatus.PREEMPTED).run(config.max_running)
+        manager = new_manager()
+        recorder = RecordingManager(manager, requests)
+        chunks = layout_chunks(args.spec, config.block_size, manager)
+        replay = ManagerReplay(recorder, requests, outputs, RequestStatus.PREEMPTED, chunks)
+        replay.run(config.max_running)
         digest = trace_digest(trace)
         print(json.dumps({"decisions": recorder.decisions, "trace_digest": digest}))
         return
     results = []
     for _ in range(args.repeats):
         requests, outputs = build_requests(trace, block_hasher)
-        replay = ManagerReplay(new_manager(), requests, outputs, RequestStatus.PREEMPTED)
+        manager = new_manager()
+        chunks = layout_chunks(args.spec, config.block_size, manager)
+        replay = ManagerReplay(manager, requests, outputs, RequestStatus.PREEMPTED, chunks)
         results.append(dataclasses.asdict(replay.run(config.max_running)))
     figures = dict(results[0])
     figures["manager_s"] = statistics.median(r["manager_s"] for r in results)

@@ -6,6 +6,7 @@ import pytest
 from bench.kv_cache_manager import LAYOUTS, _indexed_blocks, run_kvserve
 from bench.manager_decisions import CheckingManager, DecisionMismatch, RecordingManager
 from bench.trace import TraceConfig, make_trace
+from engine_core.kv_cache.mamba_manager import MambaManager
 from engine_core.kv_cache.manager import KVCacheManager
 
 
@@ -85,3 +86,21 @@ def test_the_window_layout_replays_under_a_retention_interval_with_fewer_entries
 
 def _num_indexed(manager: KVCacheManager, group_id: int) -> int:
     return _indexed_blocks(manager)[f"num_indexed_blocks_group_{group_id}"]
+
+
+def test_the_mamba_layout_replays_in_chunks_and_hits_kept_states() -> None:
+    """Prompts longer than a chunk run over several steps, every block comes back, and later
+    requests resume from states that earlier prefills kept in the Mamba group."""
+    config = TraceConfig(
+        num_requests=12,
+        system_prompt_min_tokens=600,
+        system_prompt_max_tokens=900,
+        num_gpu_blocks=1024,
+        max_running=4,
+    )
+    results, manager = run_kvserve(make_trace(config), repeats=1, layout="full+mamba")
+    mamba = manager.coordinator.single_type_managers[1]
+    assert isinstance(mamba, MambaManager) and mamba.is_align
+    assert results[0].num_hit_tokens > 0 and results[0].num_preemptions == 0
+    assert _num_indexed(manager, 1) > 0
+    manager.check_invariants()

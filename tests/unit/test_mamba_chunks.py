@@ -154,3 +154,16 @@ def test_admission_reserves_no_lookahead_beside_an_align_mode_group() -> None:
     assert driver.step() == [4]
     kv = driver.scheduler.kv_cache_manager
     assert [len(ids) for ids in kv.get_block_ids("a")] == [1, 1]
+
+
+def test_a_chunk_stops_at_the_last_boundary_before_the_shared_prefix_junction() -> None:
+    """Full attention hit 10 tokens of a shared prefix and the Mamba group only 4: the chunk
+    from 4 ends at 8, so the state there is written and the next request sharing the prefix
+    resumes from it (the reference's scheduler stops there too). Without the junction the
+    chunk runs to the last boundary, 28, and no state at the shared prefix is ever kept."""
+    chunks = BlockAlignedChunks(BLOCK_SIZE, max_chunk_tokens=64)
+    request = _request(30)
+    assert chunks.clip(request, 4, 26) == 24
+    assert chunks.clip(request, 4, 26, shared_prefix_boundary=10) == 4
+    assert chunks.clip(request, 4, 26, shared_prefix_boundary=6) == 24  # no boundary inside
+    assert chunks.clip(request, 8, 22, shared_prefix_boundary=10) == 20  # already past it
