@@ -134,7 +134,10 @@ def test_past_the_admission_limits_requests_are_refused_as_busy(
     with EngineClient(addresses["client"], 60.0) as greedy:
         for idx in range(60):
             greedy.add_request(make_request(f"g{idx}", [idx % 50 + 1] * 8, long_params))
-        time.sleep(0.5)
+        # The engine answers one client's messages in order: once this reply is here, all 60
+        # were admitted or refused, and 26 wait. A fixed sleep raced a fast engine, which had
+        # finished enough of them to leave room for every other request.
+        assert greedy.get_stats()["num_waiting_reqs"] > 20  # so some of the next 20 are refused
         with EngineClient(addresses["client"], 60.0) as other:
             results = {
                 f"o{idx}": other.add_request(make_request(f"o{idx}", [7, 7, 7], GOOD_PARAMS))
