@@ -22,6 +22,7 @@ from engine_core.kv_cache.single_type_manager import (
 from engine_core.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
+    MambaSpec,
     RSWASpec,
     resolve_hash_block_size,
 )
@@ -99,12 +100,18 @@ class KVCacheManager:
         )
         self.metrics_collector = metrics_collector
         self._prefix_cache_stats = PrefixCacheStats()  # totals since start; readers get copies
-        # With a retention interval beside other groups, a lookup also reports where the group
-        # searched first (full attention if any, as vLLM orders them) hit on its own, and an
-        # admitted request keeps that junction so its window group retains the blocks there.
+        # With a retention interval or an align-mode Mamba group beside other groups, a lookup
+        # also reports where the group searched first (full attention if any, as vLLM orders
+        # them) hit on its own, and an admitted request keeps that junction: its window group
+        # retains the blocks there, and the scheduler ends a Mamba chunk on it.
         groups = kv_cache_config.kv_cache_groups
         self._junction_group_id: int | None = None
-        if enable_caching and prefix_cache_retention_interval is not None and len(groups) > 1:
+        self._retains_at_junction = prefix_cache_retention_interval is not None
+        has_align_mamba = any(
+            isinstance(group.spec, MambaSpec) and group.spec.mamba_cache_mode == "align"
+            for group in groups
+        )
+        if enable_caching and (self._retains_at_junction or has_align_mamba) and len(groups) > 1:
             specs = [group.spec for group in groups]
             full_ids = [
                 idx for idx, spec in enumerate(specs) if isinstance(spec, FullAttentionSpec)
@@ -265,7 +272,9 @@ class KVCacheManager:
             req_id, num_tokens_need_slot, num_encoder_tokens
         )
         if self.enable_caching:
-            junction = self._shared_prefix_boundaries.get(req_id, 0)
+            junction = (
+                self._shared_prefix_boundaries.get(req_id, 0) if self._retains_at_junction else 0
+            )
             coordinator.cache_blocks(request, num_real_tokens, junction)
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
@@ -343,6 +352,10 @@ class KVCacheManager:
             self.coordinator.uncache_unwritten(request.req_id, num_written_tokens)
         self._shared_prefix_boundaries.pop(request.req_id, None)
         self.coordinator.free(request.req_id)
+
+    def get_shared_prefix_boundary(self, req_id: str) -> int:
+        """The junction an admitted request's lookup reported (KVCacheBlocks), 0 if none."""
+        return self._shared_prefix_boundaries.get(req_id, 0)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's whole block table, one id list per group."""

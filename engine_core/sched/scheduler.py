@@ -238,7 +238,9 @@ class Scheduler:
             if num_new_tokens > budget:
                 num_new_tokens = budget
             if aligned is not None:
-                num_new_tokens = aligned.clip(request, request.num_computed_tokens, num_new_tokens)
+                junction = self.kv_cache_manager.get_shared_prefix_boundary(request.req_id)
+                num_computed = request.num_computed_tokens
+                num_new_tokens = aligned.clip(request, num_computed, num_new_tokens, junction)
                 if not num_new_tokens:  # not even the rest of its block fits this step
                     idx += 1
                     continue
@@ -284,7 +286,9 @@ class Scheduler:
                     break
                 num_new_tokens = budget
             if self._aligned_chunks is not None:
-                num_new_tokens = self._aligned_chunks.clip(request, num_computed, num_new_tokens)
+                num_new_tokens = self._aligned_chunks.clip(
+                    request, num_computed, num_new_tokens, computed_blocks.shared_prefix_boundary
+                )
                 if not num_new_tokens:
                     break
             # Reserving the rest of the prompt as lookahead admits only what fits whole.

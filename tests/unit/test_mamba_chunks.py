@@ -167,3 +167,25 @@ def test_a_chunk_stops_at_the_last_boundary_before_the_shared_prefix_junction() 
     assert chunks.clip(request, 4, 26, shared_prefix_boundary=10) == 4
     assert chunks.clip(request, 4, 26, shared_prefix_boundary=6) == 24  # no boundary inside
     assert chunks.clip(request, 8, 22, shared_prefix_boundary=10) == 20  # already past it
+
+
+def test_the_scheduler_ends_a_chunk_on_the_junction_so_a_third_request_hits_it() -> None:
+    """a caches every full-attention block of its prompt but a state only at 12, past the
+    10-token prefix it shares with b and c. b's full attention hits 8 tokens and its Mamba group
+    none: b's first chunk ends at that junction, 8, so the state there is kept and c resumes
+    from it. Without the stop b would run to 12 and c would hit nothing."""
+    driver = _Driver("align")
+    shared = list(range(1, 11))
+
+    def run_to_end() -> None:
+        while driver.scheduler.has_unfinished_requests():
+            driver.step()
+
+    driver.add("a", [*shared, *range(20, 26)])
+    run_to_end()
+    driver.add("b", [*shared, *range(30, 36)])
+    assert driver.step() == [8]
+    run_to_end()
+    driver.add("c", [*shared, *range(40, 46)])
+    driver.step()
+    assert driver.scheduler.requests["c"].num_cached_tokens == 8
