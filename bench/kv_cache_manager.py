@@ -131,21 +131,15 @@ def layout_chunks(layout: str, manager: KVCacheManager) -> PrefillChunks | None:
 
 
 def keep_shared_prefix_boundaries(manager: KVCacheManager) -> dict[str, int]:
-    """Each request's junction from its last lookup: how far full attention (group 0) hits past
-    the agreed hit, else 0. vLLM's lookup returns it and its Scheduler keeps it on the request for
-    the Mamba chunks; kvserve's KVCacheManager reports it only under a retention interval and its
-    Scheduler does not pass it to BlockAlignedChunks yet, so the bench finds it here, inside the
-    timed lookup, by the full attention scan vLLM's lookup makes first."""
+    """Each request's junction from its last lookup (how far full attention hit past the agreed
+    hit, else 0), which kvserve's KVCacheManager reports beside an align-mode Mamba group and its
+    Scheduler hands to BlockAlignedChunks; vLLM's lookup returns it and its Scheduler keeps it
+    on the request. Only the lookup is wrapped, so allocation runs unwrapped."""
     lookup, junctions = manager.get_computed_blocks, {}
-    full = manager.coordinator.single_type_managers[0]
-    find_full_hit = type(full).find_longest_cache_hit
-    pool, spec = full.block_pool, full.kv_cache_spec
 
     def get_computed_blocks(request: Request) -> tuple:
         computed = lookup(request)
-        hits = find_full_hit(request.block_hashes, request.num_tokens - 1, [0], pool, spec)[0]
-        num_full_hit = len(hits) * spec.block_size
-        junctions[request.req_id] = num_full_hit if num_full_hit > computed[1] else 0
+        junctions[request.req_id] = computed[0].shared_prefix_boundary
         return computed
 
     manager.get_computed_blocks = get_computed_blocks
