@@ -12,8 +12,8 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash, BlockHashListWithBlockSize, get_hash_block_size
 from engine_core.kv_cache.spec import (
+    PREFIX_ATTENTION_SPECS,
     CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
 )
@@ -73,7 +73,7 @@ class HybridHitSearch:
                 found, pass_length = self._find_aligned(spec, group_ids, hashes, pass_length)
                 for group_id, group_hits in zip(group_ids, found, strict=True):
                     hits[group_id] = group_hits
-                if isinstance(spec, FullAttentionSpec):
+                if isinstance(spec, PREFIX_ATTENTION_SPECS):
                     searched_full.add(spec)
             if pass_length == hit_length:
                 break
@@ -133,7 +133,7 @@ class HybridHitSearch:
             aligned = length // alignment * alignment
             if aligned == length:
                 return found, length
-            if isinstance(spec, FullAttentionSpec):
+            if isinstance(spec, PREFIX_ATTENTION_SPECS):
                 num_blocks = aligned // block_size
                 return tuple(group_hits[:num_blocks] for group_hits in found), aligned
             max_length = aligned
@@ -145,4 +145,4 @@ def _group_ids_by_spec(kv_cache_config: KVCacheConfig) -> list[tuple[KVCacheSpec
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
         if not isinstance(group.spec, CrossAttentionSpec):  # never a hit, never a limit
             by_spec.setdefault(group.spec, []).append(group_id)
-    return sorted(by_spec.items(), key=lambda item: not isinstance(item[0], FullAttentionSpec))
+    return sorted(by_spec.items(), key=lambda item: not isinstance(item[0], PREFIX_ATTENTION_SPECS))

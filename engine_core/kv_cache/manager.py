@@ -20,7 +20,7 @@ from engine_core.kv_cache.single_type_manager import (
     SlidingWindowManager,
 )
 from engine_core.kv_cache.spec import (
-    FullAttentionSpec,
+    PREFIX_ATTENTION_SPECS,
     KVCacheConfig,
     MambaSpec,
     RSWASpec,
@@ -114,7 +114,7 @@ class KVCacheManager:
         if enable_caching and (self._retains_at_junction or has_align_mamba) and len(groups) > 1:
             specs = [group.spec for group in groups]
             full_ids = [
-                idx for idx, spec in enumerate(specs) if isinstance(spec, FullAttentionSpec)
+                idx for idx, spec in enumerate(specs) if isinstance(spec, PREFIX_ATTENTION_SPECS)
             ]
             self._junction_group_id = full_ids[0] if full_ids else 0
         self._shared_prefix_boundaries: dict[str, int] = {}  # req_id -> junction, in tokens

@@ -23,6 +23,7 @@ from protocol.kv_cache_spec import (
 )
 
 __all__ = [
+    "PREFIX_ATTENTION_SPECS",
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
     "FullAttentionSpec",
@@ -45,6 +46,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Specs whose layers read every earlier token: a hit is a run of blocks from token 0, managed by
+# FullAttentionManager (an MLA layer reads the whole prefix of latents, as vLLM's MLA spec is a
+# full-attention spec), searched first in a hybrid model and the group a junction is measured in.
+PREFIX_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 NUM_NULL_BLOCKS = 1  # block 0 is the placeholder for skipped positions and holds no tokens
 

@@ -13,7 +13,7 @@ from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHash, BlockHasher, get_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.retention import validate_retention_interval, window_block_mask
-from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MLAAttentionSpec
 from engine_core.sched.request import Request
 from engine_core.sched.scheduler import Scheduler
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -294,3 +294,37 @@ def test_mixed_block_sizes_hit_as_far_with_the_window_mask(
     num_window_masked = _num_indexed(masked.block_pool, 1)
     assert num_window_masked <= _num_indexed(unmasked.block_pool, 1)
     assert _num_indexed(masked.block_pool, 0) == _num_indexed(unmasked.block_pool, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    order=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+    cut=st.integers(1, 39),
+)
+def test_an_mla_group_listed_after_a_window_acts_as_full_attention(
+    prompt_lens: list[int], order: list[int], cut: int
+) -> None:
+    """MLA layers read the whole prefix: beside a window group, listed after it, a manager over
+    MLA finds every hit and every shared-prefix junction a manager over full attention finds
+    (the junction is measured in the prefix-reading group, wherever it is listed)."""
+    mla = MLAAttentionSpec(block_size=BLOCK_SIZE, latent_dim=8, dtype="float32")
+    base = [[idx * 1000 + pos for pos in range(n)] for idx, n in enumerate(prompt_lens)]
+    prompts = [*base, base[0][:cut] + [7] * 9]  # a sibling that leaves prompt 0 at `cut`
+    managers = [
+        KVCacheManager(_config(200, WINDOW, spec), 64, prefix_cache_retention_interval=8)
+        for spec in (full_spec(), mla)
+    ]
+    for step, prompt_idx in enumerate([*order, len(prompts) - 1]):
+        prompt = prompts[prompt_idx % len(prompts)]
+        found = []
+        for manager in managers:
+            request = _request(f"r{step}", prompt)
+            hits, num_hit_tokens = manager.get_computed_blocks(request)
+            found.append((num_hit_tokens, hits.shared_prefix_boundary))
+            assert manager.allocate_slots(
+                request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
+            )
+            manager.free(request)
+            manager.check_invariants()
+        assert found[0] == found[1], f"step {step}: full attention {found[0]}, MLA {found[1]}"
