@@ -14,6 +14,7 @@ from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.local_attention_managers import ChunkedLocalAttentionManager, RSWAManager
+from engine_core.kv_cache.mamba_manager import MambaManager
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
@@ -30,11 +31,14 @@ from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
 
 # Managers that do nothing on a step that needs no new block and fills none, but skip blocks.
+# A Mamba group qualifies in align mode (a step inside a block neither moves nor publishes its
+# state); in one-block mode its table never holds the sequence's slots, so the check fails.
 IN_PLACE_MANAGER_TYPES = (
     FullAttentionManager,
     SlidingWindowManager,
     ChunkedLocalAttentionManager,
     RSWAManager,
+    MambaManager,
 )
 
 
