@@ -169,6 +169,12 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
     def __len__(self) -> int:
         return len(self._block_hashes) // self._scale
 
+    def snapshot(self) -> list[BlockHash]:
+        """The view's hashes as they are now, in a plain list (one slice, no call per item):
+        what a lookup scans, since nothing appends to the request's hashes during one."""
+        scale = self._scale
+        return list(self._block_hashes[scale - 1 :: scale])
+
     @overload
     def __getitem__(self, idx: int) -> BlockHash: ...
 

@@ -65,8 +65,13 @@ def test_view_names_each_larger_block_by_its_last_hash() -> None:
     assert view[0:2] == [hashes[2], hashes[5]]
     with pytest.raises(IndexError, match="block 2 of a view holding 2 full blocks"):
         view[2]
+    snapshot = view.snapshot()
     hashes.extend([BlockHash(b"\x07"), BlockHash(b"\x08")])  # the view reads the list live
     assert len(view) == 3 and view[2] == hashes[8]
+    assert snapshot == [hashes[2], hashes[5]]  # a snapshot keeps what the view held then
+    for num_hashes in range(10):
+        view = BlockHashListWithBlockSize(hashes[:num_hashes], 2, 6)
+        assert view.snapshot() == list(view)
     with pytest.raises(ValueError, match="block_size=5 is not a multiple of hash_block_size=2"):
         BlockHashListWithBlockSize(hashes, 2, 5)
 
