@@ -46,6 +46,9 @@ class KVCacheCoordinator(ABC):
     `ref_cnt` equals the number of request tables, over all groups, that list it.
     """
 
+    # Where cache_blocks stops: a multiple of this many tokens (the lcm of mixed block sizes).
+    cache_alignment_tokens = 1
+
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
@@ -329,6 +332,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.hash_block_size = self.hit_search.hash_block_size
         self.alignment_tokens = self.hit_search.alignment_tokens
         self.has_mixed_block_sizes = self.hit_search.has_mixed_block_sizes
+        if self.has_mixed_block_sizes:
+            self.cache_alignment_tokens = self.alignment_tokens
         # With mixed sizes a window block that ends no hit on the lcm stays out of the index.
         self._window_group_ids = window_group_ids(kv_cache_config)
 

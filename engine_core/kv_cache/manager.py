@@ -291,6 +291,8 @@ class KVCacheManager:
         cached every block its first `num_real_tokens` tokens fill (R-SWA: those of the prompt);
         then `allocate_slots` would only hand skipped blocks back."""
         req_id, is_caching = request.req_id, self.enable_caching
+        alignment = self.coordinator.cache_alignment_tokens  # caching stops on its multiples
+        num_real_tokens = num_real_tokens // alignment * alignment
         for manager in self._in_place_managers:
             blocks = manager.req_to_blocks.get(req_id)
             if blocks is None or len(blocks) * manager.block_size < num_tokens:
