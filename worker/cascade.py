@@ -214,7 +214,17 @@ def _attend_after_prefix(
     top = torch.maximum(scores.amax(dim=-1, keepdim=True), prefix_scores.amax(dim=-1, keepdim=True))
     weights = torch.where(allowed, table_weights(top - scores, table), 0.0)
     prefix_weights = table_weights(top - prefix_scores, table)  # [S, G, H/G, n, P]
-    prefix_values = v_prefix.permute(1, 0, 2).unsqueeze(1)  # [G, 1, P, head_dim]
-    total = weights @ grouped_values(v) + prefix_weights @ prefix_values  # [S, G, H/G, n, hd]
+    total = weights @ grouped_values(v) + _prefix_sums(prefix_weights, v_prefix)
     norm = weights.sum(dim=-1, keepdim=True) + prefix_weights.sum(dim=-1, keepdim=True)
     return ungroup(quantize(total / norm))
+
+
+def _prefix_sums(prefix_weights: torch.Tensor, v_prefix: torch.Tensor) -> torch.Tensor:
+    """prefix_weights [S, G, H/G, n, P] times each group's prefix values v_prefix [P, G, hd]:
+    [S, G, H/G, n, hd], as one product per KV group (every row of a group shares its values,
+    so they are not copied per sequence, as a broadcast product would)."""
+    num_seqs, num_groups, heads_per_group, num_queries, num_prefix = prefix_weights.shape
+    rows = prefix_weights.permute(1, 0, 2, 3, 4).reshape(num_groups, -1, num_prefix)
+    sums = rows @ v_prefix.permute(1, 0, 2)  # [G, S * H/G * n, hd]
+    sums = sums.reshape(num_groups, num_seqs, heads_per_group, num_queries, -1)
+    return sums.permute(1, 0, 2, 3, 4)
