@@ -14,6 +14,7 @@ import pytest
 from engine_core.client import EngineClient, make_request
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch
+from tests.integration.served_requests import mixed_params, serve_and_check, shared_prefix_prompts
 from worker.models.tiny_encdec_reference import TinyEncDecReference
 
 pytestmark = pytest.mark.integration
@@ -27,48 +28,23 @@ def encdec_requests(
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Prompts that share one prefix, with own tails, and encoder inputs of 5 to 30 tokens that
     pairs of requests share (so prefix caching has something to hit under one encoder input)."""
+    prompts = shared_prefix_prompts(num_requests, prefix_len, tail_len, seed)
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
-    prompts = [
-        prefix + [rng.randrange(3, 500) for _ in range(tail_len + i)] for i in range(num_requests)
-    ]
     encoders = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 31))] for _ in range(3)]
     return prompts, [encoders[i // 2 % len(encoders)] for i in range(num_requests)]
 
 
-def mixed_params(num_requests: int, num_tokens: int) -> list[SamplingParams]:
-    """Greedy requests, and every third one sampled with its own seed (so no handle matters)."""
-    return [
-        SamplingParams(max_tokens=num_tokens, temperature=0.8, seed=i, ignore_eos=True)
-        if i % 3 == 2
-        else SamplingParams(max_tokens=num_tokens, ignore_eos=True)
-        for i in range(num_requests)
-    ]
-
-
-def serve_and_check(
-    client: EngineClient,
-    prompts: list[list[int]],
-    encoders: list[list[int]],
-    params: list[SamplingParams],
+def check(
+    client: EngineClient, prompts: list[list[int]], encoders: list[list[int]], num_tokens: int
 ) -> None:
-    """Submit every request at once; each output must equal the reference model's."""
-    req_ids = [f"req-{i}" for i in range(len(prompts))]
-    for req_id, prompt, encoder, request_params in zip(
-        req_ids, prompts, encoders, params, strict=True
-    ):
-        client.add_request(make_request(req_id, prompt, request_params, encoder_token_ids=encoder))
-    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
+    """Serve every request with its encoder input; outputs must equal the reference's."""
     reference = TinyEncDecReference()
-    for req_id, prompt, encoder, request_params in zip(
-        req_ids, prompts, encoders, params, strict=True
-    ):
-        result = results[req_id]
-        assert result.error is None, f"{req_id} failed: {result.error}"
-        expected = reference.generate(prompt, encoder, request_params)
-        assert result.token_ids == expected, (
-            f"{req_id}: served {result.token_ids}, expected {expected}"
-        )
+
+    def expected(idx: int, prompt: list[int], params: SamplingParams) -> list[int]:
+        return reference.generate(prompt, encoders[idx], params)
+
+    params = mixed_params(len(prompts), num_tokens)
+    serve_and_check(client, prompts, params, expected, CLIENT_TIMEOUT_S, encoders=encoders)
 
 
 @pytest.mark.timeout(240)
@@ -99,7 +75,7 @@ def test_chunked_prefills_serve_the_reference_tokens(
     prompts, encoders = encdec_requests(6, 48, 9, seed=tp_size)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         assert client.check_health() is True
-        serve_and_check(client, prompts, encoders, mixed_params(len(prompts), 6))
+        check(client, prompts, encoders, 6)
         refused = client.add_request(make_request("no-encoder", prompts[0]))
         client.run_until_finished(["no-encoder"], CLIENT_TIMEOUT_S)
         stats = client.get_stats()
@@ -135,7 +111,7 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     )
     prompts, encoders = encdec_requests(3, 16, 14, seed=7)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_and_check(client, prompts, encoders, mixed_params(len(prompts), 20))
+        check(client, prompts, encoders, 20)
         stats = client.get_stats()
     assert stats["num_preemptions"] > 0, f"expected preemption with 10 blocks: {stats}"
     assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"

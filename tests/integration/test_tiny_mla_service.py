@@ -6,58 +6,21 @@ Each launch costs seconds on a loaded machine, so the four cases cover every axi
 rather than their product.
 """
 
-import random
-
 import pytest
 
-from engine_core.client import EngineClient, make_request
-from protocol.sampling import SamplingParams
+from engine_core.client import EngineClient
 from tests.integration.conftest import Processes, launch, stop_launch
-from worker.models.reference import ReferenceModel
+from tests.integration.served_requests import (
+    mixed_params,
+    reference_tokens,
+    serve_and_check,
+    shared_prefix_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-mla"
 CLIENT_TIMEOUT_S = 120.0
-
-
-def shared_prefix_prompts(
-    num_prompts: int, prefix_len: int, tail_len: int, seed: int
-) -> list[list[int]]:
-    """Prompts that share one prefix (so prefix caching has something to hit), with own tails."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
-    return [
-        prefix + [rng.randrange(3, 500) for _ in range(tail_len + i)] for i in range(num_prompts)
-    ]
-
-
-def serve_and_check(
-    client: EngineClient, prompts: list[list[int]], params: list[SamplingParams]
-) -> None:
-    """Submit every prompt at once; each output must equal the reference model's."""
-    req_ids = [f"req-{i}" for i in range(len(prompts))]
-    for req_id, prompt, request_params in zip(req_ids, prompts, params, strict=True):
-        client.add_request(make_request(req_id, prompt, request_params))
-    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
-    reference = ReferenceModel(MODEL)
-    for req_id, prompt, request_params in zip(req_ids, prompts, params, strict=True):
-        result = results[req_id]
-        assert result.error is None, f"{req_id} failed: {result.error}"
-        expected = reference.generate(prompt, request_params)
-        assert result.token_ids == expected, (
-            f"{req_id}: served {result.token_ids}, expected {expected}"
-        )
-
-
-def mixed_params(num_prompts: int, num_tokens: int) -> list[SamplingParams]:
-    """Greedy requests, and every third one sampled with its own seed (so no handle matters)."""
-    return [
-        SamplingParams(max_tokens=num_tokens, temperature=0.8, seed=i, ignore_eos=True)
-        if i % 3 == 2
-        else SamplingParams(max_tokens=num_tokens, ignore_eos=True)
-        for i in range(num_prompts)
-    ]
 
 
 @pytest.mark.timeout(240)
@@ -87,7 +50,8 @@ def test_chunked_prefills_serve_the_reference_tokens(
     prompts = shared_prefix_prompts(6, 48, 9, seed=tp_size)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         assert client.check_health() is True
-        serve_and_check(client, prompts, mixed_params(len(prompts), 6))
+        params = mixed_params(len(prompts), 6)
+        serve_and_check(client, prompts, params, reference_tokens(MODEL), CLIENT_TIMEOUT_S)
         stats = client.get_stats()
     if caching_flag == "--enable-prefix-caching":
         assert stats["prefix_cache_hits"] > 0, stats
@@ -130,7 +94,8 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     )
     prompts = shared_prefix_prompts(3, 16, 14, seed=7)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_and_check(client, prompts, mixed_params(len(prompts), 20))
+        params = mixed_params(len(prompts), 20)
+        serve_and_check(client, prompts, params, reference_tokens(MODEL), CLIENT_TIMEOUT_S)
         stats = client.get_stats()
     assert stats["num_preemptions"] > 0, f"expected preemption with {num_blocks} blocks: {stats}"
     assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
