@@ -65,3 +65,12 @@ def reference_tokens(model_name: str) -> Expected:
     """`expected` for a decoder-only model: its ReferenceModel's tokens for each prompt."""
     reference = ReferenceModel(model_name)
     return lambda _idx, prompt, params: reference.generate(prompt, params)
+
+
+def assert_cache_use(stats: dict, caching_flag: str) -> None:
+    """After serving: prefix hits exactly when the cache is on, and no block left held."""
+    if caching_flag == "--enable-prefix-caching":
+        assert stats["prefix_cache_hits"] > 0, stats
+    else:
+        assert stats["prefix_cache_hits"] == 0, stats
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"

@@ -12,6 +12,7 @@ import pytest
 from engine_core.client import EngineClient
 from tests.integration.conftest import Processes, launch, stop_launch
 from tests.integration.served_requests import (
+    assert_cache_use,
     mixed_params,
     reference_tokens,
     serve_and_check,
@@ -58,11 +59,7 @@ def test_chunked_prefills_serve_the_reference_tokens(
         params = mixed_params(len(prompts) - 1, 8, first_idx=1)
         serve_and_check(client, prompts[1:], params, expected, CLIENT_TIMEOUT_S, first_idx=1)
         stats = client.get_stats()
-    if caching_flag == "--enable-prefix-caching":
-        assert stats["prefix_cache_hits"] > 0, stats
-    else:
-        assert stats["prefix_cache_hits"] == 0, stats
-    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    assert_cache_use(stats, caching_flag)
     stop_launch(processes)
 
 
