@@ -173,6 +173,11 @@ class Scheduler:
         """Steps scheduled and not yet updated (up to 2 with asynchronous scheduling)."""
         return len(self._in_flight)
 
+    @property
+    def in_flight_steps(self) -> tuple[InFlightStep, ...]:
+        """The steps sent and not yet answered, oldest first."""
+        return tuple(self._in_flight)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
