@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from engine_core.client import EngineClient, make_request
 from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, launch
 from worker.models.reference import ReferenceModel
 
 # The reference's tokens for (request index, prompt, sampling parameters).
@@ -74,3 +75,26 @@ def assert_cache_use(stats: dict, caching_flag: str) -> None:
     else:
         assert stats["prefix_cache_hits"] == 0, stats
     assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+
+
+def launch_checked(
+    processes: Processes,
+    addresses: dict,
+    tp_size: int,
+    model: str,
+    caching_flag: str,
+    block_size: int,
+    max_model_len: int,
+    *,
+    max_num_batched_tokens: int | None = None,
+    num_gpu_blocks: int | None = None,
+) -> None:
+    """`kvserve launch` of `model` with the engine and the workers checking their invariants
+    every step (block tables, null runs, each group's tensors), and the step and pool limits
+    given; the defaults otherwise."""
+    argv = [caching_flag, "--block-size", str(block_size), "--max-model-len", str(max_model_len)]
+    if max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if num_gpu_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+    launch(processes, addresses, tp_size, model, *argv, "--check-invariants")

@@ -13,9 +13,10 @@ import pytest
 
 from engine_core.client import EngineClient, make_request
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, launch, stop_launch
+from tests.integration.conftest import Processes, stop_launch
 from tests.integration.served_requests import (
     assert_cache_use,
+    launch_checked,
     mixed_params,
     serve_and_check,
     shared_prefix_prompts,
@@ -63,19 +64,15 @@ def test_chunked_prefills_serve_the_reference_tokens(
 ) -> None:
     """Prompts of 57 to 62 tokens in steps of at most 24: every prefill runs in three chunks,
     the encoder only in the first; a request without encoder input is refused by name."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         tp_size,
         MODEL,
         caching_flag,
-        "--block-size",
-        str(block_size),
-        "--max-num-batched-tokens",
-        "24",
-        "--max-model-len",
-        "256",
-        "--check-invariants",  # the workers walk their encoder inputs and cross tables too
+        block_size,
+        256,
+        max_num_batched_tokens=24,
     )
     prompts, encoders = encdec_requests(6, 48, 9, seed=tp_size)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
@@ -96,19 +93,8 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     """Three requests grow to 50-52 decoder tokens beside encoder inputs of up to 30 tokens, in
     10 blocks of 16 (9 usable; one request needs 6 at most): some are preempted, lose their
     encoder blocks, and re-encode when they resume."""
-    launch(
-        processes,
-        addresses,
-        2,
-        MODEL,
-        "--enable-prefix-caching",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks-override",
-        "10",
-        "--max-model-len",
-        "64",
-        "--check-invariants",
+    launch_checked(
+        processes, addresses, 2, MODEL, "--enable-prefix-caching", 16, 64, num_gpu_blocks=10
     )
     prompts, encoders = encdec_requests(3, 16, 14, seed=7)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:

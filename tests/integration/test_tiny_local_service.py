@@ -11,8 +11,9 @@ product.
 import pytest
 
 from engine_core.client import EngineClient
-from tests.integration.conftest import Processes, launch, stop_launch
+from tests.integration.conftest import Processes, stop_launch
 from tests.integration.served_requests import (
+    launch_checked,
     mixed_params,
     reference_tokens,
     serve_and_check,
@@ -32,19 +33,15 @@ def test_chunked_prefills_with_prefix_hits_serve_the_reference_tokens(
     """TP=1, block size 16, caching on: prompts of 49 to 54 tokens in steps of at most 24 cross
     the 32-token chunk boundary mid-prefill, later requests hit the shared 40-token prefix, and
     56 generated tokens each take the R-SWA window past the prompt's blocks."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         1,
         MODEL,
         "--enable-prefix-caching",
-        "--block-size",
-        "16",
-        "--max-num-batched-tokens",
-        "24",
-        "--max-model-len",
-        "128",
-        "--check-invariants",  # the engine walks its managers' null runs; the workers their tables
+        16,
+        128,
+        max_num_batched_tokens=24,
     )
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         assert client.check_health() is True
@@ -77,21 +74,16 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     chunked-local group keeps only its current chunk; full and R-SWA their whole sequence).
     Preempted requests resume and recompute with the prompt they came with, so R-SWA reads the
     same positions as before."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         2,
         MODEL,
         caching_flag,
-        "--block-size",
-        str(block_size),
-        "--num-gpu-blocks-override",
-        str(num_blocks),
-        "--max-num-batched-tokens",
-        "32",
-        "--max-model-len",
-        str(max_model_len),
-        "--check-invariants",
+        block_size,
+        max_model_len,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=num_blocks,
     )
     num_tokens = 70 if block_size == 32 else 60
     prompts = shared_prefix_prompts(4, prefix_len, 10, seed=7)

@@ -10,9 +10,10 @@ rather than their product.
 import pytest
 
 from engine_core.client import EngineClient
-from tests.integration.conftest import Processes, launch, stop_launch
+from tests.integration.conftest import Processes, stop_launch
 from tests.integration.served_requests import (
     assert_cache_use,
+    launch_checked,
     mixed_params,
     reference_tokens,
     serve_and_check,
@@ -37,19 +38,15 @@ def test_chunked_prefills_serve_the_reference_tokens(
     """Prompts of 57 to 62 tokens in steps of at most 24: every prefill runs in chunks (with a
     cache, ending on block boundaries). The first prompt runs alone, so with a cache the others
     resume from its checkpoint at 32 tokens of the shared 48."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         tp_size,
         MODEL,
         caching_flag,
-        "--block-size",
-        str(block_size),
-        "--max-num-batched-tokens",
-        "24",
-        "--max-model-len",
-        "256",
-        "--check-invariants",  # the workers check every state tensor's shape and null block
+        block_size,
+        256,
+        max_num_batched_tokens=24,
     )
     prompts = shared_prefix_prompts(6, 48, 9, seed=tp_size)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
@@ -70,21 +67,16 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     """TP=2, block size 16, caching on: four requests grow to about 60 tokens in a pool of 12
     blocks (11 usable; each request needs four attention blocks and up to two state blocks), so
     some are preempted, resume from a checkpoint or from zero, and recompute their states."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         2,
         MODEL,
         "--enable-prefix-caching",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks-override",
-        "12",
-        "--max-num-batched-tokens",
-        "32",
-        "--max-model-len",
-        "80",
-        "--check-invariants",
+        16,
+        80,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=12,
     )
     prompts = shared_prefix_prompts(4, 16, 14, seed=7)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:

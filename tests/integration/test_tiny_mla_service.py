@@ -9,9 +9,10 @@ rather than their product.
 import pytest
 
 from engine_core.client import EngineClient
-from tests.integration.conftest import Processes, launch, stop_launch
+from tests.integration.conftest import Processes, stop_launch
 from tests.integration.served_requests import (
     assert_cache_use,
+    launch_checked,
     mixed_params,
     reference_tokens,
     serve_and_check,
@@ -34,19 +35,15 @@ def test_chunked_prefills_serve_the_reference_tokens(
     processes: Processes, addresses: dict, tp_size: int, block_size: int, caching_flag: str
 ) -> None:
     """Prompts of 57 to 62 tokens in steps of at most 24: every prefill runs in three chunks."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         tp_size,
         MODEL,
         caching_flag,
-        "--block-size",
-        str(block_size),
-        "--max-num-batched-tokens",
-        "24",
-        "--max-model-len",
-        "256",
-        "--check-invariants",  # the workers check every latent tensor's shape and null block
+        block_size,
+        256,
+        max_num_batched_tokens=24,
     )
     prompts = shared_prefix_prompts(6, 48, 9, seed=tp_size)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
@@ -75,19 +72,15 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
     """Three requests grow to 50-52 tokens in a pool of fewer blocks than they need together
     (at block size 16 they share the prefix's block when cached: 10 blocks of 9 usable): some
     are preempted, resumed and recompute their latents."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         tp_size,
         MODEL,
         caching_flag,
-        "--block-size",
-        str(block_size),
-        "--num-gpu-blocks-override",
-        str(num_blocks),
-        "--max-model-len",
-        "64",
-        "--check-invariants",
+        block_size,
+        64,
+        num_gpu_blocks=num_blocks,
     )
     prompts = shared_prefix_prompts(3, 16, 14, seed=7)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
