@@ -172,18 +172,23 @@ class ManagerReplay:
         request = self.requests[self.waiting[0]]
         start = time.perf_counter()
         computed = self.manager.get_computed_blocks(request)  # vLLM's answer has a third item
+        self.manager_s += time.perf_counter() - start
         hits, num_hits = computed[0], computed[1]
-        new_blocks = self.manager.allocate_slots(
-            request, request.num_tokens - num_hits, num_hits, hits
-        )
+        if self.admit(request, request.num_tokens - num_hits, num_hits, hits):
+            request.num_computed_tokens = request.num_tokens
+
+    def admit(self, request: Any, num_new_tokens: int, num_hits: int, hits: Any) -> bool:
+        """Allocate the head's slots past its hit (timed); on success it leaves the queue."""
+        start = time.perf_counter()
+        new_blocks = self.manager.allocate_slots(request, num_new_tokens, num_hits, hits)
         self.manager_s += time.perf_counter() - start
         self.num_allocations += 1
         if new_blocks is None:
             self.num_failed += 1
-            return
+            return False
         self.running.append(self.waiting.popleft())
-        request.num_computed_tokens = request.num_tokens
         self.num_hit_tokens += num_hits
+        return True
 
     def decode(self, idx: int) -> None:
         request, output = self.requests[idx], self.outputs[idx]
@@ -258,16 +263,8 @@ class ManagerReplay:
         num_new_tokens = self.chunks.clip(request, num_hits, num_new_tokens)
         if not num_new_tokens:  # never with a chunk cap of at least a block
             return
-        start = time.perf_counter()
-        new_blocks = self.manager.allocate_slots(request, num_new_tokens, num_hits, hits)
-        self.manager_s += time.perf_counter() - start
-        self.num_allocations += 1
-        if new_blocks is None:
-            self.num_failed += 1
-            return
-        self.running.append(self.waiting.popleft())
-        self.planned[idx] = num_hits + num_new_tokens
-        self.num_hit_tokens += num_hits
+        if self.admit(request, num_new_tokens, num_hits, hits):
+            self.planned[idx] = num_hits + num_new_tokens
 
     def advance(self, idx: int) -> None:
         """A running request's next prefill chunk, or its next token (or its end) once prefilled."""
