@@ -139,7 +139,7 @@ class PagedKV:
         # and that `suffix_chunks` leaves out; 0 where the group reads each context whole.
         self.cascade_tokens = cascade_tokens or [0] * len(self.specs)
         self._chunks: dict[tuple[int, bool, int], list[ContextChunk]] = {}
-        self._rows: dict[str, tuple[torch.Tensor, int, int]] = {}  # see _token_rows
+        self._rows: dict[str, tuple[torch.Tensor, int, int]] = {}  # see token_rows
         self.build_s = 0.0  # seconds spent building context indices (batch preparation, not model)
 
     def _token_positions(self) -> np.ndarray:
@@ -164,7 +164,7 @@ class PagedKV:
 
     def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V [T, num_kv_heads_per_rank, head_dim] of every scheduled token."""
-        rows, block_rows, block_size = self._token_rows(layer_name)
+        rows, block_rows, block_size = self.token_rows(layer_name)
         block_idx, offsets = self.write_indices[self.layer_to_group[layer_name]]
         k_rows = block_idx * block_rows + offsets
         rows.index_copy_(0, k_rows, k.to(rows.dtype))
@@ -172,7 +172,7 @@ class PagedKV:
 
     def gather(self, layer_name: str, chunk: ContextChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [S, L, num_kv_heads_per_rank, head_dim] of a chunk's context, in cache dtype."""
-        rows, block_rows, block_size = self._token_rows(layer_name)
+        rows, block_rows, block_size = self.token_rows(layer_name)
         shape = (*chunk.block_idx.shape, *rows.shape[1:])
         k_rows = (chunk.block_idx * block_rows + chunk.block_offsets).reshape(-1)
         return (
@@ -180,7 +180,7 @@ class PagedKV:
             rows.index_select(0, k_rows + block_size).view(shape),
         )
 
-    def _token_rows(self, layer_name: str) -> tuple[torch.Tensor, int, int]:
+    def token_rows(self, layer_name: str) -> tuple[torch.Tensor, int, int]:
         """The layer's cache [num_blocks, 2, block_size, H, D] as rows [N, H, D] of one token's K
         or V, the rows from one block to the next, and block_size (K's rows to V's).
 

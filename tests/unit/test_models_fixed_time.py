@@ -1,5 +1,6 @@
-"""fixed-time is checksum held to a set time: the same tokens through the paged cache, the same
-reference, and a forward that never returns before model_step_ms has passed."""
+"""fixed-time is checksum on a device timeline: the same tokens through the paged cache (its sums
+taken a block at a time), the same reference, and each forward's output ready model_step_ms after
+the later of its call and the previous forward's end."""
 
 import random
 import time
@@ -7,14 +8,14 @@ import time
 import pytest
 import torch
 
-from bench.workload import Workload, run_workload
+from bench.workload import Workload, build_rank, run_to_completion, run_workload
 from deploy.cli import worker_config_from, worker_parser
 from deploy.flags import UsageError
 from protocol.config import WorkerConfig
 from protocol.sampling import SamplingParams
 from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
-from worker.models.checksum import CHECKSUM, ChecksumModel
+from worker.models.checksum import CHECKSUM, ChecksumModel, LogitMixer, mix_logits
 from worker.models.fixed_time import FIXED_TIME, FixedTimeModel
 from worker.models.reference import DenseKV, reference_generate
 from worker.models.registry import build_model, get_model_info
@@ -54,6 +55,38 @@ def test_served_tokens_equal_the_checksum_reference() -> None:
         assert reference_generate(FIXED_TIME.name, prompt, sampling, handle=i + 1) == expected
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_block_sums_give_checksums_tokens_when_blocks_are_freed_preempted_and_reused(
+    async_scheduling: bool,
+) -> None:
+    """A pool too small for the batch: requests are preempted and recomputed, and freed blocks
+    are rewritten at other positions, so stale slot sums must be replaced, never added to."""
+    prompts = make_prompts(8)
+    params = [
+        SamplingParams(max_tokens=12 + i, ignore_eos=True, seed=i, temperature=0.5 * (i % 2))
+        for i in range(len(prompts))
+    ]
+    work = Workload(
+        FIXED_TIME.name,
+        4,
+        24,
+        prompts,
+        params,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        check_invariants=True,
+        async_scheduling=async_scheduling,
+    )
+    core, executor = build_rank(work, single_rank_group(), DEVICE)
+    outputs = run_to_completion(core)
+    assert core.get_stats()["num_preemptions"] > 0
+    model = executor.runner.model
+    assert isinstance(model, FixedTimeModel)
+    model.check_invariants()  # every block's sum is its slots'
+    for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
+        assert outputs[i + 1] == reference_generate(CHECKSUM.name, prompt, sampling, handle=i + 1)
+
+
 def test_model_info_differs_from_checksum_only_in_its_name() -> None:
     checksum, fixed_time = get_model_info(CHECKSUM.name, 16), get_model_info(FIXED_TIME.name, 16)
     assert fixed_time.name == "fixed-time"
@@ -81,18 +114,23 @@ def forward_once(model: object, sequence: list[int]) -> torch.Tensor:
     return model.forward(tokens, positions, last, IntegerDenseKV(len(sequence), windows))  # type: ignore[attr-defined]
 
 
-def test_a_forward_lasts_at_least_model_step_ms_and_returns_checksums_logits() -> None:
+def test_forwards_take_model_step_ms_each_on_a_device_timeline_with_checksums_logits() -> None:
+    """A forward returns at once with checksum's logits; its output is ready step_s after the
+    later of its call and the previous forward's end, as a GPU queues a host's forwards."""
     model = build_model(FIXED_TIME.name, single_rank_group(), DEVICE, model_step_ms=30.0)
     assert isinstance(model, FixedTimeModel)
     model.check_invariants()
     checksum = ChecksumModel(CHECKSUM, single_rank_group(), DEVICE)
     sequence = [3, 14, 15, 92, 65, 35]
-    for _ in range(3):
-        start_s = time.perf_counter()
-        logits = forward_once(model, sequence)
-        elapsed_s = time.perf_counter() - start_s
-        assert elapsed_s >= 0.030  # a lower bound only: sleep guarantees it, load only adds
-        assert torch.equal(logits, forward_once(checksum, sequence))
+    start_s = time.perf_counter()
+    for i in range(3):  # queued back to back: each starts when the one before it ends
+        assert torch.equal(forward_once(model, sequence), forward_once(checksum, sequence))
+        assert model.ready_at_s >= start_s + 0.030 * (i + 1)
+        assert model.ready_at_s <= time.perf_counter() + 0.030 * (i + 1)
+    time.sleep(0.1)  # the device went idle: the next forward starts at its call
+    called_s = time.perf_counter()
+    forward_once(model, sequence)
+    assert called_s + 0.030 <= model.ready_at_s <= time.perf_counter() + 0.030
 
 
 def test_the_step_time_comes_from_the_worker_config_and_its_flag() -> None:
@@ -105,3 +143,19 @@ def test_the_step_time_comes_from_the_worker_config_and_its_flag() -> None:
         worker_config_from(worker_parser().parse_args(["--model-step-ms", "0"]), {})
     with pytest.raises(ValueError, match="expected > 0"):
         FixedTimeModel(ChecksumModel(CHECKSUM, single_rank_group(), DEVICE), 0.0)
+
+
+def test_the_logit_mixer_reuses_its_buffers_and_gives_the_formulas_logits() -> None:
+    """Batches that grow, shrink and grow again through one mixer, against the formula written
+    out with fresh tensors; extreme totals included (negative, and near the int64 bounds)."""
+    modulus = 2_147_483_647
+    mixer = LogitMixer(CHECKSUM.vocab_size)
+    vocab = torch.arange(1, CHECKSUM.vocab_size + 1, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(7)
+    for num_rows in (3, 64, 1, 200, 64):
+        totals = torch.randint(-(2**62), 2**62, (num_rows,), generator=generator)
+        totals[0] = 2**63 - 1
+        expected = ((totals % modulus)[:, None] * 48_271 + vocab * 16_807) % modulus
+        expected = ((expected * expected + 12_345) % modulus).double() / modulus
+        assert torch.equal(mixer.mix(totals), expected)
+        assert torch.equal(mix_logits(totals, CHECKSUM.vocab_size), expected)

@@ -75,10 +75,46 @@ def context_sum(
 
 def mix_logits(totals: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Pseudo-random logits [S, V] float64 in [0, 1), a fixed function of each int64 total."""
-    vocab = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=totals.device)
-    y = ((totals % LOGIT_MODULUS)[:, None] * 48_271 + vocab * 16_807) % LOGIT_MODULUS
-    y = (y * y + 12_345) % LOGIT_MODULUS
-    return y.double() / LOGIT_MODULUS
+    return LogitMixer(vocab_size).mix(totals).clone()
+
+
+class LogitMixer:
+    """mix_logits into buffers kept from one step to the next, with one [S, V] remainder.
+
+    With a = total % M * 48_271 and b = vocab * 16_807 (both taken mod M), mix_logits squares
+    (a + b) mod M; here a^2 + 2ab + b^2 + 12_345 < 2^63 is reduced once instead, the squares
+    reduced per row and per column. A step allocates (and faults in) no fresh [S, V] tensors.
+
+    Invariants: the buffers hold at least as many rows as the largest batch mixed so far; the
+    logits a call returns are valid until the next call.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._reserve(0, torch.device("cpu"))
+
+    def _reserve(self, num_rows: int, device: torch.device) -> None:
+        vocab = torch.arange(1, self.vocab_size + 1, dtype=torch.int64, device=device)
+        b = vocab * 16_807 % LOGIT_MODULUS
+        self._twice_b = 2 * b % LOGIT_MODULUS
+        self._b_squared = (b * b + 12_345) % LOGIT_MODULUS  # the constant joins the column term
+        shape = (num_rows, self.vocab_size)
+        self._values = torch.empty(shape, dtype=torch.int64, device=device)
+        self._logits = torch.empty(shape, dtype=torch.float64, device=device)
+
+    def mix(self, totals: torch.Tensor) -> torch.Tensor:
+        """The logits [S, V] float64 of totals [S] int64, in this mixer's buffer."""
+        num_rows = len(totals)
+        if self._values.shape[0] < num_rows or self._values.device != totals.device:
+            self._reserve(num_rows, totals.device)
+        a = totals % LOGIT_MODULUS * 48_271 % LOGIT_MODULUS  # [S]
+        y = self._values[:num_rows]
+        torch.mul(a[:, None], self._twice_b, out=y)  # < 2^62
+        y.add_((a * a % LOGIT_MODULUS)[:, None]).add_(self._b_squared)  # < 2^62 + 2^32
+        y.remainder_(LOGIT_MODULUS)
+        logits = self._logits[:num_rows]
+        logits.copy_(y)
+        return logits.div_(LOGIT_MODULUS)
 
 
 class ChecksumModel:
@@ -99,6 +135,7 @@ class ChecksumModel:
         per_rank = config.num_kv_heads // tp_group.tp_size
         first = tp_group.rank * per_rank
         self.heads = torch.arange(first, first + per_rank, dtype=torch.int64, device=device)
+        self.logit_mixer = LogitMixer(config.vocab_size)
 
     def check_invariants(self) -> None:
         per_rank = self.config.num_kv_heads // self.tp_group.tp_size
@@ -126,4 +163,4 @@ class ChecksumModel:
                 sums = context_sum(k_ctx, v_ctx, chunk.positions, chunk.mask[:, 0, :])
                 totals[done : done + len(sums)] += sums
                 done += len(sums)
-        return mix_logits(self.tp_group.all_reduce(totals), self.vocab_size)
+        return self.logit_mixer.mix(self.tp_group.all_reduce(totals))

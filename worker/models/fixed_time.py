@@ -1,8 +1,7 @@
-"""fixed-time: the checksum model's tokens and paged-cache reads and writes, each forward held to
-a set time, as a GPU's would be, so that what the engine costs per step shows against a known one.
-
-It runs checksum's real work first, then sleeps (using no CPU) until step_s has passed since the
-forward began. It never ends a forward early, and cannot hide work that takes longer than step_s.
+"""fixed-time: checksum's tokens through the paged cache, each forward lasting a set time on a
+device timeline, as a GPU's does while its host goes on: a forward is ready step_s after the later
+of its call and the previous one's end (`ready_at_s`), and the worker holds its reply till then.
+Its sums are taken a block at a time (block_sums.py), so the host does no per-entry work.
 """
 
 import dataclasses
@@ -10,25 +9,21 @@ import time
 
 import torch
 
-from worker.attention import KVContext
+from worker.attention import KVContext, PagedKV
 from worker.distributed import TPGroup
-from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
+from worker.models.block_sums import BlockSums
+from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel, kv_values
 
 # checksum's shapes and token rule under a name of its own, so a rank's ModelInfo says which runs
 FIXED_TIME: ChecksumConfig = dataclasses.replace(CHECKSUM, name="fixed-time")
 
 
-def hold_until(deadline_s: float) -> None:
-    """Sleep until time.perf_counter() reaches deadline_s; at once if it already has."""
-    while (remaining_s := deadline_s - time.perf_counter()) > 0:
-        time.sleep(remaining_s)
-
-
 class FixedTimeModel:
-    """The checksum model on one TP rank, each forward lasting at least step_s seconds.
+    """The checksum model on one TP rank, each forward lasting step_s seconds of device time.
 
     Token rule: checksum's (worker/models/checksum.py), read back from the same paged cache.
-    Invariants: the wrapped checksum model's; step_s > 0.
+    Invariants: the wrapped checksum model's and the block sums'; step_s > 0; ready_at_s never
+    decreases.
     """
 
     def __init__(self, checksum: ChecksumModel, step_s: float) -> None:
@@ -37,9 +32,13 @@ class FixedTimeModel:
         self.checksum = checksum
         self.step_s = step_s
         self.vocab_size = checksum.vocab_size
+        self.block_sums: BlockSums | None = None  # made on the first step over paged caches
+        self.ready_at_s = 0.0  # time.perf_counter() at which the last forward's output is ready
 
     def check_invariants(self) -> None:
         self.checksum.check_invariants()
+        if self.block_sums is not None:
+            self.block_sums.check_invariants()
         assert self.step_s > 0, f"{FIXED_TIME.name} step time {self.step_s} s"
 
     def forward(
@@ -49,11 +48,28 @@ class FixedTimeModel:
         logits_idx: torch.Tensor,
         kv: KVContext,
     ) -> torch.Tensor:
-        """checksum's logits [S, V] float64, returned no earlier than step_s after the call."""
+        """checksum's logits [S, V] float64; the output counts as ready at `ready_at_s`."""
         start_s = time.perf_counter()
-        logits = self.checksum.forward(token_ids, positions, logits_idx, kv)
-        hold_until(start_s + self.step_s)
+        if isinstance(kv, PagedKV):
+            logits = self._paged_forward(token_ids, positions, kv)
+        else:  # a dense store (the reference's): checksum's own entry-by-entry sums
+            logits = self.checksum.forward(token_ids, positions, logits_idx, kv)
+        self.ready_at_s = max(start_s, self.ready_at_s) + self.step_s
         return logits
+
+    def _paged_forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV
+    ) -> torch.Tensor:
+        checksum, config = self.checksum, self.checksum.config
+        names = [config.layer_name(layer_idx) for layer_idx in range(config.num_layers)]
+        for layer_idx, name in enumerate(names):
+            k, v = kv_values(token_ids, positions, layer_idx, checksum.heads, config.head_dim)
+            kv.write(name, k, v)  # before any read: a same-step neighbour may share these blocks
+        if self.block_sums is None or not self.block_sums.describes(kv):
+            self.block_sums = BlockSums(names, kv)
+        self.block_sums.record_writes(kv, positions)
+        totals = self.block_sums.context_sums(kv)
+        return checksum.logit_mixer.mix(checksum.tp_group.all_reduce(totals))
 
 
 def build_fixed_time(tp_group: TPGroup, device: torch.device, step_ms: float) -> FixedTimeModel:
