@@ -52,19 +52,19 @@ def _int32_column(data: bytes, name: str) -> np.ndarray:
 class StepTimings:
     """Seconds spent in the parts of the last step."""
 
-    prepare_s: float = (
-        0.0  # applying the SchedulerOutput, batch building, slot mapping, context indices
-    )
+    prepare_s: float = 0.0  # applying the SchedulerOutput, batch building, slot mapping
     model_s: float = 0.0  # the model forward, all-reduces included
     sample_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    handle: int
-    row: int
-    num_computed_tokens: int
-    num_scheduled_tokens: int
+class ScheduledRequests:
+    """The step's scheduled requests as columns, in the order of their token counts."""
+
+    handles: list[int]
+    rows: np.ndarray  # [R] int64 batch row of each
+    num_computed_tokens: np.ndarray  # [R] int64
+    num_scheduled_tokens: np.ndarray  # [R] int64
 
 
 class ModelRunner:
@@ -107,6 +107,9 @@ class ModelRunner:
         self.sampler = Sampler(sampling_seed)
         self.last_step_id = kv_cache_config.first_step_id - 1  # a later generation starts late
         self.timings = StepTimings()
+        # time.perf_counter() when the last step's output is ready: a model standing for a device
+        # (fixed-time) says; one computed on the host is ready once it returns
+        self.ready_at_s = 0.0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.step_id != self.last_step_id + 1:
@@ -117,11 +120,12 @@ class ModelRunner:
         start = time.perf_counter()
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
-        handles = pack_int32(req.handle for req in scheduled)
+        handles = pack_int32(scheduled.handles)
         if self.check_each_step:  # the step's deltas are applied; forward and sampling keep them
             self.check_invariants()
-        if not scheduled:
+        if not scheduled.handles:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
+            self.ready_at_s = 0.0
             return ModelRunnerOutput(
                 scheduler_output.step_id, self.rank, handles, b"", scheduler_output.generation
             )
@@ -131,15 +135,15 @@ class ModelRunner:
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         modelled = time.perf_counter()
-        sampled = np.full(len(scheduled), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
+        self.ready_at_s = getattr(self.model, "ready_at_s", modelled)
+        sampled = np.full(len(scheduled.handles), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
         sampled[logits_reqs] = self.sampler.sample(logits, sample_reqs).cpu().numpy()
         if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
             raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
         # Each sampled token joins its sequence here, as the engine appends it: the engine never
         # sends it back, and with asynchronous scheduling the next step computes on it before
         # the engine has seen it.
-        rows = np.fromiter((scheduled[i].row for i in logits_reqs.tolist()), np.int64)
-        self.input_batch.append_sampled(rows, sampled[logits_reqs])
+        self.input_batch.append_sampled(scheduled.rows[logits_reqs], sampled[logits_reqs])
         done = time.perf_counter()
         self.timings = StepTimings(
             prepare_s=prepared - start + kv.build_s,
@@ -154,7 +158,7 @@ class ModelRunner:
             scheduler_output.generation,
         )
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> list[ScheduledRequest]:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""
         batch = self.input_batch
         for handle in scheduler_output.finished_handles:
@@ -180,10 +184,10 @@ class ModelRunner:
                 f"step {scheduler_output.step_id} token counts sum to {int(counts.sum())}, "
                 f"expected total_num_scheduled_tokens={scheduler_output.total_num_scheduled_tokens}"
             )
-        return [
-            ScheduledRequest(handle, row, computed, int(count))
-            for (handle, row, computed), count in zip(scheduled, counts, strict=True)
-        ]
+        handles, rows, computed = zip(*scheduled, strict=True) if scheduled else ((), (), ())
+        return ScheduledRequests(
+            list(handles), np.array(rows, np.int64), np.array(computed, np.int64), counts
+        )
 
     def _add_new(self, new: NewRequestData) -> tuple[int, int, int]:
         if new.handle in self.input_batch.handle_to_row or new.handle in self.parked:
@@ -201,7 +205,7 @@ class ModelRunner:
         handles = _int32_column(cached.handles, "handles")
         num_new = _int32_column(cached.num_new_token_ids, "num_new_token_ids")
         new_tokens = _int32_column(cached.new_token_ids, "new_token_ids")
-        computed = _int32_column(cached.num_computed_tokens, "num_computed_tokens")
+        computed = _int32_column(cached.num_computed_tokens, "num_computed_tokens").tolist()
         lengths = {len(handles), len(num_new), len(computed), len(cached.new_block_ids)}
         if len(lengths) != 1 or int(num_new.sum()) != len(new_tokens):
             raise ValueError(
@@ -209,18 +213,17 @@ class ModelRunner:
                 f"{len(computed)} num_computed_tokens, {len(cached.new_block_ids)} block lists, "
                 f"{len(new_tokens)} new tokens for counts summing to {int(num_new.sum())}"
             )
-        resumed = set(cached.resumed_handles)
-        ends = np.cumsum(num_new)
-        updated = []
-        for i, handle in enumerate(handles.tolist()):
-            tokens = new_tokens[ends[i] - num_new[i] : ends[i]]
-            block_ids = cached.new_block_ids[i]
-            if handle in resumed:
-                row = self._resume(handle, tokens, block_ids)
-            else:
-                row = self._append(handle, tokens, block_ids)
-            updated.append((handle, row, int(computed[i])))
-        return updated
+        resumed, to_row = set(cached.resumed_handles), self.input_batch.handle_to_row
+        ends, counts, handle_list = np.cumsum(num_new).tolist(), num_new.tolist(), handles.tolist()
+        rows, new_block_ids = [], cached.new_block_ids
+        for i, (handle, block_ids) in enumerate(zip(handle_list, new_block_ids, strict=True)):
+            if block_ids is None and not counts[i] and handle in to_row and handle not in resumed:
+                rows.append(to_row[handle])  # a decode: the rank holds its tokens and blocks
+                continue
+            tokens = new_tokens[ends[i] - counts[i] : ends[i]]
+            update = self._resume if handle in resumed else self._append
+            rows.append(update(handle, tokens, block_ids))
+        return list(zip(handle_list, rows, computed, strict=True))
 
     def _resume(
         self, handle: int, tokens: np.ndarray, block_ids: tuple[list[int], ...] | None
@@ -256,7 +259,7 @@ class ModelRunner:
         return row
 
     def _prepare(
-        self, scheduled: list[ScheduledRequest], num_common_prefix_blocks: list[int]
+        self, scheduled: ScheduledRequests, num_common_prefix_blocks: list[int]
     ) -> tuple[
         torch.Tensor,
         torch.Tensor,
@@ -267,15 +270,14 @@ class ModelRunner:
     ]:
         """Flatten the step: token ids, positions, the sampled tokens, and the paged-cache view."""
         batch = self.input_batch
-        rows = np.array([req.row for req in scheduled], dtype=np.int64)
-        first = np.array([req.num_computed_tokens for req in scheduled], dtype=np.int64)
-        counts = np.array([req.num_scheduled_tokens for req in scheduled], dtype=np.int64)
+        rows, first = scheduled.rows, scheduled.num_computed_tokens
+        counts, handles = scheduled.num_scheduled_tokens, scheduled.handles
         ends = first + counts
         known = batch.num_tokens[rows].astype(np.int64)
         if (counts < 1).any() or (first < 0).any() or (ends > known).any():
             bad = int(np.argmax((counts < 1) | (first < 0) | (ends > known)))
             raise ValueError(
-                f"request {scheduled[bad].handle} schedules positions [{first[bad]}, {ends[bad]}) "
+                f"request {handles[bad]} schedules positions [{first[bad]}, {ends[bad]}) "
                 f"but holds {known[bad]} tokens"
             )
         offsets = np.cumsum(counts) - counts
@@ -294,12 +296,13 @@ class ModelRunner:
             logger.debug("cascade attention: %s shared prefix tokens per group", cascade_tokens)
         kv = PagedKV(self.kv_caches, config, tables, layout, self.device, cascade_tokens)
         if self.encoder_inputs.is_required:  # its decoder also reads each request's encoder
-            kv = encoder_decoder_kv(kv, self.encoder_inputs, [req.handle for req in scheduled])
+            kv = encoder_decoder_kv(kv, self.encoder_inputs, handles)
+        params, sampled_rows = batch.sampling_params, rows[logits_reqs].tolist()
         sample_reqs = [
-            SampleRequest(
-                scheduled[i].handle, batch.sampling_params[scheduled[i].row], int(known[i])
+            SampleRequest(handles[i], params[row], position)
+            for i, row, position in zip(
+                logits_reqs.tolist(), sampled_rows, known[logits_reqs].tolist(), strict=True
             )
-            for i in logits_reqs.tolist()
         ]
         device = self.device
         return (
