@@ -105,7 +105,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
     if local_world_size is not None and local_world_size.isdigit() and int(local_world_size) > 0:
         share_cpu_threads(int(local_world_size))
-    from worker.worker import run
+    from worker.worker_process import run
 
     sys.exit(run(config))
 

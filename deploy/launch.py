@@ -83,7 +83,7 @@ def worker_entry(config: WorkerConfig, log_level: str) -> None:
     setup_logging(f"worker-{config.rank}", log_level)
     share_cpu_threads(config.tp_size)
     enable_nccl_async_errors()
-    from worker.worker import run
+    from worker.worker_process import run
 
     sys.exit(run(config))
 

@@ -27,11 +27,10 @@ from protocol.worker_messages import (
     ModelInfo,
     SchedulerOutput,
     Shutdown,
-    WorkerFailed,
     WorkerHello,
     WorkerReady,
 )
-from worker.distributed import TPGroup, destroy_tp_group, init_tp_group, resolve_device
+from worker.distributed import TPGroup, init_tp_group, resolve_device
 from worker.kv_cache import (
     CudaMemory,
     MemoryAtStart,
@@ -42,6 +41,7 @@ from worker.kv_cache import (
 from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.registry import Model, build_model, get_model_info
 from worker.profiling import run_profile_step
+from worker.reply_queue import POLL_RESOLUTION_S, ReplyQueue, sleep_until
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Worker:
         self.stop_signal_time: float | None = None  # time.monotonic() of a SIGTERM while serving
         self.ring: ShmRingReader | None = None  # the engine's step ring, when this rank reads it
         self.ring_closed_deadline: float | None = None  # for the Shutdown once the ring closed
+        self.replies = ReplyQueue()  # step replies held until the model's output is ready
 
     def run(self) -> int:
         """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
@@ -218,13 +219,20 @@ class Worker:
     def serve(self) -> int:
         """Run steps until Shutdown. SIGTERM (a container stop reaches every process at once)
         does not end the rank: the engine drains its requests and then sends Shutdown, which
-        the rank awaits for shutdown_grace_s before it gives up and exits."""
+        the rank awaits for shutdown_grace_s before it gives up and exits. While a reply waits
+        for its model output, the next step is taken and run (worker/reply_queue.py)."""
         signal.signal(signal.SIGTERM, self._note_stop_signal)
         while True:
-            match self.recv(None, "a step"):
+            message = self.recv(None, "a step", self.replies.next_ready_at())
+            self.send_due_replies()
+            match message:
+                case None:  # a held reply came due
+                    continue
                 case SchedulerOutput() as step:
                     self.execute(step)
                 case Shutdown() as shutdown:
+                    if dropped := self.replies.drop():
+                        logger.debug("dropped %d step replies the engine no longer awaits", dropped)
                     return self.stop(shutdown)
                 case other:
                     raise ProtocolError(f"got {type(other).__name__} after startup")
@@ -238,7 +246,12 @@ class Worker:
         self.last_step_id = step.step_id
         assert self.runner is not None, "a step arrived before the KV cache was allocated"
         output = self.runner.execute_model(step)
-        self.reply(self.encoder.encode(output))
+        self.replies.put(self.runner.ready_at_s, self.encoder.encode(output))
+        self.send_due_replies()
+
+    def send_due_replies(self) -> None:
+        for frame in self.replies.pop_due(time.perf_counter()):
+            self.reply(frame)
 
     def reply(self, frame: bytes) -> None:
         """In this rank's lane of the engine's ring when it reads one, else over the DEALER."""
@@ -267,8 +280,11 @@ class Worker:
         logger.info("stopping: %s", shutdown.reason)
         return EXIT_OK
 
-    def recv(self, deadline: float | None, awaited: str) -> EngineToWorker:
-        """The next message; EngineGoneError on a disconnect or once `deadline` passes.
+    def recv(
+        self, deadline: float | None, awaited: str, wake_at_s: float | None = None
+    ) -> EngineToWorker | None:
+        """The next message; EngineGoneError on a disconnect or once `deadline` passes; None
+        once time.perf_counter() reaches `wake_at_s` first.
 
         Steps come off the ring when this rank reads one (first, so a step written before a
         Shutdown still runs; spun for briefly, then slept on), everything else over the DEALER.
@@ -276,6 +292,12 @@ class Worker:
         """
         while True:
             wait_ms = self._wait_ms(deadline, awaited)
+            if wake_at_s is not None:
+                wake_in_s = wake_at_s - time.perf_counter()
+                if wake_in_s < POLL_RESOLUTION_S:  # too soon for a poll's whole milliseconds
+                    sleep_until(wake_at_s)
+                    return None
+                wait_ms = min(wait_ms, int(wake_in_s * 1000))
             ring, is_asleep = self.ring, False
             if ring is not None:
                 frame, is_asleep = self._take_or_sleep(ring)
@@ -346,53 +368,3 @@ class Worker:
         assert self.ring is None or self.runner is not None, "a ring before the KV cache"
         if self.ring is not None:
             self.ring.check_invariants()
-
-
-def _connect(ctx: zmq.Context, config: WorkerConfig) -> tuple[zmq.Socket, zmq.Socket]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    timeout_ms = int(config.engine_timeout_s * 1000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, timeout_ms))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms * HEARTBEAT_TTL_FACTOR)
-    if config.curve is not None:  # a CURVE client: the worker keypair, the engine's public key
-        sock.setsockopt(zmq.CURVE_SERVERKEY, config.curve.server_public_key.encode())
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, config.curve.public_key.encode())
-        sock.setsockopt(zmq.CURVE_SECRETKEY, config.curve.secret_key.encode())
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(config.engine_address)
-    return sock, monitor
-
-
-def run(config: WorkerConfig) -> int:
-    """The worker's process main: 0 after a clean Shutdown, 1 on any failure."""
-    ctx = zmq.Context()
-    sock, monitor = _connect(ctx, config)
-    worker = Worker(config, sock, monitor)
-    try:
-        return worker.run()
-    except EngineGoneError as exc:
-        logger.error("%s; exiting", exc)
-        return EXIT_FAILED
-    except StopSignalGraceError as exc:
-        logger.warning("%s; exiting as asked", exc)
-        return EXIT_OK
-    except Exception as exc:
-        logger.exception("rank %d failed", config.rank)
-        error = f"{type(exc).__name__}: {exc}"
-        step_id = worker.last_step_id if worker.runner is not None else None
-        failed = WorkerFailed(config.rank, step_id or None, error, worker.generation)
-        try:
-            sock.send(worker.encoder.encode(failed), zmq.NOBLOCK)
-            sock.setsockopt(zmq.LINGER, FAILED_LINGER_MS)  # let WorkerFailed reach the engine
-        except zmq.ZMQError as send_error:
-            logger.error("could not tell the engine: %s", send_error)
-        return EXIT_FAILED
-    finally:
-        worker.close_ring()
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close()
-        ctx.term()
-        if worker.tp_group is not None:
-            destroy_tp_group(worker.tp_group)
