@@ -49,7 +49,7 @@ HEALTH_TIMEOUT_S = 1.0
 POLL_S = 0.05
 # The fake model sleeps through its step as a GPU rank's host would; OpenMP's default spin-wait
 # after each parallel region would instead burn the cores the engine needs.
-WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
 
 
 def available_modes() -> list[str]:
