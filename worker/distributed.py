@@ -5,12 +5,16 @@ grid held in float64 (worker/models/fixed_point.py; checksum uses int64), so eac
 and their total are exact: the reduction order, the ring and the kernel cannot change the result.
 """
 
+import contextlib
 import datetime
 import logging
+import os
 import socket
 
 import torch
 import torch.distributed as dist
+
+from worker.shm_all_reduce import NAME_PREFIX, ShmAllReduce, create_segment, unlink_segment
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,7 @@ class TPGroup:
         tp_size: int,
         process_group: dist.ProcessGroup | None = None,
         num_ranks_on_device: int = 1,  # ranks of this group on this rank's device, itself included
+        shm: ShmAllReduce | None = None,  # CPU ranks on one host all-reduce through it
     ) -> None:
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} is outside [0, {tp_size})")
@@ -42,10 +47,14 @@ class TPGroup:
         self.tp_size = tp_size
         self.process_group = process_group
         self.num_ranks_on_device = num_ranks_on_device
+        self.shm = shm
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place; a no-op for a single rank."""
+        """Sum `tensor` over the ranks, in place; a no-op for a single rank. Every rank takes the
+        same path for the same tensor: the shared segment when it has one that accepts it."""
         if self.tp_size > 1 and tensor.numel():
+            if self.shm is not None and self.shm.accepts(tensor):
+                return self.shm.all_reduce(tensor)
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         return tensor
 
@@ -182,18 +191,55 @@ def init_tp_group(
     group = dist.group.WORLD
     if chosen == "nccl":
         group = dist.new_group(list(range(tp_size)), timeout=timeout, backend="nccl")
+    # one hostname: maybe one host; an explicit --distributed-backend gloo keeps gloo's own
+    is_one_host = backend == "auto" and device.type == "cpu" and len(set(keys)) == 1
+    shm = join_shm_all_reduce(rank, tp_size, timeout_s) if is_one_host else None
     logger.info(
-        "rank %d joined a TP group of %d over %s (%d ranks on %s)",
+        "rank %d joined a TP group of %d over %s%s (%d ranks on %s)",
         rank,
         tp_size,
         chosen,
+        ", all-reducing through shared memory" if shm is not None else "",
         num_on_device,
         device,
     )
-    return TPGroup(rank, tp_size, group, num_on_device)
+    return TPGroup(rank, tp_size, group, num_on_device, shm)
+
+
+def join_shm_all_reduce(rank: int, tp_size: int, timeout_s: float) -> ShmAllReduce | None:
+    """Rank 0 makes the segment, every rank maps it, and all use it only if all could (ranks in
+    other containers of one hostname see another /dev/shm); it is unlinked once all mapped it."""
+    name = ""
+    if rank == 0:
+        try:
+            name = create_segment(tp_size)
+        except OSError as exc:
+            logger.info("no shared-memory all-reduce: %s", exc)
+    try:
+        raw = torch.tensor(list(name.encode().ljust(64, b"\0")), dtype=torch.uint8)
+        dist.broadcast(raw, src=0)
+        name = bytes(raw.numpy()).rstrip(b"\0").decode()
+        shm, pids = None, torch.zeros(tp_size, dtype=torch.int64)
+        if name.startswith(NAME_PREFIX):
+            with contextlib.suppress(OSError):
+                shm = ShmAllReduce(name, rank, [0] * tp_size, timeout_s)
+        pids[rank] = os.getpid() if shm is not None else 0
+        dist.all_reduce(pids)  # every rank's pid, 0 where it could not map the segment
+    finally:  # every rank has mapped it, or the group failed: either way no one else will
+        if rank == 0 and name:
+            unlink_segment(name)
+    if shm is not None and bool((pids == 0).any()):
+        shm.close()
+        shm = None
+    if shm is not None:
+        shm.peer_pids = pids.tolist()
+    return shm
 
 
 def destroy_tp_group(group: TPGroup) -> None:
     """Leave the group; safe to call for a single rank or twice."""
+    if group.shm is not None:
+        group.shm.close()
+        group.shm = None
     if group.tp_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
-"""A rank that dies or freezes mid-collective never leaves a survivor hanging: under gloo a killed
-peer fails the collective at once, and a rank stuck in a collective (its peer frozen, its own
-process-group timeout far away) is terminated, then killed, by the launcher's grace period.
+"""A rank that dies or freezes mid-collective never leaves a survivor hanging: a killed peer fails
+the collective at once (the shared-memory all-reduce of same-host CPU ranks sees its pid gone),
+and a rank stuck in a collective (its peer frozen, its own process-group timeout far away) is
+terminated, then killed, by the launcher's grace period.
 """
 
 import os
@@ -73,7 +74,7 @@ def _wait_for_the_launcher(processes: Processes, faulted: float) -> str:
 def test_a_rank_killed_mid_decode_fails_its_peers_collective_and_all_exit(
     processes: Processes, addresses: dict
 ) -> None:
-    """SIGKILL closes the victim's gloo connections, so rank 0's all-reduce fails at once."""
+    """Rank 0's all-reduce sees the killed victim gone, and fails at once."""
     client, victim = _launch_and_serve_one_request(processes, addresses)
     with client:
         params = SamplingParams(max_tokens=8000, ignore_eos=True)
