@@ -86,7 +86,10 @@ class EngineCore:
         if engine_config.scheduler.async_scheduling:
             is_pipelined = isinstance(executor, PipelinedExecutor)
             self._pipeline = executor if is_pipelined else SerialPipeline(executor)
-        self._pending: SchedulerOutput | None = None  # sent, not yet collected (async only)
+        self._in_flight: deque[SchedulerOutput] = deque()  # sent, not yet collected (async only)
+        # a failure sending the step queued behind an applied one, raised once that one's
+        # outputs are out (the next call of `step`)
+        self._send_error: Exception | None = None
         self.scheduler = Scheduler(
             engine_config.scheduler,
             engine_config.cache,
@@ -132,7 +135,8 @@ class EngineCore:
         return (
             scheduler.has_unfinished_requests()
             or scheduler.has_finished_requests()
-            or self._pending is not None
+            or bool(self._in_flight)
+            or self._send_error is not None
         )
 
     def client_ids(self) -> list[bytes]:
@@ -176,25 +180,40 @@ class EngineCore:
         return outputs
 
     def _step_pipelined(self, pipeline: PipelinedExecutor) -> dict[bytes, EngineCoreOutputs]:
-        """Asynchronous scheduling: schedule and send step N+1, then collect and apply step N,
-        so the ranks start N+1 as soon as they finish N. Outputs are step N's."""
-        scheduler = self.scheduler
-        start = perf_counter()
-        next_output = None
-        if scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
-            next_output = scheduler.schedule()
-            self.schedule_time_s += perf_counter() - start
-            pipeline.submit(next_output)
-        pending, self._pending = self._pending, next_output
-        if pending is None:
+        """Asynchronous scheduling: two steps in flight, so the ranks start N+1 as soon as they
+        finish N. Collect and apply N, then at once schedule and send N+2 behind N+1, before the
+        server spends time on clients. Outputs are step N's."""
+        if (error := self._send_error) is not None:
+            self._send_error = None
+            raise error
+        in_flight = self._in_flight
+        if not in_flight:  # the first step of a burst runs while the next one is planned
+            self._submit_next(pipeline)
             return {}
-        model_runner_output = pipeline.collect(pending.step_id)
+        if len(in_flight) == 1:
+            self._submit_next(pipeline)
+        step = in_flight.popleft()
+        model_runner_output = pipeline.collect(step.step_id)
         collected = perf_counter()
-        outputs = scheduler.update_from_output(pending, model_runner_output)
+        outputs = self.scheduler.update_from_output(step, model_runner_output)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:
-            scheduler.check_invariants()
+            self.scheduler.check_invariants()
+        try:
+            self._submit_next(pipeline)
+        except Exception as exc:  # step N is applied: its outputs go out first
+            self._send_error = exc
         return outputs
+
+    def _submit_next(self, pipeline: PipelinedExecutor) -> None:
+        """Schedule and send the next step, when there is anything to run or to tell the ranks."""
+        scheduler = self.scheduler
+        if scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+            start = perf_counter()
+            scheduler_output = scheduler.schedule()
+            self.schedule_time_s += perf_counter() - start
+            pipeline.submit(scheduler_output)
+            self._in_flight.append(scheduler_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -220,7 +239,8 @@ class EngineCore:
 
     def requeue_for_new_workers(self) -> None:
         """The worker generation was lost: every request will recompute on the next one."""
-        self._pending = None
+        self._in_flight.clear()
+        self._send_error = None
         if isinstance(self._pipeline, SerialPipeline):
             self._pipeline.forget()  # WorkerGroup forgets its own when it retires a generation
         self.scheduler.requeue_for_new_workers()
@@ -232,7 +252,8 @@ class EngineCore:
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error`, e.g. when a worker died."""
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
-        self._pending = None
+        self._in_flight.clear()
+        self._send_error = None
         return self.scheduler.fail_all(error)
 
     def check_invariants(self) -> None:

@@ -100,7 +100,8 @@ def test_engine_and_runner_produce_the_reference_tokens(
             for output in outputs.outputs:
                 tokens[output.req_id].extend(output.new_token_ids)
         most_in_flight = max(most_in_flight, scheduler.num_steps_in_flight)
-    assert most_in_flight == int(async_scheduling), "a step should be sent before its forerunner"
+    # between steps the asynchronous loop holds the step the ranks run and the next one behind it
+    assert most_in_flight == 2 * async_scheduling, "a step should be sent before its forerunner"
     assert scheduler.num_preemptions > 0, "the pool should force a preemption"
     assert scheduler.make_stats().prefix_cache.hits > 0, "shared prefixes should hit"
     for idx, prompt in enumerate(prompts):
