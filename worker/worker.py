@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -43,6 +44,7 @@ from worker.models.registry import Model, build_model, get_model_info
 from worker.profiling import run_profile_step
 from worker.reply_queue import POLL_RESOLUTION_S, ReplyQueue, sleep_until
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
+from worker.step_stream import StepStream
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ HEARTBEAT_TTL_FACTOR = 1  # the engine may go this many heartbeat timeouts witho
 STOP_CHECK_S = 1.0  # an idle wait looks at a pending SIGTERM at least this often
 FAILED_LINGER_MS = 1000  # how long a closing socket may still deliver WorkerFailed
 EXIT_OK, EXIT_FAILED = 0, 1
+GIL_SWITCH_INTERVAL_S = 0.0005
+STREAM_CLOSE_TIMEOUT_S = 1.0  # a step stuck past this (a peer gone mid-collective) is abandoned
 
 
 class EngineGoneError(RuntimeError):
@@ -86,6 +90,7 @@ class Worker:
         self.ring: ShmRingReader | None = None  # the engine's step ring, when this rank reads it
         self.ring_closed_deadline: float | None = None  # for the Shutdown once the ring closed
         self.replies = ReplyQueue()  # step replies held until the model's output is ready
+        self.stream: StepStream | None = None  # runs the steps, once the KV cache exists
 
     def run(self) -> int:
         """Join the TP group, handshake, then serve steps until Shutdown; the exit code."""
@@ -190,6 +195,11 @@ class Worker:
         )
         self.generation = kv_cache_config.generation
         self.last_step_id = kv_cache_config.first_step_id - 1
+        self.stream = StepStream(self.runner)
+        self.poller.register(self.stream.fileno(), zmq.POLLIN)
+        # this thread must get the GIL back soon after a reply comes due, even while the step
+        # thread runs Python: 0.5 ms rather than the default 5 ms between forced switches
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         is_attached = self.attach_ring(kv_cache_config)
         ready = WorkerReady(
             self.config.rank, kv_cache_config.num_blocks, self.generation, is_attached
@@ -226,7 +236,7 @@ class Worker:
             message = self.recv(None, "a step", self.replies.next_ready_at())
             self.send_due_replies()
             match message:
-                case None:  # a held reply came due
+                case None:  # a step finished, or a held reply came due
                     continue
                 case SchedulerOutput() as step:
                     self.execute(step)
@@ -238,18 +248,22 @@ class Worker:
                     raise ProtocolError(f"got {type(other).__name__} after startup")
 
     def execute(self, step: SchedulerOutput) -> None:
+        """Queue the step on the step thread; its reply is sent once it is ready."""
         if step.step_id != self.last_step_id + 1 or step.generation != self.generation:
             raise ProtocolError(
                 f"rank {self.config.rank} got step {step.step_id} of generation "
                 f"{step.generation}, expected step {self.last_step_id + 1} of {self.generation}"
             )
         self.last_step_id = step.step_id
-        assert self.runner is not None, "a step arrived before the KV cache was allocated"
-        output = self.runner.execute_model(step)
-        self.replies.put(self.runner.ready_at_s, self.encoder.encode(output))
-        self.send_due_replies()
+        assert self.stream is not None, "a step arrived before the KV cache was allocated"
+        self.stream.submit(step)
 
     def send_due_replies(self) -> None:
+        """Take the step thread's finished replies (raising what failed a step), then send those
+        whose model output is ready, in step order."""
+        if self.stream is not None:
+            for ready_at_s, frame in self.stream.take_results():
+                self.replies.put(ready_at_s, frame)
         for frame in self.replies.pop_due(time.perf_counter()):
             self.reply(frame)
 
@@ -315,6 +329,8 @@ class Worker:
             if self.monitor in events:
                 event = parse_monitor_message(self.monitor.recv_multipart())
                 raise EngineGoneError(f"the engine at {event['endpoint']!r} disconnected")
+            if self.stream is not None and self.stream.fileno() in events:
+                return None  # a step finished: its reply may be due already
 
     def _wait_ms(self, deadline: float | None, awaited: str) -> int:
         """How long the next poll may block; raises once `deadline` or the grace after SIGTERM
@@ -355,6 +371,12 @@ class Worker:
         logger.info("%s: awaiting the engine's word on the DEALER", exc)
         self.close_ring()
         self.ring_closed_deadline = time.monotonic() + self.config.engine_timeout_s
+
+    def close_stream(self) -> None:
+        """Let a running step end (briefly) and stop the step thread."""
+        if self.stream is not None:
+            self.stream.close(STREAM_CLOSE_TIMEOUT_S)
+            self.stream = None
 
     def close_ring(self) -> None:
         if self.ring is not None:

@@ -62,6 +62,7 @@ def run(config: WorkerConfig) -> int:
             logger.error("could not tell the engine: %s", send_error)
         return EXIT_FAILED
     finally:
+        worker.close_stream()
         worker.close_ring()
         sock.disable_monitor()
         monitor.close(linger=0)

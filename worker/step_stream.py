@@ -1,0 +1,76 @@
+"""StepStream: a rank's steps run in order on a thread of their own, as a GPU runs the work its host
+queues, while the worker's thread keeps the sockets: it takes the next step off the wire and sends
+each reply when it is ready. It never touches a socket, and never runs two steps at once.
+"""
+
+import os
+import queue
+import threading
+from collections import deque
+
+from protocol.codec import make_encoder
+from protocol.worker_messages import SchedulerOutput
+from worker.model_runner import ModelRunner
+
+STOP = None  # queued by close(): the thread ends after the steps before it
+
+
+class StepStream:
+    """Runs `runner.execute_model` for each submitted step, oldest first, and posts (ready time,
+    encoded reply) or the exception that ended it; a byte on the wake pipe says a result is in.
+
+    Invariants: results come out in the order their steps went in; after an exception no later
+    step runs.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._steps: queue.SimpleQueue[SchedulerOutput | None] = queue.SimpleQueue()
+        self._results: deque[tuple[float, bytes] | BaseException] = deque()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._encoder = make_encoder()  # its own: the worker's thread encodes with the other
+        self._thread = threading.Thread(target=self._run, name="step-stream", daemon=True)
+        self._thread.start()
+
+    def fileno(self) -> int:
+        """Readable once a result is in; `take_results` empties it."""
+        return self._wake_read
+
+    def submit(self, step: SchedulerOutput) -> None:
+        self._steps.put(step)
+
+    def take_results(self) -> list[tuple[float, bytes]]:
+        """The replies finished since the last call, in step order; raises what ended a step."""
+        while True:
+            try:
+                if not os.read(self._wake_read, 4096):
+                    break
+            except BlockingIOError:
+                break
+        results = []
+        while self._results:
+            result = self._results.popleft()
+            if isinstance(result, BaseException):
+                raise result
+            results.append(result)
+        return results
+
+    def _run(self) -> None:
+        while (step := self._steps.get()) is not STOP:
+            try:
+                output = self.runner.execute_model(step)
+                self._results.append((self.runner.ready_at_s, self._encoder.encode(output)))
+            except BaseException as exc:  # handed to the worker's thread, which fails the rank
+                self._results.append(exc)
+                os.write(self._wake_write, b"\1")
+                return
+            os.write(self._wake_write, b"\1")
+
+    def close(self, timeout_s: float) -> None:
+        """Let the queued steps finish (within `timeout_s`), then release the pipe."""
+        self._steps.put(STOP)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            os.close(self._wake_read)
+            os.close(self._wake_write)
