@@ -138,7 +138,10 @@ class ShmAllReduce:
 
     def close(self) -> None:
         self._seq = np.zeros(0, np.int64)  # drops the view, so the map can close
-        self._mmap.close()
+        # a step thread may still wait inside a call (its peer frozen) and hold views of the
+        # map: then it goes with the process
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
 
 
 def _is_alive(pid: int) -> bool:

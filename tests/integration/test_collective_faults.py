@@ -1,7 +1,7 @@
 """A rank that dies or freezes mid-collective never leaves a survivor hanging: a killed peer fails
 the collective at once (the shared-memory all-reduce of same-host CPU ranks sees its pid gone),
-and a rank stuck in a collective (its peer frozen, its own process-group timeout far away) is
-terminated, then killed, by the launcher's grace period.
+and a rank whose step waits in a collective on a frozen peer (its own process-group timeout far
+away) still obeys the engine's Shutdown, while the launcher's grace period kills the frozen peer.
 """
 
 import os
@@ -93,11 +93,13 @@ def test_a_rank_killed_mid_decode_fails_its_peers_collective_and_all_exit(
 
 
 @pytest.mark.timeout(150)
-def test_a_rank_stuck_in_a_collective_is_killed_by_the_launcher(
+def test_a_rank_whose_step_waits_on_a_frozen_peer_obeys_shutdown_and_the_peer_is_killed(
     processes: Processes, addresses: dict
 ) -> None:
     """Rank 1 is frozen while the engine is idle, so the next step finds rank 0 alone in the
-    all-reduce, with its process-group timeout far away: only the launcher can end it."""
+    all-reduce, with its process-group timeout far away. Its step thread waits there, but its
+    worker thread still hears the engine's Shutdown and exits; only the frozen rank needs the
+    launcher's SIGKILL."""
     client, victim = _launch_and_serve_one_request(processes, addresses)
     with client:
         _wait_until_idle(client)  # the step that tells the ranks to forget warmup has run
@@ -106,5 +108,7 @@ def test_a_rank_stuck_in_a_collective_is_killed_by_the_launcher(
         client.add_request(make_request("stuck", [5, 6, 7], SamplingParams(max_tokens=4)))
         assert client.run_until_finished(["stuck"], 30)["stuck"].finish_reason == "error"
     log = _wait_for_the_launcher(processes, faulted)
-    # inside the collective SIGTERM cannot reach Python's handler, so SIGKILL ended rank 0
-    assert "worker-0 ignored SIGTERM: killing" in log, log[-3000:]
+    assert "[worker-0] worker.worker: stopping: worker failure" in log, log[-3000:]
+    assert "worker-0 ignored SIGTERM" not in log, log[-3000:]
+    assert "worker-1 ignored SIGTERM: killing" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
