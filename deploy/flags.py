@@ -256,7 +256,7 @@ WORKER_FLAGS = [
     Flag(
         ("--model-step-ms",),
         ("model_step_ms",),
-        "milliseconds each forward of the fixed-time model lasts at least (its GPU time)",
+        "milliseconds of device time each forward of the fixed-time model takes (its GPU time)",
     ),
 ]
 

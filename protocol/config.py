@@ -149,5 +149,5 @@ class WorkerConfig(_Config, frozen=True):
     device_index: Annotated[int, msgspec.Meta(ge=0)] | None = None
     local_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None  # index on this host (LOCAL_RANK)
     curve: CurveKeys | None = None  # the worker keypair and the engine's public key
-    # the fixed-time model's least time per forward, in ms: its stand-in for a GPU's step time
+    # the fixed-time model's device time per forward, in ms: its stand-in for a GPU's step time
     model_step_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0

@@ -1,6 +1,6 @@
 """The model registry: a name gives the ModelInfo the engine plans with, and the model a rank runs.
 
-Names: `checksum`, `fixed-time` (checksum held to a set time per forward), `tiny-llama` and
+Names: `checksum`, `fixed-time` (checksum, each forward a set device time), `tiny-llama` and
 `tiny-llama-hybrid` (full and sliding-window layers: two KV-cache groups). kv_cache_groups report
 the whole model's num_kv_heads, before TP sharding. `tiny-local` has full-attention, chunked-local
 and R-SWA layers (three groups). tiny-llama's KV is exact in float32 and float64.
@@ -98,7 +98,7 @@ def build_model(
     tp_group: TPGroup,
     device: torch.device,
     seed: int = 0,
-    model_step_ms: float = DEFAULT_MODEL_STEP_MS,  # fixed-time's least time per forward
+    model_step_ms: float = DEFAULT_MODEL_STEP_MS,  # fixed-time's device time per forward
 ) -> Model:
     """The model `name` on this rank; every rank of a group must pass the same seed."""
     _check_name(name)
