@@ -8,6 +8,8 @@ import queue
 import threading
 from collections import deque
 
+import torch
+
 from protocol.codec import make_encoder
 from protocol.worker_messages import SchedulerOutput
 from worker.model_runner import ModelRunner
@@ -57,6 +59,8 @@ class StepStream:
         return results
 
     def _run(self) -> None:
+        if self.runner.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.runner.device)
         while (step := self._steps.get()) is not STOP:
             try:
                 output = self.runner.execute_model(step)

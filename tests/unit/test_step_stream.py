@@ -5,6 +5,7 @@ import select
 import time
 
 import pytest
+import torch
 
 from protocol.worker_messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from worker.step_stream import StepStream
@@ -19,6 +20,7 @@ class RecordingRunner:
         self.failing_step = failing_step
         self.ran: list[int] = []
         self.ready_at_s = 0.0
+        self.device = torch.device("cpu")
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         if step.step_id == self.failing_step:
