@@ -32,6 +32,7 @@ class StepStream:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._encoder = make_encoder()  # its own: the worker's thread encodes with the other
+        self.failed_step_id: int | None = None  # the step whose exception ended the thread
         self._thread = threading.Thread(target=self._run, name="step-stream", daemon=True)
         self._thread.start()
 
@@ -66,6 +67,7 @@ class StepStream:
                 output = self.runner.execute_model(step)
                 self._results.append((self.runner.ready_at_s, self._encoder.encode(output)))
             except BaseException as exc:  # handed to the worker's thread, which fails the rank
+                self.failed_step_id = step.step_id
                 self._results.append(exc)
                 os.write(self._wake_write, b"\1")
                 return

@@ -372,6 +372,13 @@ class Worker:
         self.close_ring()
         self.ring_closed_deadline = time.monotonic() + self.config.engine_timeout_s
 
+    def failing_step_id(self) -> int | None:
+        """The step a failure belongs to: the one the step thread failed in, else the last one
+        taken; None before the KV cache exists."""
+        if self.stream is not None and self.stream.failed_step_id is not None:
+            return self.stream.failed_step_id
+        return self.last_step_id if self.runner is not None else None
+
     def close_stream(self) -> None:
         """Let a running step end (briefly) and stop the step thread."""
         if self.stream is not None:

@@ -53,7 +53,7 @@ def run(config: WorkerConfig) -> int:
     except Exception as exc:
         logger.exception("rank %d failed", config.rank)
         error = f"{type(exc).__name__}: {exc}"
-        step_id = worker.last_step_id if worker.runner is not None else None
+        step_id = worker.failing_step_id()
         failed = WorkerFailed(config.rank, step_id or None, error, worker.generation)
         try:
             sock.send(worker.encoder.encode(failed), zmq.NOBLOCK)

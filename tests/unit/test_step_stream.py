@@ -68,4 +68,5 @@ def test_a_failing_step_is_raised_to_the_caller_and_no_later_step_runs() -> None
             select.select([stream.fileno()], [], [], 0.1)
             stream.take_results()
     assert runner.ran == [1]
+    assert stream.failed_step_id == 2
     stream.close(WAIT_S)
