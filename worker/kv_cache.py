@@ -1,11 +1,9 @@
-"""The worker's paged KV tensors: how many blocks fit, and their allocation, shared across groups.
+"""The worker's paged KV tensors: how many blocks fit, their allocation, and their shape checks.
 
-Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU), otherwise from the
-device's memory once the model and one profiling step have run (pure arithmetic over DeviceMemory
-readings). Allocation uses exactly the num_blocks the engine sent; layer i of every KV-cache group
-views the one tensor i (protocol/kv_cache_spec.py), which is safe because a block id belongs to one
-group at a time.
-"""
+Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU), else from the
+device's memory once the model and one profiling step have run. Allocation uses exactly the
+engine's num_blocks; layer i of every KV-cache group views the one tensor i (a block id belongs to
+one group at a time)."""
 
 import logging
 from collections.abc import Callable
@@ -15,6 +13,7 @@ from typing import Protocol
 import torch
 
 from protocol.kv_cache_spec import (
+    NULL_BLOCK_ID,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -234,3 +233,38 @@ def _layer_view(shared: torch.Tensor, spec: KVCacheSpec, tp_size: int) -> torch.
     view = page.view(torch_dtype(spec.dtype)).unflatten(1, shape)
     assert view.shape[1:] == shape, f"a {spec} page viewed as {tuple(view.shape)}"
     return view
+
+
+def check_kv_caches(kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+    """Every layer's tensor has the agreed shape, and its null block was never written."""
+    num_blocks = kv_cache_config.num_blocks
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.spec
+        for name in group.layer_names:
+            cache = kv_caches[name]
+            shape = tuple(cache.shape)
+            match spec:
+                case MLAAttentionSpec():  # the whole latent on every rank: no K/V, no heads
+                    expected = (num_blocks, spec.block_size, spec.latent_dim)
+                    assert shape == expected, f"layer {name} cache is {shape}, not {expected}"
+                case MambaSpec():  # one state per block, channels split over the ranks
+                    (first, *rest) = spec.state_shapes[0]
+                    assert (
+                        shape[0] == num_blocks and list(shape[2:]) == rest and first % shape[1] == 0
+                    ), (
+                        f"layer {name} cache is {shape}, expected ({num_blocks}, {first} / "
+                        f"tp_size, *{rest})"
+                    )
+                case _:
+                    assert (
+                        len(shape) == 5
+                        and shape[:3] == (num_blocks, 2, spec.block_size)
+                        and shape[4] == spec.head_dim
+                    ), (
+                        f"layer {name} cache is {shape}, expected ({num_blocks}, 2, "
+                        f"{spec.block_size}, num_kv_heads_per_rank, {spec.head_dim})"
+                    )
+            assert not cache[NULL_BLOCK_ID].any(), f"layer {name} wrote into the null block"
+    for layer_names in shared_tensor_layers(kv_cache_config.kv_cache_groups):
+        storages = {kv_caches[name].untyped_storage().data_ptr() for name in layer_names}
+        assert len(storages) == 1, f"layers {layer_names} should share one tensor"

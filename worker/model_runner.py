@@ -15,11 +15,7 @@ import torch
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import (
-    NULL_BLOCK_ID,
     KVCacheConfig,
-    MambaSpec,
-    MLAAttentionSpec,
-    shared_tensor_layers,
 )
 from protocol.worker_messages import (
     CachedRequestData,
@@ -33,7 +29,7 @@ from worker.cross_attention import EncoderDecoderKV, encoder_decoder_kv
 from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
 from worker.input_batch import InputBatch, ParkedRequest
-from worker.kv_cache import allocate_kv_caches
+from worker.kv_cache import allocate_kv_caches, check_kv_caches
 from worker.models.registry import Model, build_model, get_model_info
 from worker.sampler import Sampler, SampleRequest
 
@@ -297,13 +293,7 @@ class ModelRunner:
         kv = PagedKV(self.kv_caches, config, tables, layout, self.device, cascade_tokens)
         if self.encoder_inputs.is_required:  # its decoder also reads each request's encoder
             kv = encoder_decoder_kv(kv, self.encoder_inputs, handles)
-        params, sampled_rows = batch.sampling_params, rows[logits_reqs].tolist()
-        sample_reqs = [
-            SampleRequest(handles[i], params[row], position)
-            for i, row, position in zip(
-                logits_reqs.tolist(), sampled_rows, known[logits_reqs].tolist(), strict=True
-            )
-        ]
+        sample_reqs = self._sample_requests(handles, rows[logits_reqs], known, logits_reqs)
         device = self.device
         return (
             torch.from_numpy(token_ids.astype(np.int64)).to(device),
@@ -313,6 +303,18 @@ class ModelRunner:
             sample_reqs,
             logits_reqs,
         )
+
+    def _sample_requests(
+        self, handles: list[int], rows: np.ndarray, known: np.ndarray, logits_reqs: np.ndarray
+    ) -> list[SampleRequest]:
+        """What the sampler needs of each sampled request (`rows` are theirs, in order)."""
+        params = self.input_batch.sampling_params
+        return [
+            SampleRequest(handles[i], params[row], position)
+            for i, row, position in zip(
+                logits_reqs.tolist(), rows.tolist(), known[logits_reqs].tolist(), strict=True
+            )
+        ]
 
     def check_invariants(self) -> None:
         """Walk the batch (and through it every BlockTable), the parked requests and block ids."""
@@ -336,43 +338,7 @@ class ModelRunner:
             assert max_id < num_blocks, (
                 f"group {group_idx} holds block id {max_id}, past num_blocks={num_blocks}"
             )
-        self._check_kv_caches()
-
-    def _check_kv_caches(self) -> None:
-        """Every layer's tensor has the agreed shape, and its null block was never written."""
-        num_blocks = self.kv_cache_config.num_blocks
-        for group in self.kv_cache_config.kv_cache_groups:
-            spec = group.spec
-            for name in group.layer_names:
-                cache = self.kv_caches[name]
-                shape = tuple(cache.shape)
-                match spec:
-                    case MLAAttentionSpec():  # the whole latent on every rank: no K/V, no heads
-                        expected = (num_blocks, spec.block_size, spec.latent_dim)
-                        assert shape == expected, f"layer {name} cache is {shape}, not {expected}"
-                    case MambaSpec():  # one state per block, channels split over the ranks
-                        (first, *rest) = spec.state_shapes[0]
-                        assert (
-                            shape[0] == num_blocks
-                            and list(shape[2:]) == rest
-                            and first % shape[1] == 0
-                        ), (
-                            f"layer {name} cache is {shape}, expected ({num_blocks}, {first} / "
-                            f"tp_size, *{rest})"
-                        )
-                    case _:
-                        assert (
-                            len(shape) == 5
-                            and shape[:3] == (num_blocks, 2, spec.block_size)
-                            and shape[4] == spec.head_dim
-                        ), (
-                            f"layer {name} cache is {shape}, expected ({num_blocks}, 2, "
-                            f"{spec.block_size}, num_kv_heads_per_rank, {spec.head_dim})"
-                        )
-                assert not cache[NULL_BLOCK_ID].any(), f"layer {name} wrote into the null block"
-        for layer_names in shared_tensor_layers(self.kv_cache_config.kv_cache_groups):
-            storages = {self.kv_caches[name].untyped_storage().data_ptr() for name in layer_names}
-            assert len(storages) == 1, f"layers {layer_names} should share one tensor"
+        check_kv_caches(self.kv_cache_config, self.kv_caches)
 
 
 def build_model_runner(
