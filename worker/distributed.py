@@ -14,7 +14,13 @@ import socket
 import torch
 import torch.distributed as dist
 
-from worker.shm_all_reduce import NAME_PREFIX, ShmAllReduce, create_segment, unlink_segment
+from worker.shm_all_reduce import (
+    NAME_PREFIX,
+    ShmAllReduce,
+    create_segment,
+    is_process_alive,
+    unlink_segment,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +234,10 @@ def join_shm_all_reduce(rank: int, tp_size: int, timeout_s: float) -> ShmAllRedu
     finally:  # every rank has mapped it, or the group failed: either way no one else will
         if rank == 0 and name:
             unlink_segment(name)
-    if shm is not None and bool((pids == 0).any()):
+    # a peer's pid must name it here too (one PID namespace), or a wait would take it for gone
+    sees_peers = torch.tensor([int(all(map(is_process_alive, pids.tolist())))])
+    dist.all_reduce(sees_peers, op=dist.ReduceOp.MIN)
+    if shm is not None and (bool((pids == 0).any()) or not sees_peers.item()):
         shm.close()
         shm = None
     if shm is not None:

@@ -127,7 +127,7 @@ class ShmAllReduce:
     def _check_peers(self, call: int, waited_s: float) -> None:
         late = [rank for rank in range(self.tp_size) if self._seq[rank] < call]
         for rank in late:
-            if not _is_alive(self.peer_pids[rank]):
+            if not is_process_alive(self.peer_pids[rank]):
                 raise PeerGoneError(
                     f"rank {rank} (pid {self.peer_pids[rank]}) exited before all-reduce {call}"
                 )
@@ -144,7 +144,7 @@ class ShmAllReduce:
             self._mmap.close()
 
 
-def _is_alive(pid: int) -> bool:
+def is_process_alive(pid: int) -> bool:
     """Whether process `pid` runs; a zombie (exited, not yet reaped by its parent) does not."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:

@@ -13,6 +13,7 @@ from worker.shm_all_reduce import (
     PeerGoneError,
     ShmAllReduce,
     create_segment,
+    is_process_alive,
     unlink_segment,
 )
 
@@ -91,3 +92,9 @@ def test_a_live_peer_that_never_comes_times_out_by_name(segment: str) -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[1, 2\] did not reach all-reduce 1 within"):
         shm.all_reduce(torch.ones(3, dtype=torch.int64))
     shm.close()
+
+
+def test_a_process_is_alive_only_while_its_pid_names_a_running_process() -> None:
+    assert is_process_alive(os.getpid())
+    assert not is_process_alive(2**22 + 12_345)  # above the default pid_max
+    assert not is_process_alive(0)  # what a rank that could not map the segment reports
