@@ -3,15 +3,27 @@ max_num_batched_tokens dummy tokens over a small throwaway cache, so the peak me
 largest step the engine may schedule can be measured. No sockets; every rank of a group runs it.
 """
 
+import logging
+
 import torch
 
 from protocol.buffers import pack_int32
+from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheConfig, bytes_per_block, cdiv
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
-from worker.kv_cache import allocate_kv_caches
+from worker.distributed import TPGroup
+from worker.kv_cache import (
+    CudaMemory,
+    MemoryAtStart,
+    allocate_kv_caches,
+    num_blocks_in_budget,
+    profile_capacity,
+)
 from worker.model_runner import ModelRunner
 from worker.models.registry import Model
+
+logger = logging.getLogger(__name__)
 
 PROFILE_TOKEN_ID = 1  # any id inside the vocabulary: the values do not change the memory used
 
@@ -82,3 +94,38 @@ def run_profile_step(
     runner = ModelRunner(model, kv_cache_config, kv_caches, rank, model_info.max_model_len, device)
     runner.execute_model(step)
     return num_blocks * bytes_per_block(model_info.kv_cache_groups, tp_size)
+
+
+def measure_num_blocks(
+    config: WorkerConfig,
+    model_info: ModelInfo,
+    device: torch.device,
+    start: MemoryAtStart | None,
+    model: Model,
+    group: TPGroup,
+) -> int:
+    """Blocks this rank can hold: kv_cache_memory_bytes when given, else this rank's share of
+    the CUDA device less the peak of one profiling step and what others held at start."""
+    groups = model_info.kv_cache_groups
+    if config.kv_cache_memory_bytes is not None:
+        return num_blocks_in_budget(groups, config.tp_size, config.kv_cache_memory_bytes)
+    if start is None:
+        raise ValueError(f"kv_cache_memory_bytes is required on device {device}, got None")
+    # ranks that share a device share its utilization too
+    utilization = config.gpu_memory_utilization / group.num_ranks_on_device
+    split = profile_capacity(
+        CudaMemory(device),
+        start,
+        lambda: run_profile_step(
+            model, model_info, config.rank, config.tp_size, device, config.max_num_batched_tokens
+        ),
+        utilization,
+    )
+    logger.info(
+        "memory of %s for %d ranks on it, profiled at %d tokens: %s",
+        device,
+        group.num_ranks_on_device,
+        config.max_num_batched_tokens,
+        split.describe(),
+    )
+    return num_blocks_in_budget(groups, config.tp_size, split.kv_budget_bytes)

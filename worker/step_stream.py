@@ -33,6 +33,7 @@ class StepStream:
         os.set_blocking(self._wake_read, False)
         self._encoder = make_encoder()  # its own: the worker's thread encodes with the other
         self.failed_step_id: int | None = None  # the step whose exception ended the thread
+        self._num_submitted = self._num_taken = 0  # counted on the worker's thread only
         self._thread = threading.Thread(target=self._run, name="step-stream", daemon=True)
         self._thread.start()
 
@@ -40,7 +41,13 @@ class StepStream:
         """Readable once a result is in; `take_results` empties it."""
         return self._wake_read
 
+    @property
+    def is_busy(self) -> bool:
+        """Whether a submitted step's result has not been taken yet."""
+        return self._num_submitted > self._num_taken
+
     def submit(self, step: SchedulerOutput) -> None:
+        self._num_submitted += 1
         self._steps.put(step)
 
     def take_results(self) -> list[tuple[float, bytes]]:
@@ -57,6 +64,7 @@ class StepStream:
             if isinstance(result, BaseException):
                 raise result
             results.append(result)
+        self._num_taken += len(results)
         return results
 
     def _run(self) -> None:

@@ -32,16 +32,10 @@ from protocol.worker_messages import (
     WorkerReady,
 )
 from worker.distributed import TPGroup, init_tp_group, resolve_device
-from worker.kv_cache import (
-    CudaMemory,
-    MemoryAtStart,
-    memory_at_start,
-    num_blocks_in_budget,
-    profile_capacity,
-)
+from worker.kv_cache import CudaMemory, memory_at_start
 from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.registry import Model, build_model, get_model_info
-from worker.profiling import run_profile_step
+from worker.profiling import measure_num_blocks
 from worker.reply_queue import POLL_RESOLUTION_S, ReplyQueue, sleep_until
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
 from worker.step_stream import StepStream
@@ -127,7 +121,9 @@ class Worker:
         self.model = build_model(
             config.model, self.tp_group, device, config.seed, config.model_step_ms
         )
-        num_blocks = self.measure_num_blocks(model_info, device, start)
+        num_blocks = measure_num_blocks(
+            config, model_info, device, start, self.model, self.tp_group
+        )
         hello = WorkerHello(
             PROTOCOL_VERSION,
             config.rank,
@@ -142,43 +138,6 @@ class Worker:
         )
         self.sock.send(self.encoder.encode(hello))
         return model_info
-
-    def measure_num_blocks(
-        self, model_info: ModelInfo, device: torch.device, start: MemoryAtStart | None
-    ) -> int:
-        """Blocks this rank can hold: kv_cache_memory_bytes when given, else this rank's share
-        of the CUDA device less the peak of one profiling step and what others held at start."""
-        config = self.config
-        groups = model_info.kv_cache_groups
-        if config.kv_cache_memory_bytes is not None:
-            return num_blocks_in_budget(groups, config.tp_size, config.kv_cache_memory_bytes)
-        if start is None:
-            raise ValueError(f"kv_cache_memory_bytes is required on device {device}, got None")
-        assert self.tp_group is not None and self.model is not None, "measured before the model"
-        model, group = self.model, self.tp_group
-        # ranks that share a device share its utilization too
-        utilization = config.gpu_memory_utilization / group.num_ranks_on_device
-        split = profile_capacity(
-            CudaMemory(device),
-            start,
-            lambda: run_profile_step(
-                model,
-                model_info,
-                config.rank,
-                config.tp_size,
-                device,
-                config.max_num_batched_tokens,
-            ),
-            utilization,
-        )
-        logger.info(
-            "memory of %s for %d ranks on it, profiled at %d tokens: %s",
-            device,
-            group.num_ranks_on_device,
-            config.max_num_batched_tokens,
-            split.describe(),
-        )
-        return num_blocks_in_budget(groups, config.tp_size, split.kv_budget_bytes)
 
     def allocate(
         self, kv_cache_config: KVCacheConfig, model_info: ModelInfo, device: torch.device
@@ -314,7 +273,10 @@ class Worker:
                 wait_ms = min(wait_ms, int(wake_in_s * 1000))
             ring, is_asleep = self.ring, False
             if ring is not None:
-                frame, is_asleep = self._take_or_sleep(ring)
+                # spin for the next step only when nothing else is under way: a spinning worker
+                # thread takes the CPU (and the GIL) the step thread and the engine need
+                is_idle = wake_at_s is None and not (self.stream and self.stream.is_busy)
+                frame, is_asleep = self._take_or_sleep(ring, is_idle)
                 if frame is not None:
                     return self.decoder.decode(frame)
                 if not is_asleep:
@@ -353,13 +315,15 @@ class Worker:
                 )
         return max(1, int(min(wait_until - now, STOP_CHECK_S) * 1000))
 
-    def _take_or_sleep(self, ring: ShmRingReader) -> tuple[bytes | bytearray | None, bool]:
-        """The ring's next frame, spun for briefly, or else (None, whether the reader is now
-        asleep on its doorbell); a closed ring is dropped."""
+    def _take_or_sleep(
+        self, ring: ShmRingReader, may_spin: bool
+    ) -> tuple[bytes | bytearray | None, bool]:
+        """The ring's next frame, spun for briefly when `may_spin`, or else (None, whether the
+        reader is now asleep on its doorbell); a closed ring is dropped."""
         timeout_s = self.config.engine_timeout_s
         try:
             frame = ring.read_if_ready(timeout_s)
-            if frame is None and ring.spin():
+            if frame is None and may_spin and ring.spin():
                 frame = ring.read_if_ready(timeout_s)
             return frame, frame is None and ring.begin_sleep()
         except RingClosedError as exc:
