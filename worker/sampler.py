@@ -7,12 +7,14 @@ to a 2**-16 grid, so their running sums are exact and every rank picks the same 
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.sampling import SamplingParams
 from worker.models.fixed_point import PROB_FRAC_BITS, quantize
 
 _MASK_64 = (1 << 64) - 1
+_NUMPY_ARGMAX_DTYPES = (torch.float64, torch.float32)
 
 
 def splitmix64(value: int) -> int:
@@ -26,6 +28,17 @@ def splitmix64(value: int) -> int:
 def uniform_draw(seed: int, position: int) -> float:
     """A number in [0, 1) fixed by (seed, position), with 53 random bits."""
     return (splitmix64(splitmix64(seed) ^ position) >> 11) / float(1 << 53)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [S] int64, the first maximum on a tie (a NaN counts as the maximum).
+
+    On the CPU numpy's vectorized argmax takes about a sixth of torch's time for float64 rows.
+    """
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX_DTYPES:
+        tokens = logits.detach().numpy().argmax(axis=-1)
+        return torch.from_numpy(tokens.astype(np.int64, copy=False))
+    return torch.argmax(logits, dim=-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +60,7 @@ class Sampler:
         """Token ids [S] int64 for logits [S, V] float64, one row per request in order."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"got {logits.shape[0]} logits rows for {len(requests)} requests")
-        tokens = torch.argmax(logits, dim=-1)  # the first maximum on a tie
+        tokens = greedy_tokens(logits)
         hot = [i for i, req in enumerate(requests) if req.sampling_params.temperature > 0]
         if hot:
             rows = torch.tensor(hot, dtype=torch.int64, device=logits.device)

@@ -19,7 +19,7 @@ from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner, build_model_runner
 from worker.models.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
-from worker.sampler import Sampler, SampleRequest, uniform_draw
+from worker.sampler import Sampler, SampleRequest, greedy_tokens, uniform_draw
 
 DEVICE = torch.device(worker_test_device())
 BLOCK_SIZE = 4
@@ -274,6 +274,23 @@ def test_built_runner_checks_each_step_as_the_kv_cache_config_says(check_invaria
 def test_greedy_takes_the_first_maximum() -> None:
     logits = torch.tensor([[0.5, 2.0, 2.0, 1.0]], dtype=torch.float64)
     assert Sampler().sample(logits, [SampleRequest(1, GREEDY, 3)]).tolist() == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_greedy_tokens_agree_with_torch_argmax_on_ties_nans_and_infinities(
+    dtype: torch.dtype,
+) -> None:
+    nan, inf = math.nan, math.inf
+    rows = [[1.0, nan, 3.0, nan], [2.0, 2.0, 1.0, 0.0], [-inf] * 4, [inf, 1.0, inf, nan]]
+    generator = torch.Generator().manual_seed(0)
+    random_rows = torch.randint(0, 5, (64, 33), generator=generator).tolist()  # many ties
+    for values in (rows, random_rows):
+        logits = torch.tensor(values, dtype=torch.float64).to(dtype)
+        tokens = greedy_tokens(logits)
+        assert tokens.dtype == torch.int64
+        assert torch.equal(tokens, torch.argmax(logits, dim=-1))
+    strided = torch.tensor(random_rows, dtype=torch.float64)[:, ::2]  # not contiguous
+    assert torch.equal(greedy_tokens(strided), torch.argmax(strided, dim=-1))
 
 
 def test_seeded_draws_depend_only_on_seed_and_position() -> None:

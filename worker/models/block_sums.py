@@ -40,6 +40,8 @@ class BlockSums:
         device = caches[0].device
         self.block_sums = torch.zeros(num_blocks, dtype=torch.int64, device=device)
         self.slot_sums = torch.zeros(num_blocks * block_size, dtype=torch.int64, device=device)
+        head_dim = caches[0].shape[-1]
+        self._dim_weight = torch.arange(1, head_dim + 1, dtype=torch.int64, device=device)
 
     def check_invariants(self) -> None:
         per_block = self.slot_sums.view(-1, self.block_size).sum(dim=1)
@@ -85,18 +87,14 @@ class BlockSums:
     ) -> torch.Tensor:
         """Each request's entries of its last token's block, up to that token, from the caches."""
         block_size, device = self.block_size, self.block_sums.device
-        own = table[rows, last // block_size].astype(np.int64)  # [S]
+        own = torch.from_numpy(table[rows, last // block_size].astype(np.int64)).to(device)  # [S]
         offsets = np.arange(block_size)
         positions = (last // block_size * block_size)[:, None] + offsets[None, :]  # [S, B]
-        visible = torch.from_numpy(offsets[None, :] <= (last % block_size)[:, None]).to(device)
-        positions_t = torch.from_numpy(positions).to(device)
+        # the position weight of entries up to the last token, 0 past it: one multiply masks
+        is_visible = offsets[None, :] <= (last % block_size)[:, None]
+        weight = np.where(is_visible, positions % POSITION_WEIGHT_MODULUS + 1, 0)
         sums = torch.zeros(positions.shape, dtype=torch.int64, device=device)
         for name in self.layer_names:
-            cache_rows, block_rows, _ = paged.token_rows(name)
-            k_rows = torch.from_numpy((own * block_rows)[:, None] + offsets[None, :]).to(device)
-            flat = k_rows.reshape(-1)
-            shape = (*k_rows.shape, *cache_rows.shape[1:])
-            k = cache_rows.index_select(0, flat).view(shape)
-            v = cache_rows.index_select(0, flat + block_size).view(shape)
-            sums += entry_sums(k, v, positions_t)
-        return torch.where(visible, sums, 0).sum(dim=1)
+            blocks = paged.kv_caches[name].index_select(0, own)  # [S, 2, B, heads, head_dim]
+            sums += (blocks[:, 0] * self._dim_weight + blocks[:, 1]).sum(dim=(-2, -1))
+        return (sums * torch.from_numpy(weight).to(device)).sum(dim=1)

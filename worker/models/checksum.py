@@ -7,6 +7,7 @@ position over this rank's heads, all-reduces the sum and mixes it into pseudo-ra
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
@@ -111,10 +112,16 @@ class LogitMixer:
         y = self._values[:num_rows]
         torch.mul(a[:, None], self._twice_b, out=y)  # < 2^62
         y.add_((a * a % LOGIT_MODULUS)[:, None]).add_(self._b_squared)  # < 2^62 + 2^32
-        y.remainder_(LOGIT_MODULUS)
         logits = self._logits[:num_rows]
-        logits.copy_(y)
-        return logits.div_(LOGIT_MODULUS)
+        if y.device.type != "cpu":
+            y.remainder_(LOGIT_MODULUS)
+            return logits.copy_(y).div_(LOGIT_MODULUS)
+        # numpy divides by a constant without a hardware division, and casts as it divides
+        values, quotients = y.numpy(), logits.view(torch.int64).numpy()  # logits: scratch
+        np.floor_divide(values, LOGIT_MODULUS, out=quotients)
+        values -= np.multiply(quotients, LOGIT_MODULUS, out=quotients)
+        np.true_divide(values, LOGIT_MODULUS, out=logits.numpy())
+        return logits
 
 
 class ChecksumModel:
