@@ -31,7 +31,7 @@ from worker.encoder_inputs import EncoderInputs
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
 from worker.models.registry import Model, build_model, get_model_info
-from worker.sampler import Sampler, SampleRequest
+from worker.sampler import SampleBatch, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class ModelRunner:
         torch.Tensor,
         torch.Tensor,
         PagedKV | EncoderDecoderKV,
-        list[SampleRequest],
+        SampleBatch,
         np.ndarray,
     ]:
         """Flatten the step: token ids, positions, the sampled tokens, and the paged-cache view."""
@@ -306,15 +306,14 @@ class ModelRunner:
 
     def _sample_requests(
         self, handles: list[int], rows: np.ndarray, known: np.ndarray, logits_reqs: np.ndarray
-    ) -> list[SampleRequest]:
+    ) -> SampleBatch:
         """What the sampler needs of each sampled request (`rows` are theirs, in order)."""
         params = self.input_batch.sampling_params
-        return [
-            SampleRequest(handles[i], params[row], position)
-            for i, row, position in zip(
-                logits_reqs.tolist(), rows.tolist(), known[logits_reqs].tolist(), strict=True
-            )
-        ]
+        return SampleBatch(
+            [handles[i] for i in logits_reqs.tolist()],
+            [params[row] for row in rows.tolist()],
+            known[logits_reqs].tolist(),
+        )
 
     def check_invariants(self) -> None:
         """Walk the batch (and through it every BlockTable), the parked requests and block ids."""

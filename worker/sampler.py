@@ -5,6 +5,7 @@ chunking, preemption and TP size cannot change a seeded request's tokens. Probab
 to a 2**-16 grid, so their running sums are exact and every rank picks the same token.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,12 +43,27 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class SampleRequest:
-    """What the sampler needs of one row of logits."""
+class SampleBatch:
+    """What the sampler needs of each row of logits, as columns of one length."""
 
-    handle: int  # the request's engine handle; seeds unseeded temperature sampling
-    sampling_params: SamplingParams
-    position: int  # position the sampled token will take in its sequence
+    handles: Sequence[int]  # the requests' engine handles; seed unseeded temperature sampling
+    sampling_params: Sequence[SamplingParams]
+    positions: Sequence[int]  # position each sampled token will take in its sequence
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.handles), len(self.sampling_params), len(self.positions)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"sample batch of {len(self.handles)} handles, {len(self.sampling_params)} "
+                f"sampling params and {len(self.positions)} positions: expected one length"
+            )
+
+    @classmethod
+    def one(cls, handle: int, sampling_params: SamplingParams, position: int) -> "SampleBatch":
+        return cls([handle], [sampling_params], [position])
+
+    def __len__(self) -> int:
+        return len(self.handles)
 
 
 class Sampler:
@@ -56,26 +72,31 @@ class Sampler:
     def __init__(self, default_seed: int = 0) -> None:
         self.default_seed = default_seed
 
-    def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        """Token ids [S] int64 for logits [S, V] float64, one row per request in order."""
-        if logits.shape[0] != len(requests):
-            raise ValueError(f"got {logits.shape[0]} logits rows for {len(requests)} requests")
+    def sample(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
+        """Token ids [S] int64 for logits [S, V] float64, one row per batch entry in order.
+
+        Greedy rows cost one argmax over all rows; only rows with a temperature are looked at
+        one by one.
+        """
+        if logits.shape[0] != len(batch):
+            raise ValueError(f"got {logits.shape[0]} logits rows for {len(batch)} requests")
         tokens = greedy_tokens(logits)
-        hot = [i for i, req in enumerate(requests) if req.sampling_params.temperature > 0]
+        params = batch.sampling_params
+        hot = [i for i, row_params in enumerate(params) if row_params.temperature > 0]
         if hot:
             rows = torch.tensor(hot, dtype=torch.int64, device=logits.device)
-            tokens[rows] = self._sample_with_temperature(logits[rows], [requests[i] for i in hot])
+            tokens[rows] = self._sample_with_temperature(logits[rows], batch, hot)
         return tokens
 
     def _sample_with_temperature(
-        self, logits: torch.Tensor, requests: list[SampleRequest]
+        self, logits: torch.Tensor, batch: SampleBatch, hot: list[int]
     ) -> torch.Tensor:
-        """Inverse-CDF draw from softmax(logits / temperature) with per-position uniform numbers."""
+        """Inverse-CDF draw from softmax(logits / temperature) with per-position uniform
+        numbers; `logits` are the rows of batch entries `hot`."""
         device = logits.device
+        params, handles, positions = batch.sampling_params, batch.handles, batch.positions
         temps = torch.tensor(
-            [req.sampling_params.temperature for req in requests],
-            dtype=torch.float64,
-            device=device,
+            [params[i].temperature for i in hot], dtype=torch.float64, device=device
         )
         shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
         # kernels may differ by an ulp in exp; rounding to the grid hides it unless a value lies
@@ -83,7 +104,7 @@ class Sampler:
         probs = quantize(torch.exp(shifted), PROB_FRAC_BITS, 1)  # [S, V]; the max entry is 1
         cumulative = torch.cumsum(probs, dim=-1)  # exact on the grid
         draws = torch.tensor(
-            [uniform_draw(self._seed(req), req.position) for req in requests],
+            [uniform_draw(self._seed(params[i], handles[i]), positions[i]) for i in hot],
             dtype=torch.float64,
             device=device,
         )
@@ -91,6 +112,6 @@ class Sampler:
         picked = (cumulative <= targets[:, None]).sum(dim=-1)
         return torch.clamp(picked, max=logits.shape[1] - 1)
 
-    def _seed(self, req: SampleRequest) -> int:
-        seed = req.sampling_params.seed
-        return seed if seed is not None else splitmix64((self.default_seed << 32) ^ req.handle)
+    def _seed(self, sampling_params: SamplingParams, handle: int) -> int:
+        seed = sampling_params.seed
+        return seed if seed is not None else splitmix64((self.default_seed << 32) ^ handle)

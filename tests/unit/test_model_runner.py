@@ -19,7 +19,7 @@ from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner, build_model_runner
 from worker.models.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
-from worker.sampler import Sampler, SampleRequest, greedy_tokens, uniform_draw
+from worker.sampler import SampleBatch, Sampler, greedy_tokens, uniform_draw
 
 DEVICE = torch.device(worker_test_device())
 BLOCK_SIZE = 4
@@ -273,7 +273,7 @@ def test_built_runner_checks_each_step_as_the_kv_cache_config_says(check_invaria
 
 def test_greedy_takes_the_first_maximum() -> None:
     logits = torch.tensor([[0.5, 2.0, 2.0, 1.0]], dtype=torch.float64)
-    assert Sampler().sample(logits, [SampleRequest(1, GREEDY, 3)]).tolist() == [1]
+    assert Sampler().sample(logits, SampleBatch.one(1, GREEDY, 3)).tolist() == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -293,16 +293,35 @@ def test_greedy_tokens_agree_with_torch_argmax_on_ties_nans_and_infinities(
     assert torch.equal(greedy_tokens(strided), torch.argmax(strided, dim=-1))
 
 
+def test_a_mixed_batch_samples_each_row_as_it_would_alone() -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.rand((6, 40), generator=generator, dtype=torch.float64) * 4
+    params = [GREEDY, SamplingParams(temperature=0.7, seed=11), GREEDY]
+    params += [SamplingParams(temperature=1.3), GREEDY, SamplingParams(temperature=2.0, seed=5)]
+    handles, positions = [4, 9, 2, 7, 1, 3], [10, 11, 12, 13, 14, 15]
+    sampler = Sampler(21)
+    together = sampler.sample(logits, SampleBatch(handles, params, positions)).tolist()
+    alone = [
+        int(sampler.sample(logits[i : i + 1], SampleBatch.one(handles[i], params[i], positions[i])))
+        for i in range(6)
+    ]
+    assert together == alone
+    with pytest.raises(ValueError, match="3 handles, 2 sampling params and 3 positions"):
+        SampleBatch([1, 2, 3], [GREEDY, GREEDY], [0, 1, 2])
+    with pytest.raises(ValueError, match="got 6 logits rows for 1 requests"):
+        sampler.sample(logits, SampleBatch.one(1, GREEDY, 0))
+
+
 def test_seeded_draws_depend_only_on_seed_and_position() -> None:
     assert uniform_draw(7, 100) == uniform_draw(7, 100)
     assert uniform_draw(7, 100) != uniform_draw(7, 101) != uniform_draw(8, 100)
     params = SamplingParams(temperature=1.0, seed=7)
     logits = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64)
     picks = [
-        int(Sampler().sample(logits, [SampleRequest(1, params, pos)])[0]) for pos in range(2000)
+        int(Sampler().sample(logits, SampleBatch.one(1, params, pos))[0]) for pos in range(2000)
     ]
     again = [
-        int(Sampler(99).sample(logits, [SampleRequest(5, params, pos)])[0]) for pos in range(2000)
+        int(Sampler(99).sample(logits, SampleBatch.one(5, params, pos))[0]) for pos in range(2000)
     ]
     assert picks == again  # the runner seed and the handle do not matter once a seed is given
     assert 0.72 < np.mean(picks) < 0.78  # p(token 1) = 3 / 4
@@ -315,7 +334,7 @@ def test_unseeded_draws_differ_between_requests_but_not_between_ranks() -> None:
     def draws(runner_seed: int, handle: int) -> list[int]:
         sampler = Sampler(runner_seed)
         return [
-            int(sampler.sample(logits, [SampleRequest(handle, params, p)])[0]) for p in range(20)
+            int(sampler.sample(logits, SampleBatch.one(handle, params, p))[0]) for p in range(20)
         ]
 
     assert draws(0, 1) == draws(0, 1)

@@ -21,7 +21,7 @@ from worker.models.tiny_mamba import TINY_MAMBA_HYBRID
 from worker.models.tiny_mamba_reference import tiny_mamba_logits
 from worker.models.tiny_mla import TINY_MLA
 from worker.models.tiny_mla_reference import tiny_mla_logits
-from worker.sampler import Sampler, SampleRequest
+from worker.sampler import SampleBatch, Sampler
 
 
 class DenseKV:
@@ -114,8 +114,8 @@ class ReferenceModel:
         sequence, output = list(prompt_token_ids), []
         while len(sequence) < limit:
             logits = self._logits_of(sequence, len(prompt_token_ids))
-            request = SampleRequest(handle, sampling_params, len(sequence))
-            token_id = int(self._sampler.sample(logits[None], [request])[0])
+            request = SampleBatch.one(handle, sampling_params, len(sequence))
+            token_id = int(self._sampler.sample(logits[None], request)[0])
             sequence.append(token_id)
             output.append(token_id)
             if _stops(token_id, output, sampling_params, info.eos_token_id):

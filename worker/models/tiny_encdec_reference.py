@@ -10,7 +10,7 @@ from worker.attention import ContextChunk
 from worker.distributed import single_rank_group
 from worker.models.reference import DenseKV
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
-from worker.sampler import Sampler, SampleRequest
+from worker.sampler import SampleBatch, Sampler
 
 
 class DenseCrossKV:
@@ -80,8 +80,8 @@ class TinyEncDecReference:
         sequence, output = list(prompt_token_ids), []
         while len(sequence) < limit:
             logits = self.logits(sequence, encoder_token_ids)
-            request = SampleRequest(handle, sampling_params, len(sequence))
-            token_id = int(self.sampler.sample(logits[None], [request])[0])
+            request = SampleBatch.one(handle, sampling_params, len(sequence))
+            token_id = int(self.sampler.sample(logits[None], request)[0])
             sequence.append(token_id)
             output.append(token_id)
             if _stops(token_id, output, sampling_params):
