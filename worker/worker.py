@@ -6,6 +6,7 @@ lifecycle, never scheduling. On an exception it sends WorkerFailed and exits 1; 
 disconnects or goes silent, it exits 1 too.
 """
 
+import gc
 import logging
 import os
 import signal
@@ -160,6 +161,10 @@ class Worker:
         # thread runs Python: 0.5 ms rather than the default 5 ms between forced switches
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         is_attached = self.attach_ring(kv_cache_config)
+        # torch, the model and the runner live as long as the rank: left to the collector, a
+        # full collection walks them all (about 0.1 s on a CPU rank) and stalls every rank's step
+        gc.collect()
+        gc.freeze()
         ready = WorkerReady(
             self.config.rank, kv_cache_config.num_blocks, self.generation, is_attached
         )
