@@ -87,6 +87,28 @@ def test_block_sums_give_checksums_tokens_when_blocks_are_freed_preempted_and_re
         assert outputs[i + 1] == reference_generate(CHECKSUM.name, prompt, sampling, handle=i + 1)
 
 
+@pytest.mark.parametrize("block_idx", [0, 1, 2])
+def test_each_table_entry_it_reads_changes_the_tokens_when_corrupted(block_idx: int) -> None:
+    """Its sums go through the block table: a full block's (0, 1) and the last token's own
+    block's (2) entry, pointed at another request's block, give other tokens."""
+    rng = random.Random(block_idx)
+    prompts = [[rng.randrange(3, 500) for _ in range(10)] for _ in range(2)]  # blocks 0, 1, 2
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 2
+    work = Workload(FIXED_TIME.name, 4, 40, prompts, params, 64, check_invariants=True)
+    core, executor = build_rank(work, single_rank_group(), DEVICE)
+    first_step = core.step()  # both prefills whole, each with its first token
+    first = {
+        out.req_id: list(out.new_token_ids) for outs in first_step.values() for out in outs.outputs
+    }
+    expected = reference_generate(CHECKSUM.name, prompts[0], params[0], handle=1)
+    assert first["1"] == expected[:1]
+    batch = executor.runner.input_batch
+    table = batch.block_table[0]
+    row, other = batch.handle_to_row[1], batch.handle_to_row[2]
+    table.block_table[row, block_idx] = table.block_table[other, block_idx]
+    assert run_to_completion(core)[1] != expected[1:]
+
+
 def test_model_info_differs_from_checksum_only_in_its_name() -> None:
     checksum, fixed_time = get_model_info(CHECKSUM.name, 16), get_model_info(FIXED_TIME.name, 16)
     assert fixed_time.name == "fixed-time"

@@ -2,8 +2,8 @@
 
 The layers of one KV-cache group keep, beside their paged caches, every block's (and slot's)
 weighted sum over those layers, folding in each written entry as read back from the caches; a
-context is its full blocks' sums plus its last block, read from the caches. The tokens equal
-checksum's. Full attention only (each block before the last is full); never for other specs.
+context is its full blocks' sums plus its last block's slots, found through the block table. The
+tokens equal checksum's. Full attention only (each block before the last is full).
 """
 
 import weakref
@@ -80,21 +80,16 @@ class BlockSums:
         full = torch.from_numpy(np.where(is_full, table[rows, :width], 0)).to(device)
         is_full_t = torch.from_numpy(is_full).to(device)
         totals = torch.where(is_full_t, self.block_sums[full.long()], 0).sum(dim=1)
-        return totals + self._last_block_sums(paged, table, rows, last)
+        return totals + self._last_block_sums(table, rows, last)
 
     def _last_block_sums(
-        self, paged: PagedKV, table: np.ndarray, rows: np.ndarray, last: np.ndarray
+        self, table: np.ndarray, rows: np.ndarray, last: np.ndarray
     ) -> torch.Tensor:
-        """Each request's entries of its last token's block, up to that token, from the caches."""
+        """Each request's slots of its last token's block, up to that token: slot_sums hold
+        what record_writes read back from the caches there, and nothing has written since."""
         block_size, device = self.block_size, self.block_sums.device
-        own = torch.from_numpy(table[rows, last // block_size].astype(np.int64)).to(device)  # [S]
         offsets = np.arange(block_size)
-        positions = (last // block_size * block_size)[:, None] + offsets[None, :]  # [S, B]
-        # the position weight of entries up to the last token, 0 past it: one multiply masks
-        is_visible = offsets[None, :] <= (last % block_size)[:, None]
-        weight = np.where(is_visible, positions % POSITION_WEIGHT_MODULUS + 1, 0)
-        sums = torch.zeros(positions.shape, dtype=torch.int64, device=device)
-        for name in self.layer_names:
-            blocks = paged.kv_caches[name].index_select(0, own)  # [S, 2, B, heads, head_dim]
-            sums += (blocks[:, 0] * self._dim_weight + blocks[:, 1]).sum(dim=(-2, -1))
-        return (sums * torch.from_numpy(weight).to(device)).sum(dim=1)
+        slots = (table[rows, last // block_size].astype(np.int64) * block_size)[:, None] + offsets
+        is_visible = torch.from_numpy(offsets[None, :] <= (last % block_size)[:, None])
+        sums = self.slot_sums[torch.from_numpy(slots).to(device)]  # [S, B]
+        return torch.where(is_visible.to(device), sums, 0).sum(dim=1)
