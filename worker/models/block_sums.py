@@ -40,8 +40,6 @@ class BlockSums:
         device = caches[0].device
         self.block_sums = torch.zeros(num_blocks, dtype=torch.int64, device=device)
         self.slot_sums = torch.zeros(num_blocks * block_size, dtype=torch.int64, device=device)
-        head_dim = caches[0].shape[-1]
-        self._dim_weight = torch.arange(1, head_dim + 1, dtype=torch.int64, device=device)
 
     def check_invariants(self) -> None:
         per_block = self.slot_sums.view(-1, self.block_size).sum(dim=1)
