@@ -1,6 +1,7 @@
 """BlockHashToBlockMap: the prefix-cache index from a key (hash with group id) to its blocks.
 
-Owned and updated by BlockPool only; it never changes a block, it only files and finds them.
+Owned and updated by BlockPool only. It files and finds blocks, and changes one only to clear
+the key of a block it unfiles.
 """
 
 from collections.abc import Iterable
@@ -21,7 +22,7 @@ class BlockHashToBlockMap:
     blocks and its first value is the `_first` block; every block filed carries the key.
     """
 
-    __slots__ = ("_copies", "_first", "get_one_block")
+    __slots__ = ("_copies", "_first", "file_first", "get_one_block")
 
     def __init__(self) -> None:
         self._first: dict[BlockHashWithGroupId, KVCacheBlock] = {}
@@ -29,6 +30,9 @@ class BlockHashToBlockMap:
         # The earliest cached copy of a key, or None: the dict's own `get`, so that the hottest
         # call in the pool runs no Python frame.
         self.get_one_block = self._first.get
+        # Files `block` as the copy lookups find unless one is filed: returns the copy they find.
+        # A caller given another block passes both to `add_copy`. The dict's own `setdefault`.
+        self.file_first = self._first.setdefault
 
     def get_block(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         """The copy of `key` held by block `block_id`, if that block is cached under it."""
@@ -41,20 +45,10 @@ class BlockHashToBlockMap:
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         first = self._first.setdefault(key, block)
         if first is not block:
-            self._add_copy(key, first, block)
+            self.add_copy(key, first, block)
 
-    def insert_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """File each block under the key it carries: `insert` for many, in one call."""
-        setdefault = self._first.setdefault
-        for block in blocks:
-            key = block.block_hash
-            first = setdefault(key, block)
-            if first is not block:
-                self._add_copy(key, first, block)
-
-    def _add_copy(
-        self, key: BlockHashWithGroupId, first: KVCacheBlock, block: KVCacheBlock
-    ) -> None:
+    def add_copy(self, key: BlockHashWithGroupId, first: KVCacheBlock, block: KVCacheBlock) -> None:
+        """File `block` beside `first`, the copy `file_first` found under `key`."""
         copies = self._copies.get(key)
         if copies is None:
             self._copies[key] = {first.block_id: first, block.block_id: block}
@@ -79,11 +73,13 @@ class BlockHashToBlockMap:
             del self._copies[key]
         return block
 
-    def pop_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Remove each block from the key it carries: `pop` for many, in one call."""
+    def unfile_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Remove each block from the key it carries, then clear that key from the block: what
+        `pop` and `block.block_hash = None` do, for many blocks in one pass."""
         first, copies = self._first, self._copies
         for block in blocks:
             key = block.block_hash
+            block.block_hash = None
             if copies and key in copies:
                 self.pop(key, block.block_id)
                 continue

@@ -158,16 +158,14 @@ class BlockPool:
         block_hashes = request.block_hashes
         _check_cacheable(request, len(blocks), num_cached_blocks, num_full_blocks, block_mask)
         suffix = self._group_id_suffixes[kv_cache_group_id]
+        index = self.cached_block_hash_to_block
+        file_first = index.file_first
         is_recording = self.enable_kv_cache_events
         announced: list[int] = []  # indices whose hash had no cached copy: routers learn these
-        hashed: list[KVCacheBlock] = []  # without events, filed in the map in one call at the end
         for idx in range(num_cached_blocks, num_full_blocks):
             block = blocks[idx]
             if block.block_hash is not None:
-                if is_recording:  # only the recording path filed them already
-                    self.cached_block_hash_to_block.pop_blocks(hashed)
-                for done in hashed:
-                    done.block_hash = None
+                self._unfile(blocks[num_cached_blocks:idx], block_mask)
                 raise ValueError(
                     f"cannot cache block {block.block_id} at index {idx} of request "
                     f"{request.req_id}: it already has a hash"
@@ -178,13 +176,12 @@ class BlockPool:
                 continue
             key = block_hashes[idx] + suffix
             block.block_hash = key
-            hashed.append(block)
-            if is_recording:  # filed one by one, so each lookup sees the keys filed before it
-                if self._get_one_block(key) is None:
-                    announced.append(idx)
-                self.cached_block_hash_to_block.insert(key, block)
-        if not is_recording:
-            self.cached_block_hash_to_block.insert_blocks(hashed)
+            # Filed one by one, so that a later block of the same content sees this copy.
+            first = file_first(key, block)
+            if first is not block:
+                index.add_copy(key, first, block)
+            elif is_recording:
+                announced.append(idx)
         if announced:
             self._record_block_stored(request, announced, block_size, kv_cache_group_id)
 
@@ -208,9 +205,7 @@ class BlockPool:
                     stale.append(block)
                 block.ref_cnt = 1
             if stale:
-                self.cached_block_hash_to_block.pop_blocks(stale)
-                for block in stale:
-                    block.block_hash = None
+                self.cached_block_hash_to_block.unfile_blocks(stale)
         collector = self.metrics_collector
         if collector is not None:
             for block in blocks:
@@ -362,6 +357,15 @@ class BlockPool:
             self.kv_event_queue.append(block_removed([get_block_hash(key)], get_group_id(key)))
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
+
+    def _unfile(self, filed: Sequence[KVCacheBlock], mask: Sequence[bool] | None) -> None:
+        """Undo a `cache_full_blocks` call that met a hashed block after filing `filed`."""
+        done = [
+            block
+            for idx, block in enumerate(filed)
+            if not block.is_null and (mask is None or mask[idx])
+        ]
+        self.cached_block_hash_to_block.unfile_blocks(done)
 
     @staticmethod
     def _restore_refs(blocks: Sequence[KVCacheBlock]) -> None:

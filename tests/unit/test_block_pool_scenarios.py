@@ -249,6 +249,27 @@ def test_caching_a_block_that_already_has_a_hash_raises_and_undoes_the_call() ->
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("enable_kv_cache_events", [False, True])
+def test_an_undone_cache_call_unfiles_what_it_filed_past_null_and_masked_blocks(
+    enable_kv_cache_events: bool,
+) -> None:
+    pool = make_pool(enable_kv_cache_events=enable_kv_cache_events)
+    request = make_request("a", list(range(20)))
+    held = pool.get_new_blocks(4)
+    pool.cache_full_blocks(request, [*held, *pool.get_new_blocks(1)], 4, 5, BLOCK_SIZE, 0)
+    events = pool.take_events()
+    blocks = [pool.null_block, *held[1:], pool.blocks[5]]  # block 5: hashed by the call above
+    with pytest.raises(ValueError, match="cannot cache block 5 at index 4"):
+        mask = [True, True, False, True, True]
+        pool.cache_full_blocks(request, blocks, 0, 5, BLOCK_SIZE, 0, mask)
+    assert [block.block_hash is None for block in blocks[:4]] == [True, True, True, True]
+    for idx in (1, 3):  # what it filed is gone from the index
+        assert pool.get_cached_block(request.block_hashes[idx], [0]) is None
+    assert pool.take_events() == []  # and routers heard of none of it
+    assert len(events) == enable_kv_cache_events
+    pool.check_invariants()
+
+
 def test_caching_more_blocks_than_the_request_has_hashes_raises() -> None:
     pool = make_pool()
     blocks = pool.get_new_blocks(2)
