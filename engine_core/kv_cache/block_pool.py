@@ -360,11 +360,7 @@ class BlockPool:
 
     def _unfile(self, filed: Sequence[KVCacheBlock], mask: Sequence[bool] | None) -> None:
         """Undo a `cache_full_blocks` call that met a hashed block after filing `filed`."""
-        done = [
-            block
-            for idx, block in enumerate(filed)
-            if not block.is_null and (mask is None or mask[idx])
-        ]
+        done = [b for i, b in enumerate(filed) if not b.is_null and (mask is None or mask[i])]
         self.cached_block_hash_to_block.unfile_blocks(done)
 
     @staticmethod
