@@ -18,11 +18,16 @@ _MASK_64 = (1 << 64) - 1
 _NUMPY_ARGMAX_DTYPES = (torch.float64, torch.float32)
 
 
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MUL_2 = 0x94D049BB133111EB
+
+
 def splitmix64(value: int) -> int:
     """A fixed 64-bit mixing function (Steele, Lea and Flood's SplitMix64 finalizer)."""
-    z = (value + 0x9E3779B97F4A7C15) & _MASK_64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    z = (value + SPLITMIX_GAMMA) & _MASK_64
+    z = ((z ^ (z >> 30)) * SPLITMIX_MUL_1) & _MASK_64
+    z = ((z ^ (z >> 27)) * SPLITMIX_MUL_2) & _MASK_64
     return z ^ (z >> 31)
 
 

@@ -19,6 +19,7 @@ from worker.models.checksum import CHECKSUM, ChecksumModel, LogitMixer, mix_logi
 from worker.models.fixed_time import FIXED_TIME, FixedTimeModel
 from worker.models.reference import DenseKV, reference_generate
 from worker.models.registry import build_model, get_model_info
+from worker.sampler import splitmix64
 
 DEVICE = torch.device(worker_test_device())
 PARAMS = [
@@ -168,16 +169,26 @@ def test_the_step_time_comes_from_the_worker_config_and_its_flag() -> None:
 
 
 def test_the_logit_mixer_reuses_its_buffers_and_gives_the_formulas_logits() -> None:
-    """Batches that grow, shrink and grow again through one mixer, against the formula written
-    out with fresh tensors; extreme totals included (negative, and near the int64 bounds)."""
-    modulus = 2_147_483_647
-    mixer = LogitMixer(CHECKSUM.vocab_size)
-    vocab = torch.arange(1, CHECKSUM.vocab_size + 1, dtype=torch.int64)
+    """Batches that grow, shrink and grow again through one mixer, on numpy's path and torch's,
+    against the formula in Python integers; extreme totals included (negative, int64 bounds)."""
+    mask = (1 << 64) - 1
+    columns = [splitmix64(v) | 1 for v in range(CHECKSUM.vocab_size)]
+    mixers = [LogitMixer(CHECKSUM.vocab_size), LogitMixer(CHECKSUM.vocab_size, numpy_on_cpu=False)]
     generator = torch.Generator().manual_seed(7)
     for num_rows in (3, 64, 1, 200, 64):
         totals = torch.randint(-(2**62), 2**62, (num_rows,), generator=generator)
         totals[0] = 2**63 - 1
-        expected = ((totals % modulus)[:, None] * 48_271 + vocab * 16_807) % modulus
-        expected = ((expected * expected + 12_345) % modulus).double() / modulus
-        assert torch.equal(mixer.mix(totals), expected)
+        totals[-1] = -(2**63)
+        rows = [splitmix64(total & mask) | 1 for total in totals.tolist()]
+        expected = (
+            torch.tensor(
+                [[(row * column & mask) >> 12 for column in columns] for row in rows],
+                dtype=torch.float64,
+            )
+            / 2**52
+        )
+        for mixer in mixers:
+            assert torch.equal(mixer.mix(totals), expected)
         assert torch.equal(mix_logits(totals, CHECKSUM.vocab_size), expected)
+    tokens = mix_logits(torch.arange(4096), CHECKSUM.vocab_size).argmax(dim=1)
+    assert len(set(tokens.tolist())) > CHECKSUM.vocab_size // 2  # consecutive totals spread

@@ -13,9 +13,11 @@ import torch
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from worker.attention import KVContext
 from worker.distributed import TPGroup
+from worker.sampler import SPLITMIX_GAMMA, SPLITMIX_MUL_1, SPLITMIX_MUL_2
 
 VALUE_MODULUS = 65_521  # values stay below 2**16
-LOGIT_MODULUS = 2_147_483_647  # 2**31 - 1, so a square stays below 2**62
+LOGIT_SHIFT = 12  # a logit keeps a 64-bit product's top 52 bits: a float64's mantissa
+ONE_BITS = 0x3FF0_0000_0000_0000  # the float64 1.0; its mantissa bits are all zero
 POSITION_WEIGHT_MODULUS = 251
 
 
@@ -79,26 +81,45 @@ def mix_logits(totals: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return LogitMixer(vocab_size).mix(totals).clone()
 
 
-class LogitMixer:
-    """mix_logits into buffers kept from one step to the next, with one [S, V] remainder.
+def _wrap_int64(value: int) -> int:
+    """The int64 whose two's-complement bits are the 64-bit unsigned `value`."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
-    With a = total % M * 48_271 and b = vocab * 16_807 (both taken mod M), mix_logits squares
-    (a + b) mod M; here a^2 + 2ab + b^2 + 12_345 < 2^63 is reduced once instead, the squares
-    reduced per row and per column. A step allocates (and faults in) no fresh [S, V] tensors.
+
+def _shift_right_logical(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """`z >> bits` of int64 `z` read as unsigned: torch shifts signed values arithmetically."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix_rows(totals: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 of each int64 value, made odd, as the int64 of its bits [S]: a row's (or a
+    token's) multiplier."""
+    z = totals + _wrap_int64(SPLITMIX_GAMMA)  # int64 arithmetic wraps like uint64's
+    z = (z ^ _shift_right_logical(z, 30)) * _wrap_int64(SPLITMIX_MUL_1)
+    z = (z ^ _shift_right_logical(z, 27)) * _wrap_int64(SPLITMIX_MUL_2)
+    return (z ^ _shift_right_logical(z, 31)) | 1
+
+
+class LogitMixer:
+    """mix_logits into buffers kept from one step to the next: four cheap passes over [S, V].
+
+    Row s's logit for token v is the top 52 bits of a_s * b_v mod 2^64, over 2^52: a_s is the
+    SplitMix64 of the row's total and b_v that of v, both odd, so a product's high bits mix
+    both. Those bits become the mantissa of a float64 in [1, 2), less 1.0: exact, and with no
+    integer-to-float conversion, which SIMD units lack for 64-bit integers. int64 products wrap
+    mod 2^64 as uint64's do, so the torch path (any device) and numpy's (CPU) agree bit for bit.
 
     Invariants: the buffers hold at least as many rows as the largest batch mixed so far; the
     logits a call returns are valid until the next call.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, numpy_on_cpu: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.numpy_on_cpu = numpy_on_cpu  # False: torch's ops on the CPU too, as on a GPU
         self._reserve(0, torch.device("cpu"))
 
     def _reserve(self, num_rows: int, device: torch.device) -> None:
-        vocab = torch.arange(1, self.vocab_size + 1, dtype=torch.int64, device=device)
-        b = vocab * 16_807 % LOGIT_MODULUS
-        self._twice_b = 2 * b % LOGIT_MODULUS
-        self._b_squared = (b * b + 12_345) % LOGIT_MODULUS  # the constant joins the column term
+        self._columns = mix_rows(torch.arange(self.vocab_size, dtype=torch.int64, device=device))
         shape = (num_rows, self.vocab_size)
         self._values = torch.empty(shape, dtype=torch.int64, device=device)
         self._logits = torch.empty(shape, dtype=torch.float64, device=device)
@@ -108,19 +129,18 @@ class LogitMixer:
         num_rows = len(totals)
         if self._values.shape[0] < num_rows or self._values.device != totals.device:
             self._reserve(num_rows, totals.device)
-        a = totals % LOGIT_MODULUS * 48_271 % LOGIT_MODULUS  # [S]
-        y = self._values[:num_rows]
-        torch.mul(a[:, None], self._twice_b, out=y)  # < 2^62
-        y.add_((a * a % LOGIT_MODULUS)[:, None]).add_(self._b_squared)  # < 2^62 + 2^32
-        logits = self._logits[:num_rows]
-        if y.device.type != "cpu":
-            y.remainder_(LOGIT_MODULUS)
-            return logits.copy_(y).div_(LOGIT_MODULUS)
-        # numpy divides by a constant without a hardware division, and casts as it divides
-        values, quotients = y.numpy(), logits.view(torch.int64).numpy()  # logits: scratch
-        np.floor_divide(values, LOGIT_MODULUS, out=quotients)
-        values -= np.multiply(quotients, LOGIT_MODULUS, out=quotients)
-        np.true_divide(values, LOGIT_MODULUS, out=logits.numpy())
+        rows = mix_rows(totals)
+        y, logits = self._values[:num_rows], self._logits[:num_rows]
+        if y.device.type != "cpu" or not self.numpy_on_cpu:
+            torch.mul(rows[:, None], self._columns, out=y)
+            mantissas = _shift_right_logical(y, LOGIT_SHIFT).bitwise_or_(ONE_BITS)
+            return torch.sub(mantissas.view(torch.float64), 1.0, out=logits)
+        values = y.numpy().view(np.uint64)  # numpy's uint64 ufuncs wrap, and shift logically
+        columns = self._columns.numpy().view(np.uint64)
+        np.multiply(rows.numpy().view(np.uint64)[:, None], columns, out=values)
+        np.right_shift(values, np.uint64(LOGIT_SHIFT), out=values)
+        np.bitwise_or(values, np.uint64(ONE_BITS), out=values)
+        np.subtract(values.view(np.float64), 1.0, out=logits.numpy())
         return logits
 
 
