@@ -42,11 +42,6 @@ class BlockHashToBlockMap:
         block = self._first.get(key)
         return block if block is not None and block.block_id == block_id else None
 
-    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        first = self._first.setdefault(key, block)
-        if first is not block:
-            self.add_copy(key, first, block)
-
     def add_copy(self, key: BlockHashWithGroupId, first: KVCacheBlock, block: KVCacheBlock) -> None:
         """File `block` beside `first`, the copy `file_first` found under `key`."""
         copies = self._copies.get(key)
