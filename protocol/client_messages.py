@@ -65,8 +65,12 @@ class UtilityCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=T
 ClientToEngine = EngineCoreRequest | AbortRequests | UtilityCall
 
 
-class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
-    """What one request produced in one step."""
+class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What one request produced in one step.
+
+    One is made per running request per step, so it stays out of the cyclic collector (no
+    field can refer back to it): otherwise a thousand decodes start collections every step.
+    """
 
     req_id: str
     new_token_ids: list[int]  # sampled this step, in order; usually one
@@ -75,7 +79,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True):
     error: str | None = None  # why, when finish_reason is ERROR
 
 
-class EngineCoreOutputs(msgspec.Struct, frozen=True, tag=True):
+class EngineCoreOutputs(msgspec.Struct, frozen=True, tag=True, gc=False):
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0  # seconds since the epoch, when the engine sent them
 

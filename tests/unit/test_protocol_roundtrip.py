@@ -1,5 +1,7 @@
 """Round trip of every wire message: decode(encode(m)) == m through each socket's own decoder."""
 
+import gc
+
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -194,3 +196,14 @@ def test_kv_cache_config_without_check_invariants_decodes_with_checks_off() -> N
     old_wire = ENCODER.encode(["KVCacheConfig", 7, msgspec.to_builtins(groups)])
     decoded = codec.engine_to_worker_decoder().decode(old_wire)
     assert decoded == KVCacheConfig(7, groups) and decoded.check_invariants is False
+
+
+def test_per_step_outputs_stay_out_of_the_cyclic_collector() -> None:
+    """Made by the engine and decoded by clients once per request per step: neither copy may
+    count toward a collection."""
+    output = EngineCoreOutput("a", [1, 2], FinishReason.LENGTH, 3)
+    message = EngineCoreOutputs([output], 1.5)
+    decoded = codec.engine_to_client_decoder().decode(ENCODER.encode(message))
+    assert isinstance(decoded, EngineCoreOutputs) and decoded == message
+    for value in (output, message, decoded, decoded.outputs[0]):
+        assert not gc.is_tracked(value), f"{value!r} is tracked by the cyclic collector"
