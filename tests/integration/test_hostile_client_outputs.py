@@ -57,6 +57,10 @@ def test_a_slow_reader_gets_its_outputs_in_order_or_a_reason_never_a_silent_gap(
     with EngineClient(addresses["client"], 60.0) as slow:
         for req_id, prompt in prompts.items():
             slow.add_request(make_request(req_id, prompt, SLOW))
+        # The stats come over another connection, which may overtake the requests: see them held
+        # first, or "idle" would be read before they arrive. They cannot end that soon, since
+        # filling the backlog takes thousands of steps.
+        wait_for(lambda: not _idle(addresses["client"]), 30, "the slow requests to be queued")
         with good_client_alongside(addresses["client"], "beside-slow"):
             # It reads nothing while thousands of output frames fill the ZMQ queues, the
             # socket buffers and then the engine's backlog, until the bound ends its requests.
