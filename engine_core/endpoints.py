@@ -8,6 +8,7 @@ import contextlib
 import errno
 import logging
 import os
+import random
 import socket
 
 import zmq
@@ -21,6 +22,11 @@ TCP_PREFIX = "tcp://"
 PROBE_TIMEOUT_S = 0.5  # a live ipc socket accepts at once; a stale file refuses at once
 IPC_FOLDER_MODE = 0o700  # a folder the engine makes for its ipc sockets
 IPC_FILE_MODE = 0o600  # an ipc socket file: only the owner may connect
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"  # "low high", Linux
+LOWEST_CHOSEN_PORT = 10000  # well-known services crowd the ports below
+HIGHEST_PORT = 65535
+MIN_CHOSEN_PORTS = 1000  # a narrower gap beside the ephemeral range is left alone
+PORT_DRAWS = 64  # ports drawn per probe before the kernel is asked for one
 
 
 class AddressInUseError(RuntimeError):
@@ -108,15 +114,53 @@ def prepare_ipc_folder(address: str) -> None:
 
 def free_tcp_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
     """`num_ports` distinct free tcp ports on `host`: each probe socket stays bound until all are
-    chosen, so the kernel cannot hand out one port twice (another process may still take one
-    before its user binds it)."""
+    chosen, so that no port comes out twice. They come from outside the kernel's ephemeral range
+    when it leaves room there: a bind to port 0 or an outgoing connection, in any process, then
+    cannot take one before its user binds it (only a process binding that very port could)."""
+    candidates = choosable_ports(_read_ephemeral_range())
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(num_ports):
             probe = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            probe.bind((host, 0))
+            _bind_probe(probe, host, candidates)
             ports.append(probe.getsockname()[1])
         return ports
+
+
+def choosable_ports(ephemeral_range: str | None) -> range | None:
+    """The ports `free_tcp_ports` draws from: the wider gap between LOWEST_CHOSEN_PORT and the
+    ephemeral range (the text of EPHEMERAL_RANGE_FILE) or above it, or None when the range is
+    unknown or neither gap holds MIN_CHOSEN_PORTS ports."""
+    if ephemeral_range is None:
+        return None
+    try:
+        low, high = (int(field) for field in ephemeral_range.split())
+    except ValueError:
+        return None
+    below = range(LOWEST_CHOSEN_PORT, low)
+    above = range(max(high + 1, LOWEST_CHOSEN_PORT), HIGHEST_PORT + 1)
+    widest = max(below, above, key=len)
+    return widest if len(widest) >= MIN_CHOSEN_PORTS else None
+
+
+def _read_ephemeral_range() -> str | None:
+    try:
+        with open(EPHEMERAL_RANGE_FILE, encoding="ascii") as file:
+            return file.read()
+    except OSError:  # not Linux, or no /proc: the kernel's own choice will do
+        return None
+
+
+def _bind_probe(probe: socket.socket, host: str, candidates: range | None) -> None:
+    """Bind `probe` to a free port drawn from `candidates`, else to one the kernel picks."""
+    if candidates is not None:
+        for port in random.sample(candidates, PORT_DRAWS):
+            try:
+                probe.bind((host, port))
+                return
+            except OSError:  # taken, or lingering in TIME_WAIT: draw another
+                continue
+    probe.bind((host, 0))
 
 
 class Endpoints:
