@@ -248,6 +248,21 @@ def _end_processes(processes: list[BaseProcess], waited_s: float) -> None:
             process.join(TERMINATE_TIMEOUT_S)
 
 
+class InterruptOnce:
+    """A SIGTERM handler that raises KeyboardInterrupt the first time only: a second signal (a
+    supervisor repeating itself) must not cut short the teardown the first one began."""
+
+    def __init__(self) -> None:
+        self.is_interrupted = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.is_interrupted:
+            logger.info("signal %d: already stopping", signum)
+            return
+        self.is_interrupted = True
+        raise KeyboardInterrupt
+
+
 def check_addresses(engine_config: EngineConfig, base_worker: WorkerConfig) -> WorkerConfig:
     """Refuse, before anything starts, addresses another deployment serves on (AddressInUseError
     naming the flag); the worker config, with a free rendezvous port when the default is taken."""
@@ -283,10 +298,7 @@ def run_launch(engine_config: EngineConfig, base_worker: WorkerConfig, log_level
         raise UsageError(str(exc)) from None
     deployment = Deployment(engine_config, worker_configs(engine_config, base_worker), log_level)
 
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, InterruptOnce())
     deployment.start()
     try:
         return deployment.supervise()

@@ -96,12 +96,14 @@ def _start_and_serve(
     kv_events: KVEventPublisher | None,
 ) -> int:
     server: EngineServer | None = None
+    is_starting = True  # False once startup failed: its teardown then runs to the end
 
     def request_stop(signum: int, frame: object) -> None:
         logger.info("signal %d: stopping", signum)
-        if server is None:
+        if server is not None:
+            server.is_stop_requested = True
+        elif is_starting:  # the handshake blocks in waits of its own: leave them
             raise KeyboardInterrupt
-        server.is_stop_requested = True
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -110,10 +112,12 @@ def _start_and_serve(
         max_num_encoder_tokens = core.scheduler.intake.max_num_encoder_tokens or 0
         router = bind_clients(config, ctx, endpoints, core.max_model_len, max_num_encoder_tokens)
     except (HandshakeError, WorkerGroupError, AddressInUseError) as exc:
+        is_starting = False  # a launcher's SIGTERM, seeing the ranks leave, must not cut this short
         logger.error("startup failed: %s", exc)
         workers.shutdown(f"engine startup failed: {exc}", is_failure=True)
         return EXIT_USAGE if isinstance(exc, AddressInUseError) else EXIT_FAILED
     except KeyboardInterrupt:
+        is_starting = False
         workers.shutdown("the engine was stopped during startup")
         return EXIT_OK
     parts.append(lambda: router.sock.close(linger=CLIENT_LINGER_MS))
