@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from engine_core.client import EngineClient, make_request
+from engine_core.endpoints import EPHEMERAL_RANGE_FILE, choosable_ports
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import (
     KV_CACHE_MEMORY_BYTES,
@@ -91,6 +92,23 @@ def test_a_busy_rendezvous_port_fails_at_once_or_is_replaced_when_it_is_the_defa
         assert_served_exactly(addresses["client"], "moved-port")
     assert "rendezvous port 29500 is taken" in processes.log("launch")
     stop_launch(processes)
+
+
+@pytest.mark.timeout(30)
+def test_chosen_ports_are_free_and_outside_the_ephemeral_range() -> None:
+    """A CI run lost the engine's client port, chosen by a bind to port 0, to another socket
+    the kernel handed it to before the engine bound it: chosen ports avoid that range."""
+    ranges = Path(EPHEMERAL_RANGE_FILE)
+    if not ranges.exists():
+        pytest.skip(f"no {EPHEMERAL_RANGE_FILE}: the kernel's choice is all there is")
+    low, high = (int(field) for field in ranges.read_text().split())
+    ports = free_tcp_ports(16)
+    assert len(set(ports)) == len(ports)
+    if choosable_ports(ranges.read_text()) is not None:
+        assert [port for port in ports if low <= port <= high] == []
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 @pytest.mark.timeout(90)
