@@ -27,6 +27,8 @@ LOWEST_CHOSEN_PORT = 10000  # well-known services crowd the ports below
 HIGHEST_PORT = 65535
 MIN_CHOSEN_PORTS = 1000  # a narrower gap beside the ephemeral range is left alone
 PORT_DRAWS = 64  # ports drawn per probe before the kernel is asked for one
+# Drawn from the OS, not the `random` module: processes seeded alike must not draw alike.
+_port_draws = random.SystemRandom()
 
 
 class AddressInUseError(RuntimeError):
@@ -154,7 +156,7 @@ def _read_ephemeral_range() -> str | None:
 def _bind_probe(probe: socket.socket, host: str, candidates: range | None) -> None:
     """Bind `probe` to a free port drawn from `candidates`, else to one the kernel picks."""
     if candidates is not None:
-        for port in random.sample(candidates, PORT_DRAWS):
+        for port in _port_draws.sample(candidates, PORT_DRAWS):
             try:
                 probe.bind((host, port))
                 return

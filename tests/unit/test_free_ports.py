@@ -1,6 +1,8 @@
 """Which ports `free_tcp_ports` draws from: outside the kernel's ephemeral range, so that no bind
 to port 0 and no outgoing connection takes one before its user binds it. No sockets here."""
 
+import random
+
 import pytest
 
 from engine_core import endpoints
@@ -68,3 +70,17 @@ def test_without_candidates_the_kernel_picks_at_once() -> None:
     probe = FakeProbe(taken=set())
     _bind_probe(probe, "127.0.0.1", None)  # type: ignore[arg-type]
     assert probe.tried == [0] and probe.bound == ("127.0.0.1", 0)
+
+
+def test_draws_ignore_the_random_modules_seed() -> None:
+    """Two processes that seed `random` alike (benches, tests) must not draw the same ports."""
+    draws, state = [], random.getstate()
+    try:
+        for _ in range(2):
+            random.seed(1234)
+            probe = FakeProbe(taken=set(range(20000, 21000)))
+            _bind_probe(probe, "127.0.0.1", range(20000, 21000))  # type: ignore[arg-type]
+            draws.append(probe.tried)
+    finally:
+        random.setstate(state)  # the seed stays this test's
+    assert draws[0] != draws[1]  # equal by chance: odds below 1000**-64
