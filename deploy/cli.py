@@ -8,8 +8,10 @@ usage errors (exit 2); a process that failed exits 1.
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 import msgspec
 
@@ -35,6 +37,14 @@ TORCHRUN_ENV = {
     "MASTER_ADDR": "master_addr",
     "MASTER_PORT": "master_port",
 }
+
+
+def exit_with(code: int) -> NoReturn:
+    """Exit with the status the process chose. Its stop is done, and Python's finalization puts
+    back the default action of a signal it handles: a late SIGTERM would turn 1 into -15."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def worker_config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> WorkerConfig:
@@ -84,7 +94,7 @@ def core_main(argv: list[str] | None = None) -> None:
     from deploy.launch import with_pool_host_memory_limit
     from engine_core.engine_process import run
 
-    sys.exit(run(with_pool_host_memory_limit(config)))
+    exit_with(run(with_pool_host_memory_limit(config)))
 
 
 def worker_main(argv: list[str] | None = None) -> None:
@@ -107,7 +117,7 @@ def worker_main(argv: list[str] | None = None) -> None:
         share_cpu_threads(int(local_world_size))
     from worker.worker_process import run
 
-    sys.exit(run(config))
+    exit_with(run(config))
 
 
 def kvserve_main(argv: list[str] | None = None) -> None:
@@ -121,7 +131,7 @@ def kvserve_main(argv: list[str] | None = None) -> None:
         parser.exit(EXIT_USAGE, f"kvserve {args.command}: error: {exc}\n")
     except KeyboardInterrupt:
         code = 130
-    sys.exit(code)
+    exit_with(code)
 
 
 def api_main(argv: list[str] | None = None) -> None:
@@ -134,4 +144,4 @@ def api_main(argv: list[str] | None = None) -> None:
         code = serve_command(args)
     except UsageError as exc:
         parser.exit(EXIT_USAGE, f"kvserve-api: error: {exc}\n")
-    sys.exit(code)
+    exit_with(code)
