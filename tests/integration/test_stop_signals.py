@@ -1,22 +1,29 @@
-"""Stop signals against a real engine whose startup failed: SIGTERMs that keep arriving while it
-tears down (a launcher seeing the ranks leave, a supervisor repeating itself) let the teardown
-finish, and the exit status stays the failure's."""
+"""Stop signals that keep arriving (a launcher seeing the ranks leave, a supervisor repeating
+itself) against real processes: an engine whose startup failed finishes its teardown and exits 1,
+and a stopping `kvserve launch` drains its requests and exits 0."""
 
 import os
 import signal
 import socket
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import zmq
 
-from tests.integration.conftest import Processes, free_tcp_port
+from engine_core.client import EngineClient, make_request
+from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, free_tcp_port, launch, wait_for
 from tests.integration.fake_rank import FakeRank
+from tests.integration.hostile import MODEL
+from worker.models.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 
 SIGNAL_GAP_S = 0.0001
+LAUNCHER_SIGNAL_GAP_S = 0.002
 # The metrics server's loop wakes every 0.5 s from its start, just before the handshake's clock
 # starts. Failing 1.25 s in, its stop (part of the teardown) waits about 0.25 s for the loop.
 HANDSHAKE_TIMEOUT_S = "1.25"
@@ -57,3 +64,42 @@ def test_sigterms_during_a_failed_startups_teardown_let_it_finish(
         socket.create_connection(("127.0.0.1", metrics_port)),
     ):
         pass  # the metrics server was closed
+
+
+def storm(proc: subprocess.Popen, gap_s: float) -> threading.Thread:
+    """SIGTERM `proc` every `gap_s` until it exits (at most a minute), from a thread."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(gap_s)
+
+    thread = threading.Thread(target=run, name="sigterm-storm", daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(120)
+def test_sigterms_to_a_stopping_launcher_let_it_drain_and_exit_0(
+    processes: Processes, addresses: dict
+) -> None:
+    """Guards against a second SIGTERM cutting `kvserve launch`'s stop short: the first begins the
+    drain, and the ones after it (every 2 ms, until the launcher is gone) only log."""
+    launcher = launch(processes, addresses, 1, MODEL)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    prompts = {f"drain-{i}": [30 + i, 5, 6] for i in range(3)}
+    with EngineClient(addresses["client"], 60.0) as client:
+        for req_id, prompt in prompts.items():
+            client.add_request(make_request(req_id, prompt, params))
+        wait_for(lambda: client.poll_outputs(0.1) or client.result("drain-0").token_ids, 30, "go")
+        stormer = storm(launcher, LAUNCHER_SIGNAL_GAP_S)
+        results = client.run_until_finished(list(prompts), 60)
+    assert processes.wait_exit("launch", 60) == 0, processes.log("launch")[-3000:]
+    stormer.join(10)
+    for req_id, prompt in prompts.items():
+        assert results[req_id].error is None, results[req_id].error
+        assert results[req_id].token_ids == reference_generate(MODEL, prompt, params)
+    log = processes.log("launch")
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert "already stopping" in log, log[-3000:]
