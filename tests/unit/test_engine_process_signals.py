@@ -1,6 +1,7 @@
 """Stop signals against teardowns: the engine's during startup (one while the handshake runs
-stops it, one while a failed startup tears down lets that finish), and `kvserve launch`'s second
-SIGTERM, which must not cut short the stop the first began. No sockets, no processes."""
+stops it, one while a failed startup tears down lets that finish), `kvserve launch`'s second
+SIGTERM, which must not cut short the stop the first began, and signals after the exit code is
+chosen. No sockets, no processes."""
 
 import os
 import signal
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from deploy.cli import exit_with
 from deploy.launch import InterruptOnce
 from engine_core import engine_process
 from engine_core.server import EXIT_FAILED, EXIT_OK
@@ -82,3 +84,13 @@ def test_launch_is_interrupted_by_its_first_sigterm_only() -> None:
         on_sigterm(signal.SIGTERM, None)
     on_sigterm(signal.SIGTERM, None)  # the deployment is stopping: this one only logs
     assert on_sigterm.is_interrupted
+
+
+def test_a_process_that_chose_its_exit_code_ignores_later_stop_signals() -> None:
+    """Python's finalization would give SIGTERM back its default action: death by signal 15."""
+    with pytest.raises(SystemExit) as exited:
+        exit_with(1)
+    assert exited.value.code == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    sigterm_self()  # ignored: this test goes on
