@@ -182,7 +182,14 @@ class Request:
         return (*extra_keys, ("encoder", digest))
 
     def check_invariants(self) -> None:
-        assert 0 <= self.num_computed_tokens <= self.num_tokens, repr(self)
+        """Holds between any two calls. With asynchronous scheduling the tokens that steps in
+        flight will sample are placeholders, and a step may compute all but the latest of them:
+        computed tokens may pass the known ones by one less than the placeholders."""
+        num_placeholders = self.num_output_placeholders
+        num_ahead = max(num_placeholders - 1, 0)
+        assert (
+            num_placeholders >= 0 and 0 <= self.num_computed_tokens <= self.num_tokens + num_ahead
+        ), f"{self!r} with {num_placeholders} output placeholders"
         assert self.num_prompt_tokens <= self.num_tokens, repr(self)
         if self._block_hasher is not None:
             num_full_blocks = self.num_tokens // self._block_hasher.block_size

@@ -315,3 +315,22 @@ def test_in_flight_step_invariants_catch_handles_that_name_other_requests() -> N
     InFlightStep(1, [request], pack_int32([1]), [True]).check_invariants()
     with pytest.raises(AssertionError, match="handles"):
         InFlightStep(1, [request], pack_int32([2]), [True]).check_invariants()
+
+
+def test_invariants_hold_between_steps_with_two_steps_in_flight(make_harness: MakeHarness) -> None:
+    """Asynchronous scheduling: a step may compute the token the step before it will sample, so
+    a request's computed tokens pass its known ones, and the invariant check allows exactly that."""
+    harness = make_harness(async_scheduling=True)
+    harness.add("r", [3] * 5, max_tokens=4)
+    harness.step()  # step 1 out
+    harness.step()  # step 2 out, step 1 applied, step 3 out: it computes step 2's placeholder
+    request = harness.request("r")
+    assert (request.num_tokens, request.num_computed_tokens) == (6, 7)
+    assert request.num_output_placeholders == 2
+    harness.core.check_invariants()
+    request.num_computed_tokens += 1  # one past what the steps in flight can have computed
+    with pytest.raises(AssertionError, match="2 output placeholders"):
+        request.check_invariants()
+    request.num_computed_tokens -= 1
+    harness.run()
+    assert harness.tokens["r"] == reference_tokens([3] * 5, 4, harness.vocab_size)
