@@ -1,10 +1,12 @@
 """A Hypothesis state machine over the Scheduler, through EngineCore and the FakeExecutor.
 
-Arrivals that share prefixes, aborts and steps, in pools small enough to preempt, under a config
-drawn once per example. A reference model says what each request must produce, checked after
-every step and in full once the engine is drained: nothing leaks, and no prefix hit is claimed
-for tokens that no other request ever held.
+Arrivals that share prefixes, aborts, prefix-cache resets and steps, in pools small enough to
+preempt, under a config drawn once per example. A reference model says what each request must
+produce, checked after every rule and in full once the engine is drained: nothing leaks, and no
+prefix hit covers tokens that no request admitted earlier held, or that a reset dropped.
 """
+
+from array import array
 
 import hypothesis.strategies as st
 import msgspec
@@ -22,6 +24,8 @@ EOS = 0
 MAX_MODEL_LEN = 40
 MAX_LIVE = 10  # unfinished requests; an `add` past it steps instead
 MAX_NUM_SEQS = 6
+# How prompts are cut: (enable_chunked_prefill, max_num_batched_tokens, long_prefill_threshold)
+PREFILL_MODES = {"chunked": (True, 16, None), "capped": (True, 16, 8), "whole": (False, 40, None)}
 BASES = ([3] * 20, list(range(1, 16)) + [5] * 5, [7, 9] * 10)  # prefixes requests share
 
 
@@ -31,7 +35,7 @@ def expected_output(
     """What the stop rules leave of the fake model's tokens for `prompt`, and why it stops."""
     finishing = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
     cap = min(len(prompt) + params.max_tokens, max_model_len)
-    sequence, out = list(prompt), []
+    sequence, out = array("i", prompt), []
     while True:
         token = next_token(sequence, VOCAB_SIZE)
         sequence.append(token)
@@ -61,6 +65,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts: dict[str, list[int]] = {}
         self.expected: dict[str, tuple[list[int], FinishReason]] = {}
         self.aborted: set[str] = set()  # aborted while still unfinished
+        self.reset_away: set[str] = set()  # finished before the last prefix-cache reset
+        self.by_handle: dict[int, str] = {}
+        # per request, once first scheduled: its place in admission order, and the requests
+        # whose blocks a reset had dropped by then
+        self.admitted: dict[str, tuple[int, set[str]]] = {}
+        self.enable_prefix_caching = False  # `build` draws these
+        self.max_tokens_per_request = 0
 
     @initialize(
         async_scheduling=st.booleans(),
@@ -68,6 +79,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         sliding_window=st.sampled_from([None, 6]),
         num_blocks=st.integers(12, 32),  # one request needs up to 10 (engine refuses fewer)
+        prefill=st.sampled_from(sorted(PREFILL_MODES)),
+        reserve_full_prompt=st.booleans(),
     )
     def build(
         self,
@@ -76,7 +89,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy: str,
         sliding_window: int | None,
         num_blocks: int,
+        prefill: str,
+        reserve_full_prompt: bool,
     ) -> None:
+        is_chunked, max_num_batched_tokens, threshold = PREFILL_MODES[prefill]
         window_blocks = 0 if sliding_window is None else 10  # the engine plans a window group
         self.harness = Harness(
             num_blocks=num_blocks + window_blocks,
@@ -86,13 +102,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=MAX_MODEL_LEN,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,
-            max_num_batched_tokens=16,
+            enable_chunked_prefill=is_chunked,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=threshold,
+            reserve_full_prompt=reserve_full_prompt,
             max_num_seqs=MAX_NUM_SEQS,
-            long_prefill_token_threshold=8,
             scheduling_policy=policy,
             async_scheduling=async_scheduling,
         )
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_tokens_per_request = threshold or max_num_batched_tokens
 
     def _live(self) -> list[str]:
         assert self.harness is not None
@@ -125,6 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert rejection is None, f"{req_id} rejected: {rejection}"
         self.prompts[req_id] = prompt
         self.expected[req_id] = expected_output(prompt, params, MAX_MODEL_LEN)
+        self.by_handle[self.harness.handle(req_id)] = req_id
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
@@ -138,10 +158,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.harness.finish_reasons[req_id] == FinishReason.ABORT
 
     @rule()
+    def reset_prefix_cache(self) -> None:
+        """Refused while a request holds blocks; once done, no later request hits what the
+        requests finished by then computed."""
+        assert self.harness is not None
+        is_reset, reason = self.harness.core.reset_prefix_cache()
+        if not is_reset:
+            assert reason is not None and "cannot reset the prefix cache" in reason, reason
+            return
+        assert not self.harness.scheduler.running, "a reset while requests run"
+        event("the prefix cache was reset")
+        self.reset_away = set(self.harness.finish_reasons)
+
+    @rule()
     def step(self) -> None:
         assert self.harness is not None
         num_preemptions = self.harness.scheduler.num_preemptions
+        num_outputs = len(self.harness.scheduler_outputs)
         self.harness.step()
+        for output in self.harness.scheduler_outputs[num_outputs:]:
+            for new in output.scheduled_new_reqs:
+                req_id = self.by_handle[new.handle]
+                if req_id not in self.admitted:
+                    self.admitted[req_id] = (len(self.admitted), set(self.reset_away))
         if self.harness.scheduler.num_preemptions > num_preemptions:
             event("a step preempted")
         self._check_tables()
@@ -163,7 +202,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.harness.scheduler_outputs:
             last = self.harness.scheduler_outputs[-1]
             counts = list(unpack_int32(last.num_scheduled_tokens))
-            assert max(counts, default=0) <= 8 and len(counts) <= MAX_NUM_SEQS, counts
+            assert max(counts, default=0) <= self.max_tokens_per_request, counts
+            assert len(counts) <= MAX_NUM_SEQS, counts
 
     @invariant()
     def engine_is_consistent(self) -> None:
@@ -185,15 +225,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (got, finished) == (want, reason), f"{req_id}: {got} {finished!r}"
 
     def _check_hits(self) -> None:
-        """A request's prefix hit covers whole blocks that another request's tokens began with."""
+        """A request's prefix hit covers whole blocks that another request's tokens began with,
+        one admitted before it whose blocks no reset had dropped by then."""
         assert self.harness is not None
         for req_id, prompt in self.prompts.items():
             num_cached = self.harness.num_cached_tokens.get(req_id, 0)
+            if req_id not in self.admitted:  # aborted before it ever ran
+                assert num_cached == 0, (req_id, num_cached)
+                continue
+            place, unseen = self.admitted[req_id]
             bound = max(
                 (
                     shared_blocks_tokens(prompt, self.prompts[other] + self.expected[other][0])
-                    for other in self.prompts
-                    if other != req_id
+                    for other, (other_place, _) in self.admitted.items()
+                    if other_place < place and other not in unseen
                 ),
                 default=0,
             )
@@ -206,6 +251,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Drain the engine: every request finishes as the reference says, nothing is left."""
         if self.harness is None:
             return
+        for _ in range(10_000):  # through `step`, which records each admission
+            if not self.harness.core.has_work():
+                break
+            self.step()
         self.harness.check_no_leaks()
         self.outputs_follow_the_reference()
         assert set(self.harness.finish_reasons) == set(self.prompts)
