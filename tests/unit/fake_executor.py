@@ -197,6 +197,7 @@ class Harness:
         ).checked()
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
+        self.is_window_group = [isinstance(group.spec, SlidingWindowSpec) for group in groups]
         self.executor = FakeExecutor(
             vocab_size, block_size, config.scheduler.max_num_batched_tokens
         )
@@ -265,6 +266,33 @@ class Harness:
             self.step()
             num_steps += 1
         return num_steps
+
+    def check_worker_tables(self) -> None:
+        """The workers' block tables are the KV-cache manager's, for every running request,
+        except where a window group has put the null block in place of one it freed: the
+        workers keep the old id there, and never read it again."""
+        kv = self.scheduler.kv_cache_manager
+        for request in self.scheduler.running:
+            held = kv.get_block_ids(request.req_id)
+            tables = self.executor.requests[request.handle].block_ids
+            for is_window, engine_ids, worker_ids in zip(
+                self.is_window_group, held, tables, strict=True
+            ):
+                if not is_window:
+                    assert list(engine_ids) == worker_ids, (request.req_id, held, tables)
+                    continue
+                assert len(engine_ids) == len(worker_ids), (request.req_id, held, tables)
+                for engine_id, worker_id in zip(engine_ids, worker_ids, strict=True):
+                    assert engine_id in (0, worker_id), (request.req_id, held, tables)
+
+    def check_last_step_budget(self, max_tokens_per_request: int, max_num_seqs: int) -> None:
+        """The last step gave no request more than `max_tokens_per_request` tokens and ran at
+        most `max_num_seqs` requests."""
+        if not self.scheduler_outputs:
+            return
+        counts = list(unpack_int32(self.scheduler_outputs[-1].num_scheduled_tokens))
+        assert max(counts, default=0) <= max_tokens_per_request, f"a request got {max(counts)}"
+        assert len(counts) <= max_num_seqs, f"{len(counts)} requests in one step"
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

@@ -10,8 +10,6 @@ import random
 import pytest
 from fake_executor import Harness, reference_tokens
 
-from protocol.buffers import unpack_int32
-
 NUM_STEPS = 10_000
 BASE_PROMPTS = 4  # requests share prefixes of these, so prefix hits happen
 
@@ -21,25 +19,6 @@ def _random_prompt(rng: random.Random, bases: list[list[int]], vocab_size: int) 
     return base + [
         rng.randrange(vocab_size) for _ in range(rng.randrange(1 if not base else 0, 12))
     ]
-
-
-def _check_tables(harness: Harness) -> None:
-    kv = harness.scheduler.kv_cache_manager
-    workers = harness.executor.requests
-    for request in harness.scheduler.running:
-        held = [list(ids) for ids in kv.get_block_ids(request.req_id)]
-        assert workers[request.handle].block_ids == held, (
-            f"{request.req_id}: workers hold {workers[request.handle].block_ids}, engine {held}"
-        )
-
-
-def _check_budgets(harness: Harness, threshold: int, max_num_seqs: int) -> None:
-    """The last step gave no request more than the threshold and ran at most max_num_seqs."""
-    if not harness.scheduler_outputs:
-        return
-    counts = list(unpack_int32(harness.scheduler_outputs[-1].num_scheduled_tokens))
-    assert max(counts, default=0) <= threshold, f"a request got {max(counts)} tokens"
-    assert len(counts) <= max_num_seqs, f"{len(counts)} requests in one step"
 
 
 def _check_tokens(harness: Harness, prompts: dict[str, list[int]]) -> None:
@@ -87,8 +66,8 @@ def test_random_workload_keeps_every_step_consistent(
         if rng.random() < 0.02 and harness.scheduler.requests:
             harness.abort([rng.choice(list(harness.scheduler.requests))])
         harness.step()
-        _check_tables(harness)
-        _check_budgets(harness, threshold=12, max_num_seqs=8)
+        harness.check_worker_tables()
+        harness.check_last_step_budget(max_tokens_per_request=12, max_num_seqs=8)
     harness.check_no_leaks()
     _check_tokens(harness, prompts)
     assert harness.executor.num_steps >= num_steps

@@ -14,7 +14,6 @@ from fake_executor import Harness, next_token
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from protocol.buffers import unpack_int32
 from protocol.client_messages import FinishReason
 from protocol.sampling import SamplingParams
 
@@ -183,27 +182,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.admitted[req_id] = (len(self.admitted), set(self.reset_away))
         if self.harness.scheduler.num_preemptions > num_preemptions:
             event("a step preempted")
-        self._check_tables()
-
-    def _check_tables(self) -> None:
-        """The workers' block tables are the KV-cache manager's, for every running request,
-        except where a window group has put the null block in place of one it freed: the
-        workers keep the old id there, and never read it again."""
-        assert self.harness is not None
-        kv = self.harness.scheduler.kv_cache_manager
-        workers = self.harness.executor.requests
-        for request in self.harness.scheduler.running:
-            held = kv.get_block_ids(request.req_id)
-            tables = workers[request.handle].block_ids
-            for engine_ids, worker_ids in zip(held, tables, strict=True):
-                assert len(engine_ids) == len(worker_ids), (request.req_id, held, tables)
-                for engine_id, worker_id in zip(engine_ids, worker_ids, strict=True):
-                    assert engine_id in (0, worker_id), (request.req_id, held, tables)
-        if self.harness.scheduler_outputs:
-            last = self.harness.scheduler_outputs[-1]
-            counts = list(unpack_int32(last.num_scheduled_tokens))
-            assert max(counts, default=0) <= self.max_tokens_per_request, counts
-            assert len(counts) <= MAX_NUM_SEQS, counts
+        self.harness.check_worker_tables()
+        self.harness.check_last_step_budget(self.max_tokens_per_request, MAX_NUM_SEQS)
 
     @invariant()
     def engine_is_consistent(self) -> None:
