@@ -378,7 +378,8 @@ class Scheduler:
     def reset_prefix_cache(self) -> tuple[bool, str | None]:
         """Clear the prefix cache; fails with the reason while requests hold blocks."""
         if self.running:
-            return False, f"cannot reset the prefix cache: {len(self.running)} requests hold blocks"
+            reason = f"running requests hold blocks ({len(self.running)} running, expected 0)"
+            return False, f"cannot reset the prefix cache: {reason}"
         if not self.kv_cache_manager.reset_prefix_cache():
             return False, "cannot reset the prefix cache: blocks are still in use"
         return True, None
