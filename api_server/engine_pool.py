@@ -9,7 +9,12 @@ import time
 from collections.abc import AsyncIterator
 
 from api_server.router import PrefixAffinityRouter
-from engine_core.client import AsyncEngineClient, EngineDeadError, UtilityCallError
+from engine_core.client import (
+    AsyncEngineClient,
+    EngineConnectionLost,
+    EngineDeadError,
+    UtilityCallError,
+)
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest
 from protocol.config import CurveKeys
 
@@ -52,6 +57,9 @@ class EngineHandle:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):  # not wait_for, which can drop a cancel
                 await self.client.call_utility("check_health")
+                await self.client.fetch_model_info()  # cached: asked once per connection
+        except EngineConnectionLost:
+            return False  # what was in flight is lost; the client reconnects on its own
         except EngineDeadError as exc:
             self.mark_down(str(exc))
             await self.reconnect()
@@ -114,6 +122,18 @@ class EnginePool:
     def has_healthy_engine(self) -> bool:
         return any(handle.is_healthy for handle in self.handles)
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest max_model_len among the engines that reported theirs: a request that
+        fits it fits whichever engine the router picks. None before any engine answered."""
+        lengths = [
+            info["max_model_len"]
+            for handle in self.handles
+            if (info := handle.client.model_info) is not None
+            and isinstance(info.get("max_model_len"), int)
+        ]
+        return min(lengths) if lengths else None  # type: ignore[type-var]
+
     async def get_stats(self) -> list[dict[str, object] | None]:
         """Each engine's get_stats, or None for one that did not answer in STATS_TIMEOUT_S."""
 
@@ -143,6 +163,9 @@ class EnginePool:
             async for output in handle.client.generate(request):
                 is_finished = output.finish_reason is not None
                 yield output
+        except EngineConnectionLost:
+            is_finished = True  # lost with its connection: the client reconnected, or is dead
+            raise
         except EngineDeadError:
             handle.is_healthy = False  # the health loop reconnects it
             is_finished = True

@@ -293,6 +293,7 @@ class EngineServer:
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_stats": lambda: (True, self._stats(), None),
             "check_health": lambda: (True, True, None),
+            "get_model_info": lambda: (True, self._model_info(), None),
             "get_cached_block_hashes": lambda: (True, cached_block_counts(pool), None),
         }
         method = methods.get(call.method)
@@ -310,6 +311,16 @@ class EngineServer:
         self._publish_kv_events()  # AllBlocksCleared
         logger.info("reset_prefix_cache: %s", "done" if ok else reason)
         return ok, ok, reason
+
+    def _model_info(self) -> dict[str, StatValue]:
+        """What a front end checks a request against before sending it: a prompt past
+        max_model_len, or a frame past the client socket's limit (which drops the connection)."""
+        return {
+            "model": self.core.model_info.name,
+            "max_model_len": self.core.max_model_len,
+            "vocab_size": self.core.model_info.vocab_size,
+            "max_request_frame_bytes": self.router.sock.getsockopt(zmq.MAXMSGSIZE),
+        }
 
     def _stats(self) -> dict[str, StatValue]:
         stats = EngineStats(

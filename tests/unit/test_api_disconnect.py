@@ -7,6 +7,7 @@ import asyncio
 import itertools
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from starlette.requests import Request
 
@@ -73,6 +74,8 @@ def fake_client(sock: FakeEngineSocket, timeout_s: float = TIMEOUT_S) -> AsyncEn
     client._calls = {}
     client._call_ids = itertools.count(1)
     client._dead = None
+    client.model_info = {"max_request_frame_bytes": 1 << 20}  # as get_model_info would answer
+    client.num_reconnects = 0
     client._tasks = [asyncio.ensure_future(client._receive())]
     return client
 
@@ -165,7 +168,7 @@ async def leave_after(offset: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int
     pool.handles[0].is_healthy = True
     tokenizer = ByteTokenizer()
     serving = Serving(pool, tokenizer, "tiny-llama")
-    body = CompletionRequest.model_validate({"prompt": "hello", "max_tokens": 1900})
+    body = msgspec.convert({"prompt": "hello", "max_tokens": 1900}, CompletionRequest)
     jobs = completion_jobs(body, tokenizer, "cmpl-test")
     disconnected = asyncio.Event()
 
