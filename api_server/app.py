@@ -11,10 +11,8 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-from typing import TypeVar
 
-import pydantic
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
@@ -25,11 +23,18 @@ from starlette.types import Receive, Scope, Send
 
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new_response_id
-from api_server.errors import ApiError, validation_error
+from api_server.errors import ApiError
 from api_server.metrics import ApiMetrics, MetricsMiddleware
-from api_server.openai_types import ChatCompletionRequest, CompletionRequest, check_model
+from api_server.openai_types import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_model,
+    parse_body,
+)
 from api_server.serving import JSON, ResponseShape, Serving
-from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
+from api_server.tokenizer import load_tokenizer
 from engine_core.client import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys
 
@@ -37,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 HEALTH_CHECK_TIMEOUT_S = 5.0  # /health waits at most this long for every engine
-RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest)
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -53,9 +57,11 @@ class ApiSettings:
     """Configuration of one front end; deploy/serve_cmd.py builds it from flags."""
 
     engine_addresses: tuple[str, ...]
-    model: str  # the name clients must send as `model`
+    model: str  # --model: a built-in name or a checkpoint folder (/v1/models' root)
     block_size: int  # tokens per KV block: prefix affinity hashes the first block
-    tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR
+    # --served-model-name: clients may send any of these as `model`; the first is reported
+    served_model_names: tuple[str, ...] = ()  # () means the --model value
+    tokenizer: str | None = None  # --tokenizer: a folder; None means the model's own
     api_key: str | None = None  # when set, /v1/ routes need `Authorization: Bearer KEY`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_timeout_s: float = DEFAULT_TIMEOUT_S  # longest wait for a request's next output
@@ -67,7 +73,8 @@ class ApiState:
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
-        self.tokenizer = ByteTokenizer(settings.tokenizer_dir)
+        self.served_names = settings.served_model_names or (settings.model,)
+        self.tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.created = int(time.time())
         self.serving: Serving | None = None
         self.metrics: ApiMetrics | None = None
@@ -110,14 +117,13 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, state: ApiState, model: type[RequestBody]) -> RequestBody:
+async def _parse(
+    request: Request, state: ApiState, decoder: msgspec.json.Decoder
+) -> CompletionRequest | ChatCompletionRequest:
     _check_api_key(request, state)
     body = await _read_body(request, state.settings.max_body_bytes)
-    try:
-        parsed = model.model_validate_json(body)
-    except pydantic.ValidationError as exc:
-        raise validation_error(exc) from None
-    check_model(getattr(parsed, "model", None), state.settings.model)
+    parsed = parse_body(body, decoder)
+    check_model(parsed.model, state.served_names)
     return parsed
 
 
@@ -152,18 +158,22 @@ async def _unless_disconnected(request: Request, work: Coroutine[object, object,
 
 
 async def completions(state: ApiState, request: Request) -> Response:
-    body = await _parse(request, state, CompletionRequest)
+    body = await _parse(request, state, COMPLETION_DECODER)
+    assert isinstance(body, CompletionRequest)  # what COMPLETION_DECODER decodes
     serving, _ = state.running()
     shape = ResponseShape(new_response_id("cmpl"), serving.model, is_chat=False)
-    jobs = completion_jobs(body, serving.tokenizer, shape.response_id)
+    max_model_len = serving.pool.max_model_len
+    jobs = completion_jobs(body, serving.tokenizer, shape.response_id, max_model_len)
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
 
 
 async def chat_completions(state: ApiState, request: Request) -> Response:
-    body = await _parse(request, state, ChatCompletionRequest)
+    body = await _parse(request, state, CHAT_DECODER)
+    assert isinstance(body, ChatCompletionRequest)  # what CHAT_DECODER decodes
     serving, _ = state.running()
     shape = ResponseShape(new_response_id("chatcmpl"), serving.model, is_chat=True)
-    jobs = [chat_job(body, serving.tokenizer, shape.response_id)]
+    max_model_len = serving.pool.max_model_len
+    jobs = [chat_job(body, serving.tokenizer, shape.response_id, max_model_len)]
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
 
 
@@ -184,15 +194,23 @@ async def _respond(
 
 
 async def models(state: ApiState, request: Request) -> Response:
+    """One card per served name, as vLLM lists them: the model path as root, and max_model_len
+    once an engine has told it."""
     _check_api_key(request, state)
-    card = {
-        "id": state.settings.model,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "kvserve",
-        "root": state.settings.model,
-    }
-    return JSONResponse({"object": "list", "data": [card]})
+    max_model_len = state.serving.pool.max_model_len if state.serving is not None else None
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "kvserve",
+            "root": state.settings.model,
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
+        for name in state.served_names
+    ]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def health(state: ApiState, request: Request) -> Response:
@@ -253,8 +271,9 @@ def create_app(settings: ApiSettings) -> Starlette:
         )
         pool.start()
         state.metrics = ApiMetrics(pool, set(ROUTES))
-        state.serving = Serving(pool, state.tokenizer, settings.model, state.metrics.token_latency)
-        logger.info("serving %s from %d engine(s)", settings.model, len(pool.handles))
+        served = state.served_names[0]
+        state.serving = Serving(pool, state.tokenizer, served, state.metrics.token_latency)
+        logger.info("serving %s from %d engine(s)", served, len(pool.handles))
         try:
             yield
         finally:

@@ -1,14 +1,16 @@
 """Turning an OpenAI request into EngineCoreRequests (one per choice), with every bound checked
-here so that a bad value is a 400 naming its parameter; and the HTTP status of an engine's refusal.
+here so that a bad value is a 400 naming its parameter, a prompt that cannot fit the engines'
+max_model_len included (it never reaches an engine); and the HTTP status of an engine's refusal.
 """
 
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
+from api_server.chat_template import ChatTemplateError
 from api_server.errors import ApiError, bad_param, quoted
 from api_server.openai_types import (
     DEFAULT_MAX_TOKENS,
@@ -16,7 +18,7 @@ from api_server.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
@@ -31,12 +33,16 @@ PARAM_PATTERN = re.compile(r"`\$\.(?:sampling_params\[(\d+)\]|(\w+))")
 
 @dataclass(slots=True)
 class EngineJob:
-    """One choice of a response: the request sent to an engine and what routing needs."""
+    """One choice of a response: the request sent to an engine, what routing needs, and how
+    the front end shapes its text."""
 
     index: int
     request: EngineCoreRequest
     prompt_token_ids: list[int]
     num_tokens: int  # prompt plus max_tokens: what the router counts as outstanding
+    stops: list[str] = field(default_factory=list)  # stop strings, matched here on the text
+    skip_special_tokens: bool = True
+    num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
 
 
 def new_response_id(prefix: str) -> str:
@@ -44,8 +50,11 @@ def new_response_id(prefix: str) -> str:
     return f"{prefix}-{os.urandom(16).hex()}"
 
 
-def _checked_prompt(prompt: str | list[int], tokenizer: ByteTokenizer, param: str) -> list[int]:
+def _checked_prompt(
+    prompt: str | list[int], tokenizer: PromptTokenizer, param: str, max_model_len: int | None
+) -> list[int]:
     token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    _check_fits(len(token_ids), param, max_model_len)
     if not token_ids:
         raise bad_param(param, "empty prompt: expected at least one token")
     bad = [token_id for token_id in token_ids if not 0 <= token_id <= MAX_TOKEN_ID]
@@ -54,18 +63,61 @@ def _checked_prompt(prompt: str | list[int], tokenizer: ByteTokenizer, param: st
     return token_ids
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    max_tokens = body.max_tokens
+def _check_fits(num_prompt_tokens: int, param: str, max_model_len: int | None) -> None:
+    """A prompt that leaves no room for one output token is refused here: sent on, a prompt far
+    past max_model_len is a frame the engine's socket refuses (DESIGN §1)."""
+    if max_model_len is not None and num_prompt_tokens + 1 > max_model_len:
+        raise bad_param(
+            param,
+            f"prompt of {num_prompt_tokens} tokens: expected at most {max_model_len - 1}, "
+            f"so that one output token fits in max_model_len={max_model_len}",
+        )
+
+
+def _max_tokens(
+    body: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    max_model_len: int | None,
+) -> int:
+    """The request's max_tokens; the default is cut to what fits, a given value must fit."""
+    param, max_tokens = "max_tokens", body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
+        param, max_tokens = "max_completion_tokens", body.max_completion_tokens
+    room = None if max_model_len is None else max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+    if room is not None and max_tokens > room:
+        raise bad_param(
+            param,
+            f"{max_tokens} tokens after a prompt of {num_prompt_tokens}: expected at most "
+            f"{room}, as max_model_len={max_model_len} bounds the prompt and output together",
+        )
+    return max_tokens
+
+
+def _top_k(top_k: int | None) -> int | None:
+    """vLLM's -1 (and 0) for every token; other values are SamplingParams' to check."""
+    return None if top_k in (None, -1, 0) else top_k
+
+
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
+) -> SamplingParams:
     try:
         return SamplingParams(
-            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             seed=body.seed,
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=_top_k(body.top_k),
+            min_p=0.0 if body.min_p is None else body.min_p,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logprobs=num_logprobs,
         )
     except ValueError as exc:  # __post_init__: min_tokens above max_tokens
         raise bad_param("min_tokens", str(exc)) from None
@@ -91,20 +143,40 @@ def _checked(request: EngineCoreRequest) -> EngineCoreRequest:
 
 
 def completion_jobs(
-    body: CompletionRequest, tokenizer: ByteTokenizer, response_id: str
+    body: CompletionRequest,
+    tokenizer: PromptTokenizer,
+    response_id: str,
+    max_model_len: int | None = None,
 ) -> list[EngineJob]:
+    """One job per prompt of the batch; `max_model_len` None skips the length checks."""
     body.check_supported()
     prompts = body.prompts()
-    return [
-        _job(body, index, _checked_prompt(prompt, tokenizer, "prompt"), response_id)
-        for index, prompt in enumerate(prompts)
-    ]
+    jobs = []
+    for index, prompt in enumerate(prompts):
+        token_ids = _checked_prompt(prompt, tokenizer, "prompt", max_model_len)
+        jobs.append(_job(body, index, token_ids, response_id, max_model_len, body.logprobs))
+    return jobs
 
 
-def chat_job(body: ChatCompletionRequest, tokenizer: ByteTokenizer, response_id: str) -> EngineJob:
+def chat_job(
+    body: ChatCompletionRequest,
+    tokenizer: PromptTokenizer,
+    response_id: str,
+    max_model_len: int | None = None,
+) -> EngineJob:
     body.check_supported()
-    text = tokenizer.apply_chat_template([(m.role, m.text()) for m in body.messages])
-    return _job(body, 0, _checked_prompt(text, tokenizer, "messages"), response_id)
+    messages = [message.template_message() for message in body.messages]
+    try:
+        token_ids = tokenizer.render_chat(
+            messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs
+        )
+    except ChatTemplateError as exc:
+        raise bad_param("messages", str(exc)) from None
+    except ValueError as exc:  # no template, or a byte-format role or tools
+        param = "tools" if str(exc).startswith("tools") else "messages"
+        raise bad_param(param, str(exc)) from None
+    token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
+    return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
 
 
 def _job(
@@ -112,8 +184,11 @@ def _job(
     index: int,
     prompt_token_ids: list[int],
     response_id: str,
+    max_model_len: int | None,
+    num_logprobs: int | None,
 ) -> EngineJob:
-    params = _sampling_params(body)
+    max_tokens = _max_tokens(body, len(prompt_token_ids), max_model_len)
+    params = _sampling_params(body, max_tokens, num_logprobs)
     request = EngineCoreRequest(
         req_id=f"{response_id}-{index}",
         prompt_token_ids=pack_int32(prompt_token_ids),
@@ -123,7 +198,16 @@ def _job(
         cache_salt=body.cache_salt,
     )
     num_tokens = len(prompt_token_ids) + params.max_tokens
-    return EngineJob(index, _checked(request), prompt_token_ids, num_tokens)
+    checked = _checked(request)
+    return EngineJob(
+        index,
+        checked,
+        prompt_token_ids,
+        num_tokens,
+        stops=body.stop_strings(),
+        skip_special_tokens=body.skip_special_tokens,
+        num_logprobs=num_logprobs,
+    )
 
 
 def engine_refusal(error: str | None) -> ApiError:

@@ -2,9 +2,10 @@
 its HTTP status; and the wording of request-validation failures, each naming the parameter.
 """
 
+import re
 from http import HTTPStatus
 
-import pydantic
+import msgspec
 
 ERROR_TYPES = {  # HTTP status -> OpenAI's error type
     400: "invalid_request_error",
@@ -17,7 +18,9 @@ ERROR_TYPES = {  # HTTP status -> OpenAI's error type
     504: "timeout_error",
 }
 MAX_VALUE_REPR_CHARS = 80  # of a bad value quoted in an error message
-UNION_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of plain union members
+# msgspec's wording of an unknown or a missing field (its other faults end "- at `$.path`")
+UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`")
+MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
 
 
 class ApiError(Exception):
@@ -56,20 +59,6 @@ def bad_param(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
-def _param_path(loc: tuple[int | str, ...]) -> str | None:
-    """`messages[0].content` from pydantic's location, cut at a union-member tag: the fault is
-    the value of the union as a whole."""
-    path = ""
-    for item in loc:
-        if isinstance(item, int):
-            path += f"[{item}]"
-        elif item in UNION_TAGS or "[" in item or not item.isidentifier():
-            break
-        else:
-            path += f".{item}" if path else item
-    return path or None
-
-
 def quoted(value: object) -> str:
     text = repr(value)
     if len(text) > MAX_VALUE_REPR_CHARS:
@@ -77,27 +66,26 @@ def quoted(value: object) -> str:
     return text
 
 
-def validation_error(exc: pydantic.ValidationError) -> ApiError:
-    """The request's first fault as a 400 naming the parameter (the body, for bad JSON)."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    kind = first["type"]
-    if kind == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {first['msg'].lower()}")
-    if kind == "model_type" and not first["loc"]:
+def _param_path(path: str) -> str:
+    """`messages[0].role` from msgspec's `$.messages[0].role`."""
+    return path.removeprefix("$").removeprefix(".")
+
+
+def decode_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiError:
+    """The body's first fault as a 400 naming the parameter (none, for bad JSON)."""
+    message = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return ApiError(400, f"the body is not valid JSON: {message[:1].lower()}{message[1:]}")
+    reason, _, path = message.partition(" - at `")
+    path = _param_path(path.removesuffix("`"))
+    if reason.startswith("Expected `object`") and not path:
         return ApiError(400, "the body is not a JSON object: expected an object of parameters")
-    param = _param_path(first["loc"])
-    if kind == "extra_forbidden":
-        return ApiError(400, f"unknown parameter {param!r}: not part of this API", param=param)
-    if kind == "missing":
+    field = UNKNOWN_FIELD.match(reason) or MISSING_FIELD.match(reason)
+    if field is not None:
+        param = f"{path}.{field[1]}" if path else field[1]
+        if reason.startswith("Object contains"):
+            return ApiError(400, f"unknown parameter {param!r}: not part of this API", param=param)
         return ApiError(400, f"{param}: required parameter is missing", param=param)
-    same_param = [error for error in errors if _param_path(error["loc"]) == param]
-    if len(same_param) > 1:  # a union: no single member's complaint explains it
-        return ApiError(
-            400, f"{param} {quoted(first['input'])}: wrong type for this parameter", param=param
-        )
-    return ApiError(
-        400,
-        f"{param} {quoted(first['input'])}: {first['msg'][:1].lower()}{first['msg'][1:]}",
-        param=param,
-    )
+    param = path or None
+    reason = reason[:1].lower() + reason[1:]
+    return ApiError(400, f"{param}: {reason}" if param else f"bad body: {reason}", param=param)

@@ -1,19 +1,24 @@
-"""The request bodies of the OpenAI endpoints as strict pydantic models: unknown fields and wrong
-types are refused, and parameters kvserve cannot honour are refused unless neutral.
+"""The request bodies of the OpenAI endpoints as strict msgspec Structs: unknown fields and wrong
+types are refused when the body is decoded, and parameters kvserve cannot honour are refused
+unless neutral. Bounds of the sampling parameters are SamplingParams' own (engine_requests.py).
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
 
-from api_server.errors import ApiError, bad_param
+from api_server.errors import ApiError, bad_param, decode_error
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses the same
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+MAX_STOP_STRINGS = 64  # vLLM sets no limit; each is searched for in every piece of text
+MAX_STOP_STRING_CHARS = 1024
+# Any JSON value: tool schemas and chat_template_kwargs are passed to the template as they are
+JsonValue = str | int | float | bool | None | list | dict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
 
 
 class StreamOptions(_Strict):
@@ -21,57 +26,72 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # usage on every chunk too (vLLM's extension)
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(_Strict, kw_only=True):
     """The parameters completions and chat share."""
 
     model: str | None = None  # None means the one served model
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's: -1 or 0 keeps every token
+    min_p: float | None = None  # vLLM's
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
     seed: int | None = None
+    stop: str | list[str] | None = None  # ends the choice before the first match, unshown
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0  # vLLM's extra parameter: lower runs first under the priority policy
     cache_salt: str | None = None  # vLLM's extra parameter: isolates prefix-cache entries
     user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
-    # Accepted only at their neutral values, since load generators send them
-    repetition_penalty: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
 
     def check_supported(self) -> None:
         """ApiError naming the first parameter kvserve cannot honour at the value given."""
         if self.n != 1:
             raise bad_param("n", f"n={self.n} is not supported: expected 1")
-        if self.repetition_penalty not in (None, 1.0):
-            raise bad_param("repetition_penalty", f"{self.repetition_penalty} unsupported: use 1")
-        if self.top_p not in (None, 1.0):
-            raise bad_param("top_p", f"{self.top_p} is not supported: expected 1")
-        if self.stop:
-            raise bad_param("stop", "stop strings are not supported: use stop_token_ids")
         if self.stream_options is not None and not self.stream:
             raise bad_param("stream_options", "only allowed with stream=true")
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_param(
+                "stop", f"{len(stops)} stop strings: expected at most {MAX_STOP_STRINGS}"
+            )
+        for stop in stops:
+            if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
+                raise bad_param(
+                    "stop",
+                    f"a stop string of {len(stop)} characters: expected 1 to "
+                    f"{MAX_STOP_STRING_CHARS}",
+                )
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+class CompletionRequest(_GenerationRequest, kw_only=True):
+    # One text, one list of ids, or a batch of either; msgspec allows one array type in a
+    # union, so the batch's shape is checked by `prompts`
+    prompt: str | list[str | int | list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # alternatives per token besides the sampled one
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise bad_param("echo", "echo=true is not supported: expected false")
-        if self.logprobs is not None:
-            raise bad_param("logprobs", "logprobs are not supported: expected null")
         if self.suffix:
             raise bad_param("suffix", "suffix is not supported: expected null")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -80,9 +100,20 @@ class CompletionRequest(_GenerationRequest):
     def prompts(self) -> list[str | list[int]]:
         """The batch: one prompt per choice, text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]  # type: ignore[list-item]  # one text or one list of token ids
-        return list(prompt)  # type: ignore[arg-type]  # a batch of either
+        if isinstance(prompt, str):
+            return [prompt]
+        kinds = {type(item) for item in prompt}
+        if kinds == {int}:
+            return [prompt]  # type: ignore[list-item]  # one list of token ids
+        if kinds == {str}:
+            return list(prompt)  # type: ignore[arg-type]  # a batch of texts
+        if kinds == {list}:
+            return list(prompt)  # type: ignore[arg-type]  # a batch of token id lists
+        raise bad_param(
+            "prompt",
+            "mixed list: expected a string, a list of token ids, a list of strings or "
+            "a list of token id lists",
+        )
 
 
 class TextPart(_Strict):
@@ -96,30 +127,69 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def text(self) -> str:
+        """The content as one string; text parts are joined by newlines, as vLLM joins them."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, JsonValue]:
+        """The message as a chat template reads it."""
+        message: dict[str, JsonValue] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # alternatives per token; needs logprobs=true
+    tools: list[dict[str, JsonValue]] | None = None  # passed to the chat template as they are
+    tool_choice: str | None = None  # "none" or "auto": kvserve parses no tool calls
+    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's opening
+    chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's: more template variables
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise bad_param("logprobs", "logprobs are not supported: expected false")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_param("max_completion_tokens", "give max_tokens or this, not both")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_param(
+                "tool_choice", f"{self.tool_choice!r} is not supported: expected 'none' or 'auto'"
+            )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for SamplingParams.logprobs; None when none are asked."""
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
+COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+def parse_body(
+    body: bytes, decoder: msgspec.json.Decoder
+) -> CompletionRequest | ChatCompletionRequest:
+    """The decoded body; a 400 naming the parameter at fault otherwise."""
+    try:
+        return decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise decode_error(exc) from None
+
+
+def check_model(requested: str | None, served: tuple[str, ...]) -> None:
+    """A 404 unless `requested` is None or one of the served names (vLLM's --served-model-name)."""
+    if requested is not None and requested not in served:
+        names = served[0] if len(served) == 1 else list(served)
         raise ApiError(
             404,
-            f"model {requested!r} does not exist: this server serves {served!r}",
+            f"model {requested!r} does not exist: this server serves {names!r}",
             param="model",
             code="model_not_found",
         )

@@ -1,5 +1,6 @@
 """Serving: runs a response's EngineJobs on the pool and shapes OpenAI completion and chat
-responses, whole or as server-sent events. Leaving a stream early aborts its engine requests.
+responses (text, stop strings, logprobs, usage), whole or as server-sent events. Leaving a stream
+early, or a stop string ending a choice, aborts its engine requests.
 """
 
 import asyncio
@@ -13,25 +14,69 @@ import msgspec
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
+from api_server.logprobs import ChoiceLogprobs
 from api_server.metrics import TokenLatency
-from api_server.tokenizer import ByteTokenizer
-from engine_core.client import EngineDeadError
+from api_server.stop_strings import StopStringMatcher
+from api_server.tokenizer import PromptTokenizer, TextDetokenizer
+from engine_core.client import EngineConnectionLost, EngineDeadError, FrameTooLargeError
 from protocol.client_messages import EngineCoreOutput, FinishReason
 
 SSE_DONE = b"data: [DONE]\n\n"
 JSON = msgspec.json.Encoder()
+# Each started job, its outputs, and its first output (None when it ended without one)
+Started = list[tuple[EngineJob, AsyncIterator[EngineCoreOutput], EngineCoreOutput | None]]
+
+
+@dataclass(slots=True)
+class ChoicePiece:
+    """What one engine output adds to a choice: text, logprobs and, on the last, why it ended."""
+
+    text: str
+    logprobs: dict | None
+    finish_reason: str | None
 
 
 @dataclass(slots=True)
 class ChoiceState:
-    """What one choice has produced so far."""
+    """What one choice has produced so far, and the detokenizer, stop matcher and logprobs
+    shaper that turn its engine outputs into text."""
 
     index: int
     num_prompt_tokens: int
+    detokenizer: TextDetokenizer
+    stopper: StopStringMatcher
+    min_tokens: int = 0  # stop strings are looked for only past this many tokens, as vLLM does
+    logprobs: ChoiceLogprobs | None = None
     text: list[str] = field(default_factory=list)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+
+    def absorb(self, output: EngineCoreOutput) -> ChoicePiece:
+        """The piece this output adds; a stop string found in it ends the choice ("stop")."""
+        self.num_output_tokens += len(output.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        text = self.detokenizer.push(_visible_ids(output))
+        if output.finish_reason is not None:
+            text += self.detokenizer.finish()
+        can_stop = self.num_output_tokens > self.min_tokens
+        match = self.stopper.push(text, can_stop)
+        text = match.text
+        finish_reason = "stop" if match.is_stopped else None
+        if output.finish_reason is not None and not match.is_stopped:
+            text += self.stopper.finish()
+            finish_reason = str(output.finish_reason)
+        fragment = None
+        if self.logprobs is not None and output.new_logprobs is not None:
+            fragment = self.logprobs.push(output.new_logprobs)
+        self.text.append(text)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+        return ChoicePiece(text, fragment, finish_reason)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -57,12 +102,24 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def choice(self, index: int, text: str, finish_reason: str | None, is_chunk: bool) -> dict:
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        is_chunk: bool,
+        logprobs: dict | None = None,
+    ) -> dict:
         if not self.is_chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         key = "delta" if is_chunk else "message"
         message = {"role": "assistant", "content": text} if not is_chunk or text else {}
-        return {"index": index, key: message, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def usage(states: list[ChoiceState]) -> dict:
@@ -89,7 +146,7 @@ class Serving:
     def __init__(
         self,
         pool: EnginePool,
-        tokenizer: ByteTokenizer,
+        tokenizer: PromptTokenizer,
         model: str,
         token_latency: TokenLatency | None = None,
     ) -> None:
@@ -114,47 +171,66 @@ class Serving:
                         (latency.ttft if is_first else latency.itl).observe(now_s - last_s)
                         last_s, is_first = now_s, False
                     yield output
+        except FrameTooLargeError as exc:  # the length check let it by: max_model_len unknown
+            raise ApiError(400, str(exc), param="prompt") from None
+        except EngineConnectionLost as exc:  # this request only: the client reconnects
+            raise ApiError(503, str(exc), code="engine_connection_lost") from None
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), code="engine_unavailable") from None
         except TimeoutError as exc:  # the engine sent nothing for this request in its timeout
             raise ApiError(504, str(exc), code="engine_timeout") from None
 
-    async def _collect(self, job: EngineJob) -> ChoiceState:
-        state = ChoiceState(job.index, len(job.prompt_token_ids))
-        detokenizer = self.tokenizer.detokenizer()
-        async for output in self._outputs(job):
-            state.num_output_tokens += len(output.new_token_ids)
-            state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
-            state.text.append(detokenizer.push(_visible_ids(output)))
-            if output.finish_reason is not None:
-                state.finish_reason = str(output.finish_reason)
-        state.text.append(detokenizer.finish())
+    def _choice_state(self, job: EngineJob, is_chat: bool) -> ChoiceState:
+        logprobs = None
+        if job.num_logprobs is not None:
+            logprobs = ChoiceLogprobs(self.tokenizer, is_chat, job.num_logprobs)
+        return ChoiceState(
+            job.index,
+            len(job.prompt_token_ids),
+            self.tokenizer.detokenizer(job.skip_special_tokens),
+            StopStringMatcher(job.stops),
+            job.request.sampling_params.min_tokens,
+            logprobs,
+        )
+
+    async def _collect(self, job: EngineJob, is_chat: bool) -> ChoiceState:
+        state = self._choice_state(job, is_chat)
+        # aclosing: a stop string ends the loop early, and closing the outputs aborts the request
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for output in outputs:
+                if state.absorb(output).finish_reason is not None:
+                    break
         return state
 
     async def complete(self, jobs: list[EngineJob], shape: ResponseShape) -> dict:
         """The whole response; an error in one choice cancels (and aborts) the others."""
         if len(jobs) == 1:  # the common case, without a task group
-            states = [await self._collect(jobs[0])]
+            states = [await self._collect(jobs[0], shape.is_chat)]
         else:
-            states = await self._collect_all(jobs)
+            states = await self._collect_all(jobs, shape.is_chat)
         choices = [
-            shape.choice(s.index, "".join(s.text), s.finish_reason, is_chunk=False) for s in states
+            shape.choice(
+                s.index,
+                "".join(s.text),
+                s.finish_reason,
+                is_chunk=False,
+                logprobs=None if s.logprobs is None else s.logprobs.whole(),
+            )
+            for s in states
         ]
         response = shape.envelope(choices, is_chunk=False)
         response["usage"] = usage(states)
         return response
 
-    async def _collect_all(self, jobs: list[EngineJob]) -> list[ChoiceState]:
+    async def _collect_all(self, jobs: list[EngineJob], is_chat: bool) -> list[ChoiceState]:
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._collect(job)) for job in jobs]
+                tasks = [group.create_task(self._collect(job, is_chat)) for job in jobs]
         except BaseExceptionGroup as group_error:  # the first choice's error speaks for all
             raise group_error.exceptions[0] from None
         return [task.result() for task in tasks]
 
-    async def first_outputs(
-        self, jobs: list[EngineJob]
-    ) -> list[tuple[EngineJob, AsyncIterator[EngineCoreOutput], EngineCoreOutput | None]]:
+    async def first_outputs(self, jobs: list[EngineJob]) -> Started:
         """Start every job and wait for its first output, so a refusal is still an HTTP error
         before the stream's 200 is sent."""
         generators = [self._outputs(job) for job in jobs]
@@ -175,30 +251,33 @@ class Serving:
 
     async def stream(
         self,
-        started: list[tuple[EngineJob, AsyncIterator[EngineCoreOutput], EngineCoreOutput | None]],
+        started: Started,
         shape: ResponseShape,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per engine output, usage if asked, then [DONE]."""
-        states = [ChoiceState(job.index, len(job.prompt_token_ids)) for job, _, _ in started]
-        detokenizers = [self.tokenizer.detokenizer() for _ in started]
+        states = [self._choice_state(job, shape.is_chat) for job, _, _ in started]
         if shape.is_chat:
             for state in states:
                 first = shape.choice(state.index, "", None, is_chunk=True)
                 first["delta"] = {"role": "assistant", "content": ""}
                 yield self._event(shape.envelope([first], is_chunk=True))
+        merged = MergedOutputs(started)
         try:
-            async for position, output in _merged(started):
-                state, detokenizer = states[position], detokenizers[position]
-                state.num_output_tokens += len(output.new_token_ids)
-                state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
-                text = detokenizer.push(_visible_ids(output))
-                finish_reason = None
-                if output.finish_reason is not None:
-                    text += detokenizer.finish()
-                    finish_reason = str(output.finish_reason)
-                choice = shape.choice(state.index, text, finish_reason, is_chunk=True)
-                yield self._event(shape.envelope([choice], is_chunk=True))
+            async with contextlib.aclosing(merged.outputs()) as outputs:
+                async for position, output in outputs:
+                    state = states[position]
+                    if state.is_finished:
+                        continue  # stopped by a stop string: what its engine sent since is unseen
+                    piece = state.absorb(output)
+                    if piece.finish_reason is not None and output.finish_reason is None:
+                        await merged.close_one(position)  # a stop string: abort its request
+                    choice = shape.choice(
+                        state.index, piece.text, piece.finish_reason, True, piece.logprobs
+                    )
+                    yield self._event(shape.envelope([choice], is_chunk=True))
+                    if all(state.is_finished for state in states):
+                        break
         except ApiError as exc:
             yield self._event(exc.body())
             yield SSE_DONE
@@ -214,44 +293,61 @@ class Serving:
         return b"data: " + JSON.encode(payload) + b"\n\n"
 
 
-async def _merged(
-    started: list[tuple[EngineJob, AsyncIterator[EngineCoreOutput], EngineCoreOutput | None]],
-) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
-    """(position, output) of every job as they come; leaving early closes (aborts) them all."""
-    if len(started) == 1:  # the common case, without a task and a queue per token
-        _, outputs, first = started[0]
-        async with contextlib.aclosing(outputs):
-            if first is not None:
-                yield 0, first
-            async for output in outputs:
-                yield 0, output
-        return
-    queue: asyncio.Queue[tuple[int, EngineCoreOutput | BaseException | None]] = asyncio.Queue()
+class MergedOutputs:
+    """The (position, output) of every started job as they come. Closing the iterator closes
+    (aborts) every job; `close_one` closes one whose choice a stop string ended."""
 
-    async def pump(position: int, outputs: AsyncIterator[EngineCoreOutput]) -> None:
-        try:
-            async with contextlib.aclosing(outputs):
+    def __init__(self, started: Started) -> None:
+        self.started = started
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def close_one(self, position: int) -> None:
+        if len(self.started) == 1:
+            await self.started[0][1].aclose()  # type: ignore[attr-defined]
+            return
+        task = self._tasks[position]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+        if len(self.started) == 1:  # the common case, without a task and a queue per token
+            _, outputs, first = self.started[0]
+            async with contextlib.aclosing(outputs):  # type: ignore[type-var]
+                if first is not None:
+                    yield 0, first
                 async for output in outputs:
-                    await queue.put((position, output))
-        except ApiError as exc:
-            await queue.put((position, exc))
-        await queue.put((position, None))
+                    yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, EngineCoreOutput | BaseException | None]] = asyncio.Queue()
 
-    for position, (_, _, first) in enumerate(started):
-        if first is not None:
-            queue.put_nowait((position, first))
-    tasks = [asyncio.ensure_future(pump(i, outputs)) for i, (_, outputs, _) in enumerate(started)]
-    try:
-        num_open = len(tasks)
-        while num_open:
-            position, item = await queue.get()
-            if item is None:
-                num_open -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield position, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        async def pump(position: int, outputs: AsyncIterator[EngineCoreOutput]) -> None:
+            try:
+                async with contextlib.aclosing(outputs):  # type: ignore[type-var]
+                    async for output in outputs:
+                        await queue.put((position, output))
+            except ApiError as exc:
+                await queue.put((position, exc))
+            finally:  # a job closed by close_one ends here too
+                queue.put_nowait((position, None))
+
+        for position, (_, _, first) in enumerate(self.started):
+            if first is not None:
+                queue.put_nowait((position, first))
+        self._tasks = [
+            asyncio.ensure_future(pump(i, outputs))
+            for i, (_, outputs, _) in enumerate(self.started)
+        ]
+        try:
+            num_open = len(self._tasks)
+            while num_open:
+                position, item = await queue.get()
+                if item is None:
+                    num_open -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield position, item
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,10 +1,12 @@
-"""ByteTokenizer: text to token ids with the shipped tokenizer.json, ids back to text, and the
-chat template. Decoding never raises: an id outside the vocabulary becomes a visible placeholder.
+"""The front end's tokenizers: `load_tokenizer` picks the byte-level ByteTokenizer of the fake
+models (ids back to text never raise: an id outside the vocabulary becomes a visible placeholder)
+or a checkpoint's own CheckpointTokenizer; PromptTokenizer is what the routes use of either.
 """
 
 import codecs
 import json
 from pathlib import Path
+from typing import Protocol
 
 from tokenizers import Tokenizer
 
@@ -15,8 +17,41 @@ from api_server.build_tokenizer import (
     NUM_BYTE_TOKENS,
     TOKENIZER_DIR,
 )
+from api_server.chat_template import TemplateValue
+from api_server.checkpoint_tokenizer import CheckpointTokenizer
 
 DEFAULT_TOKENIZER_DIR = TOKENIZER_DIR
+
+
+class TextDetokenizer(Protocol):
+    """One request's ids to text, piece by piece, never splitting a character."""
+
+    def push(self, token_ids: list[int]) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class PromptTokenizer(Protocol):
+    """What the routes need of a tokenizer: ByteTokenizer and CheckpointTokenizer both are one."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(
+        self,
+        messages: list[dict[str, TemplateValue]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, TemplateValue]] | None = None,
+        extra: dict[str, TemplateValue] | None = None,
+    ) -> list[int]: ...
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> TextDetokenizer: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_texts(self, token_ids: list[int]) -> list[str]: ...
 
 
 def placeholder(token_id: int) -> str:
@@ -74,12 +109,34 @@ class ByteTokenizer:
         """Token ids of `text`; special tokens written in it (`<|user|>`) become their ids."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def detokenizer(self) -> IncrementalDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """Special tokens keep their text even when skipping is asked: the fake models' chat
+        format has no special token a reply would carry but its stop token, never shown."""
         return IncrementalDetokenizer(self._special_texts)
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         detokenizer = self.detokenizer()
         return detokenizer.push(token_ids) + detokenizer.finish()
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each id's own text, as logprobs show it: a lone byte of a longer character is U+FFFD."""
+        return [self.decode([token_id]) for token_id in token_ids]
+
+    def render_chat(
+        self,
+        messages: list[dict[str, TemplateValue]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, TemplateValue]] | None = None,
+        extra: dict[str, TemplateValue] | None = None,
+    ) -> list[int]:
+        """The ids of apply_chat_template's text; the byte format has no tools and no options."""
+        if tools:
+            raise ValueError("tools: the fake models' chat format has none: expected no tools")
+        turns = [(str(m.get("role")), str(m.get("content", ""))) for m in messages]
+        text = self.apply_chat_template(turns)
+        if not add_generation_prompt:
+            text = text.removesuffix(GENERATION_PROMPT)
+        return self.encode(text)
 
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
         """The prompt of a chat: `<|role|>content<|end|>` per message, then `<|assistant|>`.
@@ -92,3 +149,14 @@ class ByteTokenizer:
                 raise ValueError(f"chat role {role!r}: expected one of {list(CHAT_ROLES)}")
             turns.append(f"<|{role}|>{content}{END_OF_TURN}")
         return "".join(turns) + GENERATION_PROMPT
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> ByteTokenizer | CheckpointTokenizer:
+    """The tokenizer of `model` (a built-in name or a checkpoint folder), or of the folder
+    `tokenizer` names when given (vLLM's --tokenizer)."""
+    if tokenizer is not None:
+        return CheckpointTokenizer(Path(tokenizer))
+    folder = Path(model)
+    if folder.is_dir():
+        return CheckpointTokenizer(folder)
+    return ByteTokenizer()

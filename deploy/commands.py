@@ -159,7 +159,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP TCP port; default %(default)s"
     )
-    parser.add_argument("--served-model-name", help="the model name clients send; default --model")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="names clients may send as `model` (the first is reported); default --model",
+    )
     parser.add_argument(
         KEYS_FLAG,
         metavar="DIR",
@@ -168,7 +173,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     parser.add_argument(
-        "--tokenizer", help="folder holding tokenizer.json; default the shipped byte-level one"
+        "--tokenizer",
+        metavar="DIR",
+        help="checkpoint or tokenizer folder holding tokenizer.json (and tokenizer_config.json) "
+        "to tokenize with; default --model's own (the shipped byte-level one for a built-in "
+        "model). Its vocabulary must fit the model's",
     )
     parser.add_argument(
         "--max-request-body-bytes",
@@ -220,15 +229,21 @@ def _api_settings(
         "max_body_bytes": args.max_request_body_bytes,
         "engine_curve": keys_from(args, "client"),
     }
-    if args.tokenizer is not None:
-        folder = Path(args.tokenizer)
-        if not (folder / "tokenizer.json").is_file():
-            raise UsageError(f"--tokenizer {folder}: expected a folder holding tokenizer.json")
-        extra["tokenizer_dir"] = folder
+    if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        raise UsageError(f"--tokenizer {args.tokenizer}: expected a folder holding tokenizer.json")
+    model_folder = Path(base_worker.model)
+    has_no_tokenizer = not (model_folder / "tokenizer.json").is_file()
+    if args.tokenizer is None and model_folder.is_dir() and has_no_tokenizer:
+        raise UsageError(
+            f"--model {base_worker.model}: no tokenizer.json in the checkpoint: expected one, "
+            "or --tokenizer DIR naming a folder that holds one"
+        )
     return ApiSettings(
         engine_addresses=tuple(args.engine_address or [engine_config.client_address]),
-        model=args.served_model_name or base_worker.model,
+        model=base_worker.model,
         block_size=engine_config.cache.block_size,
+        served_model_names=tuple(args.served_model_name or ()),
+        tokenizer=args.tokenizer,
         **extra,
     )
 

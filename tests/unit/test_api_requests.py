@@ -3,28 +3,39 @@ in OpenAI's error shape that names the parameter at fault."""
 
 import json
 
-import pydantic
+import msgspec
 import pytest
 
 from api_server.engine_requests import chat_job, completion_jobs, engine_refusal
-from api_server.errors import ApiError, validation_error
-from api_server.openai_types import ChatCompletionRequest, CompletionRequest, check_model
+from api_server.errors import ApiError
+from api_server.openai_types import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    CompletionRequest,
+    check_model,
+    parse_body,
+)
 from api_server.tokenizer import ByteTokenizer
 from protocol.buffers import unpack_int32
 
 TOKENIZER = ByteTokenizer()
+MAX_MODEL_LEN = 64  # of the engines these requests are checked against
 
 
-def _refusal(body: str, model: type[pydantic.BaseModel] = CompletionRequest) -> ApiError:
+def _parsed(body: str, decoder: msgspec.json.Decoder = COMPLETION_DECODER) -> object:
+    return parse_body(body.encode("utf-8", "surrogateescape"), decoder)
+
+
+def _refusal(body: str, decoder: msgspec.json.Decoder = COMPLETION_DECODER) -> ApiError:
     try:
-        parsed = model.model_validate_json(body)
-    except pydantic.ValidationError as exc:
-        return validation_error(exc)
+        parsed = _parsed(body, decoder)
+    except ApiError as exc:
+        return exc
     try:
         if isinstance(parsed, CompletionRequest):
-            completion_jobs(parsed, TOKENIZER, "cmpl-test")
+            completion_jobs(parsed, TOKENIZER, "cmpl-test", MAX_MODEL_LEN)
         else:
-            chat_job(parsed, TOKENIZER, "chatcmpl-test")
+            chat_job(parsed, TOKENIZER, "chatcmpl-test", MAX_MODEL_LEN)  # type: ignore[arg-type]
     except ApiError as exc:
         return exc
     raise AssertionError(f"{body} was accepted")
@@ -48,12 +59,24 @@ def _refusal(body: str, model: type[pydantic.BaseModel] = CompletionRequest) -> 
         ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
         ('{"prompt": "x", "stream": true, "stream_options": {"bogus": 1}}', "stream_options.bogus"),
         ('{"prompt": "x", "echo": true}', "echo"),
-        ('{"prompt": "x", "logprobs": 2}', "logprobs"),
+        ('{"prompt": "x", "logprobs": 21}', "logprobs"),
+        ('{"prompt": "x", "logprobs": -1}', "logprobs"),
         ('{"prompt": "x", "priority": 3000000000}', "priority"),
         ('{"prompt": "x", "cache_salt": ""}', "cache_salt"),
-        ('{"prompt": "x", "top_p": 0.5}', "top_p"),
-        ('{"prompt": "x", "repetition_penalty": 1.2}', "repetition_penalty"),
-        ('{"prompt": "x", "stop": ["\\n"]}', "stop"),
+        ('{"prompt": "x", "top_p": 0}', "top_p"),
+        ('{"prompt": "x", "top_p": 1.5}', "top_p"),
+        ('{"prompt": "x", "top_k": -2}', "top_k"),
+        ('{"prompt": "x", "min_p": 2}', "min_p"),
+        ('{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
+        ('{"prompt": "x", "frequency_penalty": -2.5}', "frequency_penalty"),
+        ('{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty"),
+        ('{"prompt": "x", "stop": [5]}', "stop[0]"),
+        ('{"prompt": "x", "stop": [""]}', "stop"),
+        ('{"prompt": "x", "stop": ""}', "stop"),
+        ('{"prompt": "x", "skip_special_tokens": "no"}', "skip_special_tokens"),
+        ('{"prompt": "x", "max_tokens": 64}', "max_tokens"),
+        ('{"prompt": "' + "x" * 64 + '"}', "prompt"),
+        ('{"prompt": ' + json.dumps(list(range(64))) + "}", "prompt"),
         ('{"max_tokens": 5}', "prompt"),
         ('{"prompt": 5}', "prompt"),
         ('{"prompt": [1, "a"]}', "prompt"),
@@ -81,7 +104,23 @@ def test_a_bad_completion_parameter_is_a_400_naming_it(body: str, param: str) ->
         ('{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].role"),
         ('{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
         ('{"messages": [{"role": "user"}]}', "messages[0].content"),
-        ('{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs"),
+        ('{"messages": [{"role": "user", "content": "x"}], "logprobs": 1}', "logprobs"),
+        ('{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
+            '"top_logprobs": 21}',
+            "logprobs",
+        ),
+        ('{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+            "tool_choice",
+        ),
+        ('{"messages": [{"role": "user", "content": "' + "x" * 61 + '"}]}', "messages"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 61}',
+            "max_completion_tokens",
+        ),
         (
             '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, '
             '"max_completion_tokens": 1}',
@@ -90,7 +129,7 @@ def test_a_bad_completion_parameter_is_a_400_naming_it(body: str, param: str) ->
     ],
 )
 def test_a_bad_chat_parameter_is_a_400_naming_it(body: str, param: str) -> None:
-    error = _refusal(body, ChatCompletionRequest)
+    error = _refusal(body, CHAT_DECODER)
     assert (error.status, error.param) == (400, param)
 
 
@@ -103,16 +142,17 @@ def test_a_body_that_is_not_a_json_object_is_a_400(body: str) -> None:
 
 
 def test_an_unknown_model_is_a_404() -> None:
-    check_model(None, "tiny-llama")
-    check_model("tiny-llama", "tiny-llama")
+    check_model(None, ("tiny-llama",))
+    check_model("tiny-llama", ("tiny-llama",))
+    check_model("alias", ("tiny-llama", "alias"))
     with pytest.raises(ApiError) as info:
-        check_model("gpt-4", "tiny-llama")
+        check_model("tiny", ("tiny-llama",))
     assert info.value.status == 404
     assert info.value.body()["error"]["code"] == "model_not_found"
 
 
 def test_a_batch_becomes_one_engine_request_per_prompt() -> None:
-    body = CompletionRequest.model_validate_json(
+    body = _parsed(
         json.dumps({"prompt": ["hi", "yo"], "max_tokens": 3, "temperature": 0, "priority": -1})
     )
     jobs = completion_jobs(body, TOKENIZER, "cmpl-x")
@@ -125,14 +165,15 @@ def test_a_batch_becomes_one_engine_request_per_prompt() -> None:
 
 def test_token_id_prompts_and_batches_of_them_are_accepted() -> None:
     for prompt, expected in (([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])):
-        body = CompletionRequest.model_validate_json(json.dumps({"prompt": prompt}))
+        body = _parsed(json.dumps({"prompt": prompt}))
         assert [job.prompt_token_ids for job in completion_jobs(body, TOKENIZER, "c")] == expected
 
 
 def test_chat_uses_the_template_and_max_completion_tokens() -> None:
-    body = ChatCompletionRequest.model_validate_json(
+    body = _parsed(
         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], '
-        '"max_completion_tokens": 7}'
+        '"max_completion_tokens": 7}',
+        CHAT_DECODER,
     )
     job = chat_job(body, TOKENIZER, "chatcmpl-x")
     assert TOKENIZER.decode(job.prompt_token_ids) == "<|user|>hi<|end|><|assistant|>"

@@ -1,0 +1,74 @@
+"""ChoiceLogprobs: the engine's TokenLogprobs of one choice in OpenAI's two shapes, completions'
+`{tokens, token_logprobs, top_logprobs, text_offset}` and chat's `{content: [{token, logprob,
+bytes, top_logprobs}]}`, one fragment per streamed chunk or the whole at the end.
+"""
+
+import math
+
+from api_server.tokenizer import PromptTokenizer
+from protocol.client_messages import TokenLogprobs
+
+# JSON has no -inf (a token the filters could never draw still has a logprob); vLLM clamps so too
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(logprob) or logprob < LOGPROB_FLOOR else logprob
+
+
+def _token_entry(text: str, logprob: float) -> dict[str, object]:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+class ChoiceLogprobs:
+    """Shapes one choice's logprobs as they arrive.
+
+    `num_top` alternatives are shown per token (the request's logprobs or top_logprobs). For
+    completions, `text_offset` is each token's start in the choice's text, counting every token's
+    own text (vLLM's rule), so it keeps growing across chunks.
+    Invariant: every list of `_whole` has one entry per token pushed so far.
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, is_chat: bool, num_top: int) -> None:
+        self.tokenizer = tokenizer
+        self.is_chat = is_chat
+        self.num_top = num_top
+        self._next_offset = 0
+        self._whole = self._empty()
+
+    def _empty(self) -> dict[str, list]:
+        if self.is_chat:
+            return {"content": []}
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def push(self, logprobs: TokenLogprobs) -> dict[str, list]:
+        """The fragment of these tokens (a chunk's `logprobs`); the whole keeps them too."""
+        fragment = self._empty()
+        rows = zip(logprobs.token_ids, logprobs.logprobs, strict=True)
+        for token_ids, values in rows:
+            if not token_ids or len(token_ids) != len(values):
+                raise ValueError(
+                    f"a logprob row of {len(token_ids)} ids and {len(values)} values: expected "
+                    "the sampled id first and as many values as ids"
+                )
+            texts = self.tokenizer.token_texts(token_ids[: 1 + self.num_top])
+            tops = list(zip(texts[1:], values[1 : 1 + self.num_top], strict=True))
+            if self.is_chat:
+                entry = _token_entry(texts[0], values[0])
+                entry["top_logprobs"] = [_token_entry(text, value) for text, value in tops]
+                fragment["content"].append(entry)
+                continue
+            fragment["tokens"].append(texts[0])
+            fragment["token_logprobs"].append(_finite(values[0]))
+            # the sampled token's own logprob is always among the top ones, as vLLM shows it
+            top = {texts[0]: _finite(values[0])}
+            top.update((text, _finite(value)) for text, value in tops)
+            fragment["top_logprobs"].append(top)
+            fragment["text_offset"].append(self._next_offset)
+            self._next_offset += len(texts[0])
+        for key, items in fragment.items():
+            self._whole[key].extend(items)
+        return fragment
+
+    def whole(self) -> dict[str, list]:
+        return self._whole
