@@ -1,0 +1,219 @@
+"""A checkpoint's own tokenizer in the front end: loaded from its files without transformers, its
+chat template rendering the same ids as transformers' apply_chat_template (imported here only),
+and its streamed text equal to a decode of all the ids, never a broken character."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, processors
+
+from api_server.chat_template import ChatTemplate, ChatTemplateError
+from api_server.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer import ByteTokenizer, load_tokenizer
+from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokenizer, corpus
+
+transformers = pytest.importorskip("transformers")
+
+BEGIN_OF_TEXT = "<|begin_of_text|>"
+LLAMA3_SPECIALS = (BEGIN_OF_TEXT, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# The shape of Llama 3's template: bos printed by the template itself, headers, trimmed content
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools is not none %}{{- 'Tools: ' + tools | tojson(indent=2) + '\\n' }}{%- endif %}"
+    "{{- 'Today: ' + strftime_now('%Y') + '\\n' + system + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['user', 'assistant'] %}"
+    "{{- raise_exception('roles must be user or assistant') }}{%- endif %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Answer briefly. "},
+        {"role": "user", "content": "Café déjà vu 🙂🚀"},
+        {"role": "assistant", "content": "東京は日本の首都です。"},
+        {"role": "user", "content": "  and again  "},
+    ],
+]
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+def _hf_chat_ids(folder: Path, messages: list[dict], **kwargs: object) -> list[int]:
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    rendered = hf.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer as bench/make_checkpoint.py saves it (transformers 5's chat_template.jinja)."""
+    folder = tmp_path_factory.mktemp("chatml")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(CheckpointSpec()),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-3-style tokenizer written as hub checkpoints ship one: a post-processor adding
+    bos, and the chat template inside tokenizer_config.json."""
+    folder = tmp_path_factory.mktemp("llama3")
+    tokenizer = build_tokenizer(CheckpointSpec())
+    tokenizer.add_special_tokens(list(LLAMA3_SPECIALS))
+    bos_id = tokenizer.token_to_id(BEGIN_OF_TEXT)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BEGIN_OF_TEXT} $A",
+        pair=f"{BEGIN_OF_TEXT} $A {BEGIN_OF_TEXT} $B",
+        special_tokens=[(BEGIN_OF_TEXT, bos_id)],
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BEGIN_OF_TEXT,
+        "eos_token": {"content": "<|eot_id|>", "special": True, "__type": "AddedToken"},
+        "chat_template": LLAMA3_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_load_tokenizer_picks_the_byte_tokenizer_or_the_checkpoints(chatml_dir: Path) -> None:
+    assert isinstance(load_tokenizer("tiny-llama"), ByteTokenizer)
+    ours = load_tokenizer(str(chatml_dir))
+    assert isinstance(ours, CheckpointTokenizer)
+    assert ours.special_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    assert isinstance(load_tokenizer("tiny-llama", str(chatml_dir)), CheckpointTokenizer)
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
+        load_tokenizer(str(chatml_dir.parent))
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chatml_ids_equal_transformers(
+    chatml_dir: Path, messages: list[dict], add_generation_prompt: bool
+) -> None:
+    ours = CheckpointTokenizer(chatml_dir).render_chat(messages, add_generation_prompt)
+    theirs = _hf_chat_ids(chatml_dir, messages, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(chatml_dir: Path) -> None:
+    ours = CheckpointTokenizer(chatml_dir)
+    ids = ours.render_chat(CHATS[1], True, TOOLS)
+    assert ids == _hf_chat_ids(chatml_dir, CHATS[1], tools=TOOLS, add_generation_prompt=True)
+    assert '"name": "lookup"' in ours.decode(ids)  # tojson without HTML escapes
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_a_template_that_prints_bos_gets_it_once_as_in_transformers(
+    llama3_dir: Path, messages: list[dict]
+) -> None:
+    ours = CheckpointTokenizer(llama3_dir)
+    ids = ours.render_chat(messages, True, TOOLS)
+    assert ids == _hf_chat_ids(llama3_dir, messages, tools=TOOLS, add_generation_prompt=True)
+    assert ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id
+
+
+def test_a_completion_prompt_gets_the_post_processors_bos_as_in_transformers(
+    llama3_dir: Path,
+) -> None:
+    hf = transformers.AutoTokenizer.from_pretrained(llama3_dir)
+    ours = CheckpointTokenizer(llama3_dir)
+    for text in ("The capital of France is", "Emoji: 🙂 done.", f"{BEGIN_OF_TEXT}twice"):
+        assert ours.encode(text) == hf(text)["input_ids"]
+    assert ours.encode("Paris")[0] == ours.bos_token_id
+
+
+def test_raise_exception_in_a_template_is_a_chat_template_error(llama3_dir: Path) -> None:
+    with pytest.raises(ChatTemplateError, match="roles must be user or assistant"):
+        CheckpointTokenizer(llama3_dir).render_chat([{"role": "tool", "content": "x"}])
+
+
+def test_templates_cannot_reach_python_internals() -> None:
+    escapes = [
+        "{{ messages.__class__.__mro__ }}",
+        "{{ ''.__class__.__subclasses__() }}",
+        "{% set ns = namespace(_x=1) %}{{ ns._x }}",
+        "{{ messages.append(1) }}",  # the sandbox is immutable: no mutation of the inputs
+    ]
+    for source in escapes:
+        with pytest.raises(ChatTemplateError, match=r"is unsafe|leading underscore"):
+            ChatTemplate(source, {}).render([{"role": "user", "content": "x"}])
+
+
+def test_generation_blocks_and_loop_controls_render() -> None:
+    source = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    )
+    rendered = ChatTemplate(source, {}).render([{"content": c} for c in "abc"])
+    assert rendered == "ab"
+
+
+def test_a_folder_without_a_template_is_refused_for_chats(tmp_path: Path) -> None:
+    build_tokenizer(CheckpointSpec()).save(str(tmp_path / "tokenizer.json"))
+    ours = CheckpointTokenizer(tmp_path)
+    assert not ours.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        ours.render_chat([{"role": "user", "content": "x"}])
+
+
+def _streamed(tokenizer: CheckpointTokenizer, token_ids: list[int], rng: random.Random) -> str:
+    """The text of `token_ids` pushed in random runs, as engine outputs bring them."""
+    detokenizer = tokenizer.detokenizer()
+    pieces, start = [], 0
+    while start < len(token_ids):
+        stop = start + rng.randint(1, 3)
+        pieces.append(detokenizer.push(token_ids[start:stop]))
+        start = stop
+    pieces.append(detokenizer.finish())
+    for piece in pieces:
+        assert "\ufffd" not in piece, f"a broken character in {pieces}"
+    return "".join(pieces)
+
+
+def test_streamed_text_equals_a_decode_of_every_id(chatml_dir: Path) -> None:
+    """Multi-byte characters and emoji split across tokens come out whole in the later piece."""
+    ours = CheckpointTokenizer(chatml_dir)
+    rng = random.Random(0)
+    texts = [*corpus(1)[-60:], "naïve 🙂🚀✨ 東京", "🙂" * 5 + "é" * 7]
+    split_somewhere = False
+    for text in texts:
+        token_ids = ours.encode(text)
+        split_somewhere |= any("\ufffd" in t for t in ours.token_texts(token_ids))
+        assert _streamed(ours, token_ids, rng) == ours.decode(token_ids) == text
+    assert split_somewhere, "no character was split across tokens: the test proves nothing"
+
+
+def test_special_tokens_are_skipped_unless_asked(chatml_dir: Path) -> None:
+    ours = CheckpointTokenizer(chatml_dir)
+    token_ids = ours.encode("Paris<|im_end|>")
+    skipping = ours.detokenizer()
+    assert skipping.push(token_ids) + skipping.finish() == "Paris"
+    keeping = ours.detokenizer(skip_special_tokens=False)
+    assert keeping.push(token_ids) + keeping.finish() == "Paris<|im_end|>"
+
+
+def test_a_cut_off_character_at_the_end_is_a_replacement_as_in_decode(chatml_dir: Path) -> None:
+    ours = CheckpointTokenizer(chatml_dir)
+    raw = Tokenizer.from_file(str(chatml_dir / "tokenizer.json"))
+    token_ids = ours.encode("ok 🙂")
+    split = next(idx for idx in range(1, len(token_ids)) if "\ufffd" in raw.decode(token_ids[:idx]))
+    detokenizer = ours.detokenizer()
+    text = detokenizer.push(token_ids[:split]) + detokenizer.finish()
+    assert text == ours.decode(token_ids[:split]) and text.endswith("\ufffd")
+    assert ours.detokenizer().push([10**6]) == ""  # outside the vocabulary: dropped, as decode
