@@ -84,8 +84,11 @@ def _max_tokens(
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         param, max_tokens = "max_completion_tokens", body.max_completion_tokens
     room = None if max_model_len is None else max_model_len - num_prompt_tokens
+    if max_tokens is None and room is None:
+        return DEFAULT_MAX_TOKENS
     if max_tokens is None:
-        return DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+        # vLLM's defaults: a chat may run to the end of the context, a completion 16 tokens
+        return room if isinstance(body, ChatCompletionRequest) else min(DEFAULT_MAX_TOKENS, room)
     if room is not None and max_tokens > room:
         raise bad_param(
             param,

@@ -9,7 +9,7 @@ import msgspec
 
 from api_server.errors import ApiError, bad_param, decode_error
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses the same
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; a chat's is what fits max_model_len
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 MAX_STOP_STRINGS = 64  # vLLM sets no limit; each is searched for in every piece of text
 MAX_STOP_STRING_CHARS = 1024

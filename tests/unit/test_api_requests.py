@@ -196,3 +196,49 @@ def test_chat_uses_the_template_and_max_completion_tokens() -> None:
 )
 def test_an_engine_refusal_gets_the_status_of_its_cause(error: str | None, status: int) -> None:
     assert engine_refusal(error).status == status
+
+
+def test_max_tokens_defaults_are_vllms_and_fit_max_model_len() -> None:
+    """A chat may run to the end of the context; a completion gets 16 tokens, fewer when the
+    context has less room; a given max_tokens that fits is kept."""
+    chat = _parsed('{"messages": [{"role": "user", "content": "hi"}]}', CHAT_DECODER)
+    job = chat_job(chat, TOKENIZER, "c", MAX_MODEL_LEN)  # type: ignore[arg-type]
+    assert job.request.sampling_params.max_tokens == MAX_MODEL_LEN - len(job.prompt_token_ids)
+    short = completion_jobs(_parsed('{"prompt": "x"}'), TOKENIZER, "c", MAX_MODEL_LEN)  # type: ignore[arg-type]
+    assert short[0].request.sampling_params.max_tokens == 16
+    near_full = _parsed(json.dumps({"prompt": "x" * 60}))
+    assert completion_jobs(near_full, TOKENIZER, "c", MAX_MODEL_LEN)[0].num_tokens == 64  # type: ignore[arg-type]
+    exact = _parsed('{"prompt": "x", "max_tokens": 63}')
+    assert completion_jobs(exact, TOKENIZER, "c", MAX_MODEL_LEN)[0].num_tokens == 64  # type: ignore[arg-type]
+
+
+def test_sampling_parameters_reach_the_engine_request() -> None:
+    body = _parsed(
+        json.dumps(
+            {
+                "prompt": "x",
+                "top_p": 0.9,
+                "top_k": -1,
+                "min_p": 0.05,
+                "presence_penalty": 0.5,
+                "frequency_penalty": -0.5,
+                "repetition_penalty": 1.1,
+                "seed": 7,
+                "logprobs": 3,
+                "stop": "\n",
+                "skip_special_tokens": False,
+            }
+        )
+    )
+    job = completion_jobs(body, TOKENIZER, "c", MAX_MODEL_LEN)[0]  # type: ignore[arg-type]
+    params = job.request.sampling_params
+    assert (params.top_p, params.top_k, params.min_p) == (0.9, None, 0.05)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert (params.repetition_penalty, params.seed, params.logprobs) == (1.1, 7, 3)
+    assert (job.stops, job.skip_special_tokens, job.num_logprobs) == (["\n"], False, 3)
+    chat = _parsed(
+        '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_k": 5}',
+        CHAT_DECODER,
+    )
+    chat_params = chat_job(chat, TOKENIZER, "c", MAX_MODEL_LEN).request.sampling_params  # type: ignore[arg-type]
+    assert (chat_params.logprobs, chat_params.top_k) == (0, 5)
