@@ -41,6 +41,7 @@ class EngineJob:
     prompt_token_ids: list[int]
     num_tokens: int  # prompt plus max_tokens: what the router counts as outstanding
     stops: list[str] = field(default_factory=list)  # stop strings, matched here on the text
+    is_stop_shown: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
 
@@ -208,6 +209,7 @@ def _job(
         prompt_token_ids,
         num_tokens,
         stops=body.stop_strings(),
+        is_stop_shown=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         num_logprobs=num_logprobs,
     )

@@ -44,6 +44,7 @@ class _GenerationRequest(_Strict, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -188,7 +188,7 @@ class Serving:
             job.index,
             len(job.prompt_token_ids),
             self.tokenizer.detokenizer(job.skip_special_tokens),
-            StopStringMatcher(job.stops),
+            StopStringMatcher(job.stops, job.is_stop_shown),
             job.request.sampling_params.min_tokens,
             logprobs,
         )

@@ -21,10 +21,11 @@ class StopStringMatcher:
     that is a proper prefix of some stop string (held back until the text decides it).
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], is_stop_shown: bool = False) -> None:
         if any(not stop for stop in stops):
             raise ValueError("an empty stop string: expected at least one character")
         self.stops = stops
+        self.is_stop_shown = is_stop_shown  # vLLM's include_stop_str_in_output
         self._held = ""
         self.is_stopped = False
 
@@ -37,11 +38,13 @@ class StopStringMatcher:
         if not self.stops or not can_stop:
             self._held = ""
             return StopMatch(window, False)
-        first = min((idx for stop in self.stops if (idx := window.find(stop)) >= 0), default=None)
-        if first is not None:
+        matches = [(idx, stop) for stop in self.stops if (idx := window.find(stop)) >= 0]
+        if matches:  # the earliest; of two starting there, the longer (it was shown whole)
+            first, stop = min(matches, key=lambda match: (match[0], -len(match[1])))
             self.is_stopped = True
             self._held = ""
-            return StopMatch(window[:first], True)
+            end = first + len(stop) if self.is_stop_shown else first
+            return StopMatch(window[:end], True)
         num_held = self._num_possible_start(window)
         self._held = window[len(window) - num_held :]
         return StopMatch(window[: len(window) - num_held], False)

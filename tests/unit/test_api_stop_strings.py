@@ -36,6 +36,13 @@ def test_the_earliest_of_several_stop_strings_wins() -> None:
     assert (shown, is_stopped) == (["hel"], True)
 
 
+def test_include_stop_str_in_output_keeps_the_match() -> None:
+    matcher = StopStringMatcher(["ST", "STOP"], is_stop_shown=True)
+    assert matcher.push("go S").text == "go "
+    match = matcher.push("TOP!")
+    assert (match.text, match.is_stopped) == ("STOP", True)  # the longer of two at one place
+
+
 def test_a_stop_string_inside_one_piece_cuts_it() -> None:
     assert _run(["\n"], ["one\ntwo"]) == (["one"], True)
 
