@@ -130,8 +130,10 @@ class WorkerConfig(_Config, frozen=True):
     rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     tp_size: TPSize = 1
     engine_address: str = "ipc:///tmp/kvserve-worker.sock"  # the engine's worker ROUTER
-    model: str = "tiny-llama"  # a name from worker/models
-    dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
+    model: str = "tiny-llama"  # a name from worker/models, or a Hugging Face checkpoint folder
+    # compute dtype; auto: a checkpoint's own dtype on CUDA, float32 on the CPU and for the
+    # built-in models (whose dtype is their KV-cache dtype)
+    dtype: Literal["auto", "float32", "float64", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     block_size: BlockSize = 16  # must equal the engine's
     gpu_memory_utilization: Fraction = 0.9
@@ -151,3 +153,5 @@ class WorkerConfig(_Config, frozen=True):
     curve: CurveKeys | None = None  # the worker keypair and the engine's public key
     # the fixed-time model's device time per forward, in ms: its stand-in for a GPU's step time
     model_step_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # dtype of the KV cache; auto follows the compute dtype
+    kv_cache_dtype: Literal["auto", "float32", "float64", "float16", "bfloat16"] = "auto"
