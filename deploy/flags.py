@@ -202,9 +202,19 @@ WORKER_FLAGS = [
         ("model",),
         "model name: checksum, fixed-time, tiny-llama, tiny-llama-hybrid, tiny-llama-hybrid-2x, "
         "tiny-local, tiny-mla, tiny-encdec or tiny-mamba-hybrid (README.md's model list says what "
-        "each exercises)",
+        "each exercises), or a Hugging Face checkpoint folder (Llama, Qwen2, Qwen3, Mistral)",
     ),
-    Flag(("--dtype",), ("dtype",), "dtype of the weights and the KV cache"),
+    Flag(
+        ("--dtype",),
+        ("dtype",),
+        "compute dtype of a checkpoint (auto: its own on CUDA, float32 on the CPU); the KV-cache "
+        "dtype of the built-in models",
+    ),
+    Flag(
+        ("--kv-cache-dtype",),
+        ("kv_cache_dtype",),
+        "dtype of the KV cache (auto: the compute dtype)",
+    ),
     Flag(("--device",), ("device",), "device; auto takes cuda when available"),
     Flag(("--block-size",), ("block_size",), "tokens per KV-cache block (must equal the engine's)"),
     Flag(
