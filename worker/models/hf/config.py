@@ -158,8 +158,10 @@ def _rope(raw: dict) -> RopeConfig:
             f"config.json rope_parameters has per-layer-type entries {sorted(params)}: expected "
             "one set of rotary parameters for every layer"
         )
-    params.update(raw.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = raw.get("rope_scaling") or {}
+    params.update(scaling)
+    spellings = (scaling.get("rope_type"), scaling.get("type"), params.get("rope_type"))
+    rope_type = next((name for name in spellings if name is not None), "default")
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(
             f"config.json rope type {rope_type!r}: expected one of {list(ROPE_TYPES)}"
