@@ -47,7 +47,7 @@ class KvserveBench:
             ),
             CacheConfig(block_size=args.block_size),
             KVCacheConfig(args.num_blocks, [group]),
-            ModelInfo("bench", VOCAB_SIZE, None, args.max_model_len, [group]),
+            ModelInfo("bench", VOCAB_SIZE, [], args.max_model_len, [group]),
         )
         self.num_added = 0
 

@@ -32,7 +32,7 @@ HANDSHAKE_TIMEOUT_S = 60.0
 RANK_IDLE_TIMEOUT_S = 60.0  # a rank or echo that hears nothing for this long exits
 STEP_TIMEOUT_S = 10.0
 GROUPS = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(BLOCK_SIZE, 2, 8, "float32"))]
-MODEL_INFO = ModelInfo("transport-bench", 512, None, 4096, GROUPS)
+MODEL_INFO = ModelInfo("transport-bench", 512, [], 4096, GROUPS)
 SAMPLED_TOKEN = pack_int32([7])
 QUIT = b"q"  # tells an echo process to exit
 

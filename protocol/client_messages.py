@@ -65,6 +65,14 @@ class UtilityCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=T
 ClientToEngine = EngineCoreRequest | AbortRequests | UtilityCall
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Logprobs of a request's new tokens, one entry per token, in order."""
+
+    token_ids: list[list[int]]  # the sampled id, then its top-N alternatives
+    logprobs: list[list[float]]  # aligned with token_ids, natural log
+    sampled_token_ranks: list[int]  # rank of the sampled id in the distribution, 1 the top
+
+
 class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """What one request produced in one step.
 
@@ -77,6 +85,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     finish_reason: FinishReason | None = None  # set on the request's last output
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     error: str | None = None  # why, when finish_reason is ERROR
+    new_logprobs: TokenLogprobs | None = None  # of new_token_ids; None unless it asked for them
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, tag=True, gc=False):

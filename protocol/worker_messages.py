@@ -20,7 +20,7 @@ class ModelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     name: str
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: list[int]  # every id that ends a generation (unless ignore_eos); [] for none
     max_model_len: int  # longest sequence (prompt plus output) the model supports, in tokens
     kv_cache_groups: list[KVCacheGroupSpec]  # the model's layers grouped by spec
 
@@ -111,6 +111,11 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     handles: bytes  # int32, the scheduled requests in SchedulerOutput order
     sampled_token_ids: bytes  # int32, one per request (meaningless for a partial prefill chunk)
     generation: int = 1  # the step's; the engine drops replies of an older generation
+    # One entry per sampled request that asked for logprobs, in `handles` order, N being its
+    # sampling_params.logprobs; the model's raw distribution (before temperature and filters).
+    logprobs: bytes = b""  # float32: the sampled token's logprob, then its top-N alternatives'
+    logprob_token_ids: bytes = b""  # int32, aligned with logprobs: the sampled id, the top N
+    sampled_token_ranks: bytes = b""  # int32 per such request: 1 is the most likely token
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -80,14 +80,14 @@ class RequestIntake:
         config: SchedulerConfig,
         max_model_len: int,
         vocab_size: int,
-        eos_token_id: int | None,
+        eos_token_ids: list[int],
         max_num_encoder_tokens: int | None,
         block_hasher: BlockHasher | None,
     ) -> None:
         self.admission = Admission(config)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.max_num_encoder_tokens = max_num_encoder_tokens
         self._block_hasher = block_hasher
         self._handles = itertools.count(1)
@@ -108,7 +108,7 @@ class RequestIntake:
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             block_hasher=self._block_hasher,
             client_id=client_id,
             handle=next(self._handles),

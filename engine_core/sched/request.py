@@ -7,6 +7,7 @@ blocks of those tokens fill up, generated tokens included.
 import enum
 import hashlib
 from array import array
+from collections.abc import Sequence
 
 from engine_core.kv_cache.hashing import (
     BlockHash,
@@ -63,7 +64,7 @@ class Request:
         "client_id",
         "client_req_id",
         "encoder_token_ids",
-        "eos_token_id",
+        "eos_token_ids",
         "finishing_token_ids",
         "handle",
         "max_num_tokens",
@@ -87,7 +88,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         block_hasher: BlockHasher | None = None,
         client_id: bytes = b"",
         handle: int = 0,
@@ -104,12 +105,12 @@ class Request:
         self.cache_salt = cache_salt
         # An encoder-decoder model's encoder input, whose K/V fill the cross-attention blocks.
         self.encoder_token_ids = encoder_token_ids
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # the model's: every id that ends a generation
         # Derived once from the frozen sampling params, for the stop rules on every step.
         self.finishing_token_ids = frozenset(
             sampling_params.stop_token_ids
-            if eos_token_id is None or sampling_params.ignore_eos
-            else [*sampling_params.stop_token_ids, eos_token_id]
+            if sampling_params.ignore_eos
+            else [*sampling_params.stop_token_ids, *eos_token_ids]
         )  # ids that finish it once min_tokens outputs exist: stop ids, EOS unless ignore_eos
         self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens  # length cap
         self.client_id = client_id  # the ZMQ identity of the client that sent it

@@ -72,7 +72,7 @@ class Scheduler:
             scheduler_config,
             self.max_model_len,
             model_info.vocab_size,
-            model_info.eos_token_id,
+            model_info.eos_token_ids,
             max_num_encoder_tokens(kv_cache_config.kv_cache_groups),
             make_block_hasher(cache_config, self.block_size),
         )

@@ -177,7 +177,7 @@ class Harness:
         num_blocks: int = 64,
         block_size: int = 4,
         vocab_size: int = 64,
-        eos_token_id: int | None = None,
+        eos_token_ids: list[int] | None = None,
         max_model_len: int = 128,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
@@ -187,7 +187,7 @@ class Harness:
         if sliding_window is not None:  # a hybrid model: a second, sliding-window group
             spec = SlidingWindowSpec(block_size, 1, 8, "float32", sliding_window)
             groups.append(KVCacheGroupSpec(["layer.1"], spec))
-        model_info = ModelInfo("fake", vocab_size, eos_token_id, max_model_len, groups)
+        model_info = ModelInfo("fake", vocab_size, eos_token_ids or [], max_model_len, groups)
         # Step-by-step stories read the synchronous loop; a test asks for the other explicitly.
         scheduler_fields.setdefault("async_scheduling", False)
         config = EngineConfig(

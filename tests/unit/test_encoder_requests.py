@@ -79,7 +79,7 @@ def test_the_client_packs_encoder_input_like_the_prompt() -> None:
 
 
 def _scheduler(num_blocks: int) -> Scheduler:
-    info = ModelInfo("encdec", VOCAB_SIZE, None, 64, ENCDEC_GROUPS)
+    info = ModelInfo("encdec", VOCAB_SIZE, [], 64, ENCDEC_GROUPS)
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=ENCDEC_GROUPS)
     return Scheduler(
         SchedulerConfig(max_model_len=16, async_scheduling=False),

@@ -9,7 +9,7 @@ from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingW
 from protocol.worker_messages import ModelInfo
 
 GROUPS = [KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32"))]
-MODEL = ModelInfo("tiny", 64, None, 32, GROUPS)  # a model of max_model_len 32
+MODEL = ModelInfo("tiny", 64, [], 32, GROUPS)  # a model of max_model_len 32
 
 
 def _config(tp_size: int = 2, **scheduler: object) -> EngineConfig:
@@ -59,7 +59,7 @@ HYBRID_GROUPS = [
     KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32")),
     KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(4, 2, 8, "float32", sliding_window=8)),
 ]
-HYBRID = ModelInfo("hybrid", 64, None, 64, HYBRID_GROUPS)  # max_model_len 64: 16 blocks of 4
+HYBRID = ModelInfo("hybrid", 64, [], 64, HYBRID_GROUPS)  # max_model_len 64: 16 blocks of 4
 
 
 def test_a_sliding_window_group_is_planned_for_its_window_when_prompts_come_in_chunks() -> None:

@@ -16,7 +16,7 @@ from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, WorkerHello, WorkerReady
 
 GROUPS = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(4, 2, 8, "float32"))]
-MODEL = ModelInfo("checksum", 1024, None, 256, GROUPS)
+MODEL = ModelInfo("checksum", 1024, [], 256, GROUPS)
 
 
 def hello(rank: int, tp_size: int = 2, model: ModelInfo = MODEL, **changes: object) -> WorkerHello:
@@ -51,7 +51,7 @@ def test_a_group_of_valid_hellos_is_accepted() -> None:
         (hello(0), "duplicate rank 0 (pid 100 on node): rank 0 already joined from pid 100"),
         (hello(1, num_blocks_available=1), "can hold 1 blocks, expected at least 2"),
         (
-            hello(1, model=ModelInfo("tiny-llama", 512, 2, 256, GROUPS)),
+            hello(1, model=ModelInfo("tiny-llama", 512, [2], 256, GROUPS)),
             "runs another model than rank 0: name is 'tiny-llama', expected 'checksum'",
         ),
     ],
@@ -63,7 +63,7 @@ def test_a_bad_hello_is_refused_with_what_differed(bad: WorkerHello, reason: str
 
 
 def test_model_difference_names_the_first_differing_field() -> None:
-    other = ModelInfo("checksum", 1024, None, 512, GROUPS)
+    other = ModelInfo("checksum", 1024, [], 512, GROUPS)
     assert describe_model_difference(MODEL, other) == "max_model_len is 512, expected 256"
     assert describe_model_difference(MODEL, MODEL) is None
 

@@ -94,7 +94,7 @@ class _Driver:
             SchedulerConfig(**scheduler_fields),
             CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching),
             KVCacheConfig(32, groups),
-            ModelInfo("fake-mamba", 64, None, 64, groups),
+            ModelInfo("fake-mamba", 64, [], 64, groups),
         )
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 2) -> None:

@@ -87,7 +87,7 @@ class MambaHarness(Harness):
         mamba = MambaSpec(BLOCK_SIZE, ((2, 3),), "float32", mamba_cache_mode=mode)
         specs: list[KVCacheSpec] = [FullAttentionSpec(BLOCK_SIZE, 1, 8, "float32"), mamba]
         groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
-        model_info = ModelInfo("fake-mamba", 64, 0, 64, groups)
+        model_info = ModelInfo("fake-mamba", 64, [0], 64, groups)
         config = EngineConfig(
             check_invariants=True,
             cache=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),

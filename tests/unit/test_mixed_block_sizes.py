@@ -157,7 +157,7 @@ def test_the_manager_takes_the_gcd_as_hash_block_size() -> None:
 
 def test_scheduler_limits_hash_at_the_gcd_named_by_the_cache_config() -> None:
     config = _config(60, full_spec(2), window_spec(5, 4))
-    model = ModelInfo("m", 16, None, 64, config.kv_cache_groups)
+    model = ModelInfo("m", 16, [], 64, config.kv_cache_groups)
     limits = resolve_limits(SchedulerConfig(), CacheConfig(block_size=2), config, model)
     # 32 blocks of 2 and 16 of 4 for 64 tokens: one step may schedule them all, window too.
     assert (limits.block_size, limits.num_blocks_per_request) == (2, 32 + 16)

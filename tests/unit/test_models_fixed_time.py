@@ -114,9 +114,9 @@ def test_model_info_differs_from_checksum_only_in_its_name() -> None:
     checksum, fixed_time = get_model_info(CHECKSUM.name, 16), get_model_info(FIXED_TIME.name, 16)
     assert fixed_time.name == "fixed-time"
     assert fixed_time.kv_cache_groups == checksum.kv_cache_groups
-    assert (fixed_time.vocab_size, fixed_time.eos_token_id, fixed_time.max_model_len) == (
+    assert (fixed_time.vocab_size, fixed_time.eos_token_ids, fixed_time.max_model_len) == (
         checksum.vocab_size,
-        checksum.eos_token_id,
+        checksum.eos_token_ids,
         checksum.max_model_len,
     )
 

@@ -11,7 +11,7 @@ from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from protocol.worker_messages import ModelInfo
 
 GROUPS = [KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32"))]
-MODEL = ModelInfo("tiny", 64, None, 32, GROUPS)
+MODEL = ModelInfo("tiny", 64, [], 32, GROUPS)
 
 
 def _config(limit_blocks: int | None, override: int | None = None) -> EngineConfig:

@@ -211,7 +211,7 @@ def test_the_scheduler_hands_the_interval_to_its_kv_cache_manager() -> None:
         KVCacheGroupSpec(["layer.0"], full_spec(4)),
         KVCacheGroupSpec(["layer.1"], window_spec(5, 4)),
     ]
-    model_info = ModelInfo("fake", 64, None, 128, groups)
+    model_info = ModelInfo("fake", 64, [], 128, groups)
     cache_config = CacheConfig(block_size=4, prefix_cache_retention_interval=16)
     scheduler = Scheduler(SchedulerConfig(), cache_config, KVCacheConfig(80, groups), model_info)
     assert scheduler.kv_cache_manager.coordinator.retention_interval == 16

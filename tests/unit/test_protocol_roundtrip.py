@@ -1,6 +1,7 @@
 """Round trip of every wire message: decode(encode(m)) == m through each socket's own decoder."""
 
 import gc
+import struct
 
 import msgspec
 from hypothesis import given
@@ -13,6 +14,7 @@ from protocol.client_messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    TokenLogprobs,
     UtilityCall,
     UtilityResult,
 )
@@ -24,7 +26,7 @@ from protocol.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from protocol.kv_events import AllBlocksCleared, KVEventBatch, block_removed, block_stored
-from protocol.sampling import MAX_TOKENS_LIMIT, SEED_LIMIT, SamplingParams
+from protocol.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, SEED_LIMIT, SamplingParams
 from protocol.worker_messages import (
     CachedRequestData,
     ModelInfo,
@@ -60,6 +62,13 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
         seed=draw(st.none() | st.integers(0, SEED_LIMIT)),
         stop_token_ids=draw(st.lists(naturals, max_size=8)),
         ignore_eos=draw(st.booleans()),
+        top_p=draw(st.floats(0.0, 1.0, exclude_min=True)),
+        top_k=draw(st.none() | st.integers(1, 1 << 20)),
+        min_p=draw(st.floats(0.0, 1.0)),
+        presence_penalty=draw(st.floats(-2.0, 2.0)),
+        frequency_penalty=draw(st.floats(-2.0, 2.0)),
+        repetition_penalty=draw(st.floats(0.0, 10.0, exclude_min=True)),
+        logprobs=draw(st.none() | st.integers(0, MAX_LOGPROBS)),
     )
 
 
@@ -73,7 +82,21 @@ kv_cache_configs = st.builds(
     KVCacheConfig, positives, st.lists(group_specs, max_size=3), st.booleans()
 )
 model_infos = st.builds(
-    ModelInfo, texts, positives, st.none() | naturals, positives, st.lists(group_specs, max_size=2)
+    ModelInfo,
+    texts,
+    positives,
+    st.lists(naturals, max_size=3),
+    positives,
+    st.lists(group_specs, max_size=2),
+)
+float32_bytes = st.lists(st.floats(width=32, allow_nan=False), max_size=8).map(
+    lambda values: struct.pack(f"<{len(values)}f", *values)
+)
+token_logprobs = st.builds(
+    TokenLogprobs,
+    st.lists(st.lists(naturals, max_size=3), max_size=3),
+    st.lists(st.lists(st.floats(allow_nan=False), max_size=3), max_size=3),
+    st.lists(positives, max_size=3),
 )
 
 client_to_engine = st.one_of(
@@ -98,6 +121,7 @@ engine_outputs = st.builds(
     st.none() | st.sampled_from(list(FinishReason)),
     naturals,
     st.none() | texts,
+    st.none() | token_logprobs,
 )
 engine_to_client = st.one_of(
     st.builds(EngineCoreOutputs, st.lists(engine_outputs, max_size=4), floats),
@@ -146,6 +170,17 @@ worker_to_engine = st.one_of(
     st.builds(WorkerHello, ints, naturals, positives, ints, texts, texts, model_infos, ints),
     st.builds(WorkerReady, naturals, ints),
     st.builds(ModelRunnerOutput, ints, ints, int32_bytes, int32_bytes),
+    st.builds(
+        ModelRunnerOutput,
+        ints,
+        ints,
+        int32_bytes,
+        int32_bytes,
+        ints,
+        float32_bytes,
+        int32_bytes,
+        int32_bytes,
+    ),
     st.builds(WorkerFailed, ints, st.none() | ints, texts),
 )
 kv_events = st.one_of(

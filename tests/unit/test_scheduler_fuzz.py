@@ -39,7 +39,7 @@ def test_random_workload_keeps_every_step_consistent(
         num_blocks=24,
         block_size=4,
         vocab_size=64,
-        eos_token_id=0,
+        eos_token_ids=[0],
         max_model_len=64,
         max_num_batched_tokens=32,
         max_num_seqs=8,

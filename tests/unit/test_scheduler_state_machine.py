@@ -97,7 +97,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_blocks=num_blocks + window_blocks,
             block_size=BLOCK_SIZE,
             vocab_size=VOCAB_SIZE,
-            eos_token_id=EOS,
+            eos_token_ids=[EOS],
             max_model_len=MAX_MODEL_LEN,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,

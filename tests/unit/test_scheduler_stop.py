@@ -40,7 +40,7 @@ def test_stop_token_id_finishes_with_stop_and_keeps_the_token(make_harness: Make
 
 def test_eos_finishes_with_stop(make_harness: MakeHarness) -> None:
     prompt, tokens, k = _story()
-    harness = make_harness(eos_token_id=tokens[k])
+    harness = make_harness(eos_token_ids=[tokens[k]])
     harness.add("r", prompt, max_tokens=40, ignore_eos=False)
     harness.run()
     assert harness.tokens["r"] == tokens[: k + 1]
@@ -49,7 +49,7 @@ def test_eos_finishes_with_stop(make_harness: MakeHarness) -> None:
 
 def test_ignore_eos_runs_past_eos(make_harness: MakeHarness) -> None:
     prompt, tokens, k = _story()
-    harness = make_harness(eos_token_id=tokens[k])
+    harness = make_harness(eos_token_ids=[tokens[k]])
     harness.add("r", prompt, max_tokens=k + 5, ignore_eos=True)
     harness.run()
     assert harness.tokens["r"] == tokens[: k + 5]
@@ -65,7 +65,7 @@ def test_min_tokens_holds_back_eos_and_stop_ids(make_harness: MakeHarness) -> No
     )
     expected = tokens[:max_tokens] if stop_idx is None else tokens[: stop_idx + 1]
     expected_reason = FinishReason.LENGTH if stop_idx is None else FinishReason.STOP
-    harness = make_harness(eos_token_id=tokens[k])
+    harness = make_harness(eos_token_ids=[tokens[k]])
     harness.add("eos", prompt, max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=False)
     harness.add(
         "stop", prompt, max_tokens=max_tokens, min_tokens=min_tokens, stop_token_ids=[tokens[k]]

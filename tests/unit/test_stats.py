@@ -31,7 +31,7 @@ MAX_MODEL_LEN = 24  # 6 blocks: small pools still hold one whole request
 
 def _core(num_blocks: int, **cache_fields: object) -> EngineCore:
     groups = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(BLOCK_SIZE, 1, 8, "float32"))]
-    model_info = ModelInfo("fake", VOCAB_SIZE, None, MAX_MODEL_LEN, groups)
+    model_info = ModelInfo("fake", VOCAB_SIZE, [], MAX_MODEL_LEN, groups)
     cache = CacheConfig(block_size=BLOCK_SIZE, **cache_fields)  # type: ignore[arg-type]
     config = EngineConfig(check_invariants=True, cache=cache).checked()
     executor = FakeExecutor(VOCAB_SIZE, BLOCK_SIZE, config.scheduler.max_num_batched_tokens)

@@ -23,7 +23,7 @@ from protocol.worker_messages import ModelInfo, WorkerHello, WorkerReady
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
 
 GROUPS = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(4, 2, 8, "float32"))]
-MODEL = ModelInfo("checksum", 1024, None, 256, GROUPS)
+MODEL = ModelInfo("checksum", 1024, [], 256, GROUPS)
 HERE = "boot-here"
 
 

@@ -125,7 +125,7 @@ def test_model_info_names_and_groups() -> None:
     assert [len(g.layer_names) for g in hybrid.kv_cache_groups] == [2, 2]
     assert hybrid.kv_cache_groups[1].spec.sliding_window == 48
     assert len(get_model_info("tiny-llama", 16).kv_cache_groups) == 1
-    assert get_model_info("checksum", 16).eos_token_id is None
+    assert get_model_info("checksum", 16).eos_token_ids == []
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
         get_model_info("gpt", 16)
 

@@ -68,12 +68,12 @@ class DenseKV:
         return k[None], v[None]
 
 
-def _stops(token_id: int, output: list[int], params: SamplingParams, eos: int | None) -> bool:
+def _stops(token_id: int, output: list[int], params: SamplingParams, eos: list[int]) -> bool:
     if len(output) >= params.max_tokens:
         return True
     if len(output) < params.min_tokens:
         return False
-    is_eos = eos is not None and token_id == eos and not params.ignore_eos
+    is_eos = token_id in eos and not params.ignore_eos
     return is_eos or token_id in params.stop_token_ids
 
 
@@ -118,7 +118,7 @@ class ReferenceModel:
             token_id = int(self._sampler.sample(logits[None], request)[0])
             sequence.append(token_id)
             output.append(token_id)
-            if _stops(token_id, output, sampling_params, info.eos_token_id):
+            if _stops(token_id, output, sampling_params, info.eos_token_ids):
                 break
         return output
 

@@ -115,7 +115,7 @@ def get_model_info(
     return ModelInfo(
         name=name,
         vocab_size=config.vocab_size,
-        eos_token_id=config.eos_token_id,
+        eos_token_ids=[] if config.eos_token_id is None else [config.eos_token_id],
         max_model_len=config.max_model_len,
         kv_cache_groups=groups,
     )
