@@ -193,6 +193,7 @@ def test_eos_ids_come_from_generation_config_first(qwen3: Path, tmp_path: Path) 
     assert read_hf_config(str(folder)).eos_token_ids == (2,)  # generation_config.json says 2
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 7]}))
     assert read_hf_config(str(folder)).eos_token_ids == (7, 5)
+    assert get_model_info(str(folder), 4).eos_token_ids == [7, 5]
     (folder / "generation_config.json").unlink()
     assert read_hf_config(str(folder)).eos_token_ids == (5,)
 

@@ -125,7 +125,7 @@ def test_the_sliding_window_reads_exactly_its_tokens(checkpoints: dict) -> None:
         shifted = ModelInfo(
             info.name,
             info.vocab_size,
-            info.eos_token_id,
+            info.eos_token_ids,
             info.max_model_len,
             [type(group)(group.layer_names, spec)],
         )

@@ -53,6 +53,35 @@ class HFDecoder:
     def weights_bytes(self) -> int:
         return self.weights.num_bytes()
 
+    def check_invariants(self) -> None:
+        """Every layer holds exactly this rank's shard, in the compute dtype, on the device."""
+        cfg, shard, hd = self.config, self.shard, self.config.head_dim
+        q_rows, kv_rows = shard.num_heads_per_rank * hd, shard.num_kv_heads_per_rank * hd
+        for idx, layer in enumerate(self.weights.layers):
+            shapes = {
+                "q_proj": (layer.q_proj.shape, (q_rows, cfg.hidden_size)),
+                "k_proj": (layer.k_proj.shape, (kv_rows, cfg.hidden_size)),
+                "v_proj": (layer.v_proj.shape, (kv_rows, cfg.hidden_size)),
+                "o_proj": (layer.o_proj.shape, (cfg.hidden_size, q_rows)),
+                "gate_proj": (
+                    layer.gate_proj.shape,
+                    (shard.num_intermediate_per_rank, cfg.hidden_size),
+                ),
+                "down_proj": (
+                    layer.down_proj.shape,
+                    (cfg.hidden_size, shard.num_intermediate_per_rank),
+                ),
+            }
+            for name, (shape, expected) in shapes.items():
+                assert tuple(shape) == expected, (
+                    f"layer {idx} {name} is {tuple(shape)}, not {expected}"
+                )
+            for tensor in layer.tensors():
+                assert tensor.dtype == self.dtype and tensor.device.type == self.device.type, (
+                    f"layer {idx} holds a {tensor.dtype} tensor on {tensor.device}, expected "
+                    f"{self.dtype} on {self.device}"
+                )
+
     def forward(
         self,
         token_ids: torch.Tensor,

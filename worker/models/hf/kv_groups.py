@@ -39,11 +39,10 @@ def kv_cache_groups(
 def hf_model_info(config: HFConfig, block_size: int, kv_dtype: str, tp_size: int) -> ModelInfo:
     """What the engine plans with; max_model_len is max_position_embeddings (the engine's
     --max-model-len may lower it)."""
-    eos_ids = config.eos_token_ids
     return ModelInfo(
         name=config.path,
         vocab_size=config.vocab_size,
-        eos_token_id=eos_ids[0] if eos_ids else None,
+        eos_token_ids=list(config.eos_token_ids),
         max_model_len=config.max_position_embeddings,
         kv_cache_groups=kv_cache_groups(config, block_size, kv_dtype, tp_size),
     )
