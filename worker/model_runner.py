@@ -30,6 +30,7 @@ from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
+from worker.models.hf.config import is_checkpoint
 from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
 
@@ -363,4 +364,7 @@ def build_model_runner(
         info.max_model_len,
         device,
         check_each_step=kv_cache_config.check_invariants,  # the engine's --check-invariants
+        # a checkpoint's attention reads whole contexts (worker/models/hf/attention.py), which
+        # is right for any schedule: planning a shared prefix for it would be wasted work
+        enable_cascade_attention=not is_checkpoint(config.model),
     )

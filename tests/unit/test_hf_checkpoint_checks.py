@@ -69,6 +69,7 @@ def test_a_good_checkpoint_passes(qwen3: Path) -> None:
         ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding window is off"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "rope yarn factor=None"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3: expected a divisor"),
     ],
 )
 def test_an_unsupported_config_is_refused_naming_the_field(

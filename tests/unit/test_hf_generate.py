@@ -4,7 +4,8 @@ enough to preempt, asynchronous scheduling, and TP=2 (ranks as threads).
 
 A comparison may stop at a step where transformers' top-2 logit margin is below MARGIN_TOL (as
 vLLM's check_logprobs_close): there float32 rounding may pick either token. With these prompts
-and seeds no step needs it (`test_margin_exemptions_are_rare` counts them).
+and seeds 1 step of the 240 is such a near-tie (margin 8.7e-4), and the served token matched it
+anyway; `test_near_ties_are_rare` keeps count.
 """
 
 import copy
@@ -63,7 +64,7 @@ def make_prompts(seed: int, count: int) -> list[list[int]]:
 
 PROMPTS = make_prompts(seed=5, count=6)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-exemptions: list[tuple[str, int, int]] = []  # (case, request, step) compared only up to the step
+MAX_NEAR_TIES = 2  # of len(CASES) x len(PROMPTS) x MAX_TOKENS = 240 steps (1 today)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,7 +105,6 @@ def assert_greedy_matches(case: str, result: RankResult, references: list) -> No
             f"{case} request {i + 1} differs at step {first_diff} (margin "
             f"{margins[first_diff]:.3g}): served {served}, transformers {tokens}"
         )
-        exemptions.append((case, i + 1, first_diff))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -151,6 +151,10 @@ def test_tp2_greedy_tokens_equal_transformers_generate(
     assert_greedy_matches(case, rank0, references)
 
 
-def test_margin_exemptions_are_rare() -> None:
-    """Runs after the comparisons above (file order): near-ties excused at most once in all."""
-    assert len(exemptions) <= 1, exemptions
+def test_near_ties_are_rare(checkpoints: dict) -> None:
+    """The steps where a comparison could be excused are few, so the comparisons above test
+    nearly every token."""
+    margins = [m for _, references in checkpoints.values() for _, ms in references for m in ms]
+    assert len(margins) == len(CASES) * len(PROMPTS) * MAX_TOKENS
+    near_ties = [m for m in margins if m < MARGIN_TOL]
+    assert len(near_ties) <= MAX_NEAR_TIES, near_ties

@@ -123,6 +123,12 @@ def read_hf_config(path: str) -> HFConfig:
     hidden_size, num_heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
     num_layers = _int(raw, "num_hidden_layers")
     head_dim = raw.get("head_dim") or hidden_size // num_heads
+    num_kv_heads = _int(raw, "num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        raise CheckpointError(
+            f"config.json num_key_value_heads={num_kv_heads}: expected a divisor of "
+            f"num_attention_heads={num_heads}"
+        )
     is_llama, is_qwen3 = architecture == "LlamaForCausalLM", architecture == "Qwen3ForCausalLM"
     attention_bias = bool(raw.get("attention_bias", False)) and architecture != "MistralForCausalLM"
     return HFConfig(
@@ -133,7 +139,7 @@ def read_hf_config(path: str) -> HFConfig:
         intermediate_size=_int(raw, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=_int(raw, "num_key_value_heads", num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=_int({"head_dim": head_dim}, "head_dim"),
         rms_norm_eps=_number(raw, "rms_norm_eps", DEFAULT_RMS_NORM_EPS),
         max_position_embeddings=_int(raw, "max_position_embeddings"),
