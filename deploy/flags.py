@@ -106,7 +106,8 @@ ENGINE_FLAGS = [
     Flag(
         ("--kv-cache-memory-bytes",),
         ("cache", "kv_cache_memory_bytes"),
-        "KV-cache bytes per rank (required on the CPU)",
+        "KV-cache bytes per rank (required on the CPU for the built-in models; a checkpoint "
+        "defaults to half the available memory after its weights, split over the host's ranks)",
     ),
     Flag(
         ("--num-gpu-blocks-override",),
@@ -223,7 +224,8 @@ WORKER_FLAGS = [
     Flag(
         ("--kv-cache-memory-bytes",),
         ("kv_cache_memory_bytes",),
-        "KV-cache bytes of this rank (required on the CPU)",
+        "KV-cache bytes of this rank (required on the CPU for the built-in models; a checkpoint "
+        "defaults to half the available memory after its weights, split over the host's ranks)",
     ),
     Flag(
         ("--master-addr",),

@@ -39,7 +39,7 @@ class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class CacheConfig(_Config, frozen=True):
     block_size: BlockSize = 16  # tokens per block
     gpu_memory_utilization: Fraction = 0.9  # share of the device
-    kv_cache_memory_bytes: PositiveInt | None = None  # KV budget per rank; required on the CPU
+    kv_cache_memory_bytes: PositiveInt | None = None  # KV bytes per rank; None: profiling.py
     num_gpu_blocks_override: Annotated[int, msgspec.Meta(ge=2)] | None = None  # forces num_blocks
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: HashAlgo = "sha256"
@@ -137,7 +137,7 @@ class WorkerConfig(_Config, frozen=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     block_size: BlockSize = 16  # must equal the engine's
     gpu_memory_utilization: Fraction = 0.9
-    kv_cache_memory_bytes: PositiveInt | None = None  # KV budget of this rank; required on the CPU
+    kv_cache_memory_bytes: PositiveInt | None = None  # KV bytes per rank; None: profiling.py
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous, as torchrun names it
     master_port: Port = 29500
     dist_timeout_s: Seconds = 60.0  # for the group to form, and for each collective to finish
