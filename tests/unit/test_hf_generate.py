@@ -137,16 +137,25 @@ def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_bloc
 
 
 @pytest.mark.parametrize(
-    ("case", "num_blocks"), [("qwen3-mixed-layers", 24), ("qwen2-biases", 200)]
+    ("case", "num_blocks", "enable_prefix_caching"),
+    [("qwen3-mixed-layers", 24, True), ("qwen2-biases", 200, False)],
 )
 def test_tp2_greedy_tokens_equal_transformers_generate(
-    checkpoints: dict, case: str, num_blocks: int
+    checkpoints: dict, case: str, num_blocks: int, enable_prefix_caching: bool
 ) -> None:
-    """Both ranks drive their own EngineCore in lockstep; identical logits keep them there."""
+    """Both ranks drive their own EngineCore in lockstep; identical logits keep them there.
+    The hybrid's pool of 24 blocks preempts; the other runs without prefix caching."""
     folder, references = checkpoints[case]
-    work = workload(folder, num_blocks, max_num_batched_tokens=16, async_scheduling=True)
+    work = workload(
+        folder,
+        num_blocks,
+        max_num_batched_tokens=16,
+        async_scheduling=True,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     rank0, rank1 = run_ranks(2, lambda group: run_workload(work, group, CPU))
     assert rank0.outputs == rank1.outputs
+    assert (rank0.num_hit_tokens > 0) == enable_prefix_caching
     assert num_blocks > 100 or rank0.num_preemptions > 0
     assert_greedy_matches(case, rank0, references)
 
