@@ -102,24 +102,7 @@ def read_hf_config(path: str) -> HFConfig:
     """Parse and check the folder's config.json; CheckpointError on anything unsupported."""
     folder = Path(path)
     raw = _read_json(folder / "config.json")
-    architectures = raw.get("architectures")
-    if not isinstance(architectures, list) or len(architectures) != 1:
-        raise CheckpointError(
-            f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
-        )
-    architecture = architectures[0]
-    if architecture not in ARCHITECTURES:
-        raise CheckpointError(
-            f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
-        )
-    if raw.get("quantization_config") is not None:
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise CheckpointError(
-            f"config.json quantization_config (quant_method={method!r}): quantized weights are "
-            "not supported, expected float32, bfloat16 or float16 weights"
-        )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: expected 'silu'")
+    architecture = _architecture(raw)
     hidden_size, num_heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
     num_layers = _int(raw, "num_hidden_layers")
     head_dim = raw.get("head_dim") or hidden_size // num_heads
@@ -154,6 +137,29 @@ def read_hf_config(path: str) -> HFConfig:
         dtype=_dtype(raw),
         eos_token_ids=_eos_token_ids(folder, raw),
     )
+
+
+def _architecture(raw: dict) -> str:
+    """The one supported architecture config.json names, refusing quantized or non-SiLU ones."""
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list) or len(architectures) != 1:
+        raise CheckpointError(
+            f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
+        )
+    if architectures[0] not in ARCHITECTURES:
+        raise CheckpointError(
+            f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
+        )
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(
+            f"config.json quantization_config (quant_method={method!r}): quantized weights are "
+            "not supported, expected float32, bfloat16 or float16 weights"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: expected 'silu'")
+    return architectures[0]
 
 
 def _rope(raw: dict) -> RopeConfig:
