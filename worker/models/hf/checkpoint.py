@@ -13,6 +13,7 @@ from pathlib import Path
 from worker.models.hf.config import CheckpointError, HFConfig, read_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 HEADER_LENGTH_BYTES = 8  # a little-endian u64 before the JSON header
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on the header
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names of the unquantized weight dtypes
@@ -44,8 +45,9 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 
 
 def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
-    """Every tensor of the checkpoint: through the index when there is one, else in each
-    *.safetensors file of the folder. A tensor in two files, or not in its file, is refused."""
+    """Every tensor of the checkpoint: through the index when there is one, else in
+    model.safetensors, else in each *.safetensors file of the folder. A tensor in two files, or
+    not in the file the index names, is refused."""
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -61,7 +63,10 @@ def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
                 )
             entries[tensor] = headers[file_name][tensor]
         return entries
-    files = sorted(folder.glob("*.safetensors"))
+    # model.safetensors alone when present: some repos ship other exports beside it (Mistral's
+    # consolidated.safetensors holds the same weights under other names)
+    single = folder / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} holds no *.safetensors file (nor {INDEX_FILE})")
     entries = {}
