@@ -202,3 +202,16 @@ def test_eos_ids_come_from_generation_config_first(qwen3: Path, tmp_path: Path) 
 def test_tp_replicating_kv_heads_caches_one_head_per_rank(qwen3: Path) -> None:
     (group,) = get_model_info(str(qwen3), 4, "float32", tp_size=4).kv_cache_groups
     assert group.spec.num_kv_heads_per_rank(4) == 1
+
+
+def test_weight_files_are_found_as_transformers_finds_them(qwen3: Path, tmp_path: Path) -> None:
+    """model.safetensors wins over other exports beside it; a folder without weights is refused."""
+    folder = edited_copy(qwen3, tmp_path / "extra")
+    save_file({"layers.0.attention.wk.weight": torch.zeros(2)}, folder / "consolidated.safetensors")
+    check_checkpoint(str(folder), 1)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens\.weight is missing"):
+        check_checkpoint(str(folder), 1)
+    (folder / "consolidated.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"holds no \*.safetensors file"):
+        check_checkpoint(str(folder), 1)
