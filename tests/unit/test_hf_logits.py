@@ -8,6 +8,7 @@ no farther from the float32 logits than transformers' own bfloat16 is, give or t
 """
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,22 @@ def test_the_sliding_window_reads_exactly_its_tokens(checkpoints: dict) -> None:
             [type(group)(group.layer_names, spec)],
         )
         assert (our_logits(model, shifted, TOKENS) - reference).abs().max() > CONTEXT_EFFECT_MIN
+
+
+def test_qwen_layer_types_derive_from_max_window_layers(tmp_path: Path) -> None:
+    """A hub config without layer_types (older transformers wrote none): use_sliding_window with
+    max_window_layers=1 windows layers 1 on, exactly as transformers runs that model."""
+    folder = tmp_path / "qwen2"
+    hf_model = write_checkpoint(
+        folder, "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1
+    )
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("layer_types") == ["full_attention", "sliding_attention"]
+    (folder / "config.json").write_text(json.dumps(config))
+    info = get_model_info(str(folder), 4, "float32")
+    assert [type(group.spec) for group in info.kv_cache_groups][1] is SlidingWindowSpec
+    ours = rank_logits(folder, single_rank_group())
+    torch.testing.assert_close(ours, hf_logits(hf_model, TOKENS), atol=FLOAT32_ATOL, rtol=0)
 
 
 def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
