@@ -4,7 +4,9 @@ and greedy generate(), and an in-process TP group whose ranks are threads.
 """
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import transformers
@@ -17,6 +19,7 @@ from worker.models.registry import Model
 
 INITIALIZER_RANGE = 0.3  # large enough that the context, not only the last token, sets the logits
 BARRIER_TIMEOUT_S = 30.0
+R = TypeVar("R")
 BASE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -83,7 +86,9 @@ class ThreadTPGroup(TPGroup):
     """One rank of a TP group whose ranks are threads of this process: the all-reduce sums every
     rank's tensor in rank order behind a barrier, so each rank gets the same bytes."""
 
-    def __init__(self, rank: int, slots: list[torch.Tensor | None], barrier: threading.Barrier):
+    def __init__(
+        self, rank: int, slots: list[torch.Tensor | None], barrier: threading.Barrier
+    ) -> None:
         self.rank, self.tp_size = rank, len(slots)
         self.process_group, self.num_ranks_on_device, self.shm = None, 1, None
         self.slots, self.barrier = slots, barrier
@@ -107,10 +112,10 @@ def thread_groups(tp_size: int) -> list[ThreadTPGroup]:
     return [ThreadTPGroup(rank, slots, barrier) for rank in range(tp_size)]
 
 
-def run_ranks(tp_size: int, work: "callable") -> list:
+def run_ranks(tp_size: int, work: Callable[[ThreadTPGroup], R]) -> list[R]:
     """Run work(group) on tp_size threads, one per rank; results in rank order; re-raises."""
     groups = thread_groups(tp_size)
-    results: list = [None] * tp_size
+    results: list = [None] * tp_size  # each rank's, in rank order
     errors: list[BaseException] = []
 
     def main(group: ThreadTPGroup) -> None:

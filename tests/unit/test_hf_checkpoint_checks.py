@@ -3,6 +3,7 @@ the rest (both rope spellings, layer types, windows, EOS ids, KV-head splits) as
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def edited_copy(source: Path, target: Path, **config_changes: object) -> Path:
     return target
 
 
-def with_tensors(folder: Path, change: "callable") -> None:
+def with_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> None:
     tensors = load_file(folder / "model.safetensors")
     change(tensors)
     save_file(tensors, folder / "model.safetensors")
@@ -98,7 +99,7 @@ def test_an_unsupported_config_is_refused_naming_the_field(
     ],
 )
 def test_a_wrong_tensor_is_refused_naming_it(
-    qwen3: Path, tmp_path: Path, change: "callable", reason: str
+    qwen3: Path, tmp_path: Path, change: Callable[[dict[str, torch.Tensor]], object], reason: str
 ) -> None:
     folder = edited_copy(qwen3, tmp_path / "bad")
     with_tensors(folder, change)
