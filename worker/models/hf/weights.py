@@ -2,7 +2,9 @@
 
 A rank reads only its shard of every sharded tensor (its query heads, its KV heads, its MLP
 columns), so no rank ever holds the whole model; embeddings, norms and lm_head are replicated.
-Each weight is cast once to the compute dtype and moved to the rank's device.
+Each weight is cast once to the compute dtype and moved to the rank's device; on the CPU a whole
+tensor already in that dtype stays a view of the mapped file (no copy: Qwen3-0.6B's 1.1 GiB of
+bf16 weights "load" in 0.02 s and page in on first use, shared by the host's ranks).
 """
 
 import contextlib
