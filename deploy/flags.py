@@ -253,6 +253,16 @@ WORKER_FLAGS = [
         "tokens of the profiling step (must equal the engine's)",
     ),
     Flag(
+        ("--max-num-seqs",),
+        ("max_num_seqs",),
+        "the engine's running requests at most; bounds a checkpoint's default CPU KV pool",
+    ),
+    Flag(
+        ("--max-model-len",),
+        ("max_model_len",),
+        "the engine's tokens per sequence (default: the model's); bounds that pool too",
+    ),
+    Flag(
         ("--distributed-backend",),
         ("distributed_backend",),
         "TP backend; auto takes gloo when ranks share a device or run on the CPU, else nccl",

@@ -145,6 +145,10 @@ class WorkerConfig(_Config, frozen=True):
     shutdown_grace_s: Seconds = 30.0  # after SIGTERM, wait so long for the engine's Shutdown
     seed: int = 0  # model weights
     max_num_batched_tokens: PositiveInt = 2048  # the engine's; the profiling step runs this many
+    # The engine's, with its max_model_len (None: the model's): a checkpoint's default KV pool
+    # on the CPU holds no more than this many sequences at full length could ever use.
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    max_model_len: PositiveInt | None = None
     # auto: gloo when ranks share a device or run on the CPU, nccl when each has a device of its own
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     # this rank's CUDA device; None: local_rank modulo the visible devices (0 without local_rank)

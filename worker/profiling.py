@@ -12,7 +12,13 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheConfig, bytes_per_block, cdiv
+from protocol.kv_cache_spec import (
+    CrossAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    bytes_per_block,
+    cdiv,
+)
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from worker.distributed import TPGroup
@@ -121,7 +127,21 @@ def measure_num_blocks(
         return num_blocks_in_budget(groups, config.tp_size, config.kv_cache_memory_bytes)
     if device.type == "cpu" and isinstance(model, HFDecoder):
         budget_bytes = cpu_kv_budget_bytes(model, group.num_ranks_on_device)
-        return num_blocks_in_budget(groups, config.tp_size, budget_bytes)
+        num_blocks = num_blocks_in_budget(groups, config.tp_size, budget_bytes)
+        max_model_len = min(
+            config.max_model_len or model_info.max_model_len, model_info.max_model_len
+        )
+        usable = max_usable_blocks(groups, config.max_num_seqs, max_model_len)
+        if usable < num_blocks:
+            logger.info(
+                "KV pool capped at %d blocks of the %d the budget holds: %d sequences of %d "
+                "tokens use no more",
+                usable,
+                num_blocks,
+                config.max_num_seqs,
+                max_model_len,
+            )
+        return min(num_blocks, usable)
     if start is None:
         raise ValueError(
             f"kv_cache_memory_bytes is required on device {device} for model {config.model}, "
@@ -145,6 +165,19 @@ def measure_num_blocks(
         split.describe(),
     )
     return num_blocks_in_budget(groups, config.tp_size, split.kv_budget_bytes)
+
+
+def max_usable_blocks(
+    kv_cache_groups: list[KVCacheGroupSpec], max_num_seqs: int, max_model_len: int
+) -> int:
+    """Blocks that max_num_seqs sequences of max_model_len tokens hold in every group at once,
+    plus the null block: a larger pool could never be in use.
+
+    Zeroing the pages of a larger one costs start-up time and host memory (a tiny checkpoint's
+    half of RAM is millions of blocks), and its only use would be a deeper prefix cache.
+    """
+    per_seq = sum(cdiv(max_model_len, group.spec.block_size) for group in kv_cache_groups)
+    return max_num_seqs * per_seq + 1
 
 
 def available_memory_bytes() -> int:

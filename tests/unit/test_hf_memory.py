@@ -6,6 +6,7 @@ built-in models still do), and the profiling step runs the real model.
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from tests.unit.hf_checkpoints import run_ranks, write_checkpoint
 from worker.distributed import single_rank_group
 from worker.model_runner import build_model_runner
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
-from worker.profiling import measure_num_blocks, run_profile_step
+from worker.profiling import max_usable_blocks, measure_num_blocks, run_profile_step
 
 CPU = torch.device("cpu")
 
@@ -96,6 +97,22 @@ def test_the_cpu_kv_budget_needs_no_flag_for_a_checkpoint(checkpoint: Path) -> N
     fake_model = build_model("tiny-llama", single_rank_group(), CPU)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes is required on device cpu"):
         measure_num_blocks(fake, fake_info, CPU, None, fake_model, single_rank_group())
+
+
+def test_the_default_cpu_pool_holds_what_the_engine_can_run_and_no_more(checkpoint: Path) -> None:
+    """A tiny checkpoint's share of host memory is millions of blocks: the pool stops at the
+    blocks max_num_seqs sequences of max_model_len tokens hold, plus the null block."""
+    config = WorkerConfig(
+        model=str(checkpoint), device="cpu", block_size=4, max_num_seqs=3, max_model_len=10
+    )
+    info = get_model_info(config.model, 4, "float32")
+    model = build_model(config.model, single_rank_group(), CPU)
+    num_groups = len(info.kv_cache_groups)
+    expected = 3 * num_groups * 3 + 1  # 3 sequences x cdiv(10, 4) blocks in each group
+    assert measure_num_blocks(config, info, CPU, None, model, single_rank_group()) == expected
+    assert max_usable_blocks(info.kv_cache_groups, 3, 10) == expected
+    given = msgspec.structs.replace(config, kv_cache_memory_bytes=1 << 20)  # a budget asked for
+    assert measure_num_blocks(given, info, CPU, None, model, single_rank_group()) > expected
 
 
 def test_the_profiling_step_runs_the_checkpoint(checkpoint: Path) -> None:
