@@ -1,6 +1,6 @@
 """CheckpointTokenizer: a Hugging Face checkpoint's own tokenizer, read from its tokenizer.json with
-the `tokenizers` library and from tokenizer_config.json (special tokens, add_bos_token, the chat
-template, or chat_template.jinja beside it). transformers is never imported here: it is a test
+the `tokenizers` library and from tokenizer_config.json (special tokens, the chat template, or
+chat_template.jinja beside it). transformers is never imported here: it is a test
 dependency only, against which the tests check these ids.
 """
 
@@ -109,8 +109,6 @@ class CheckpointTokenizer:
         }
         bos = self.special_tokens.get("bos_token")
         self.bos_token_id = None if bos is None else self._tokenizer.token_to_id(bos)
-        add_bos = self.config.get("add_bos_token")
-        self.add_bos_token = add_bos if isinstance(add_bos, bool) else None  # None: as the file
         self._templates = {
             name: ChatTemplate(source, self.special_tokens)
             for name, source in _template_sources(folder, self.config).items()
@@ -125,22 +123,10 @@ class CheckpointTokenizer:
         return bool(self._templates)
 
     def encode(self, text: str) -> list[int]:
-        """A completion prompt's ids, with the special tokens the tokenizer adds to a text.
-
-        tokenizer_config.json's add_bos_token, when it says, decides about bos over what the
-        tokenizer.json post-processor does, as transformers lets it."""
-        token_ids = self._tokenizer.encode(text, add_special_tokens=True).ids
-        bos_id = self.bos_token_id
-        if bos_id is None or self.add_bos_token is None:
-            return token_ids
-        has_bos = bool(token_ids) and token_ids[0] == bos_id
-        if self.add_bos_token and not has_bos:
-            return [bos_id, *token_ids]
-        if not self.add_bos_token and has_bos:
-            plain = self._tokenizer.encode(text, add_special_tokens=False).ids
-            if not plain or plain[0] != bos_id:  # the post-processor's bos, not the text's
-                return token_ids[1:]
-        return token_ids
+        """A completion prompt's ids, with the special tokens tokenizer.json's post-processor
+        adds (a Llama's bos). tokenizer_config.json's add_bos_token is not consulted: given a
+        tokenizer.json, transformers 5 follows the post-processor alone, whatever the class."""
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     def render_chat(
         self,

@@ -128,11 +128,22 @@ def test_a_template_that_prints_bos_gets_it_once_as_in_transformers(
     assert ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id
 
 
-def test_a_completion_prompt_gets_the_post_processors_bos_as_in_transformers(
-    llama3_dir: Path,
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])
+def test_a_completion_prompt_is_encoded_as_in_transformers(
+    llama3_dir: Path, tmp_path: Path, add_bos_token: bool | None, tokenizer_class: str
 ) -> None:
-    hf = transformers.AutoTokenizer.from_pretrained(llama3_dir)
-    ours = CheckpointTokenizer(llama3_dir)
+    """The post-processor's bos, whatever tokenizer_config.json's add_bos_token says: given a
+    tokenizer.json, transformers follows the post-processor alone."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((llama3_dir / name).read_text())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = tokenizer_class
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = CheckpointTokenizer(tmp_path)
     for text in ("The capital of France is", "Emoji: 🙂 done.", f"{BEGIN_OF_TEXT}twice"):
         assert ours.encode(text) == hf(text)["input_ids"]
     assert ours.encode("Paris")[0] == ours.bos_token_id
