@@ -122,22 +122,73 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    """One message. An assistant message may carry tool_calls instead of content; a tool
+    message answers one of them (tool_call_id)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call it answers
+
+    def check(self, idx: int) -> None:
+        """ApiError naming the first field of messages[idx] that does not fit its role."""
+        where = f"messages[{idx}]"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_param(f"{where}.content", "required parameter is missing")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_param(f"{where}.tool_calls", f"on a {self.role} message: expected none")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise bad_param(f"{where}.tool_call_id", "a tool message names the call it answers")
+        for call_idx, call in enumerate(self.tool_calls or []):
+            try:
+                msgspec.json.decode(call.function.arguments)
+            except msgspec.DecodeError as exc:
+                param = f"{where}.tool_calls[{call_idx}].function.arguments"
+                raise bad_param(param, f"not JSON: {exc}") from None
 
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines, as vLLM joins them."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
     def template_message(self) -> dict[str, JsonValue]:
-        """The message as a chat template reads it."""
-        message: dict[str, JsonValue] = {"role": self.role, "content": self.text()}
+        """The message as a chat template reads it: a tool call's arguments are parsed from JSON
+        into a dict, as vLLM passes them, since templates iterate or re-encode them."""
+        message: dict[str, JsonValue] = {"role": self.role}
+        if self.content is not None:
+            message["content"] = self.text()
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": msgspec.json.decode(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
         return message
 
 
@@ -153,6 +204,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for idx, message in enumerate(self.messages):
+            message.check(idx)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:

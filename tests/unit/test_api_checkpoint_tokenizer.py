@@ -228,3 +228,57 @@ def test_a_cut_off_character_at_the_end_is_a_replacement_as_in_decode(chatml_dir
     text = detokenizer.push(token_ids[:split]) + detokenizer.finish()
     assert text == ours.decode(token_ids[:split]) and text.endswith("\ufffd")
     assert ours.detokenizer().push([10**6]) == ""  # outside the vocabulary: dropped, as decode
+
+
+# A ChatML template that renders tool calls and their results, in the way Qwen's do
+TOOL_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '<tool_call>' + {'name': call.function.name, 'arguments': call.function.arguments}"
+    " | tojson + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + message.content }}"
+    "{{- '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_tool_calls_and_results_render_as_transformers_renders_them(
+    chatml_dir: Path, tmp_path: Path
+) -> None:
+    """OpenAI sends a call's arguments as JSON text; the template gets them as a dict, as vLLM
+    passes them to transformers."""
+    from api_server.openai_types import CHAT_DECODER, parse_body
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((chatml_dir / name).read_text())
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": ""}}
+    call["function"]["arguments"] = json.dumps({"city": "Paris", "days": 2})
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+        "tools": TOOLS,
+    }
+    request = parse_body(json.dumps(body).encode(), CHAT_DECODER)
+    request.check_supported()
+    messages = [message.template_message() for message in request.messages]  # type: ignore[attr-defined]
+    ours = CheckpointTokenizer(tmp_path).render_chat(messages, True, TOOLS)
+    theirs_messages = json.loads(json.dumps(body["messages"]))
+    theirs_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "days": 2}
+    del theirs_messages[1]["content"]
+    theirs = _hf_chat_ids(tmp_path, theirs_messages, tools=TOOLS, add_generation_prompt=True)
+    assert ours == theirs
+    assert '"city": "Paris"' in CheckpointTokenizer(tmp_path).decode(ours)

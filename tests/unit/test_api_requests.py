@@ -101,7 +101,18 @@ def test_a_bad_completion_parameter_is_a_400_naming_it(body: str, param: str) ->
     ("body", "param"),
     [
         ('{"messages": []}', "messages"),
-        ('{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].role"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role"),
+        ('{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].tool_call_id"),
+        (
+            '{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}',
+            "messages[0].tool_calls",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", '
+            '"function": {"name": "f", "arguments": "{"}}]}]}',
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ('{"messages": [{"role": "assistant", "content": null}]}', "messages[0].content"),
         ('{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
         ('{"messages": [{"role": "user"}]}', "messages[0].content"),
         ('{"messages": [{"role": "user", "content": "x"}], "logprobs": 1}', "logprobs"),
