@@ -66,6 +66,13 @@ def quoted(value: object) -> str:
     return text
 
 
+def _lowercase_first(text: str) -> str:
+    """msgspec's sentence made to start lowercase, as every message here does ("JSON" stays)."""
+    if text[1:2].isupper():
+        return text
+    return text[:1].lower() + text[1:]
+
+
 def _param_path(path: str) -> str:
     """`messages[0].role` from msgspec's `$.messages[0].role`."""
     return path.removeprefix("$").removeprefix(".")
@@ -75,7 +82,7 @@ def decode_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiError
     """The body's first fault as a 400 naming the parameter (none, for bad JSON)."""
     message = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return ApiError(400, f"the body is not valid JSON: {message[:1].lower()}{message[1:]}")
+        return ApiError(400, f"the body is not valid JSON: {_lowercase_first(message)}")
     reason, _, path = message.partition(" - at `")
     path = _param_path(path.removesuffix("`"))
     if reason.startswith("Expected `object`") and not path:
@@ -87,5 +94,5 @@ def decode_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiError
             return ApiError(400, f"unknown parameter {param!r}: not part of this API", param=param)
         return ApiError(400, f"{param}: required parameter is missing", param=param)
     param = path or None
-    reason = reason[:1].lower() + reason[1:]
+    reason = _lowercase_first(reason)
     return ApiError(400, f"{param}: {reason}" if param else f"bad body: {reason}", param=param)
