@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 HEALTH_CHECK_TIMEOUT_S = 5.0  # /health waits at most this long for every engine
+# A body this large is tokenized in a worker thread (the tokenizer releases the GIL on long
+# texts): a 1.4 MB prompt takes about a second to tokenize, which the event loop, serving
+# every other stream, must not wait out. Smaller ones stay on the loop, where they cost less.
+THREAD_TOKENIZE_BODY_BYTES = 64 * 1024
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -119,12 +123,19 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
 
 async def _parse(
     request: Request, state: ApiState, decoder: msgspec.json.Decoder
-) -> CompletionRequest | ChatCompletionRequest:
+) -> tuple[CompletionRequest | ChatCompletionRequest, int]:
+    """The decoded body and its size in bytes."""
     _check_api_key(request, state)
     body = await _read_body(request, state.settings.max_body_bytes)
     parsed = parse_body(body, decoder)
     check_model(parsed.model, state.served_names)
-    return parsed
+    return parsed, len(body)
+
+
+async def _build_jobs(num_body_bytes: int, build: Callable[[], list[EngineJob]]) -> list[EngineJob]:
+    if num_body_bytes < THREAD_TOKENIZE_BODY_BYTES:
+        return build()
+    return await asyncio.to_thread(build)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -158,22 +169,29 @@ async def _unless_disconnected(request: Request, work: Coroutine[object, object,
 
 
 async def completions(state: ApiState, request: Request) -> Response:
-    body = await _parse(request, state, COMPLETION_DECODER)
+    body, num_body_bytes = await _parse(request, state, COMPLETION_DECODER)
     assert isinstance(body, CompletionRequest)  # what COMPLETION_DECODER decodes
     serving, _ = state.running()
     shape = ResponseShape(new_response_id("cmpl"), serving.model, is_chat=False)
     max_model_len = serving.pool.max_model_len
-    jobs = completion_jobs(body, serving.tokenizer, shape.response_id, max_model_len)
+    jobs = await _build_jobs(
+        num_body_bytes,
+        partial(completion_jobs, body, serving.tokenizer, shape.response_id, max_model_len),
+    )
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
 
 
 async def chat_completions(state: ApiState, request: Request) -> Response:
-    body = await _parse(request, state, CHAT_DECODER)
+    body, num_body_bytes = await _parse(request, state, CHAT_DECODER)
     assert isinstance(body, ChatCompletionRequest)  # what CHAT_DECODER decodes
     serving, _ = state.running()
     shape = ResponseShape(new_response_id("chatcmpl"), serving.model, is_chat=True)
     max_model_len = serving.pool.max_model_len
-    jobs = [chat_job(body, serving.tokenizer, shape.response_id, max_model_len)]
+
+    def build() -> list[EngineJob]:
+        return [chat_job(body, serving.tokenizer, shape.response_id, max_model_len)]
+
+    jobs = await _build_jobs(num_body_bytes, build)
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
 
 

@@ -13,8 +13,18 @@ from tokenizers.decoders import DecodeStream
 from api_server.chat_template import ChatTemplate, TemplateValue
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Longer texts are encoded through encode_batch, which releases the GIL (encode holds it): a
+# front end that tokenizes a long prompt in a worker thread then keeps its event loop serving
+GIL_FREE_ENCODE_CHARS = 16 * 1024
 DEFAULT_TEMPLATE_NAME = "default"
 TOOL_TEMPLATE_NAME = "tool_use"  # the named template transformers picks when tools are given
+
+
+def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """The ids of `text`; the same ids either way, only the GIL differs (see above)."""
+    if len(text) > GIL_FREE_ENCODE_CHARS:
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 class StreamDetokenizer:
@@ -126,7 +136,7 @@ class CheckpointTokenizer:
         """A completion prompt's ids, with the special tokens tokenizer.json's post-processor
         adds (a Llama's bos). tokenizer_config.json's add_bos_token is not consulted: given a
         tokenizer.json, transformers 5 follows the post-processor alone, whatever the class."""
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        return encode_ids(self._tokenizer, text, add_special_tokens=True)
 
     def render_chat(
         self,
@@ -137,7 +147,7 @@ class CheckpointTokenizer:
     ) -> list[int]:
         """A chat's prompt ids: the template's text, with no special tokens added to it."""
         text = self.render_chat_text(messages, add_generation_prompt, tools, extra)
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_ids(self._tokenizer, text, add_special_tokens=False)
 
     def render_chat_text(
         self,

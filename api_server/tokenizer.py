@@ -18,7 +18,7 @@ from api_server.build_tokenizer import (
     TOKENIZER_DIR,
 )
 from api_server.chat_template import TemplateValue
-from api_server.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.checkpoint_tokenizer import CheckpointTokenizer, encode_ids
 
 DEFAULT_TOKENIZER_DIR = TOKENIZER_DIR
 
@@ -107,7 +107,7 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in it (`<|user|>`) become their ids."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_ids(self._tokenizer, text, add_special_tokens=False)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """Special tokens keep their text even when skipping is asked: the fake models' chat

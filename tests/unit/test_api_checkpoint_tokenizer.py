@@ -2,8 +2,10 @@
 chat template rendering the same ids as transformers' apply_chat_template (imported here only),
 and its streamed text equal to a decode of all the ids, never a broken character."""
 
+import asyncio
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -282,3 +284,28 @@ def test_tool_calls_and_results_render_as_transformers_renders_them(
     theirs = _hf_chat_ids(tmp_path, theirs_messages, tools=TOOLS, add_generation_prompt=True)
     assert ours == theirs
     assert '"city": "Paris"' in CheckpointTokenizer(tmp_path).decode(ours)
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "byte"])
+def test_a_long_prompt_tokenized_in_a_thread_leaves_the_event_loop_running(
+    chatml_dir: Path, which: str
+) -> None:
+    """Guards against a long prompt stalling every stream: tokenizers' encode holds the GIL, so a
+    worker thread did not help; a 1.4 MB prompt froze the front end for about a second."""
+    tokenizer = CheckpointTokenizer(chatml_dir) if which == "checkpoint" else ByteTokenizer()
+    text = "The capital of France is Paris. " * 20_000  # 640 KB
+
+    async def largest_loop_gap_s() -> tuple[float, float]:
+        start_s = last_s = time.perf_counter()
+        gaps_s = []
+        encoding = asyncio.ensure_future(asyncio.to_thread(tokenizer.encode, text))
+        while not encoding.done():
+            await asyncio.sleep(0.001)
+            now_s = time.perf_counter()
+            gaps_s.append(now_s - last_s)
+            last_s = now_s
+        assert encoding.result()[:3] == tokenizer.encode(text[:40])[:3]
+        return max(gaps_s), time.perf_counter() - start_s
+
+    largest_gap_s, total_s = asyncio.run(largest_loop_gap_s())
+    assert largest_gap_s < total_s / 2, (largest_gap_s, total_s)
