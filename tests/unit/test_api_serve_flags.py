@@ -1,0 +1,53 @@
+"""`kvserve serve`'s front-end flags as vLLM spells them: --served-model-name takes several
+names, --tokenizer names a folder holding tokenizer.json, and a checkpoint without a tokenizer
+needs one; a bad value exits 2 naming the flag."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from api_server.app import ApiSettings, ApiState
+from api_server.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
+from deploy.commands import LAUNCH_WORKER_FLAGS, _api_settings, add_serve_flags, engine_config_from
+from deploy.flags import build_config
+from protocol.config import WorkerConfig
+
+ENGINE = ["--engine-address", "ipc:///tmp/nowhere.sock"]
+
+
+def _settings(*argv: str) -> ApiSettings:
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    args = parser.parse_args([*ENGINE, *argv])
+    engine = engine_config_from(argparse.Namespace(**{**vars(args), "host": None, "port": None}))
+    worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig)
+    return _api_settings(args, engine, worker)
+
+
+def test_served_model_names_are_all_accepted_and_the_first_reported() -> None:
+    settings = _settings("--model", "tiny-llama", "--served-model-name", "chat", "alias")
+    state = ApiState(settings)
+    assert state.served_names == ("chat", "alias")
+    assert settings.model == "tiny-llama"
+    assert isinstance(state.tokenizer, ByteTokenizer)
+    assert ApiState(_settings("--model", "tiny-llama")).served_names == ("tiny-llama",)
+
+
+def test_tokenizer_names_the_folder_to_tokenize_with() -> None:
+    settings = _settings("--model", "tiny-llama", "--tokenizer", str(DEFAULT_TOKENIZER_DIR))
+    assert isinstance(ApiState(settings).tokenizer, CheckpointTokenizer)
+
+
+def test_a_tokenizer_folder_without_tokenizer_json_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", "--tokenizer", str(tmp_path)])
+    assert exited.value.code == 2
+    assert f"--tokenizer {tmp_path}: expected a folder holding tokenizer.json" in (
+        capsys.readouterr().err
+    )
