@@ -22,7 +22,7 @@ from api_server.tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
-from protocol.sampling import SamplingParams
+from protocol.sampling import MAX_TOKENS_LIMIT, SamplingParams
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 BUSY_PREFIXES = ("engine busy", "client busy")
@@ -89,7 +89,8 @@ def _max_tokens(
         return DEFAULT_MAX_TOKENS
     if max_tokens is None:
         # vLLM's defaults: a chat may run to the end of the context, a completion 16 tokens
-        return room if isinstance(body, ChatCompletionRequest) else min(DEFAULT_MAX_TOKENS, room)
+        is_chat = isinstance(body, ChatCompletionRequest)
+        return min(MAX_TOKENS_LIMIT if is_chat else DEFAULT_MAX_TOKENS, room)
     if room is not None and max_tokens > room:
         raise bad_param(
             param,
