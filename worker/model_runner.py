@@ -32,6 +32,8 @@ from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
 from worker.models.registry import Model, build_model, get_model_info
 from worker.sampler import SampleBatch, Sampler
+from worker.sampling.logprobs import LogprobColumns, compute_logprobs
+from worker.sampling.penalties import TokenHistory
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,14 @@ class ModelRunner:
         modelled = time.perf_counter()
         self.ready_at_s = getattr(self.model, "ready_at_s", modelled)
         sampled = np.full(len(scheduled.handles), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
-        sampled[logits_reqs] = self.sampler.sample(logits, sample_reqs).cpu().numpy()
+        sampled_ids = self.sampler.sample(logits, sample_reqs)
+        sampled[logits_reqs] = sampled_ids.cpu().numpy()
+        num_logprobs = sample_reqs.sampling_columns.num_logprobs
+        logprobs = (
+            LogprobColumns()
+            if num_logprobs is None
+            else compute_logprobs(logits, sampled_ids, num_logprobs)
+        )
         if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
             raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
         # Each sampled token joins its sequence here, as the engine appends it: the engine never
@@ -152,6 +161,9 @@ class ModelRunner:
             handles,
             pack_int32(sampled),
             scheduler_output.generation,
+            logprobs.logprobs,
+            logprobs.token_ids,
+            logprobs.sampled_token_ranks,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
@@ -308,11 +320,20 @@ class ModelRunner:
         self, handles: list[int], rows: np.ndarray, known: np.ndarray, logits_reqs: np.ndarray
     ) -> SampleBatch:
         """What the sampler needs of each sampled request (`rows` are theirs, in order)."""
-        params = self.input_batch.sampling_params
+        batch = self.input_batch
+        params = batch.sampling_params
+        columns = batch.sampling.take(rows)
+        history = (
+            TokenHistory(batch.token_ids, rows, batch.num_prompt_tokens[rows].astype(np.int64))
+            if columns.has_penalties
+            else None
+        )
         return SampleBatch(
             [handles[i] for i in logits_reqs.tolist()],
             [params[row] for row in rows.tolist()],
             known[logits_reqs].tolist(),
+            columns,
+            history,
         )
 
     def check_invariants(self) -> None:
