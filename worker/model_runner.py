@@ -7,6 +7,7 @@ build the flattened batch and slot mappings, run the model over the paged cache,
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +88,7 @@ class ModelRunner:
         sampling_seed: int = 0,
         check_each_step: bool = False,
         enable_cascade_attention: bool = True,
+        eos_token_ids: Sequence[int] = (),  # the model's, held back under min_tokens
     ) -> None:
         self.model = model
         # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
@@ -102,7 +104,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_sizes)
         self.parked: dict[int, ParkedRequest] = {}
         self.encoder_inputs = EncoderInputs(kv_cache_config)  # held by encoder-decoder models only
-        self.sampler = Sampler(sampling_seed)
+        self.sampler = Sampler(sampling_seed, eos_token_ids)
         self.last_step_id = kv_cache_config.first_step_id - 1  # a later generation starts late
         self.timings = StepTimings()
         # time.perf_counter() when the last step's output is ready: a model standing for a device
@@ -325,7 +327,7 @@ class ModelRunner:
         columns = batch.sampling.take(rows)
         history = (
             TokenHistory(batch.token_ids, rows, batch.num_prompt_tokens[rows].astype(np.int64))
-            if columns.has_penalties
+            if columns.needs_history
             else None
         )
         return SampleBatch(
@@ -381,4 +383,5 @@ def build_model_runner(
         info.max_model_len,
         device,
         check_each_step=kv_cache_config.check_invariants,  # the engine's --check-invariants
+        eos_token_ids=info.eos_token_ids,
     )

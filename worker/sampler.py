@@ -1,6 +1,7 @@
 """Sampler: greedy or seeded temperature sampling from logits, the same on every rank.
 
-Per request, in this order: penalties on the logits (worker/sampling/penalties.py), greedy argmax
+Per request, in this order: until it has min_tokens outputs, -inf for its stop and EOS ids (vLLM's
+rule: it cannot stop early); penalties on the logits (worker/sampling/penalties.py), greedy argmax
 or, at temperature > 0, probabilities rounded to a 2**-16 grid, the top-k, top-p and min-p filters
 on that grid (worker/sampling/filters.py), and an inverse-CDF draw. A draw depends only on (seed,
 position of the token being sampled): no generator carries state, so batching, chunking,
@@ -71,7 +72,7 @@ class SampleBatch:
     positions: Sequence[int]  # position each sampled token will take in its sequence
     # The settings as arrays (the runner keeps them per row); None: derived from sampling_params
     columns: SamplingColumns | None = None
-    history: TokenHistory | None = None  # each sequence so far; needed only for penalties
+    history: TokenHistory | None = None  # each sequence so far; for penalties and min_tokens
 
     def __post_init__(self) -> None:
         lengths = {len(self.handles), len(self.sampling_params), len(self.positions)}
@@ -82,8 +83,10 @@ class SampleBatch:
             )
         if self.columns is None:
             object.__setattr__(self, "columns", SamplingColumns.from_params(self.sampling_params))
-        if self.sampling_columns.has_penalties and self.history is None:
-            raise ValueError("sample batch has penalized requests but no token history")
+        if self.sampling_columns.needs_history and self.history is None:
+            raise ValueError(
+                "sample batch has penalized or min_tokens requests but no token history"
+            )
 
     @property
     def sampling_columns(self) -> SamplingColumns:
@@ -105,10 +108,12 @@ class SampleBatch:
 
 
 class Sampler:
-    """Turns logits rows into token ids; stateless apart from the seed for unseeded requests."""
+    """Turns logits rows into token ids; stateless apart from the seed for unseeded requests
+    and the model's EOS ids (held back under min_tokens)."""
 
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         self.default_seed = default_seed
+        self.eos_token_ids = list(eos_token_ids)
 
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
         """Token ids [S] int64 for logits [S, V], one row per batch entry in order; `logits`
@@ -120,10 +125,13 @@ class Sampler:
         if logits.shape[0] != len(batch):
             raise ValueError(f"got {logits.shape[0]} logits rows for {len(batch)} requests")
         columns = batch.sampling_columns
-        if columns.has_penalties:
+        if columns.needs_history:
             assert batch.history is not None  # checked by SampleBatch
             positions = np.asarray(batch.positions, dtype=np.int64)
-            logits = apply_penalties(logits, columns, batch.history, positions)
+            if columns.min_tokens is not None:
+                logits = self._hold_back_stops(logits, batch, batch.history, positions)
+            if columns.has_penalties:
+                logits = apply_penalties(logits, columns, batch.history, positions)
         tokens = greedy_tokens(logits)
         if columns.temperature is not None:
             hot = np.flatnonzero(columns.temperature > 0).tolist()
@@ -131,6 +139,30 @@ class Sampler:
                 rows = torch.tensor(hot, dtype=torch.int64, device=logits.device)
                 tokens[rows] = self._sample_with_temperature(logits[rows], batch, hot)
         return tokens
+
+    def _hold_back_stops(
+        self, logits: torch.Tensor, batch: SampleBatch, history: TokenHistory, positions: np.ndarray
+    ) -> torch.Tensor:
+        """`logits` with -inf at the stop ids (EOS ids too, unless ignore_eos) of each entry that
+        has fewer than min_tokens outputs (a copy where there is one). The engine's stop rule
+        ignores them there anyway; masking makes the model say something else, as vLLM does."""
+        min_tokens = batch.sampling_columns.min_tokens
+        assert min_tokens is not None  # the caller checked
+        short = np.flatnonzero(positions - history.num_prompt_tokens < min_tokens).tolist()
+        rows: list[int] = []
+        ids: list[int] = []
+        for row in short:
+            params = batch.sampling_params[row]
+            row_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
+            rows.extend([row] * len(row_ids))
+            ids.extend(row_ids)
+        if not ids:
+            return logits
+        held = logits.clone()
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+        held[index] = -torch.inf
+        return held
 
     def _sample_with_temperature(
         self, logits: torch.Tensor, batch: SampleBatch, hot: list[int]

@@ -58,6 +58,7 @@ def _engine(
         info.max_model_len,
         CPU,
         check_each_step=True,
+        eos_token_ids=info.eos_token_ids,  # held back under min_tokens, as the reference does
     )
     config = EngineConfig(
         check_invariants=True,

@@ -143,7 +143,7 @@ def test_penalties_steer_greedy_too() -> None:
     penalized = SamplingParams(presence_penalty=0.5)
     assert int(Sampler().sample(logits, SampleBatch.one(1, greedy, 2, history))[0]) == 1
     assert int(Sampler().sample(logits, SampleBatch.one(1, penalized, 2, history))[0]) == 2
-    with pytest.raises(ValueError, match="penalized requests but no token history"):
+    with pytest.raises(ValueError, match="penalized or min_tokens requests but no token history"):
         SampleBatch.one(1, penalized, 2)
 
 
@@ -228,3 +228,28 @@ def test_the_sampling_table_counts_follow_rows_that_come_and_go() -> None:
         assert table.temperature[row] == params.temperature
         assert table.repetition_penalty[row] == params.repetition_penalty
     assert table.num_logprob_rows == sum(h % 4 == 3 for h in batch.handle_to_row)
+
+
+def test_min_tokens_holds_back_stop_and_eos_ids_until_enough_outputs() -> None:
+    """vLLM's rule: a request cannot draw its stop ids, nor EOS ids unless ignore_eos, before
+    min_tokens outputs exist; the raw logits stay as they were."""
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 1.0]], dtype=torch.float64)  # 1 > 2 > 3 > 4
+    sampler = Sampler(eos_token_ids=[1, 2])
+    prompt = [4, 4]
+
+    def greedy(num_outputs: int, **params: object) -> int:
+        history = TokenHistory.one(prompt + [0] * num_outputs, len(prompt))
+        batch = SampleBatch.one(1, SamplingParams(**params), len(prompt) + num_outputs, history)
+        return int(sampler.sample(logits, batch)[0])
+
+    assert greedy(0, min_tokens=2, stop_token_ids=[3]) == 4  # both EOS ids and the stop id
+    assert greedy(1, min_tokens=2, stop_token_ids=[3]) == 4
+    assert greedy(2, min_tokens=2, stop_token_ids=[3]) == 1  # enough outputs: EOS may come
+    assert greedy(0, min_tokens=2, ignore_eos=True, stop_token_ids=[1]) == 2
+    assert greedy(0, min_tokens=1, ignore_eos=True) == 1
+    drawn = {
+        int(sampler.sample(logits, SampleBatch.one(1, params, 2, TokenHistory.one(prompt, 2))))
+        for params in [SamplingParams(temperature=3.0, seed=s, min_tokens=1) for s in range(60)]
+    }
+    assert drawn == {0, 3, 4}
+    assert logits[0].tolist() == [0.0, 5.0, 4.0, 3.0, 1.0]

@@ -98,7 +98,7 @@ class ReferenceModel:
                 if model_name in CHECKSUMS
                 else _tiny_llama_logits(model_name, seed)
             )
-        self._sampler = Sampler(sampling_seed)
+        self._sampler = Sampler(sampling_seed, self.info.eos_token_ids)
 
     def next_token_logits(self, sequence: list[int], num_prompt_tokens: int) -> torch.Tensor:
         """The raw logits [V] of the token after `sequence` (its first tokens the prompt)."""

@@ -43,6 +43,7 @@ class SamplingColumns:
     frequency_penalty: np.ndarray | None = None  # float64 [S]
     repetition_penalty: np.ndarray | None = None  # float64 [S]; 1 is none
     num_logprobs: np.ndarray | None = None  # int64 [S]; NO_LOGPROBS for an entry without
+    min_tokens: np.ndarray | None = None  # int64 [S]; None: no entry holds back its stop ids
 
     @property
     def has_filters(self) -> bool:
@@ -51,6 +52,11 @@ class SamplingColumns:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty is not None
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties read the sequences; min_tokens counts their outputs."""
+        return self.repetition_penalty is not None or self.min_tokens is not None
 
     @classmethod
     def from_params(cls, sampling_params: Sequence[SamplingParams]) -> "SamplingColumns":
@@ -77,10 +83,12 @@ class SamplingTable:
         self.frequency_penalty = np.zeros(num_rows, dtype=np.float64)  # [rows]
         self.repetition_penalty = np.ones(num_rows, dtype=np.float64)  # [rows]
         self.num_logprobs = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)  # [rows]
+        self.min_tokens = np.zeros(num_rows, dtype=np.int64)  # [rows]
         self.num_random_rows = 0  # temperature > 0
         self.num_filtered_rows = 0  # temperature > 0 and some filter set
         self.num_penalized_rows = 0
         self.num_logprob_rows = 0
+        self.num_min_tokens_rows = 0  # min_tokens > 0
 
     def add_row(self, row: int, params: SamplingParams) -> None:
         self.temperature[row] = params.temperature
@@ -91,6 +99,7 @@ class SamplingTable:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
+        self.min_tokens[row] = params.min_tokens
         self._count(params, 1)
 
     def remove_row(self, row: int, params: SamplingParams) -> None:
@@ -124,6 +133,7 @@ class SamplingTable:
             frequency_penalty=self.frequency_penalty[rows] if penalized else None,
             repetition_penalty=self.repetition_penalty[rows] if penalized else None,
             num_logprobs=self.num_logprobs[rows] if self.num_logprob_rows else None,
+            min_tokens=self.min_tokens[rows] if self.num_min_tokens_rows else None,
         )
 
     def _count(self, params: SamplingParams, delta: int) -> None:
@@ -131,6 +141,7 @@ class SamplingTable:
         self.num_filtered_rows += delta * _has_filter(params)
         self.num_penalized_rows += delta * _has_penalty(params)
         self.num_logprob_rows += delta * (params.logprobs is not None)
+        self.num_min_tokens_rows += delta * (params.min_tokens > 0)
 
     def _reset(self, row: int) -> None:
         neutral = _NEUTRAL
@@ -147,12 +158,14 @@ class SamplingTable:
             sum(_has_filter(params) for params in live_params),
             sum(_has_penalty(params) for params in live_params),
             sum(params.logprobs is not None for params in live_params),
+            sum(params.min_tokens > 0 for params in live_params),
         )
         held = (
             self.num_random_rows,
             self.num_filtered_rows,
             self.num_penalized_rows,
             self.num_logprob_rows,
+            self.num_min_tokens_rows,
         )
         assert held == counts, f"sampling feature counts are {held}, expected {counts}"
 
@@ -166,6 +179,7 @@ _COLUMN_NAMES = (
     "frequency_penalty",
     "repetition_penalty",
     "num_logprobs",
+    "min_tokens",
 )
 _NEUTRAL = {
     "temperature": 0.0,
@@ -176,4 +190,5 @@ _NEUTRAL = {
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
     "num_logprobs": NO_LOGPROBS,
+    "min_tokens": 0,
 }
