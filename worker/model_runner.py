@@ -139,14 +139,14 @@ class ModelRunner:
         sampled = np.full(len(scheduled.handles), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
         sampled_ids = self.sampler.sample(logits, sample_reqs)
         sampled[logits_reqs] = sampled_ids.cpu().numpy()
+        if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
+            raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
         num_logprobs = sample_reqs.sampling_columns.num_logprobs
-        logprobs = (
+        logprobs = (  # of the raw logits: the sampler left them as the model gave them
             LogprobColumns()
             if num_logprobs is None
             else compute_logprobs(logits, sampled_ids, num_logprobs)
         )
-        if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
-            raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
         # Each sampled token joins its sequence here, as the engine appends it: the engine never
         # sends it back, and with asynchronous scheduling the next step computes on it before
         # the engine has seen it.

@@ -72,9 +72,9 @@ class InFlightStep:
         ):
             if not samples:
                 continue  # a partial prefill chunk: its sample means nothing
+            # Aborted, or stopped a step earlier: a token past its end, dropped with its logprobs.
             if request.status is not _RUNNING and request.status.is_finished:
-                continue  # aborted, or stopped a step earlier: a token past its end, and its
-                # logprobs with it
+                continue
             # Running, or preempted while this step ran: the token is valid either way, and
             # the workers appended it to their copy of the sequence as they sampled it.
             request.num_output_placeholders -= 1

@@ -52,9 +52,11 @@ def apply_penalties(
     """`logits` [S, V] with each penalized entry's row penalized: a new tensor (the raw logits
     stay for logprobs), float32 at least. `positions` [S] is each entry's number of tokens."""
     rows = penalized_rows(columns)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
     if not len(rows):
         return logits
+    assert columns.presence_penalty is not None and columns.frequency_penalty is not None
+    assert columns.repetition_penalty is not None  # has_penalties: the three come together
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     device = logits.device
     num_tokens = positions[rows]
     offsets = np.arange(int(num_tokens.max()))  # [L]
