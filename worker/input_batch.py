@@ -176,4 +176,5 @@ class InputBatch:
             f"{len(self.handles)}"
         )
         live = [self.sampling_params[row] for row in range(num_reqs)]
+        assert all(params is not None for params in live), "a live row has no sampling params"
         self.sampling.check_invariants([params for params in live if params is not None])

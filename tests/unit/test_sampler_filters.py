@@ -228,6 +228,9 @@ def test_the_sampling_table_counts_follow_rows_that_come_and_go() -> None:
         assert table.temperature[row] == params.temperature
         assert table.repetition_penalty[row] == params.repetition_penalty
     assert table.num_logprob_rows == sum(h % 4 == 3 for h in batch.handle_to_row)
+    table.top_p[0] = 0.5  # a planted corruption: the row's own params say 1.0
+    with pytest.raises(AssertionError, match=r"sampling column top_p holds \[0.5\] at rows \[0\]"):
+        batch.check_invariants()
 
 
 def test_min_tokens_holds_back_stop_and_eos_ids_until_enough_outputs() -> None:

@@ -152,7 +152,15 @@ class SamplingTable:
         return [getattr(self, name) for name in _COLUMN_NAMES]
 
     def check_invariants(self, live_params: Sequence[SamplingParams]) -> None:
-        """The counts are those of `live_params`, the settings of the live rows."""
+        """Rows 0.. hold `live_params` (the live rows' settings, in row order), the counts are
+        theirs, and every other row is neutral."""
+        expected = SamplingTable(len(self.temperature))
+        for row, params in enumerate(live_params):
+            expected.add_row(row, params)
+        columns = zip(_COLUMN_NAMES, self._columns(), expected._columns(), strict=True)
+        for name, column, want in columns:
+            rows = np.flatnonzero(column != want)
+            assert not len(rows), f"sampling column {name} holds {column[rows]} at rows {rows}"
         counts = (
             sum(params.temperature > 0 for params in live_params),
             sum(_has_filter(params) for params in live_params),
