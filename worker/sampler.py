@@ -8,14 +8,17 @@ position of the token being sampled): no generator carries state, so batching, c
 preemption and TP size cannot change a seeded request's tokens. On the grid the running sums are
 exact, so every rank holding the same logits picks the same token.
 
-Where floats enter (real checkpoints; the fake models' logits are exact): the logits of one
-sequence differ in the last bits between batch compositions, TP sizes or kernels, and so do the
-penalized logits and exp(). A probability lying within that difference of a grid midpoint may
-round the other way, and a greedy top-2 pair within it may swap; a draw changes only where its
-uniform number lands within the resulting difference of a boundary of the running sums. So two
-runs of one seeded request agree up to such near-ties, and the ranks of one deployment always
-agree, since the all-reduce leaves them identical logits bytes. The grid also means an id whose
-probability is below 2**-17 of the top one's is never drawn.
+Where floats enter (real checkpoints; the fake models' logits are exact, so none of this applies
+to them): the logits of one sequence differ in their last bits between batch compositions, TP
+sizes and kernels, and so do the penalized logits and exp(). Rounded to the grid, a probability
+within that difference of a grid midpoint may land one grid step away; then a top-k, top-p or
+min-p cut lying exactly there may keep one id more or less, and the running sums move by a step.
+A draw changes only where its uniform number lands within that step of a boundary of the running
+sums, and greedy only where the top two logits are within the difference. So two runs of one
+seeded request agree up to such near-ties, while the ranks of one deployment always agree: the
+all-reduce leaves them identical logits bytes. Logprobs (float32) may differ in their last bits
+between runs alike. The grid also means an id whose probability is below 2**-17 of the top one's
+is never drawn.
 """
 
 from collections.abc import Sequence
