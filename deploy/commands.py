@@ -40,6 +40,7 @@ LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest fol
     "distributed_backend",
     "seed",
     "model_step_ms",
+    "kv_cache_dtype",
 )
 LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
 DEFAULT_HTTP_HOST = "127.0.0.1"
@@ -76,12 +77,35 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return build_config(args, ENGINE_FLAGS, EngineConfig, **extra)
 
 
-def check_model_name(config: WorkerConfig) -> WorkerConfig:
+def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> WorkerConfig:
+    """A built-in model name, or a checkpoint folder this worker can serve at `tp_size` (the
+    config's when None): its config.json and safetensors headers are read here, so a bad one
+    exits 2 before any process starts."""
+    from worker.models.hf.checkpoint import check_checkpoint
+    from worker.models.hf.config import CheckpointError, is_checkpoint
     from worker.models.registry import MODEL_NAMES
 
-    if config.model not in MODEL_NAMES:
-        raise UsageError(f"--model {config.model}: expected one of {list(MODEL_NAMES)}")
+    if is_checkpoint(config.model):
+        try:
+            check_checkpoint(config.model, config.tp_size if tp_size is None else tp_size)
+        except CheckpointError as exc:
+            raise UsageError(f"--model {config.model}: {exc}") from None
+    elif config.model not in MODEL_NAMES:
+        raise UsageError(
+            f"--model {config.model}: expected one of {list(MODEL_NAMES)} or a folder holding "
+            "config.json"
+        )
     return config
+
+
+def check_kv_budget(engine_config: EngineConfig, base_worker: WorkerConfig) -> None:
+    """The built-in models need --kv-cache-memory-bytes on the CPU; a checkpoint takes a share of
+    the host's available memory by default (worker/profiling.py)."""
+    from worker.models.hf.config import is_checkpoint
+
+    has_no_kv_budget = engine_config.cache.kv_cache_memory_bytes is None
+    if has_no_kv_budget and base_worker.device == "cpu" and not is_checkpoint(base_worker.model):
+        raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
 
 
 def add_subcommands(commands: argparse._SubParsersAction) -> None:
@@ -133,9 +157,8 @@ def launch_command(args: argparse.Namespace) -> int:
     curve = keys_from(args, "worker")
     worker_extra = {} if curve is None else {"curve": msgspec.to_builtins(curve)}
     base_worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig, **worker_extra)
-    check_model_name(base_worker)
-    if engine_config.cache.kv_cache_memory_bytes is None and base_worker.device == "cpu":
-        raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
+    check_model_name(base_worker, engine_config.tp_size)
+    check_kv_budget(engine_config, base_worker)
     setup_logging("launcher", args.log_level)
     return run_launch(engine_config, base_worker, args.log_level)
 
@@ -194,11 +217,10 @@ def serve_command(args: argparse.Namespace) -> int:
     worker_curve = keys_from(args, "worker")
     worker_extra = {} if worker_curve is None else {"curve": msgspec.to_builtins(worker_curve)}
     base_worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig, **worker_extra)
-    check_model_name(base_worker)
+    check_model_name(base_worker, engine_config.tp_size)
     is_launching = not args.engine_address
-    has_no_kv_budget = engine_config.cache.kv_cache_memory_bytes is None
-    if is_launching and has_no_kv_budget and base_worker.device == "cpu":
-        raise UsageError("--kv-cache-memory-bytes None: expected a byte count with --device cpu")
+    if is_launching:
+        check_kv_budget(engine_config, base_worker)
     settings = _api_settings(args, engine_config, base_worker)
     setup_logging("api-server", args.log_level)
     if not is_launching:

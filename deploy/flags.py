@@ -106,7 +106,8 @@ ENGINE_FLAGS = [
     Flag(
         ("--kv-cache-memory-bytes",),
         ("cache", "kv_cache_memory_bytes"),
-        "KV-cache bytes per rank (required on the CPU)",
+        "KV-cache bytes per rank (required on the CPU for the built-in models; a checkpoint "
+        "defaults to half the available memory after its weights, split over the host's ranks)",
     ),
     Flag(
         ("--num-gpu-blocks-override",),
@@ -202,9 +203,19 @@ WORKER_FLAGS = [
         ("model",),
         "model name: checksum, fixed-time, tiny-llama, tiny-llama-hybrid, tiny-llama-hybrid-2x, "
         "tiny-local, tiny-mla, tiny-encdec or tiny-mamba-hybrid (README.md's model list says what "
-        "each exercises)",
+        "each exercises), or a Hugging Face checkpoint folder (Llama, Qwen2, Qwen3, Mistral)",
     ),
-    Flag(("--dtype",), ("dtype",), "dtype of the weights and the KV cache"),
+    Flag(
+        ("--dtype",),
+        ("dtype",),
+        "compute dtype of a checkpoint (auto: its own on CUDA, float32 on the CPU); the KV-cache "
+        "dtype of the built-in models",
+    ),
+    Flag(
+        ("--kv-cache-dtype",),
+        ("kv_cache_dtype",),
+        "dtype of the KV cache (auto: the compute dtype)",
+    ),
     Flag(("--device",), ("device",), "device; auto takes cuda when available"),
     Flag(("--block-size",), ("block_size",), "tokens per KV-cache block (must equal the engine's)"),
     Flag(
@@ -213,7 +224,8 @@ WORKER_FLAGS = [
     Flag(
         ("--kv-cache-memory-bytes",),
         ("kv_cache_memory_bytes",),
-        "KV-cache bytes of this rank (required on the CPU)",
+        "KV-cache bytes of this rank (required on the CPU for the built-in models; a checkpoint "
+        "defaults to half the available memory after its weights, split over the host's ranks)",
     ),
     Flag(
         ("--master-addr",),
@@ -239,6 +251,16 @@ WORKER_FLAGS = [
         ("--max-num-batched-tokens",),
         ("max_num_batched_tokens",),
         "tokens of the profiling step (must equal the engine's)",
+    ),
+    Flag(
+        ("--max-num-seqs",),
+        ("max_num_seqs",),
+        "the engine's running requests at most; bounds a checkpoint's default CPU KV pool",
+    ),
+    Flag(
+        ("--max-model-len",),
+        ("max_model_len",),
+        "the engine's tokens per sequence (default: the model's); bounds that pool too",
     ),
     Flag(
         ("--distributed-backend",),

@@ -107,6 +107,8 @@ def worker_configs(engine_config: EngineConfig, base: WorkerConfig) -> list[Work
         "gpu_memory_utilization": cache.gpu_memory_utilization,
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
         "max_num_batched_tokens": engine_config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": engine_config.scheduler.max_num_seqs,
+        "max_model_len": engine_config.scheduler.max_model_len,
     }
     return [
         _replace(base, rank=rank, local_rank=rank, **shared)

@@ -39,7 +39,7 @@ class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class CacheConfig(_Config, frozen=True):
     block_size: BlockSize = 16  # tokens per block
     gpu_memory_utilization: Fraction = 0.9  # share of the device
-    kv_cache_memory_bytes: PositiveInt | None = None  # KV budget per rank; required on the CPU
+    kv_cache_memory_bytes: PositiveInt | None = None  # KV bytes per rank; None: profiling.py
     num_gpu_blocks_override: Annotated[int, msgspec.Meta(ge=2)] | None = None  # forces num_blocks
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: HashAlgo = "sha256"
@@ -130,12 +130,14 @@ class WorkerConfig(_Config, frozen=True):
     rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     tp_size: TPSize = 1
     engine_address: str = "ipc:///tmp/kvserve-worker.sock"  # the engine's worker ROUTER
-    model: str = "tiny-llama"  # a name from worker/models
-    dtype: Literal["float32", "float64", "float16", "bfloat16"] = "float32"
+    model: str = "tiny-llama"  # a name from worker/models, or a Hugging Face checkpoint folder
+    # compute dtype; auto: a checkpoint's own dtype on CUDA, float32 on the CPU and for the
+    # built-in models (whose dtype is their KV-cache dtype)
+    dtype: Literal["auto", "float32", "float64", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     block_size: BlockSize = 16  # must equal the engine's
     gpu_memory_utilization: Fraction = 0.9
-    kv_cache_memory_bytes: PositiveInt | None = None  # KV budget of this rank; required on the CPU
+    kv_cache_memory_bytes: PositiveInt | None = None  # KV bytes per rank; None: profiling.py
     master_addr: str = "127.0.0.1"  # torch.distributed rendezvous, as torchrun names it
     master_port: Port = 29500
     dist_timeout_s: Seconds = 60.0  # for the group to form, and for each collective to finish
@@ -143,6 +145,10 @@ class WorkerConfig(_Config, frozen=True):
     shutdown_grace_s: Seconds = 30.0  # after SIGTERM, wait so long for the engine's Shutdown
     seed: int = 0  # model weights
     max_num_batched_tokens: PositiveInt = 2048  # the engine's; the profiling step runs this many
+    # The engine's, with its max_model_len (None: the model's): a checkpoint's default KV pool
+    # on the CPU holds no more than this many sequences at full length could ever use.
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    max_model_len: PositiveInt | None = None
     # auto: gloo when ranks share a device or run on the CPU, nccl when each has a device of its own
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     # this rank's CUDA device; None: local_rank modulo the visible devices (0 without local_rank)
@@ -151,3 +157,5 @@ class WorkerConfig(_Config, frozen=True):
     curve: CurveKeys | None = None  # the worker keypair and the engine's public key
     # the fixed-time model's device time per forward, in ms: its stand-in for a GPU's step time
     model_step_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # dtype of the KV cache; auto follows the compute dtype
+    kv_cache_dtype: Literal["auto", "float32", "float64", "float16", "bfloat16"] = "auto"

@@ -1,9 +1,9 @@
 """The worker's paged KV tensors: how many blocks fit, their allocation, and their shape checks.
 
-Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU), else from the
-device's memory once the model and one profiling step have run. Allocation uses exactly the
-engine's num_blocks; layer i of every KV-cache group views the one tensor i (a block id belongs to
-one group at a time)."""
+Capacity comes from `kv_cache_memory_bytes` when given (required on the CPU, but for a checkpoint:
+worker/profiling.py), else from the device's memory once the model and one profiling step have
+run. Allocation uses exactly the engine's num_blocks; layer i of every KV-cache group views the
+one tensor i (a block id belongs to one group at a time)."""
 
 import logging
 from collections.abc import Callable

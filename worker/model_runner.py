@@ -31,7 +31,8 @@ from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
-from worker.models.registry import Model, build_model, get_model_info
+from worker.models.hf.config import is_checkpoint
+from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 from worker.sampling.penalties import TokenHistory
@@ -371,10 +372,13 @@ def build_model_runner(
     model: Model | None = None,  # built already (capacity was profiled on it); None builds it
 ) -> ModelRunner:
     """The model of `config`, its KV tensors of exactly kv_cache_config.num_blocks, and a runner."""
+    dtype, kv_dtype = resolve_dtypes(config.model, config.dtype, config.kv_cache_dtype, device)
     if model is None:
-        model = build_model(config.model, tp_group, device, config.seed, config.model_step_ms)
+        model = build_model(
+            config.model, tp_group, device, config.seed, config.model_step_ms, dtype
+        )
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
-    info = get_model_info(config.model, config.block_size, config.dtype)
+    info = get_model_info(config.model, config.block_size, kv_dtype, tp_group.tp_size)
     return ModelRunner(
         model,
         kv_cache_config,
@@ -383,5 +387,8 @@ def build_model_runner(
         info.max_model_len,
         device,
         check_each_step=kv_cache_config.check_invariants,  # the engine's --check-invariants
+        # a checkpoint's attention reads whole contexts (worker/models/hf/attention.py), which
+        # is right for any schedule: planning a shared prefix for it would be wasted work
+        enable_cascade_attention=not is_checkpoint(config.model),
         eos_token_ids=info.eos_token_ids,
     )

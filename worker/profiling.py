@@ -1,19 +1,29 @@
 """The profiling step: before the real KV cache exists, the model runs one step of
 max_num_batched_tokens dummy tokens over a small throwaway cache, so the peak memory of the
 largest step the engine may schedule can be measured. No sockets; every rank of a group runs it.
+A checkpoint on the CPU needs no profiling step: its KV budget is a share of the host's
+available memory once the weights are loaded (`cpu_kv_budget_bytes`).
 """
 
 import logging
+import os
 
 import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheConfig, bytes_per_block, cdiv
+from protocol.kv_cache_spec import (
+    CrossAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    bytes_per_block,
+    cdiv,
+)
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from worker.distributed import TPGroup
 from worker.kv_cache import (
+    GIB,
     CudaMemory,
     MemoryAtStart,
     allocate_kv_caches,
@@ -21,11 +31,17 @@ from worker.kv_cache import (
     profile_capacity,
 )
 from worker.model_runner import ModelRunner
+from worker.models.hf.decoder import HFDecoder
 from worker.models.registry import Model
 
 logger = logging.getLogger(__name__)
 
 PROFILE_TOKEN_ID = 1  # any id inside the vocabulary: the values do not change the memory used
+# Share of the host's available memory (after the weights) that a checkpoint's KV caches take on
+# the CPU, split evenly over the ranks on the host; the rest stays free for activations, the
+# engine, the front end and the OS. vLLM's CPU backend leaves a comparable margin.
+CPU_KV_MEMORY_FRACTION = 0.5
+MEMINFO_PATH = "/proc/meminfo"
 
 
 def profile_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
@@ -109,8 +125,28 @@ def measure_num_blocks(
     groups = model_info.kv_cache_groups
     if config.kv_cache_memory_bytes is not None:
         return num_blocks_in_budget(groups, config.tp_size, config.kv_cache_memory_bytes)
+    if device.type == "cpu" and isinstance(model, HFDecoder):
+        budget_bytes = cpu_kv_budget_bytes(model, group.num_ranks_on_device)
+        num_blocks = num_blocks_in_budget(groups, config.tp_size, budget_bytes)
+        max_model_len = min(
+            config.max_model_len or model_info.max_model_len, model_info.max_model_len
+        )
+        usable = max_usable_blocks(groups, config.max_num_seqs, max_model_len)
+        if usable < num_blocks:
+            logger.info(
+                "KV pool capped at %d blocks of the %d the budget holds: %d sequences of %d "
+                "tokens use no more",
+                usable,
+                num_blocks,
+                config.max_num_seqs,
+                max_model_len,
+            )
+        return min(num_blocks, usable)
     if start is None:
-        raise ValueError(f"kv_cache_memory_bytes is required on device {device}, got None")
+        raise ValueError(
+            f"kv_cache_memory_bytes is required on device {device} for model {config.model}, "
+            "got None"
+        )
     # ranks that share a device share its utilization too
     utilization = config.gpu_memory_utilization / group.num_ranks_on_device
     split = profile_capacity(
@@ -129,3 +165,47 @@ def measure_num_blocks(
         split.describe(),
     )
     return num_blocks_in_budget(groups, config.tp_size, split.kv_budget_bytes)
+
+
+def max_usable_blocks(
+    kv_cache_groups: list[KVCacheGroupSpec], max_num_seqs: int, max_model_len: int
+) -> int:
+    """Blocks that max_num_seqs sequences of max_model_len tokens hold in every group at once,
+    plus the null block: a larger pool could never be in use.
+
+    Zeroing the pages of a larger one costs start-up time and host memory (a tiny checkpoint's
+    half of RAM is millions of blocks), and its only use would be a deeper prefix cache.
+    """
+    per_seq = sum(cdiv(max_model_len, group.spec.block_size) for group in kv_cache_groups)
+    return max_num_seqs * per_seq + 1
+
+
+def available_memory_bytes() -> int:
+    """The host's MemAvailable (free plus reclaimable page cache), else its free pages."""
+    try:
+        with open(MEMINFO_PATH) as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in KiB
+    except OSError:
+        pass  # not Linux: fall back to sysconf
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_kv_budget_bytes(model: HFDecoder, num_ranks_on_host: int) -> int:
+    """CPU_KV_MEMORY_FRACTION of the memory available now (this rank's weights are loaded),
+    divided by the ranks on this host; the split is logged."""
+    available = available_memory_bytes()
+    kv_bytes = int(available * CPU_KV_MEMORY_FRACTION) // num_ranks_on_host
+    weights_bytes = model.weights_bytes()
+    logger.info(
+        "CPU memory of this rank (%d ranks on the host): weights %.3f GiB, KV cache %.3f GiB "
+        "(%.0f%% of %.3f GiB available, shared by the ranks), left free %.3f GiB",
+        num_ranks_on_host,
+        weights_bytes / GIB,
+        kv_bytes / GIB,
+        CPU_KV_MEMORY_FRACTION * 100,
+        available / GIB,
+        (available - kv_bytes * num_ranks_on_host) / GIB,
+    )
+    return kv_bytes

@@ -35,7 +35,7 @@ from protocol.worker_messages import (
 from worker.distributed import TPGroup, init_tp_group, resolve_device
 from worker.kv_cache import CudaMemory, memory_at_start
 from worker.model_runner import ModelRunner, build_model_runner
-from worker.models.registry import Model, build_model, get_model_info
+from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
 from worker.profiling import measure_num_blocks
 from worker.reply_queue import POLL_RESOLUTION_S, ReplyQueue, sleep_until
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
@@ -118,9 +118,10 @@ class Worker:
             device,
             config.distributed_backend,
         )
-        model_info = get_model_info(config.model, config.block_size, config.dtype)
+        dtype, kv_dtype = resolve_dtypes(config.model, config.dtype, config.kv_cache_dtype, device)
+        model_info = get_model_info(config.model, config.block_size, kv_dtype, config.tp_size)
         self.model = build_model(
-            config.model, self.tp_group, device, config.seed, config.model_step_ms
+            config.model, self.tp_group, device, config.seed, config.model_step_ms, dtype
         )
         num_blocks = measure_num_blocks(
             config, model_info, device, start, self.model, self.tp_group

@@ -7,7 +7,8 @@ and R-SWA layers (three groups). tiny-llama's KV is exact in float32 and float64
 `tiny-mla` caches one latent per token and layer (one MLA group, the same latent on every rank).
 `tiny-encdec` is an encoder-decoder: its requests bring encoder input, cached in a cross-attention
 group beside the decoder's self-attention group. `tiny-mamba-hybrid` has full-attention layers
-and recurrent layers whose states live in a Mamba group (mode align).
+and recurrent layers whose states live in a Mamba group (mode align). Any other `--model` that is
+a folder holding config.json is a Hugging Face checkpoint (worker/models/hf/).
 """
 
 from typing import Protocol
@@ -18,8 +19,13 @@ from protocol.config import WorkerConfig
 from protocol.worker_messages import ModelInfo
 from worker.attention import KVContext
 from worker.distributed import TPGroup
+from worker.kv_cache import torch_dtype
 from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
 from worker.models.fixed_time import FIXED_TIME, build_fixed_time
+from worker.models.hf.checkpoint import check_checkpoint
+from worker.models.hf.config import is_checkpoint, read_hf_config
+from worker.models.hf.decoder import HFDecoder
+from worker.models.hf.kv_groups import hf_model_info
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.tiny_llama import (
     TINY_LLAMA,
@@ -42,6 +48,7 @@ CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name
 MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name, TINY_MAMBA_HYBRID.name)
 ENCODER_DECODER_MODEL_NAMES = (TINY_ENCDEC.name,)  # each request must bring encoder_token_ids
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
+FAKE_MODEL_DTYPE = "float32"  # what "auto" means for the built-in models
 
 
 class Model(Protocol):
@@ -59,16 +66,37 @@ class Model(Protocol):
 
 
 def _check_name(name: str) -> None:
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}: expected one of {list(MODEL_NAMES)}")
+    if name not in MODEL_NAMES and not is_checkpoint(name):
+        raise ValueError(
+            f"unknown model {name!r}: expected one of {list(MODEL_NAMES)} or a folder holding "
+            "config.json"
+        )
 
 
-def get_model_info(name: str, block_size: int, dtype: str = "float32") -> ModelInfo:
+def resolve_dtypes(
+    name: str, dtype: str, kv_cache_dtype: str, device: torch.device
+) -> tuple[str, str]:
+    """(compute dtype, KV-cache dtype) of a model. `auto` compute is a checkpoint's own dtype on
+    CUDA and float32 on the CPU (and always float32 for the built-in models, whose `dtype` is
+    their KV dtype); `auto` KV follows the compute dtype."""
+    if dtype == "auto":
+        is_cuda_checkpoint = device.type == "cuda" and is_checkpoint(name)
+        dtype = read_hf_config(name).dtype if is_cuda_checkpoint else FAKE_MODEL_DTYPE
+    return dtype, dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
+def get_model_info(
+    name: str, block_size: int, dtype: str = "float32", tp_size: int = 1
+) -> ModelInfo:
     """What the engine needs to plan: vocabulary, EOS, max length and the KV-cache groups.
 
-    `dtype` is the KV-cache dtype of tiny-llama; checksum and fixed-time always store int64 values.
+    `dtype` is the KV-cache dtype of tiny-llama and of a checkpoint; checksum and fixed-time
+    always store int64 values. A checkpoint's groups depend on `tp_size` where TP replicates its
+    KV heads.
     """
     _check_name(name)
+    if is_checkpoint(name):
+        return hf_model_info(read_hf_config(name), block_size, dtype, tp_size)
     if name in CHECKSUMS:
         config = CHECKSUMS[name]
         groups = config.kv_cache_groups(block_size)
@@ -99,9 +127,14 @@ def build_model(
     device: torch.device,
     seed: int = 0,
     model_step_ms: float = DEFAULT_MODEL_STEP_MS,  # fixed-time's device time per forward
+    dtype: str = FAKE_MODEL_DTYPE,  # a checkpoint's compute dtype (resolve_dtypes)
 ) -> Model:
-    """The model `name` on this rank; every rank of a group must pass the same seed."""
+    """The model `name` on this rank; every rank of a group must pass the same seed. A
+    checkpoint is checked (CheckpointError) before this rank reads its slices of the weights."""
     _check_name(name)
+    if is_checkpoint(name):
+        config = check_checkpoint(name, tp_group.tp_size)
+        return HFDecoder(config, tp_group, device, torch_dtype(dtype))
     if name == CHECKSUM.name:
         return ChecksumModel(CHECKSUM, tp_group, device)
     if name == FIXED_TIME.name:

@@ -1,0 +1,154 @@
+"""Tiny random-weight Hugging Face checkpoints for the checkpoint tests, written with transformers
+(a test-only dependency), and the references the tests compare with: transformers' own logits
+and greedy generate(), and an in-process TP group whose ranks are threads.
+"""
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import transformers
+
+from protocol.worker_messages import ModelInfo
+from worker.attention import ContextChunk
+from worker.distributed import TPGroup
+from worker.models.reference import DenseKV
+from worker.models.registry import Model
+
+INITIALIZER_RANGE = 0.3  # large enough that the context, not only the last token, sets the logits
+BARRIER_TIMEOUT_S = 30.0
+R = TypeVar("R")
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=INITIALIZER_RANGE,
+    eos_token_id=2,
+    bos_token_id=1,
+)
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+
+def write_checkpoint(
+    folder: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, **fields: object
+) -> transformers.PreTrainedModel:
+    """Save a random float32 model of `arch` (BASE overridden by `fields`); the model, in eval."""
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(**{**BASE, **fields})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits [T, V] float32 of every position of one sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(
+    model: transformers.PreTrainedModel, prompt: list[int], num_tokens: int
+) -> tuple[list[int], list[float]]:
+    """generate()'s greedy tokens (no EOS stop) and each step's top-2 logit margin."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    margins = []
+    for step_logits in out.logits:
+        top2 = step_logits[0].float().topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return tokens, margins
+
+
+class ThreadTPGroup(TPGroup):
+    """One rank of a TP group whose ranks are threads of this process: the all-reduce sums every
+    rank's tensor in rank order behind a barrier, so each rank gets the same bytes."""
+
+    def __init__(
+        self, rank: int, slots: list[torch.Tensor | None], barrier: threading.Barrier
+    ) -> None:
+        self.rank, self.tp_size = rank, len(slots)
+        self.process_group, self.num_ranks_on_device, self.shm = None, 1, None
+        self.slots, self.barrier = slots, barrier
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.slots[self.rank] = tensor.clone()
+        self.barrier.wait(BARRIER_TIMEOUT_S)
+        total = self.slots[0].clone()
+        for part in self.slots[1:]:
+            total += part
+        self.barrier.wait(BARRIER_TIMEOUT_S)  # nobody overwrites a slot before all have read
+        return tensor.copy_(total)
+
+    def check_invariants(self) -> None:
+        assert 0 <= self.rank < self.tp_size, f"rank {self.rank} outside [0, {self.tp_size})"
+
+
+def thread_groups(tp_size: int) -> list[ThreadTPGroup]:
+    slots: list[torch.Tensor | None] = [None] * tp_size
+    barrier = threading.Barrier(tp_size)
+    return [ThreadTPGroup(rank, slots, barrier) for rank in range(tp_size)]
+
+
+def run_ranks(tp_size: int, work: Callable[[ThreadTPGroup], R]) -> list[R]:
+    """Run work(group) on tp_size threads, one per rank; results in rank order; re-raises."""
+    groups = thread_groups(tp_size)
+    results: list = [None] * tp_size  # each rank's, in rank order
+    errors: list[BaseException] = []
+
+    def main(group: ThreadTPGroup) -> None:
+        try:
+            results[group.rank] = work(group)
+        except BaseException as exc:
+            errors.append(exc)
+            group.barrier.abort()  # the other ranks stop waiting in their all-reduce
+
+    threads = [threading.Thread(target=main, args=(g,), name=f"rank-{g.rank}") for g in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BARRIER_TIMEOUT_S * 4)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank thread is still running"
+    return results
+
+
+class EveryQueryKV(DenseKV):
+    """DenseKV whose last layer attends for every position too, so one dense forward gives
+    teacher-forced logits of the whole sequence."""
+
+    def chunks(self, layer_name: str, logits_only: bool = False) -> list[ContextChunk]:
+        return super().chunks(layer_name, False)
+
+
+def our_logits(model: Model, info: ModelInfo, token_ids: list[int]) -> torch.Tensor:
+    """Our decoder's logits [T, V] of every position, from one unpaged forward."""
+    specs = {name: group.spec for group in info.kv_cache_groups for name in group.layer_names}
+    num_tokens = len(token_ids)
+    positions = torch.arange(num_tokens)
+    kv = EveryQueryKV(num_tokens, specs)
+    with torch.no_grad():
+        return model.forward(torch.tensor(token_ids), positions, positions, kv)

@@ -1,0 +1,218 @@
+"""check_checkpoint refuses what the worker cannot serve, naming the field or tensor, and reads
+the rest (both rope spellings, layer types, windows, EOS ids, KV-head splits) as transformers does.
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deploy.commands import check_model_name
+from deploy.flags import UsageError
+from protocol.config import WorkerConfig
+from protocol.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from tests.unit.hf_checkpoints import write_checkpoint
+from worker.models.hf.checkpoint import check_checkpoint
+from worker.models.hf.config import CheckpointError, RopeConfig, read_hf_config
+from worker.models.hf.weights import RankShard
+from worker.models.registry import get_model_info
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3")
+    write_checkpoint(folder, "qwen3", tie_word_embeddings=True, head_dim=32)
+    return folder
+
+
+def edited_copy(source: Path, target: Path, **config_changes: object) -> Path:
+    """A copy of `source` whose config.json has `config_changes` (a None value deletes)."""
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    config = json.loads((target / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def with_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def test_a_good_checkpoint_passes(qwen3: Path) -> None:
+    config = check_checkpoint(str(qwen3), tp_size=2)
+    assert (config.architecture, config.head_dim, config.has_qk_norm) == (
+        "Qwen3ForCausalLM",
+        32,
+        True,
+    )
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel']"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope type 'longrope'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding window is off"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "rope yarn factor=None"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3: expected a divisor"),
+    ],
+)
+def test_an_unsupported_config_is_refused_naming_the_field(
+    qwen3: Path, tmp_path: Path, changes: dict, reason: str
+) -> None:
+    folder = edited_copy(qwen3, tmp_path / "bad", **changes)
+    with pytest.raises(CheckpointError, match=reason.replace("[", r"\[").replace("(", r"\(")):
+        check_checkpoint(str(folder), 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "up_proj.weight is missing"),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 64)}),
+            r"k_proj.weight has shape \[32, 64\], expected \[64, 64\]",
+        ),
+        (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(4)}), "is unexpected"),
+        (
+            lambda t: t.update(
+                {"model.norm.weight": torch.zeros(64, dtype=torch.int8)},
+            ),
+            "model.norm.weight has dtype I8",
+        ),
+    ],
+)
+def test_a_wrong_tensor_is_refused_naming_it(
+    qwen3: Path, tmp_path: Path, change: Callable[[dict[str, torch.Tensor]], object], reason: str
+) -> None:
+    folder = edited_copy(qwen3, tmp_path / "bad")
+    with_tensors(folder, change)
+    with pytest.raises(CheckpointError, match=reason):
+        check_checkpoint(str(folder), 1)
+
+
+def test_head_counts_tp_cannot_split_are_refused(qwen3: Path, tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match="num_attention_heads=4 is not divisible by tp_size=3"
+    ):
+        check_checkpoint(str(qwen3), 3)
+    folder = edited_copy(qwen3, tmp_path / "kv3", num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(CheckpointError, match="num_key_value_heads=3 with tp_size=2"):
+        check_checkpoint(str(folder), 2)
+
+
+def test_tp_beyond_the_kv_heads_replicates_them() -> None:
+    """4 query heads, 2 KV heads, TP=4: ranks 0 and 1 read KV head 0, ranks 2 and 3 head 1."""
+
+    class Heads:
+        num_heads, num_kv_heads, intermediate_size = 4, 2, 128
+
+    shards = [RankShard.of(Heads, rank, 4) for rank in range(4)]  # type: ignore[arg-type]
+    assert [s.first_kv_head for s in shards] == [0, 0, 1, 1]
+    assert {s.num_kv_heads_per_rank for s in shards} == {1}
+
+
+def test_deploy_turns_a_refusal_into_a_usage_error(qwen3: Path) -> None:
+    with pytest.raises(UsageError, match="num_attention_heads=4 is not divisible by tp_size=3"):
+        check_model_name(WorkerConfig(model=str(qwen3)), tp_size=3)
+    assert check_model_name(WorkerConfig(model=str(qwen3)), tp_size=2).model == str(qwen3)
+
+
+def test_hub_and_transformers_5_rope_spellings_read_alike(qwen3: Path, tmp_path: Path) -> None:
+    """The hub ships rope_theta and rope_scaling at the top level; transformers 5 writes
+    rope_parameters. A llama3 original length absent defaults to max_position_embeddings."""
+    hub = edited_copy(
+        qwen3,
+        tmp_path / "hub",
+        rope_parameters=None,
+        rope_theta=500000.0,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    )
+    new = edited_copy(
+        qwen3,
+        tmp_path / "new",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    )
+    expected = RopeConfig("llama3", 500000.0, factor=8.0, original_max_position_embeddings=512)
+    assert read_hf_config(str(hub)).rope == read_hf_config(str(new)).rope == expected
+
+
+def test_layer_types_and_windows_become_kv_cache_groups(qwen3: Path, tmp_path: Path) -> None:
+    """Qwen's use_sliding_window with max_window_layers windows the layers from it on (as
+    transformers derives layer_types); Mistral's window covers every layer."""
+    derived = edited_copy(
+        qwen3,
+        tmp_path / "derived",
+        layer_types=None,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    )
+    groups = get_model_info(str(derived), 4, "float32").kv_cache_groups
+    assert [g.layer_names for g in groups] == [
+        ["model.layers.0.self_attn"],
+        ["model.layers.1.self_attn"],
+    ]
+    assert isinstance(groups[0].spec, FullAttentionSpec)
+    assert groups[1].spec == SlidingWindowSpec(4, 2, 32, "float32", sliding_window=6)
+    mistral = tmp_path / "mistral"
+    write_checkpoint(mistral, "mistral", sliding_window=8)
+    (group,) = get_model_info(str(mistral), 4, "bfloat16").kv_cache_groups
+    assert group.spec == SlidingWindowSpec(4, 2, 16, "bfloat16", sliding_window=8)
+    assert len(group.layer_names) == 2
+
+
+def test_eos_ids_come_from_generation_config_first(qwen3: Path, tmp_path: Path) -> None:
+    folder = edited_copy(qwen3, tmp_path / "eos", eos_token_id=5)
+    assert read_hf_config(str(folder)).eos_token_ids == (2,)  # generation_config.json says 2
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 7]}))
+    assert read_hf_config(str(folder)).eos_token_ids == (7, 5)
+    assert get_model_info(str(folder), 4).eos_token_ids == [7, 5]
+    (folder / "generation_config.json").unlink()
+    assert read_hf_config(str(folder)).eos_token_ids == (5,)
+
+
+def test_tp_replicating_kv_heads_caches_one_head_per_rank(qwen3: Path) -> None:
+    (group,) = get_model_info(str(qwen3), 4, "float32", tp_size=4).kv_cache_groups
+    assert group.spec.num_kv_heads_per_rank(4) == 1
+
+
+def test_weight_files_are_found_as_transformers_finds_them(qwen3: Path, tmp_path: Path) -> None:
+    """model.safetensors wins over other exports beside it; a folder without weights is refused."""
+    folder = edited_copy(qwen3, tmp_path / "extra")
+    save_file({"layers.0.attention.wk.weight": torch.zeros(2)}, folder / "consolidated.safetensors")
+    check_checkpoint(str(folder), 1)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens\.weight is missing"):
+        check_checkpoint(str(folder), 1)
+    (folder / "consolidated.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"holds no \*.safetensors file"):
+        check_checkpoint(str(folder), 1)

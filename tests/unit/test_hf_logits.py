@@ -1,0 +1,176 @@
+"""Teacher-forced logits of our decoder equal transformers' for every supported architecture
+and rope type, at TP=1 and TP=2 (ranks as threads), from one file or a sharded checkpoint.
+
+Tolerances: float32 atol 1e-4 (observed about 1e-5 on logits of magnitude ~10). bfloat16: atol
+1.0 against transformers in bfloat16 (observed up to 0.66: both round activations to 8 bits, not
+always at the same points, e.g. its eager attention rounds the probabilities, SDPA does not), and
+no farther from the float32 logits than transformers' own bfloat16 is, give or take 25%.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocol.kv_cache_spec import SlidingWindowSpec
+from protocol.worker_messages import ModelInfo
+from tests.unit.hf_checkpoints import (
+    hf_logits,
+    our_logits,
+    run_ranks,
+    write_checkpoint,
+)
+from worker.distributed import TPGroup, single_rank_group
+from worker.models.registry import build_model, get_model_info
+
+FLOAT32_ATOL = 1e-4
+BFLOAT16_ATOL = 1.0
+BFLOAT16_DRIFT_RATIO = 1.25  # our bf16 error against float32 over transformers' bf16 error
+CONTEXT_EFFECT_MIN = 0.1  # a changed earlier token moves the last position's logits at least this
+CPU = torch.device("cpu")
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+CASES = {
+    "llama-llama3": ("llama", dict(rope_scaling=LLAMA3)),
+    "llama-yarn": (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        ),
+    ),
+    "llama-linear-biases": (
+        "llama",
+        dict(
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True, mlp_bias=True
+        ),
+    ),
+    "qwen2-biases": ("qwen2", {}),
+    "qwen3-tied-qk-norm": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
+    "mistral-window-8": ("mistral", dict(sliding_window=8)),
+    "qwen3-mixed-layers": (
+        "qwen3",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            use_sliding_window=True,
+            sliding_window=6,
+        ),
+    ),
+    "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),  # TP=2 replicates it
+}
+TOKENS = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    """Each case's folder and its transformers model (float32)."""
+    made = {}
+    for name, (arch, fields) in CASES.items():
+        folder = tmp_path_factory.mktemp(name)
+        made[name] = (folder, write_checkpoint(folder, arch, **copy.deepcopy(fields)))
+    return made
+
+
+def rank_logits(folder: Path, group: TPGroup, dtype: str = "float32") -> torch.Tensor:
+    model = build_model(str(folder), group, CPU, dtype=dtype)
+    info = get_model_info(str(folder), 4, dtype, group.tp_size)
+    return our_logits(model, info, TOKENS)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_logits_equal_transformers(checkpoints: dict, case: str) -> None:
+    folder, hf_model = checkpoints[case]
+    ours = rank_logits(folder, single_rank_group())
+    reference = hf_logits(hf_model, TOKENS)
+    torch.testing.assert_close(ours, reference, atol=FLOAT32_ATOL, rtol=0)
+    # the context matters: a token 4 before the last (inside every window) moves its logits
+    changed = list(TOKENS)
+    changed[-5] = (changed[-5] + 1) % 256
+    shift = (hf_logits(hf_model, changed)[-1] - reference[-1]).abs().max()
+    assert shift > CONTEXT_EFFECT_MIN, f"{case}: context barely matters ({shift:.3g})"
+
+
+@pytest.mark.parametrize("case", ["qwen3-mixed-layers", "llama-linear-biases", "llama-one-kv-head"])
+def test_tp2_ranks_agree_bytewise_and_equal_tp1(checkpoints: dict, case: str) -> None:
+    """Two ranks as threads with an in-process all-reduce: the same bytes on both, close to TP=1
+    (biases of o and down added once; a single KV head replicated on both ranks)."""
+    folder, hf_model = checkpoints[case]
+    rank0, rank1 = run_ranks(2, lambda group: rank_logits(folder, group))
+    assert torch.equal(rank0, rank1)
+    torch.testing.assert_close(rank0, hf_logits(hf_model, TOKENS), atol=FLOAT32_ATOL, rtol=0)
+
+
+def test_the_sliding_window_reads_exactly_its_tokens(checkpoints: dict) -> None:
+    """Mistral's window of 8 reads the current token and the 7 before it: a spec of 7 or 9
+    tokens gives other logits, so the mapping onto SlidingWindowSpec is pinned."""
+    folder, hf_model = checkpoints["mistral-window-8"]
+    model = build_model(str(folder), single_rank_group(), CPU)
+    info = get_model_info(str(folder), 4, "float32")
+    reference = hf_logits(hf_model, TOKENS)
+    for window in (7, 9):
+        group = info.kv_cache_groups[0]
+        spec = SlidingWindowSpec(4, 2, 16, "float32", sliding_window=window)
+        shifted = ModelInfo(
+            info.name,
+            info.vocab_size,
+            info.eos_token_ids,
+            info.max_model_len,
+            [type(group)(group.layer_names, spec)],
+        )
+        assert (our_logits(model, shifted, TOKENS) - reference).abs().max() > CONTEXT_EFFECT_MIN
+
+
+def test_qwen_layer_types_derive_from_max_window_layers(tmp_path: Path) -> None:
+    """A hub config without layer_types (older transformers wrote none): use_sliding_window with
+    max_window_layers=1 windows layers 1 on, exactly as transformers runs that model."""
+    folder = tmp_path / "qwen2"
+    hf_model = write_checkpoint(
+        folder, "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1
+    )
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("layer_types") == ["full_attention", "sliding_attention"]
+    (folder / "config.json").write_text(json.dumps(config))
+    info = get_model_info(str(folder), 4, "float32")
+    assert [type(group.spec) for group in info.kv_cache_groups][1] is SlidingWindowSpec
+    ours = rank_logits(folder, single_rank_group())
+    torch.testing.assert_close(ours, hf_logits(hf_model, TOKENS), atol=FLOAT32_ATOL, rtol=0)
+
+
+def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    write_checkpoint(single, "qwen2", seed=3)
+    write_checkpoint(sharded, "qwen2", seed=3, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert torch.equal(
+        rank_logits(single, single_rank_group()), rank_logits(sharded, single_rank_group())
+    )
+
+
+@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3"])
+def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
+    checkpoints: dict, case: str
+) -> None:
+    folder, hf_model = checkpoints[case]
+    ours = rank_logits(folder, single_rank_group(), "bfloat16")
+    reference = hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), TOKENS)
+    torch.testing.assert_close(ours, reference, atol=BFLOAT16_ATOL, rtol=0)
+    exact = hf_logits(hf_model, TOKENS)
+    our_drift, their_drift = (ours - exact).abs().max(), (reference - exact).abs().max()
+    assert our_drift <= BFLOAT16_DRIFT_RATIO * their_drift, (our_drift, their_drift)
+    # TP=2 in bfloat16: the ranks still agree to the byte
+    rank0, rank1 = run_ranks(2, lambda group: rank_logits(folder, group, "bfloat16"))
+    assert torch.equal(rank0, rank1)

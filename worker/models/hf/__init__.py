@@ -1,0 +1,2 @@
+"""Hugging Face checkpoints served over the paged KV cache: config and weight checks, per-rank
+memory-mapped loading, and the decoder (Llama, Qwen2, Qwen3, Mistral). No transformers import."""

@@ -1,0 +1,267 @@
+"""HFConfig: what the decoder needs of a checkpoint's config.json (and generation_config.json),
+read and refused here with a CheckpointError naming the field, before any rank allocates.
+
+Both spellings of rotary settings are read: the hub's top-level `rope_theta`/`rope_scaling` and
+transformers 5's `rope_parameters`. Never imports torch, so deploy/ can check a folder cheaply.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES_WITH_ORIGINAL_LEN = ("llama3", "yarn")  # default it to max_position_embeddings
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_ROPE_THETA = 10000.0  # every supported architecture's default
+DEFAULT_RMS_NORM_EPS = 1e-6
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this worker cannot serve; the message names the field or tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    rope_type: str  # one of ROPE_TYPES
+    theta: float
+    factor: float = 1.0  # linear, llama3 and yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3 and yarn: the pretraining context
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: scales cos and sin; None derives it
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range outwards
+
+
+@dataclass(frozen=True, slots=True)
+class HFConfig:
+    """One checkpoint's decoder shape, in the checkpoint's own terms (whole model, before TP)."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    has_qkv_bias: bool
+    has_o_bias: bool
+    has_mlp_bias: bool
+    has_qk_norm: bool  # Qwen3: RMSNorm over each head's q and k before rotary
+    rope: RopeConfig
+    sliding_windows: tuple[int | None, ...]  # per layer: tokens read, the current one included
+    dtype: str  # the checkpoint's torch_dtype (float32 when it names none)
+    eos_token_ids: tuple[int, ...]
+
+
+def is_checkpoint(model: str) -> bool:
+    """Whether `--model` names a folder holding config.json rather than a built-in model."""
+    return (Path(model) / "config.json").is_file()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with path.open() as file:
+            data = json.load(file)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object")
+    return data
+
+
+def _int(raw: dict, key: str, default: int | None = None) -> int:
+    value = raw.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"config.json {key}={value!r}: expected a positive integer")
+    return value
+
+
+def _number(raw: dict, key: str, default: float | None = None, where: str = "config.json") -> float:
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise CheckpointError(f"{where} {key}={value!r}: expected a finite number")
+    return float(value)
+
+
+def read_hf_config(path: str) -> HFConfig:
+    """Parse and check the folder's config.json; CheckpointError on anything unsupported."""
+    folder = Path(path)
+    raw = _read_json(folder / "config.json")
+    architecture = _architecture(raw)
+    hidden_size, num_heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
+    num_layers = _int(raw, "num_hidden_layers")
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    num_kv_heads = _int(raw, "num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        raise CheckpointError(
+            f"config.json num_key_value_heads={num_kv_heads}: expected a divisor of "
+            f"num_attention_heads={num_heads}"
+        )
+    is_llama, is_qwen3 = architecture == "LlamaForCausalLM", architecture == "Qwen3ForCausalLM"
+    attention_bias = bool(raw.get("attention_bias", False)) and architecture != "MistralForCausalLM"
+    return HFConfig(
+        path=path,
+        architecture=architecture,
+        vocab_size=_int(raw, "vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=_int(raw, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=_int({"head_dim": head_dim}, "head_dim"),
+        rms_norm_eps=_number(raw, "rms_norm_eps", DEFAULT_RMS_NORM_EPS),
+        max_position_embeddings=_int(raw, "max_position_embeddings"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and none on o; Llama and Qwen3 follow attention_bias
+        has_qkv_bias=architecture == "Qwen2ForCausalLM" or attention_bias,
+        has_o_bias=attention_bias and architecture != "Qwen2ForCausalLM",
+        has_mlp_bias=is_llama and bool(raw.get("mlp_bias", False)),
+        has_qk_norm=is_qwen3,
+        rope=_rope(raw),
+        sliding_windows=_sliding_windows(raw, architecture, num_layers),
+        dtype=_dtype(raw),
+        eos_token_ids=_eos_token_ids(folder, raw),
+    )
+
+
+def _architecture(raw: dict) -> str:
+    """The one supported architecture config.json names, refusing quantized or non-SiLU ones."""
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list) or len(architectures) != 1:
+        raise CheckpointError(
+            f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
+        )
+    if architectures[0] not in ARCHITECTURES:
+        raise CheckpointError(
+            f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
+        )
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(
+            f"config.json quantization_config (quant_method={method!r}): quantized weights are "
+            "not supported, expected float32, bfloat16 or float16 weights"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: expected 'silu'")
+    return architectures[0]
+
+
+def _rope(raw: dict) -> RopeConfig:
+    """Merge rope_parameters (transformers 5) with rope_scaling (the hub's older spelling)."""
+    params = dict(raw.get("rope_parameters") or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        raise CheckpointError(
+            f"config.json rope_parameters has per-layer-type entries {sorted(params)}: expected "
+            "one set of rotary parameters for every layer"
+        )
+    scaling = raw.get("rope_scaling") or {}
+    params.update(scaling)
+    spellings = (scaling.get("rope_type"), scaling.get("type"), params.get("rope_type"))
+    rope_type = next((name for name in spellings if name is not None), "default")
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(
+            f"config.json rope type {rope_type!r}: expected one of {list(ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointError(f"config.json partial_rotary_factor={partial!r}: expected 1.0")
+    theta = _number(params, "rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA), "rope")
+    if rope_type == "default":
+        return RopeConfig("default", theta)
+    where = f"rope {rope_type}"
+    original = params.get("original_max_position_embeddings")
+    if rope_type in ROPE_TYPES_WITH_ORIGINAL_LEN:
+        # a top-level original_max_position_embeddings wins, as transformers reads it
+        original = raw.get("original_max_position_embeddings", original)
+        original = original or raw.get("max_position_embeddings")
+    optional = {key: params.get(key) for key in ("attention_factor", "mscale", "mscale_all_dim")}
+    for key, value in optional.items():
+        if value is not None:
+            optional[key] = _number(params, key, where=where)
+    return RopeConfig(
+        rope_type,
+        theta,
+        factor=_number(params, "factor", where=where),
+        low_freq_factor=_number(params, "low_freq_factor", 1.0, where),
+        high_freq_factor=_number(params, "high_freq_factor", 4.0, where),
+        original_max_position_embeddings=int(original or 0),
+        beta_fast=_number(params, "beta_fast", 32.0, where),
+        beta_slow=_number(params, "beta_slow", 1.0, where),
+        truncate=bool(params.get("truncate", True)),
+        **optional,
+    )
+
+
+def _sliding_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
+    """Mistral's window covers every layer; Qwen2/Qwen3 window the layers layer_types names
+    sliding_attention (by default those from max_window_layers on, with use_sliding_window)."""
+    window = raw.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"config.json sliding_window={window!r}: expected null or >= 1")
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    if architecture == "LlamaForCausalLM":
+        return (None,) * num_layers
+    if not raw.get("use_sliding_window", False):
+        window = None  # Qwen2/Qwen3 ignore the window unless use_sliding_window is set
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = raw.get("max_window_layers", num_layers)
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise CheckpointError(
+            f"config.json layer_types={layer_types!r}: expected {num_layers} entries"
+        )
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise CheckpointError(
+            f"config.json layer_types has {unknown}: expected only {list(LAYER_TYPES)}"
+        )
+    if "sliding_attention" in layer_types and window is None:
+        raise CheckpointError(
+            "config.json layer_types names sliding_attention layers but the sliding window is "
+            f"off (sliding_window={raw.get('sliding_window')!r}, use_sliding_window="
+            f"{raw.get('use_sliding_window')!r}): expected both set"
+        )
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _dtype(raw: dict) -> str:
+    dtype = raw.get("dtype", raw.get("torch_dtype")) or "float32"
+    if dtype not in DTYPES:
+        raise CheckpointError(f"config.json dtype={dtype!r}: expected one of {list(DTYPES)}")
+    return dtype
+
+
+def _eos_token_ids(folder: Path, raw: dict) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int or a list), else config.json's."""
+    value = raw.get("eos_token_id")
+    where = "config.json"
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        generation_value = _read_json(generation).get("eos_token_id")
+        if generation_value is not None:
+            value, where = generation_value, "generation_config.json"
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{where} eos_token_id={value!r}: expected an id or a list of ids")
+    return tuple(dict.fromkeys(ids))  # every id once, in the order given

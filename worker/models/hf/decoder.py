@@ -1,0 +1,152 @@
+"""HFDecoder: a Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral) on one TP rank, over the
+paged KV cache: RMSNorm, rotary, grouped-query attention, SiLU-gated MLP.
+
+q/k/v and gate/up are column-parallel (this rank's heads and MLP rows); o and down are
+row-parallel with one all-reduce each, their biases added once after it. Norms and rotary run in
+float32 and cast back, as transformers does, so logits match it in float32 and stay close in bf16.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import KVContext
+from worker.distributed import TPGroup
+from worker.models.hf.attention import paged_attention
+from worker.models.hf.config import HFConfig
+from worker.models.hf.kv_groups import layer_name
+from worker.models.hf.rope import Rotary, rotate
+from worker.models.hf.weights import LayerWeights, RankShard, load_rank_weights
+
+# On the CPU a half-precision partial sum is all-reduced in float32: the shared-memory
+# all-reduce takes float32, and the rounding then happens once, after the sum.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, cast back to x's dtype, then scaled by the weight (in that dtype)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class HFDecoder:
+    """One rank's shard of a checkpoint. Token rule: whatever the checkpoint's logits say.
+
+    Invariants: the rank owns query heads [rank * H_r, (rank + 1) * H_r), the KV heads those read
+    (RankShard), and MLP rows [rank * I_r, (rank + 1) * I_r); embeddings, norms and lm_head are
+    whole. Every rank's logits are the same bytes: each all-reduce leaves identical sums.
+    """
+
+    def __init__(
+        self, config: HFConfig, tp_group: TPGroup, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.config = config
+        self.tp_group = tp_group
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = config.vocab_size
+        self.shard = RankShard.of(config, tp_group.rank, tp_group.tp_size)
+        self.weights = load_rank_weights(config, self.shard, device, dtype)
+        self.rotary = Rotary(config.rope, config.head_dim, device)
+        self.scale = config.head_dim**-0.5
+
+    def weights_bytes(self) -> int:
+        return self.weights.num_bytes()
+
+    def check_invariants(self) -> None:
+        """Every layer holds exactly this rank's shard, in the compute dtype, on the device."""
+        cfg, shard, hd = self.config, self.shard, self.config.head_dim
+        q_rows, kv_rows = shard.num_heads_per_rank * hd, shard.num_kv_heads_per_rank * hd
+        for idx, layer in enumerate(self.weights.layers):
+            shapes = {
+                "q_proj": (layer.q_proj.shape, (q_rows, cfg.hidden_size)),
+                "k_proj": (layer.k_proj.shape, (kv_rows, cfg.hidden_size)),
+                "v_proj": (layer.v_proj.shape, (kv_rows, cfg.hidden_size)),
+                "o_proj": (layer.o_proj.shape, (cfg.hidden_size, q_rows)),
+                "gate_proj": (
+                    layer.gate_proj.shape,
+                    (shard.num_intermediate_per_rank, cfg.hidden_size),
+                ),
+                "down_proj": (
+                    layer.down_proj.shape,
+                    (cfg.hidden_size, shard.num_intermediate_per_rank),
+                ),
+            }
+            for name, (shape, expected) in shapes.items():
+                assert tuple(shape) == expected, (
+                    f"layer {idx} {name} is {tuple(shape)}, not {expected}"
+                )
+            for tensor in layer.tensors():
+                assert tensor.dtype == self.dtype and tensor.device.type == self.device.type, (
+                    f"layer {idx} holds a {tensor.dtype} tensor on {tensor.device}, expected "
+                    f"{self.dtype} on {self.device}"
+                )
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_idx: torch.Tensor,
+        kv: KVContext,
+    ) -> torch.Tensor:
+        """Logits [S, V] (float32) of the tokens `logits_idx`, after writing every token's K/V.
+
+        Args:
+            token_ids, positions: [T] int64, the step's flattened tokens.
+            logits_idx: [S] indices into T of the tokens to produce logits for.
+        """
+        weights, eps = self.weights, self.config.rms_norm_eps
+        x = F.embedding(token_ids, weights.embed_tokens)  # [T, D]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # each [T, head_dim]
+        last = len(weights.layers) - 1
+        for idx, layer in enumerate(weights.layers):
+            attn = self._attention(idx, layer, x, cos, sin, kv, idx == last)
+            if idx == last:  # past the last K/V write only the sampled tokens matter
+                x, attn = x[logits_idx], attn[logits_idx]
+            x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
+            h = rms_norm(x, layer.post_attention_norm, eps)
+            gate = F.silu(F.linear(h, layer.gate_proj, layer.gate_bias))
+            up = F.linear(h, layer.up_proj, layer.up_bias)
+            x = x + self._row_parallel(gate * up, layer.down_proj, layer.down_bias)
+        x = rms_norm(x, weights.final_norm, eps)
+        return F.linear(x, weights.lm_head).to(torch.float32)
+
+    def _attention(
+        self,
+        idx: int,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVContext,
+        logits_only: bool,
+    ) -> torch.Tensor:
+        """This rank's heads: write K/V of every token, then attend; [T, H_r * head_dim]."""
+        num_tokens, hd, eps = x.shape[0], self.config.head_dim, self.config.rms_norm_eps
+        shard = self.shard
+        h = rms_norm(x, layer.input_norm, eps)
+        q = F.linear(h, layer.q_proj, layer.q_bias).view(num_tokens, shard.num_heads_per_rank, hd)
+        k = F.linear(h, layer.k_proj, layer.k_bias).view(
+            num_tokens, shard.num_kv_heads_per_rank, hd
+        )
+        v = F.linear(h, layer.v_proj, layer.v_bias).view(
+            num_tokens, shard.num_kv_heads_per_rank, hd
+        )
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per head, pre-rotary
+            q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        name = layer_name(idx)
+        kv.write(name, k, v)  # before any read: a same-step neighbour may share these blocks
+        return paged_attention(kv, name, q, self.scale, logits_only)
+
+    def _row_parallel(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [T, in_r] @ this rank's input columns, summed over the ranks, plus the bias once."""
+        partial = F.linear(x, weight)  # [T, D]
+        if self.tp_group.tp_size > 1:
+            if partial.dtype in HALF_DTYPES and partial.device.type == "cpu":
+                partial = self.tp_group.all_reduce(partial.to(torch.float32)).to(partial.dtype)
+            else:
+                partial = self.tp_group.all_reduce(partial)
+        return partial if bias is None else partial + bias
