@@ -1,8 +1,11 @@
-"""The CUDA path proven on one GPU in under five minutes: the worker unit tests on cuda, the demo
-workload at TP=1 and at TP=2 with both ranks on the one GPU (gloo), and a capacity report, every
-output compared with the CPU reference model. One line per check: PASS, FAIL or SKIP, name, detail.
-Exit 0 only when every check passed. Without CUDA every check is SKIP and it exits 1: nothing was
-proven. Run: `python -m bench.gpu_check [--skip CHECK] [--check-timeout-s S]`.
+"""The CUDA path proven on one GPU in a few minutes: the worker unit tests on cuda, the demo
+workload at TP=1 and at TP=2 with both ranks on the one GPU (gloo), a capacity report, every
+output compared with the CPU reference model; then real checkpoints (bench/gpu_checkpoint_checks.py)
+in float32 and bfloat16 against transformers, at TP=1 and TP=2 over gloo, and a throughput
+figure of Qwen3-0.6B's shape. One line per check: PASS, FAIL or SKIP, name, detail. Exit 0 only
+when every check passed. Without CUDA every check is SKIP and it exits 1: nothing was proven.
+Run: `python -m bench.gpu_check [--skip CHECK] [--check-timeout-s S]`, or on a bare GPU
+machine `bash bench/gpu_run.sh` (which installs what that machine lacks from .whl/).
 """
 
 import argparse
@@ -13,11 +16,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench import gpu_checkpoint_checks
+from bench.gpu_checkpoint_checks import CheckResult
 from engine_core.client import EngineClient, make_request
 from engine_core.endpoints import free_tcp_ports
 from engine_core.plan import POOL_HOST_BYTES_PER_BLOCK
@@ -56,12 +60,6 @@ CAPACITY_MODEL = "tiny-llama"
 CAPACITY_UTILIZATION = 0.5  # the capacity check fills this share of the device with KV blocks
 CAPACITY_STEP_TOKENS = 2048  # the engine's default max_num_batched_tokens
 ALLOCATION_SLACK = 0.01  # share of the device the allocator may round up past the budget
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    is_passed: bool
-    detail: str
 
 
 class CheckTimeoutError(TimeoutError):
@@ -148,10 +146,10 @@ def stop_launcher(launcher: subprocess.Popen) -> int:
 def check_demo(tp_size: int, log_path: Path, expected_lines: list[str]) -> CheckResult:
     """The demo workload through `kvserve launch` on cuda, its outputs checked against the CPU
     reference model, and the ranks' log checked for the lines in `expected_lines`."""
-    kvserve = Path(sys.executable).parent / "kvserve"
+    kvserve = [sys.executable, "-m", "deploy"]  # console scripts may not be installed
     with tempfile.TemporaryDirectory(prefix="kvserve-gpu-") as folder, log_path.open("wb") as log:
         launcher = subprocess.Popen(
-            [str(kvserve), *launch_args(tp_size, folder)], cwd=ROOT, stdout=log, stderr=log
+            [*kvserve, *launch_args(tp_size, folder)], cwd=ROOT, stdout=log, stderr=log
         )
         try:
             num_requests, mismatches = serve_and_compare(f"ipc://{folder}/client.sock")
@@ -209,6 +207,12 @@ def checks(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[], Che
             folder / "demo-tp2.log",
             ["over gloo (2 ranks on cuda:0)", "memory of cuda:0 for 2 ranks"],
         ),
+        "checkpoint-fp32-tp1": lambda: gpu_checkpoint_checks.check_accuracy(folder, 1, "float32"),
+        "checkpoint-bf16-tp1": lambda: gpu_checkpoint_checks.check_accuracy(folder, 1, "bfloat16"),
+        "checkpoint-fp32-tp2-one-gpu-gloo": lambda: gpu_checkpoint_checks.check_accuracy(
+            folder, 2, "float32"
+        ),
+        "checkpoint-throughput-qwen3-0.6b": lambda: gpu_checkpoint_checks.check_throughput(folder),
         "capacity": check_capacity,  # last: it fills half the device in this process
     }
 

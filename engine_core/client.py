@@ -75,6 +75,10 @@ class RequestResult:
     submit_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Per generated token, when the request asked for logprobs: the sampled id and its top-N
+    # alternatives, and their logprobs (TokenLogprobs of every output, concatenated)
+    logprob_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
@@ -84,6 +88,9 @@ class RequestResult:
         if output.new_token_ids and self.first_token_time is None:
             self.first_token_time = now
         self.token_ids.extend(output.new_token_ids)
+        if output.new_logprobs is not None:
+            self.logprob_token_ids.extend(output.new_logprobs.token_ids)
+            self.logprobs.extend(output.new_logprobs.logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.finish_reason is not None:
             self.finish_reason = str(output.finish_reason)

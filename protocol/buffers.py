@@ -1,6 +1,7 @@
 """Packing of int32 columns for the wire: little-endian int32 bytes, never lists of Python ints.
 
-The engine reads them with `array('i')`, the worker with `numpy.frombuffer(data, '<i4')`.
+The engine reads them with `array('i')`, the worker with `numpy.frombuffer(data, '<i4')`; float32
+columns (logprobs) likewise with `array('f')` and '<f4'.
 """
 
 import sys
@@ -24,6 +25,17 @@ def unpack_int32(data: bytes) -> array:
     if len(data) % 4:
         raise ValueError(f"int32 buffer of {len(data)} bytes is not a multiple of 4")
     column = array("i")
+    column.frombytes(data)
+    if not _IS_LITTLE_ENDIAN:
+        column.byteswap()
+    return column
+
+
+def unpack_float32(data: bytes) -> array:
+    """Decode little-endian float32 bytes into an `array('f')`."""
+    if len(data) % 4:
+        raise ValueError(f"float32 buffer of {len(data)} bytes is not a multiple of 4")
+    column = array("f")
     column.frombytes(data)
     if not _IS_LITTLE_ENDIAN:
         column.byteswap()

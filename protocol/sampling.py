@@ -22,7 +22,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     """
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
-    min_tokens: TokenCount = 0  # EOS and stop ids are ignored until this many were generated
+    # Until this many were generated, the ranks never sample EOS (unless ignore_eos) or stop ids
+    # (vLLM's rule), and the stop rules ignore them
+    min_tokens: TokenCount = 0
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0  # 0 means greedy
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_LIMIT)] | None = None
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []

@@ -1,7 +1,8 @@
 """InputBatch: the persistent rows of the requests a worker is running, kept compact.
 
-Each row holds a request's token ids, sampling params and (through the block tables) its block ids.
-A request that leaves moves the last row into its hole. No torch, no model, no I/O.
+Each row holds a request's token ids, sampling params (also as columns, worker/sampling/columns.py)
+and (through the block tables) its block ids. A request that leaves moves the last row into its
+hole. No torch, no model, no I/O.
 """
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import numpy as np
 
 from protocol.sampling import SamplingParams
 from worker.block_table import MultiGroupBlockTable
+from worker.sampling.columns import SamplingTable
 
 INITIAL_MAX_NUM_REQS = 16  # rows double when full
 
@@ -31,7 +33,8 @@ class InputBatch:
     - 0 < num_tokens[row] <= max_model_len for live rows, 0 for the others.
     - 0 < num_prompt_tokens[row] <= num_tokens[row] for live rows, 0 for the others: the engine's
       num_prompt_tokens of the request, which R-SWA layers keep reading while they decode.
-    - the block tables have as many rows as the token array.
+    - the block tables and the sampling table have as many rows as the token array, and the
+      sampling table counts the live rows' sampling params.
     """
 
     def __init__(self, max_model_len: int, block_sizes: list[int]) -> None:
@@ -44,6 +47,7 @@ class InputBatch:
         self.sampling_params: list[SamplingParams | None] = [None] * rows
         self.handle_to_row: dict[int, int] = {}
         self.block_table = MultiGroupBlockTable(rows, max_model_len, block_sizes)
+        self.sampling = SamplingTable(rows)
 
     @property
     def num_reqs(self) -> int:
@@ -73,6 +77,7 @@ class InputBatch:
         self.handle_to_row[handle] = row
         self.handles[row] = handle
         self.sampling_params[row] = sampling_params
+        self.sampling.add_row(row, sampling_params)
         self.num_tokens[row] = 0
         self.append_token_ids(row, token_ids)
         self.num_prompt_tokens[row] = num_prompt_tokens
@@ -87,6 +92,7 @@ class InputBatch:
             self.sampling_params[row],
             int(self.num_prompt_tokens[row]),
         )
+        self.sampling.remove_row(row, parked.sampling_params)
         last = self.num_reqs  # the row count after the pop
         if row != last:
             self._move_row(last, row)
@@ -125,6 +131,7 @@ class InputBatch:
         self.num_prompt_tokens[tgt] = self.num_prompt_tokens[src]
         self.handles[tgt] = self.handles[src]
         self.sampling_params[tgt] = self.sampling_params[src]
+        self.sampling.move_row(src, tgt)
         self.handle_to_row[self.handles[tgt]] = tgt
         self.block_table.move_row(src, tgt)
 
@@ -140,6 +147,7 @@ class InputBatch:
         )
         self.handles.extend([None] * extra)
         self.sampling_params.extend([None] * extra)
+        self.sampling.grow(rows)
         self.block_table.grow(rows)
 
     def check_invariants(self) -> None:
@@ -163,3 +171,10 @@ class InputBatch:
                 f"block table has {table.max_num_reqs} rows, batch has {len(self.handles)}"
             )
         self.block_table.check_invariants()
+        assert len(self.sampling.temperature) == len(self.handles), (
+            f"sampling table has {len(self.sampling.temperature)} rows, batch has "
+            f"{len(self.handles)}"
+        )
+        live = [self.sampling_params[row] for row in range(num_reqs)]
+        assert all(params is not None for params in live), "a live row has no sampling params"
+        self.sampling.check_invariants([params for params in live if params is not None])

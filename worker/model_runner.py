@@ -7,6 +7,7 @@ build the flattened batch and slot mappings, run the model over the paged cache,
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,8 @@ from worker.kv_cache import allocate_kv_caches, check_kv_caches
 from worker.models.hf.config import is_checkpoint
 from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
+from worker.sampling.logprobs import LogprobColumns, compute_logprobs
+from worker.sampling.penalties import TokenHistory
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class ModelRunner:
         sampling_seed: int = 0,
         check_each_step: bool = False,
         enable_cascade_attention: bool = True,
+        eos_token_ids: Sequence[int] = (),  # the model's, held back under min_tokens
     ) -> None:
         self.model = model
         # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
@@ -101,7 +105,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_sizes)
         self.parked: dict[int, ParkedRequest] = {}
         self.encoder_inputs = EncoderInputs(kv_cache_config)  # held by encoder-decoder models only
-        self.sampler = Sampler(sampling_seed)
+        self.sampler = Sampler(sampling_seed, eos_token_ids)
         self.last_step_id = kv_cache_config.first_step_id - 1  # a later generation starts late
         self.timings = StepTimings()
         # time.perf_counter() when the last step's output is ready: a model standing for a device
@@ -134,9 +138,16 @@ class ModelRunner:
         modelled = time.perf_counter()
         self.ready_at_s = getattr(self.model, "ready_at_s", modelled)
         sampled = np.full(len(scheduled.handles), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
-        sampled[logits_reqs] = self.sampler.sample(logits, sample_reqs).cpu().numpy()
+        sampled_ids = self.sampler.sample(logits, sample_reqs)
+        sampled[logits_reqs] = sampled_ids.cpu().numpy()
         if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
             raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
+        num_logprobs = sample_reqs.sampling_columns.num_logprobs
+        logprobs = (  # of the raw logits: the sampler left them as the model gave them
+            LogprobColumns()
+            if num_logprobs is None
+            else compute_logprobs(logits, sampled_ids, num_logprobs)
+        )
         # Each sampled token joins its sequence here, as the engine appends it: the engine never
         # sends it back, and with asynchronous scheduling the next step computes on it before
         # the engine has seen it.
@@ -153,6 +164,9 @@ class ModelRunner:
             handles,
             pack_int32(sampled),
             scheduler_output.generation,
+            logprobs.logprobs,
+            logprobs.token_ids,
+            logprobs.sampled_token_ranks,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
@@ -309,11 +323,20 @@ class ModelRunner:
         self, handles: list[int], rows: np.ndarray, known: np.ndarray, logits_reqs: np.ndarray
     ) -> SampleBatch:
         """What the sampler needs of each sampled request (`rows` are theirs, in order)."""
-        params = self.input_batch.sampling_params
+        batch = self.input_batch
+        params = batch.sampling_params
+        columns = batch.sampling.take(rows)
+        history = (
+            TokenHistory(batch.token_ids, rows, batch.num_prompt_tokens[rows].astype(np.int64))
+            if columns.needs_history
+            else None
+        )
         return SampleBatch(
             [handles[i] for i in logits_reqs.tolist()],
             [params[row] for row in rows.tolist()],
             known[logits_reqs].tolist(),
+            columns,
+            history,
         )
 
     def check_invariants(self) -> None:
@@ -367,4 +390,5 @@ def build_model_runner(
         # a checkpoint's attention reads whole contexts (worker/models/hf/attention.py), which
         # is right for any schedule: planning a shared prefix for it would be wasted work
         enable_cascade_attention=not is_checkpoint(config.model),
+        eos_token_ids=info.eos_token_ids,
     )

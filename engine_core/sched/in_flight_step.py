@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine_core.sched.request import Request, RequestStatus
 from engine_core.sched.stop import check_stop
 from protocol.buffers import unpack_int32
-from protocol.client_messages import EngineCoreOutput
+from protocol.client_messages import EngineCoreOutput, TokenLogprobs
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 
 _RUNNING = RequestStatus.RUNNING
@@ -29,6 +29,7 @@ class InFlightStep:
     requests: list[Request]
     handles: bytes  # int32 handles of `requests`, as every rank must echo them
     is_sampling: list[bool]  # per request: the step reaches its end and samples a real token
+    has_logprobs: bool = False  # some request live when it was scheduled asked for logprobs
 
     def check_reply(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -53,20 +54,27 @@ class InFlightStep:
             )
 
     def apply(
-        self, sampled: array, max_model_len: int
+        self,
+        sampled: array,
+        max_model_len: int,
+        logprobs: list[TokenLogprobs | None] | None = None,
     ) -> tuple[defaultdict[bytes, list[EngineCoreOutput]], list[tuple[Request, bool]]]:
         """Append each request's sampled token and apply the stop rules: the client outputs by
         client, and the requests that finished, each with whether it was running (else it was
-        preempted while the step ran, and waits in the queue)."""
+        preempted while the step ran, and waits in the queue). `logprobs`, aligned with the
+        requests (reply_logprobs.py), go out with their tokens; None: no request has any."""
         outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         finished: list[tuple[Request, bool]] = []
-        for request, token_id, samples in zip(
-            self.requests, sampled, self.is_sampling, strict=True
+        if logprobs is None:
+            logprobs = [None] * len(self.requests)
+        for request, token_id, samples, token_logprobs in zip(
+            self.requests, sampled, self.is_sampling, logprobs, strict=True
         ):
             if not samples:
                 continue  # a partial prefill chunk: its sample means nothing
+            # Aborted, or stopped a step earlier: a token past its end, dropped with its logprobs.
             if request.status is not _RUNNING and request.status.is_finished:
-                continue  # aborted, or stopped a step earlier: a token past its end
+                continue
             # Running, or preempted while this step ran: the token is valid either way, and
             # the workers appended it to their copy of the sequence as they sampled it.
             request.num_output_placeholders -= 1
@@ -84,7 +92,12 @@ class InFlightStep:
                 request.status = status
             outputs[request.client_id].append(
                 EngineCoreOutput(
-                    request.client_req_id, [token_id], finish_reason, request.num_cached_tokens
+                    request.client_req_id,
+                    [token_id],
+                    finish_reason,
+                    request.num_cached_tokens,
+                    None,
+                    token_logprobs,
                 )
             )
         return outputs, finished

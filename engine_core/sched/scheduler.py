@@ -17,6 +17,7 @@ from engine_core.sched.invariants import check_scheduler
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
+from engine_core.sched.reply_logprobs import read_reply_logprobs
 from engine_core.sched.request import Request, RequestStatus
 from engine_core.sched.validation import max_num_encoder_tokens
 from protocol.buffers import pack_int32, unpack_int32
@@ -86,6 +87,7 @@ class Scheduler:
         self._in_flight: deque[InFlightStep] = deque()
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
         self.num_preemptions = 0
+        self.num_logprob_requests = 0  # live requests that asked for logprobs
         self.check_each_plan = False  # walk each step's plan before it is built (debugging)
 
     # ---- admission and aborts -------------------------------------------------------------
@@ -102,6 +104,7 @@ class Scheduler:
             logger.warning("rejected request %r: %s", request.req_id, exc)
             return rejection(request.req_id, str(exc))
         self.requests[req_id] = state
+        self.num_logprob_requests += state.sampling_params.logprobs is not None
         self.admission.on_admitted(client_id)
         self.waiting.add_request(state)
         return None
@@ -216,7 +219,9 @@ class Scheduler:
             is_sampling.append(samples)
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
-        self._in_flight.append(InFlightStep(self._step_id, requests, handles, is_sampling))
+        has_logprobs = self.num_logprob_requests > 0
+        step = InFlightStep(self._step_id, requests, handles, is_sampling, has_logprobs)
+        self._in_flight.append(step)
         return output
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -345,7 +350,12 @@ class Scheduler:
         """Append each request's sampled token, apply the stop rules, and build client outputs."""
         step = self._check_step(scheduler_output, model_runner_output)
         sampled = unpack_int32(model_runner_output.sampled_token_ids)
-        outputs, finished = step.apply(sampled, self.max_model_len)
+        logprobs = None
+        if step.has_logprobs or model_runner_output.sampled_token_ranks:
+            logprobs = read_reply_logprobs(
+                model_runner_output, step.requests, step.is_sampling, sampled
+            )
+        outputs, finished = step.apply(sampled, self.max_model_len, logprobs)
         if finished:
             preempted = [request for request, was_running in finished if not was_running]
             if preempted:  # preempted while the step ran: they wait in the queue
@@ -369,6 +379,7 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.req_id]
+        self.num_logprob_requests -= request.sampling_params.logprobs is not None
         self.admission.on_finished(request.client_id)
         if request.num_tokens_sent:
             self._finished_handles.append(request.handle)

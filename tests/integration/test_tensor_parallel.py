@@ -1,5 +1,6 @@
 """TP=2 and TP=4 ranks (spawned processes over gloo) sample exactly the tokens of TP=1."""
 
+import dataclasses
 import multiprocessing
 import random
 from collections.abc import Iterator
@@ -79,6 +80,30 @@ def test_tp_ranks_sample_exactly_the_tokens_of_tp1(
         for idx, (prompt, params) in enumerate(requests):
             reference = reference_generate(model, prompt, params, handle=idx + 1)
             assert expected.outputs[idx + 1] == reference, f"request {idx + 1}"
+
+
+FEATURE_PARAMS = [
+    SamplingParams(max_tokens=8, temperature=0.9, seed=2, top_k=30, top_p=0.85, ignore_eos=True),
+    SamplingParams(max_tokens=6, repetition_penalty=1.3, presence_penalty=0.8, logprobs=3),
+    SamplingParams(max_tokens=6, temperature=1.2, min_p=0.05, frequency_penalty=0.7, logprobs=1),
+    SamplingParams(max_tokens=7, temperature=0.6, top_k=5, min_tokens=3, stop_token_ids=[5, 77]),
+    SamplingParams(max_tokens=5, temperature=2.0, top_p=0.5, ignore_eos=True),  # unseeded
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model", ["checksum", "tiny-llama"])
+def test_tp_ranks_draw_filtered_and_penalized_tokens_as_tp1_and_the_reference(model: str) -> None:
+    """Filters and penalties run on every rank's identical logits: the draws agree across
+    ranks and TP sizes, and equal the unbatched reference's."""
+    work = dataclasses.replace(make_workload(model, 16, 40), sampling_params=FEATURE_PARAMS)
+    (expected,) = run_tensor_parallel(work, 1, RANKS_TIMEOUT_S)
+    for result in run_tensor_parallel(work, 2, RANKS_TIMEOUT_S):
+        assert result.outputs == expected.outputs, f"rank {result.rank} differs from TP=1"
+    requests = zip(work.prompts, work.sampling_params, strict=True)
+    for idx, (prompt, params) in enumerate(requests):
+        reference = reference_generate(model, prompt, params, handle=idx + 1)
+        assert expected.outputs[idx + 1] == reference, f"request {idx + 1}"
 
 
 @pytest.mark.timeout(200)

@@ -2,6 +2,9 @@
 
 Token rule: the next token of a sequence is crc32 of its int32 bytes (prompt and all generated
 tokens) modulo the vocabulary, so a run with preemption yields the same tokens as one without.
+Logprob rule (fake_logprobs): a request that asks for N gets, per sampled token, the token then N
+ids after it, logprobs that name the token's position, and rank 1 + position % 3, so an entry
+delivered with the wrong token is seen.
 """
 
 import zlib
@@ -12,7 +15,12 @@ from engine_core.core import EngineCore
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.request import Request
 from protocol.buffers import pack_int32, unpack_int32
-from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from protocol.client_messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    TokenLogprobs,
+)
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import (
     FullAttentionSpec,
@@ -40,13 +48,29 @@ def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int) -> lis
     return out
 
 
-class _WorkerRequest:
-    __slots__ = ("block_ids", "num_computed_tokens", "tokens")
+def fake_logprobs(
+    token_id: int, position: int, num_logprobs: int, vocab_size: int
+) -> TokenLogprobs:
+    """What the fake workers send for the token sampled at `position` of a sequence."""
+    ids = [token_id] + [(token_id + 1 + idx) % vocab_size for idx in range(num_logprobs)]
+    values = [-position / 8.0] + [-(position + idx + 1) / 8.0 for idx in range(num_logprobs)]
+    return TokenLogprobs([ids], [values], [1 + position % 3])
 
-    def __init__(self, tokens: array, block_ids: list[list[int]], num_computed_tokens: int) -> None:
+
+class _WorkerRequest:
+    __slots__ = ("block_ids", "num_computed_tokens", "num_logprobs", "tokens")
+
+    def __init__(
+        self,
+        tokens: array,
+        block_ids: list[list[int]],
+        num_computed_tokens: int,
+        num_logprobs: int | None = None,
+    ) -> None:
         self.tokens = tokens
         self.block_ids = block_ids
         self.num_computed_tokens = num_computed_tokens
+        self.num_logprobs = num_logprobs  # the request's sampling_params.logprobs
 
 
 class FakeExecutor:
@@ -85,9 +109,27 @@ class FakeExecutor:
         assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert len(set(handles)) == len(handles), f"a handle is scheduled twice: {handles}"
         sampled = array("i")
+        logprobs, logprob_ids, ranks = array("f"), array("i"), array("i")
         for handle, num_tokens in zip(handles, num_scheduled, strict=True):
-            sampled.append(self._run(handle, num_tokens))
-        return ModelRunnerOutput(out.step_id, 0, pack_int32(handles), pack_int32(sampled))
+            state = self.requests[handle]
+            num_known = len(state.tokens)
+            token_id = self._run(handle, num_tokens)
+            sampled.append(token_id)
+            if state.num_logprobs is not None and len(state.tokens) > num_known:
+                entry = fake_logprobs(token_id, num_known, state.num_logprobs, self.vocab_size)
+                logprobs.extend(entry.logprobs[0])
+                logprob_ids.extend(entry.token_ids[0])
+                ranks.extend(entry.sampled_token_ranks)
+        return ModelRunnerOutput(
+            out.step_id,
+            0,
+            pack_int32(handles),
+            pack_int32(sampled),
+            1,
+            logprobs.tobytes(),
+            pack_int32(logprob_ids),
+            pack_int32(ranks),
+        )
 
     def _drop(self, out: SchedulerOutput) -> None:
         for handle in out.finished_handles:
@@ -107,7 +149,10 @@ class FakeExecutor:
             self.seen_handles.add(new.handle)
             tokens = unpack_int32(new.prompt_token_ids)
             self.requests[new.handle] = _WorkerRequest(
-                tokens, [list(ids) for ids in new.block_ids], new.num_computed_tokens
+                tokens,
+                [list(ids) for ids in new.block_ids],
+                new.num_computed_tokens,
+                new.sampling_params.logprobs,
             )
             handles.append(new.handle)
         return handles
@@ -207,6 +252,7 @@ class Harness:
         self.finish_reasons: dict[str, FinishReason] = {}
         self.errors: dict[str, str | None] = {}
         self.num_cached_tokens: dict[str, int] = {}
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}  # of requests that asked, per output
         self.scheduler_outputs: list[SchedulerOutput] = []
         self.client_ids: dict[str, bytes] = {}  # the client that submitted each request
         self.executor.on_step = self.scheduler_outputs.append
@@ -253,6 +299,8 @@ class Harness:
         for output in outputs.outputs:
             assert output.req_id not in self.finish_reasons, f"{output.req_id} finished twice"
             self.tokens.setdefault(output.req_id, []).extend(output.new_token_ids)
+            if output.new_logprobs is not None:
+                self.logprobs.setdefault(output.req_id, []).append(output.new_logprobs)
             self.num_cached_tokens[output.req_id] = output.num_cached_tokens
             if output.finish_reason is not None:
                 self.finish_reasons[output.req_id] = output.finish_reason

@@ -2,13 +2,14 @@
 
 The FakeExecutor checks every SchedulerOutput (sums, budgets, new and finished ids, computed
 counts); after every step this test checks the prefill threshold, max_num_seqs and the workers'
-block tables against the KV-cache manager's, and at the end every request's tokens.
+block tables against the KV-cache manager's, and at the end every request's tokens, and the
+logprobs of every third request, one entry per delivered token.
 """
 
 import random
 
 import pytest
-from fake_executor import Harness, reference_tokens
+from fake_executor import Harness, fake_logprobs, reference_tokens
 
 NUM_STEPS = 10_000
 BASE_PROMPTS = 4  # requests share prefixes of these, so prefix hits happen
@@ -21,10 +22,22 @@ def _random_prompt(rng: random.Random, bases: list[list[int]], vocab_size: int) 
     ]
 
 
+def _num_logprobs(req_idx: int) -> int | None:
+    """Every third request asks for 0, 1 or 2 alternatives (no draw: the workload stays)."""
+    return None if req_idx % 3 else req_idx % 9 // 3
+
+
 def _check_tokens(harness: Harness, prompts: dict[str, list[int]]) -> None:
-    for req_id, prompt in prompts.items():
+    for req_idx, (req_id, prompt) in enumerate(prompts.items()):
         produced = harness.tokens[req_id]
         assert produced == reference_tokens(prompt, len(produced), harness.vocab_size), req_id
+        num_logprobs = _num_logprobs(req_idx)
+        expected = [
+            fake_logprobs(token_id, len(prompt) + idx, num_logprobs, harness.vocab_size)
+            for idx, token_id in enumerate(produced)
+            if num_logprobs is not None
+        ]
+        assert harness.logprobs.get(req_id, []) == expected, req_id
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -61,6 +74,7 @@ def test_random_workload_keeps_every_step_consistent(
                 arrival_time=float(step_idx),
                 max_tokens=rng.randrange(1, 30),
                 ignore_eos=rng.random() < 0.5,
+                logprobs=_num_logprobs(len(prompts) - 1),
             )
             assert rejection is None
         if rng.random() < 0.02 and harness.scheduler.requests:

@@ -1,10 +1,13 @@
-"""Stop rules: max_tokens, stop_token_ids, EOS (and ignore_eos), min_tokens and max_model_len."""
+"""Stop rules: max_tokens, stop_token_ids, EOS ids and ignore_eos, min_tokens, max_model_len."""
 
 import random
 
+import pytest
 from fake_executor import MakeHarness, reference_tokens
 
+from engine_core.sched.request import Request
 from protocol.client_messages import FinishReason
+from protocol.sampling import SamplingParams
 
 VOCAB_SIZE = 64
 
@@ -92,3 +95,38 @@ def test_prompt_of_exactly_max_model_len_yields_one_token(make_harness: MakeHarn
     harness.run()
     assert len(harness.tokens["r"]) == 1
     assert harness.finish_reasons["r"] == FinishReason.LENGTH
+
+
+def _two_firsts() -> tuple[list[int], list[int], int, int]:
+    """A prompt, its first 40 reference tokens, and indexes 3 <= j < k of two ids first seen
+    there: a model that lists both as EOS ids (as generation_config.json may)."""
+    prompt, tokens, j = _story()
+    k = next(idx for idx in range(j + 1, 40) if tokens[idx] not in tokens[:idx])
+    return prompt, tokens, j, k
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_either_of_two_eos_ids_finishes_with_stop(
+    make_harness: MakeHarness, async_scheduling: bool
+) -> None:
+    prompt, tokens, j, k = _two_firsts()
+    harness = make_harness(eos_token_ids=[tokens[k], tokens[j]], async_scheduling=async_scheduling)
+    harness.add("first", prompt, max_tokens=40, ignore_eos=False)
+    harness.add("later", prompt, max_tokens=40, ignore_eos=False, min_tokens=j + 2)
+    harness.add("ignores", prompt, max_tokens=k + 3, ignore_eos=True)
+    harness.add("stop id", prompt, max_tokens=40, ignore_eos=True, stop_token_ids=[tokens[k]])
+    harness.run()
+    assert harness.tokens["first"] == tokens[: j + 1]  # the second-listed id came first
+    later = next(idx for idx in range(j + 1, 40) if tokens[idx] in (tokens[j], tokens[k]))
+    assert harness.tokens["later"] == tokens[: later + 1]  # min_tokens held the first back
+    assert harness.tokens["ignores"] == tokens[: k + 3]
+    assert harness.tokens["stop id"] == tokens[: k + 1]  # ignore_eos keeps the stop ids
+    for req_id, reason in [
+        ("first", FinishReason.STOP),
+        ("later", FinishReason.STOP),
+        ("ignores", FinishReason.LENGTH),
+        ("stop id", FinishReason.STOP),
+    ]:
+        assert harness.finish_reasons[req_id] == reason, req_id
+    request_eos = Request("r", prompt, SamplingParams(), eos_token_ids=[tokens[k], tokens[j]])
+    assert request_eos.finishing_token_ids == {tokens[j], tokens[k]}

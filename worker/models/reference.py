@@ -22,6 +22,7 @@ from worker.models.tiny_mamba_reference import tiny_mamba_logits
 from worker.models.tiny_mla import TINY_MLA
 from worker.models.tiny_mla_reference import tiny_mla_logits
 from worker.sampler import SampleBatch, Sampler
+from worker.sampling.penalties import TokenHistory
 
 
 class DenseKV:
@@ -97,7 +98,11 @@ class ReferenceModel:
                 if model_name in CHECKSUMS
                 else _tiny_llama_logits(model_name, seed)
             )
-        self._sampler = Sampler(sampling_seed)
+        self._sampler = Sampler(sampling_seed, self.info.eos_token_ids)
+
+    def next_token_logits(self, sequence: list[int], num_prompt_tokens: int) -> torch.Tensor:
+        """The raw logits [V] of the token after `sequence` (its first tokens the prompt)."""
+        return self._logits_of(sequence, num_prompt_tokens)
 
     def generate(
         self,
@@ -113,8 +118,9 @@ class ReferenceModel:
         limit = min(max_model_len or info.max_model_len, info.max_model_len)
         sequence, output = list(prompt_token_ids), []
         while len(sequence) < limit:
-            logits = self._logits_of(sequence, len(prompt_token_ids))
-            request = SampleBatch.one(handle, sampling_params, len(sequence))
+            logits = self.next_token_logits(sequence, len(prompt_token_ids))
+            history = TokenHistory.one(sequence, len(prompt_token_ids))  # for penalties
+            request = SampleBatch.one(handle, sampling_params, len(sequence), history)
             token_id = int(self._sampler.sample(logits[None], request)[0])
             sequence.append(token_id)
             output.append(token_id)

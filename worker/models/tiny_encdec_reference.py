@@ -11,6 +11,7 @@ from worker.distributed import single_rank_group
 from worker.models.reference import DenseKV
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.sampler import SampleBatch, Sampler
+from worker.sampling.penalties import TokenHistory
 
 
 class DenseCrossKV:
@@ -55,7 +56,7 @@ class TinyEncDecReference:
 
     def __init__(self, seed: int = 0, sampling_seed: int = 0) -> None:
         self.model = TinyEncDec(TINY_ENCDEC, single_rank_group(), seed, torch.device("cpu"))
-        self.sampler = Sampler(sampling_seed)
+        self.sampler = Sampler(sampling_seed, [TINY_ENCDEC.eos_token_id])
 
     def logits(self, sequence: list[int], encoder_token_ids: list[int]) -> torch.Tensor:
         """Logits [V] of the token after `sequence`."""
@@ -80,7 +81,8 @@ class TinyEncDecReference:
         sequence, output = list(prompt_token_ids), []
         while len(sequence) < limit:
             logits = self.logits(sequence, encoder_token_ids)
-            request = SampleBatch.one(handle, sampling_params, len(sequence))
+            history = TokenHistory.one(sequence, len(prompt_token_ids))  # penalties, min_tokens
+            request = SampleBatch.one(handle, sampling_params, len(sequence), history)
             token_id = int(self.sampler.sample(logits[None], request)[0])
             sequence.append(token_id)
             output.append(token_id)

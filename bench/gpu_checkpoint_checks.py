@@ -1,0 +1,208 @@
+"""The GPU check's real-checkpoint part: random-weight checkpoints served by `kvserve launch` on
+CUDA, compared with transformers on the same device, and a throughput figure of Qwen3-0.6B's
+shape. Each check returns a CheckResult; bench/gpu_check.py runs them under its timeouts.
+
+float32 must give transformers' greedy tokens, up to a step whose top-2 margin is below
+FLOAT32_MIN_MARGIN. bfloat16 follows vLLM's check_logprobs_close: where the tokens first differ,
+each side's token must be among the other's top LOGPROBS_CLOSE_TOP alternatives.
+"""
+
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
+from engine_core.client import EngineClient, make_request
+from engine_core.endpoints import free_tcp_ports
+from protocol.sampling import SamplingParams
+
+FLOAT32_MIN_MARGIN = 1e-3
+LOGPROBS_CLOSE_TOP = 5
+NUM_PROMPTS = 8
+PROMPT_TOKENS = (24, 96)
+MAX_TOKENS = 32
+STARTUP_TIMEOUT_S = 240.0
+RUN_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+THROUGHPUT_REQUESTS = 64
+THROUGHPUT_PROMPT_TOKENS = 128
+THROUGHPUT_OUTPUT_TOKENS = 128
+# the cases the accuracy checks serve: a hybrid (two KV-cache groups), llama3 rope, a window
+CASES = {
+    "qwen3-mixed": CheckpointSpec(arch="qwen3", layer_types=["full", "sliding"], sliding_window=32),
+    "llama-llama3": CheckpointSpec(arch="llama", rope_scaling="llama3"),
+    "mistral-window": CheckpointSpec(arch="mistral", sliding_window=48),
+}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    is_passed: bool
+    detail: str
+
+
+def prompts(vocab_size: int, count: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(count)
+    ]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> dict:
+    """transformers' greedy tokens with each step's top-2 margin and top logprobs."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device=model.device),
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logits = torch.stack([step[0].float() for step in out.logits])  # [steps, V]
+    top2 = logits.topk(2, dim=-1).values
+    top_ids = torch.log_softmax(logits, dim=-1).topk(LOGPROBS_CLOSE_TOP, dim=-1).indices
+    return {
+        "tokens": out.sequences[0, len(prompt) :].tolist(),
+        "margins": (top2[:, 0] - top2[:, 1]).tolist(),
+        "top_ids": top_ids.tolist(),
+    }
+
+
+def launch(model_dir: Path, folder: Path, tp_size: int, dtype: str, log_path: Path):
+    (master_port,) = free_tcp_ports(1)
+    command = [sys.executable, "-m", "deploy", "launch", "--model", str(model_dir)]
+    command += ["-tp", str(tp_size), "--device", "cuda", "--dtype", dtype]
+    command += ["--master-port", str(master_port), "--gpu-memory-utilization", "0.3"]
+    command += ["--client-address", f"ipc://{folder}/client.sock"]
+    command += ["--worker-address", f"ipc://{folder}/worker.sock", "--log-level", "INFO"]
+    log = log_path.open("wb")
+    return subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True), log
+
+
+def stop(launcher: subprocess.Popen) -> int:
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        return launcher.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.wait(STOP_TIMEOUT_S)
+        return -signal.SIGKILL
+
+
+def serve(
+    model_dir: Path, tp_size: int, dtype: str, log_path: Path, batch: list[list[int]], **params
+) -> tuple[list, float]:
+    """Every prompt of `batch` through a fresh deployment; (results, seconds serving them)."""
+    with tempfile.TemporaryDirectory(prefix="kvserve-gpu-") as tmp:
+        folder = Path(tmp)
+        launcher, log = launch(model_dir, folder, tp_size, dtype, log_path)
+        try:
+            with EngineClient(f"ipc://{folder}/client.sock", timeout_s=STARTUP_TIMEOUT_S) as c:
+                c.check_health()
+                start = time.monotonic()
+                req_ids = []
+                for idx, prompt in enumerate(batch):
+                    c.add_request(make_request(f"r{idx}", prompt, SamplingParams(**params)))
+                    req_ids.append(f"r{idx}")
+                results = c.run_until_finished(req_ids, RUN_TIMEOUT_S)
+                elapsed_s = time.monotonic() - start
+        finally:
+            code = stop(launcher)
+            log.close()
+    if code != 0:
+        raise RuntimeError(f"kvserve launch exited {code}; its log: {log_path}")
+    return [results[req_id] for req_id in req_ids], elapsed_s
+
+
+def compare_float32(ours: list[int], theirs: dict) -> str | None:
+    """None when the tokens agree up to the first nearly tied step; else what differs."""
+    for step, (a, b) in enumerate(zip(ours, theirs["tokens"], strict=False)):
+        if theirs["margins"][step] < FLOAT32_MIN_MARGIN:
+            return None  # a near tie: float noise may pick either, and the rest follows it
+        if a != b:
+            return f"step {step}: {a} vs {b} (margin {theirs['margins'][step]:.4f})"
+    return None
+
+
+def compare_logprobs_close(ours: list[int], our_top: list[list[int]], theirs: dict) -> str | None:
+    for step, (a, b) in enumerate(zip(ours, theirs["tokens"], strict=False)):
+        if a != b:
+            if a in theirs["top_ids"][step] and b in our_top[step]:
+                return None  # both tokens are plausible under the other side: they diverge here
+            return f"step {step}: {a} vs {b}, not in each other's top {LOGPROBS_CLOSE_TOP}"
+    return None
+
+
+def check_accuracy(folder: Path, tp_size: int, dtype: str) -> CheckResult:
+    """Every case served on CUDA in `dtype` against transformers on CUDA in the same dtype."""
+    import transformers
+
+    details, failures = [], []
+    for name, spec in CASES.items():
+        model_dir = make_checkpoint(folder / f"{name}-{dtype}", spec)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)
+        )
+        hf = hf.to("cuda").eval()
+        batch = prompts(hf.config.vocab_size, NUM_PROMPTS, PROMPT_TOKENS, seed=len(name))
+        log_path = folder / f"{name}-{dtype}-tp{tp_size}.log"
+        params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=LOGPROBS_CLOSE_TOP)
+        results, _ = serve(model_dir, tp_size, dtype, log_path, batch, **params)
+        for prompt, result in zip(batch, results, strict=True):
+            theirs = hf_greedy(hf, prompt, MAX_TOKENS)
+            if dtype == "float32":
+                problem = compare_float32(result.token_ids, theirs)
+            else:
+                our_top = [ids[1:] for ids in result.logprob_token_ids]
+                problem = compare_logprobs_close(result.token_ids, our_top, theirs)
+            if problem is not None:
+                failures.append(f"{name}: {problem}")
+        details.append(f"{name} {len(batch)} prompts")
+        del hf
+        torch.cuda.empty_cache()
+    detail = f"{'; '.join(details)}; {len(failures)} differ: {failures[:3]}"
+    return CheckResult(not failures, detail)
+
+
+def check_throughput(folder: Path) -> CheckResult:
+    """A random checkpoint of Qwen3-0.6B's shape in bfloat16: kvserve's output tokens per second
+    over 64 requests beside transformers' batched generate() on the same prompts."""
+    import transformers
+
+    spec = CheckpointSpec(arch="qwen3", shape=SHAPES["qwen3-0.6b"], dtype="bfloat16")
+    model_dir = make_checkpoint(folder / "qwen3-0.6b", spec)
+    shape = spec.shape
+    batch = prompts(shape.vocab_size, THROUGHPUT_REQUESTS, (THROUGHPUT_PROMPT_TOKENS,) * 2, 1)
+    params = dict(max_tokens=THROUGHPUT_OUTPUT_TOKENS, ignore_eos=True)
+    _, kvserve_s = serve(model_dir, 1, "bfloat16", folder / "throughput.log", batch, **params)
+    num_tokens = THROUGHPUT_REQUESTS * THROUGHPUT_OUTPUT_TOKENS
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    hf = hf.to("cuda").eval()
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    with torch.inference_mode():
+        hf.generate(
+            torch.tensor(batch, device="cuda"),
+            max_new_tokens=THROUGHPUT_OUTPUT_TOKENS,
+            min_new_tokens=THROUGHPUT_OUTPUT_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    torch.cuda.synchronize()
+    generate_s = time.monotonic() - start
+    ours, theirs = num_tokens / kvserve_s, num_tokens / generate_s
+    detail = (
+        f"qwen3-0.6b shape, bf16, {THROUGHPUT_REQUESTS} x ({THROUGHPUT_PROMPT_TOKENS} prompt, "
+        f"{THROUGHPUT_OUTPUT_TOKENS} output): kvserve {ours:.0f} tok/s, transformers generate() "
+        f"{theirs:.0f} tok/s, ratio {ours / theirs:.2f}"
+    )
+    return CheckResult(True, detail)
