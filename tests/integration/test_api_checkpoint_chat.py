@@ -49,7 +49,8 @@ def test_a_streamed_chat_through_a_checkpoint_tokenizer(
     prompt_ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     expected_ids = reference_generate(MODEL, prompt_ids, params)
-    expected_text = CheckpointTokenizer(folder).decode(expected_ids)
+    tokenizer = CheckpointTokenizer(folder)
+    expected_text = tokenizer.decode(expected_ids)
     assert expected_text == hf.decode(expected_ids, skip_special_tokens=True)
     http_port, master_port = free_tcp_ports(2)
     url = start_api(
@@ -100,6 +101,21 @@ def test_a_streamed_chat_through_a_checkpoint_tokenizer(
     assert stopped.choices[0].message.content == expected_text[:cut]
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens < MAX_TOKENS
+    # Greedy logprobs: one entry per token, the sampled one the most likely of its alternatives
+    scored = client.chat.completions.create(
+        model=SERVED_NAMES[0],
+        messages=MESSAGES,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+        **body,
+    )
+    entries = scored.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(entries) == MAX_TOKENS
+    assert [entry.token for entry in entries] == tokenizer.token_texts(expected_ids)
+    for entry in entries:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.logprob <= 0.0 and entry.top_logprobs[1].logprob <= entry.logprob
     models = client.models.list().data
     assert [m.id for m in models] == list(SERVED_NAMES)
     assert {(m.model_extra or {}).get("max_model_len") for m in models} == {2048}
