@@ -172,7 +172,9 @@ async def completions(state: ApiState, request: Request) -> Response:
     body, num_body_bytes = await _parse(request, state, COMPLETION_DECODER)
     assert isinstance(body, CompletionRequest)  # what COMPLETION_DECODER decodes
     serving, _ = state.running()
-    shape = ResponseShape(new_response_id("cmpl"), serving.model, is_chat=False)
+    shape = ResponseShape(
+        new_response_id("cmpl"), serving.model, False, has_usage_per_chunk=body.has_usage_per_chunk
+    )
     max_model_len = serving.pool.max_model_len
     jobs = await _build_jobs(
         num_body_bytes,
@@ -185,7 +187,10 @@ async def chat_completions(state: ApiState, request: Request) -> Response:
     body, num_body_bytes = await _parse(request, state, CHAT_DECODER)
     assert isinstance(body, ChatCompletionRequest)  # what CHAT_DECODER decodes
     serving, _ = state.running()
-    shape = ResponseShape(new_response_id("chatcmpl"), serving.model, is_chat=True)
+    response_id = new_response_id("chatcmpl")
+    shape = ResponseShape(
+        response_id, serving.model, True, has_usage_per_chunk=body.has_usage_per_chunk
+    )
     max_model_len = serving.pool.max_model_len
 
     def build() -> list[EngineJob]:

@@ -80,6 +80,12 @@ class _GenerationRequest(_Strict, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def has_usage_per_chunk(self) -> bool:
+        """vLLM sends usage on every chunk only when both stream options ask for it."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     # One text, one list of ids, or a batch of either; msgspec allows one array type in a

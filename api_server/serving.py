@@ -87,6 +87,7 @@ class ResponseShape:
     model: str
     is_chat: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    has_usage_per_chunk: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
 
     @property
     def object_name(self) -> str:
@@ -275,7 +276,10 @@ class Serving:
                     choice = shape.choice(
                         state.index, piece.text, piece.finish_reason, True, piece.logprobs
                     )
-                    yield self._event(shape.envelope([choice], is_chunk=True))
+                    chunk = shape.envelope([choice], is_chunk=True)
+                    if shape.has_usage_per_chunk:
+                        chunk["usage"] = usage(states)
+                    yield self._event(chunk)
                     if all(state.is_finished for state in states):
                         break
         except ApiError as exc:

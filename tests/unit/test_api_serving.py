@@ -74,12 +74,16 @@ def _jobs(body: dict, is_chat: bool) -> list[EngineJob]:
 
 
 async def _stream(
-    text: str, body: dict, is_chat: bool, monkeypatch: pytest.MonkeyPatch
+    text: str,
+    body: dict,
+    is_chat: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    has_usage_per_chunk: bool = False,
 ) -> tuple[list[dict], ScriptedEngine]:
     sock, serving = _setup(text, monkeypatch)
     jobs = _jobs(body, is_chat)
     engines = [asyncio.ensure_future(sock.run(j.request.req_id, j.num_logprobs)) for j in jobs]
-    shape = ResponseShape("resp", "tiny-llama", is_chat)
+    shape = ResponseShape("resp", "tiny-llama", is_chat, has_usage_per_chunk=has_usage_per_chunk)
     started = await serving.first_outputs(jobs)
     events = [event async for event in serving.stream(started, shape, include_usage=True)]
     await asyncio.gather(*engines)
@@ -220,3 +224,12 @@ def test_a_malformed_logprob_row_is_refused() -> None:
     with pytest.raises(ValueError, match="logprob row"):
         shaper = ChoiceLogprobs(TOKENIZER, is_chat=True, num_top=0)
         shaper.push(TokenLogprobs([[1, 2]], [[0.0]], [1]))
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = {"prompt": "x", "max_tokens": 100, "stream": True}
+    chunks, _ = asyncio.run(_stream("abc", body, False, monkeypatch, has_usage_per_chunk=True))
+    assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == [1, 2, 3, 3]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    raw = json.dumps({**body, "stream_options": options}).encode()
+    assert parse_body(raw, COMPLETION_DECODER).has_usage_per_chunk
