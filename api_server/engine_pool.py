@@ -70,7 +70,14 @@ class EngineHandle:
                 self.mark_down(f"no answer to check_health for {silent_s:.1f} s ({exc!r})")
             return False
         if not self.is_healthy:
-            logger.info("engine at %s is serving", self.address)
+            info = self.client.model_info or {}
+            logger.info(
+                "engine at %s is serving %s (max_model_len %s, vocabulary of %s ids)",
+                self.address,
+                info.get("model"),
+                info.get("max_model_len"),
+                info.get("vocab_size"),
+            )
         self.is_healthy = True
         self.last_answer_s = time.monotonic()
         return True
