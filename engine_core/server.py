@@ -335,6 +335,7 @@ class EngineServer:
             step_transport_s=self.workers.transport_time_s,
             step_update_s=self.core.update_time_s,
             num_worker_restarts=self.recovery.num_restarts if self.recovery is not None else 0,
+            rank_forward_s=self.workers.rank_forward_time_s,
         )
         return stat_values(stats)
 

@@ -98,6 +98,8 @@ class WorkerGroup:
         self.last_step_id = 0
         self.encode_time_s = 0.0  # total seconds encoding steps
         self.transport_time_s = 0.0  # total seconds sending steps and waiting for their replies
+        # total seconds the least busy rank spent in the model's forward, as the ranks report it
+        self.rank_forward_time_s = 0.0
         self._submit_times: deque[tuple[int, float]] = deque()  # (step_id, perf_counter) sent
         self._encoder = make_encoder()
         self._decoder = worker_to_engine_decoder()
@@ -268,6 +270,7 @@ class WorkerGroup:
         disagreement = describe_disagreement(step_id, outputs)
         if disagreement:  # a new generation would diverge again: a bug, not a fault
             raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
+        self.rank_forward_time_s += min(output.forward_s for output in outputs)
         return outputs[0]
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:

@@ -52,6 +52,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     step_transport_s: float = 0.0  # sending each step, then waiting for every rank's reply
     step_update_s: float = 0.0  # Scheduler.update_from_output
     num_worker_restarts: int = 0  # worker generations replaced after a rank fault
+    # Seconds inside the model's forward, total, per step the least busy rank's: against wall
+    # time it is the share of the ranks' time the model itself takes
+    rank_forward_s: float = 0.0
 
 
 class BlockResidencyStats(msgspec.Struct, frozen=True):

@@ -116,6 +116,7 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     logprobs: bytes = b""  # float32: the sampled token's logprob, then its top-N alternatives'
     logprob_token_ids: bytes = b""  # int32, aligned with logprobs: the sampled id, the top N
     sampled_token_ranks: bytes = b""  # int32 per such request: 1 is the most likely token
+    forward_s: float = 0.0  # seconds this rank spent in the model's forward, all-reduces included
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -167,6 +167,7 @@ class ModelRunner:
             logprobs.logprobs,
             logprobs.token_ids,
             logprobs.sampled_token_ranks,
+            self.timings.model_s,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:

@@ -108,6 +108,7 @@ def test_stat_values_keep_the_flat_keys_that_get_stats_callers_read() -> None:
         "step_transport_s": 0.0,
         "step_update_s": 0.0,
         "num_worker_restarts": 0,
+        "rank_forward_s": 0.0,
     }
     assert stat_values(scheduler).items() <= values.items()
     frame = make_encoder().encode(UtilityResult(7, True, values))
