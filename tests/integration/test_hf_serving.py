@@ -1,0 +1,221 @@
+"""`kvserve serve --model DIR` over a real (random-weight) checkpoint, as a user runs it: no memory
+flag, the official openai client, the checkpoint's tokenizer and chat template. The chat's text
+equals what transformers produces greedily for the same messages, at TP=1 and TP=2; sampling
+parameters are accepted and a seeded request gives the same text twice. A rank killed under
+load costs latency only: every stream still equals transformers' greedy tokens.
+"""
+
+import os
+import random
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from bench.make_checkpoint import CheckpointSpec, make_checkpoint
+from engine_core.client import EngineClient, make_request
+from protocol.sampling import SamplingParams
+from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
+
+pytestmark = pytest.mark.integration
+
+STARTUP_TIMEOUT_S = 180.0  # torch imports, the checkpoint and the KV budget, on a loaded machine
+HTTP_TIMEOUT_S = 60.0
+MAX_TOKENS = 24
+# transformers' greedy run must never be nearly tied, or float noise could flip a token: the
+# checkpoint's seed and the messages are chosen so every step's top-2 margin clears this
+MIN_TOP2_MARGIN = 1e-3
+MESSAGES = [
+    {"role": "system", "content": "You answer in one sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), CheckpointSpec(arch="qwen3"))
+
+
+@pytest.fixture(scope="module")
+def expected_text(checkpoint: Path) -> str:
+    """transformers' greedy reply to MESSAGES, decoded as a client sees it."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    prompt = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])  # [steps, 2]
+    margin = float((top2[:, 0] - top2[:, 1]).min())
+    assert margin >= MIN_TOP2_MARGIN, f"greedy top-2 margin {margin}: pick another seed"
+    return tokenizer.decode(out.sequences[0, len(prompt) :], skip_special_tokens=True)
+
+
+def serve(processes: Processes, tmp_path: Path, checkpoint: Path, tp_size: int) -> str:
+    """`kvserve serve --model DIR` launching its own deployment; its URL once /health is 200."""
+    port, master_port = free_tcp_ports(2)
+    args = ["serve", "--model", str(checkpoint), "-tp", str(tp_size), "--device", "cpu"]
+    args += ["--port", str(port), "--master-port", str(master_port), "--log-level", "INFO"]
+    args += ["--client-address", f"ipc://{tmp_path}/client.sock"]
+    args += ["--worker-address", f"ipc://{tmp_path}/worker.sock"]
+    processes.start("serve", "kvserve_main", args)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if processes.procs["serve"].poll() is not None:
+            raise AssertionError(f"serve exited:\n{processes.log('serve')[-3000:]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(healthy, STARTUP_TIMEOUT_S, "kvserve serve answering /health")
+    return url
+
+
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def served(
+    request: pytest.FixtureRequest, processes: Processes, tmp_path: Path, checkpoint: Path
+) -> Iterator[openai.OpenAI]:
+    url = serve(processes, tmp_path, checkpoint, request.param)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    processes.procs["serve"].send_signal(signal.SIGTERM)
+    code = processes.wait_exit("serve", 60)
+    assert code == 0, f"serve exited {code}:\n{processes.log('serve')[-3000:]}"
+
+
+@pytest.mark.timeout(420)
+def test_openai_chat_equals_transformers_greedy_text(
+    served: openai.OpenAI, checkpoint: Path, expected_text: str
+) -> None:
+    (model,) = [card.id for card in served.models.list().data]
+    whole = served.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert whole.choices[0].message.content == expected_text
+    assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens <= MAX_TOKENS
+    stream = served.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert "".join(pieces) == expected_text
+
+
+@pytest.mark.timeout(420)
+def test_sampling_parameters_are_served_and_a_seed_repeats(served: openai.OpenAI) -> None:
+    (model,) = [card.id for card in served.models.list().data]
+    sampled = dict(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0.9,
+        top_p=0.9,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1},
+    )
+    first = served.chat.completions.create(**sampled)
+    second = served.chat.completions.create(**sampled)
+    assert first.choices[0].message.content == second.choices[0].message.content
+    content = first.choices[0].logprobs.content
+    assert len(content) == first.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+    text = first.choices[0].message.content
+    if len(text) > 4:  # a stop string cuts the text before it, and is not returned
+        stop = text[2:4]
+        cut = served.chat.completions.create(**sampled, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].message.content == text[: text.index(stop)]
+
+
+def _transformers_greedy(checkpoint: Path, prompts: list[list[int]], num_tokens: int) -> list:
+    """Per prompt, transformers' greedy tokens (no EOS stop) and each step's top-2 margin."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])
+            expected.append((out.sequences[0, len(prompt) :].tolist(), (top2[:, 0] - top2[:, 1])))
+    return expected
+
+
+def _agree_up_to_a_near_tie(ours: list[int], theirs: list[int], margins: torch.Tensor) -> bool:
+    """Equal tokens until the first step whose top-2 margin is below MIN_TOP2_MARGIN, where float
+    noise may pick either token (and everything after follows that pick)."""
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if float(margins[step]) < MIN_TOP2_MARGIN:
+            return True
+        if a != b:
+            return False
+    return True
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_rank_costs_latency_not_tokens_on_a_checkpoint(
+    processes: Processes, addresses: dict, checkpoint: Path
+) -> None:
+    """kill -9 of rank 0 of a TP=2 checkpoint deployment mid-stream: a new generation takes over,
+    every request is recomputed with the tokens it already streamed, and each stream still
+    equals transformers' greedy one (up to a near tie, where recomputation may pick either)."""
+    launch(
+        processes,
+        addresses,
+        2,
+        str(checkpoint),
+        *("--step-timeout-s", "10", "--worker-rejoin-timeout-s", "120"),
+        *("--max-num-seqs", "1"),
+    )
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(8, 40))] for _ in range(6)]
+    num_tokens = 200  # one request at a time, so that the fault strikes mid-stream
+    expected = _transformers_greedy(checkpoint, prompts, num_tokens)
+    req_ids = [f"r{idx}" for idx in range(len(prompts))]
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    with EngineClient(addresses["client"], 120.0) as client:
+        wait_for(lambda: client.check_health(), STARTUP_TIMEOUT_S, "the deployment to serve")
+        for req_id, prompt in zip(req_ids, prompts, strict=True):
+            client.add_request(make_request(req_id, prompt, params))
+
+        def engine_made_a_tenth() -> bool:  # the engine's count: the client reads lazily
+            made = client.get_stats()["num_output_tokens"]
+            return made >= len(prompts) * num_tokens // 10  # type: ignore[operator]
+
+        wait_for(engine_made_a_tenth, 120, "a tenth of the tokens")
+        (pid,) = re.findall(r"rank 0 joined: pid (\d+)", processes.log("launch"))
+        os.kill(int(pid), signal.SIGKILL)
+        results = client.run_until_finished(req_ids, 240)
+        stats = client.get_stats()
+    assert stats["num_worker_restarts"] == 1
+    for req_id, (tokens, margins) in zip(req_ids, expected, strict=True):
+        result = results[req_id]
+        assert result.error is None and len(result.token_ids) == num_tokens, req_id
+        assert _agree_up_to_a_near_tie(result.token_ids, tokens, margins), req_id
+    stop_launch(processes)
