@@ -52,7 +52,7 @@ class AbortRequests(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields
 
 
 class UtilityCall(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """A management call: `reset_prefix_cache`, `get_stats` or `check_health`."""
+    """A management call: `reset_prefix_cache`, `get_stats`, `check_health` or `get_model_info`."""
 
     call_id: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
     method: Annotated[str, msgspec.Meta(max_length=64)]

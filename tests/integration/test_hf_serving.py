@@ -21,6 +21,7 @@ from bench.make_checkpoint import CheckpointSpec, make_checkpoint
 from engine_core.client import EngineClient, make_request
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
+from tests.unit.hf_checkpoints import hf_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -145,33 +146,11 @@ def test_sampling_parameters_are_served_and_a_seed_repeats(served: openai.OpenAI
         assert cut.choices[0].message.content == text[: text.index(stop)]
 
 
-def _transformers_greedy(checkpoint: Path, prompts: list[list[int]], num_tokens: int) -> list:
-    """Per prompt, transformers' greedy tokens (no EOS stop) and each step's top-2 margin."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=num_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-            top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])
-            expected.append((out.sequences[0, len(prompt) :].tolist(), (top2[:, 0] - top2[:, 1])))
-    return expected
-
-
-def _agree_up_to_a_near_tie(ours: list[int], theirs: list[int], margins: torch.Tensor) -> bool:
+def _agree_up_to_a_near_tie(ours: list[int], theirs: list[int], margins: list[float]) -> bool:
     """Equal tokens until the first step whose top-2 margin is below MIN_TOP2_MARGIN, where float
     noise may pick either token (and everything after follows that pick)."""
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        if float(margins[step]) < MIN_TOP2_MARGIN:
+        if margins[step] < MIN_TOP2_MARGIN:
             return True
         if a != b:
             return False
@@ -196,7 +175,10 @@ def test_a_killed_rank_costs_latency_not_tokens_on_a_checkpoint(
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(8, 40))] for _ in range(6)]
     num_tokens = 200  # one request at a time, so that the fault strikes mid-stream
-    expected = _transformers_greedy(checkpoint, prompts, num_tokens)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    expected = [hf_greedy(model, prompt, num_tokens) for prompt in prompts]
     req_ids = [f"r{idx}" for idx in range(len(prompts))]
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     with EngineClient(addresses["client"], 120.0) as client:
