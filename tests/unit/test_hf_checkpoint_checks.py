@@ -134,6 +134,32 @@ def test_deploy_turns_a_refusal_into_a_usage_error(qwen3: Path) -> None:
     assert check_model_name(WorkerConfig(model=str(qwen3)), tp_size=2).model == str(qwen3)
 
 
+@pytest.mark.parametrize(
+    ("entry", "argv"),
+    [
+        ("kvserve_main", ["serve", "-tp", "3", "--port", "1"]),
+        ("kvserve_main", ["launch", "-tp", "3"]),
+        ("worker_main", ["-tp", "3", "--rank", "0"]),
+    ],
+)
+def test_every_command_exits_2_naming_what_the_checkpoint_lacks(
+    qwen3: Path, tmp_path: Path, entry: str, argv: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    """A user's `kvserve serve --model DIR` on a checkpoint it cannot serve stops before any
+    process starts, with exit code 2 and the reason; the same for launch and kvserve-worker."""
+    from deploy import cli
+
+    bad_rope = edited_copy(qwen3, tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic"})
+    for folder, reason in [
+        (qwen3, "num_attention_heads=4 is not divisible by tp_size=3"),
+        (bad_rope, "dynamic"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            getattr(cli, entry)([*argv, "--model", str(folder)])
+        assert exited.value.code == 2
+        assert reason in capsys.readouterr().err
+
+
 def test_hub_and_transformers_5_rope_spellings_read_alike(qwen3: Path, tmp_path: Path) -> None:
     """The hub ships rope_theta and rope_scaling at the top level; transformers 5 writes
     rope_parameters. A llama3 original length absent defaults to max_position_embeddings."""
