@@ -40,9 +40,10 @@ logger = logging.getLogger(__name__)
 SPIN_S = 50e-6  # how long a full ring is re-checked (yielding the CPU) before the writer blocks
 NUM_SLOTS = 16
 SLOT_BYTES = 256 * 1024  # a 256-request decode step is ~3 KB and an 8 x 2,048 prefill ~70 KB
-# A ModelRunnerOutput takes 8 bytes per request: 1 MiB holds one for max_num_seqs's bound of 65,536
-# requests. Pages of /dev/shm are used only where written, so a small reply costs one page.
-REPLY_SLOT_BYTES = 1 << 20
+# A ModelRunnerOutput takes 8 bytes per request, and up to 172 more with logprobs=20 (21 float32
+# values and 21 int32 ids, a rank): 16 MiB holds one for max_num_seqs's bound of 65,536 requests.
+# Pages of /dev/shm are used only where written, so a small reply costs one page.
+REPLY_SLOT_BYTES = 16 << 20
 
 
 class ShmRingWriter:
