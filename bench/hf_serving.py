@@ -6,7 +6,9 @@ through the ZeroMQ client), transformers' `generate_batch` continuous batching (
 lengths, its start-up included), and batched `generate()` (one static batch, left-padded to the
 longest prompt, run to the longest output). Workloads: `mixed` (prompt and output lengths vary,
 prompts share system prefixes, as serving sees them) and `equal` (`generate()`'s best case).
-Run: `python -m bench.hf_serving [--model DIR] [--rounds 5] [--json FILE]`.
+Run: `python -m bench.hf_serving [--model DIR] [--rounds 5] [--json FILE]`. `--decode-sweep`
+instead times one rank's decode step in-process at batch sizes 8 to 64 (the cost per step that
+a draining batch keeps paying).
 """
 
 import argparse
@@ -284,6 +286,42 @@ def summarize(rounds: list[dict[str, float]]) -> dict[str, float | int | list[fl
     return summary
 
 
+def decode_step_ms(model_dir: Path, batch_size: int, num_steps: int) -> float:
+    """Median model milliseconds of one rank's decode step of `batch_size` requests, each with
+    EQUAL_PROMPT_TOKENS of context, through the real EngineCore and ModelRunner in-process."""
+    from bench.workload import Workload, build_rank
+    from worker.distributed import single_rank_group
+
+    rng = random.Random(batch_size)
+    prompts = [
+        [rng.randrange(FIRST_PROMPT_ID, 256) for _ in range(EQUAL_PROMPT_TOKENS)]
+        for _ in range(batch_size)
+    ]
+    blocks_per_request = (EQUAL_PROMPT_TOKENS + num_steps + 16) // 16 + 1
+    workload = Workload(
+        str(model_dir),
+        block_size=16,
+        num_blocks=1 + batch_size * blocks_per_request,
+        prompts=prompts,
+        sampling_params=[SamplingParams(max_tokens=num_steps + 8, ignore_eos=True)] * batch_size,
+        max_num_batched_tokens=EQUAL_PROMPT_TOKENS * batch_size,  # one prefill step
+        max_num_seqs=batch_size,
+        enable_prefix_caching=False,
+    )
+    core, runner = build_rank(workload, single_rank_group(), torch.device("cpu"))
+    core.step()  # the prefill
+    times_ms = []
+    for _ in range(num_steps):
+        before_s = runner.model_s
+        core.step()
+        times_ms.append(1000 * (runner.model_s - before_s))
+    return statistics.median(times_ms)
+
+
+def decode_sweep(model_dir: Path) -> dict[str, float]:
+    return {f"decode_{n}_ms_per_step": decode_step_ms(model_dir, n, 20) for n in (8, 16, 32, 64)}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -296,6 +334,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     parser.add_argument("--seed", type=int, default=0, help="of the prompts and lengths")
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE as JSON")
+    parser.add_argument(
+        "--decode-sweep", action="store_true", help="time the decode step at 8 to 64 requests"
+    )
     return parser.parse_args(argv)
 
 
@@ -331,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model or make_checkpoint(
             folder / "checkpoint", CheckpointSpec(shape=SHAPES["bench"])
         )
+        if args.decode_sweep:
+            report("one rank's decode step (CPU, in-process)", decode_sweep(model_dir), args.json)
+            return
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model.eval()
         pad_id = model.config.pad_token_id or 0
