@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from protocol.sampling import SamplingParams
-from worker.models.fixed_point import PROB_FRAC_BITS, quantize
+from worker.sampling.candidates import grid_candidates
 from worker.sampling.columns import SamplingColumns
 from worker.sampling.filters import filter_probabilities
 from worker.sampling.penalties import TokenHistory, apply_penalties
@@ -140,7 +140,8 @@ class Sampler:
             hot = np.flatnonzero(columns.temperature > 0).tolist()
             if hot:
                 rows = torch.tensor(hot, dtype=torch.int64, device=logits.device)
-                tokens[rows] = self._sample_with_temperature(logits[rows], batch, hot)
+                hot_logits = logits if len(hot) == len(batch) else logits[rows]  # no copy if all
+                tokens[rows] = self._sample_with_temperature(hot_logits, batch, hot)
         return tokens
 
     def _hold_back_stops(
@@ -177,17 +178,14 @@ class Sampler:
         columns = batch.sampling_columns
         assert columns.temperature is not None  # the caller found hot rows in it
         temps = torch.from_numpy(columns.temperature[hot]).to(device)
-        logits = logits.to(torch.float64)  # the grid's running sums need 53 bits
-        shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
-        # kernels may differ by an ulp in exp; rounding to the grid hides it unless a value lies
-        # within an ulp of a grid midpoint (about 1e-11 per value)
-        probs = quantize(torch.exp(shifted), PROB_FRAC_BITS, 1)  # [S, V]; the max entry is 1
+        # only ids that can be nonzero on the grid take part (worker/sampling/candidates.py):
+        # the running sums, the filters and so the drawn ids are those of the whole rows
+        ids, probs = grid_candidates(logits, temps)  # each [S, K]; probs' max entry is 1
         if columns.has_filters:
             assert columns.top_k is not None and columns.top_p is not None
             assert columns.min_p is not None
-            probs = filter_probabilities(
-                probs, columns.top_k[hot], columns.top_p[hot], columns.min_p[hot]
-            )
+            top_k = np.minimum(columns.top_k[hot], probs.shape[1])  # past K: every candidate
+            probs = filter_probabilities(probs, top_k, columns.top_p[hot], columns.min_p[hot])
         cumulative = torch.cumsum(probs, dim=-1)  # exact on the grid
         draws = torch.tensor(
             [uniform_draw(self._seed(params[i], handles[i]), positions[i]) for i in hot],
@@ -195,8 +193,9 @@ class Sampler:
             device=device,
         )
         targets = draws * cumulative[:, -1]
-        picked = (cumulative <= targets[:, None]).sum(dim=-1)
-        return torch.clamp(picked, max=logits.shape[1] - 1)
+        picked = (cumulative <= targets[:, None]).sum(dim=-1)  # the first slot past the target
+        picked = torch.clamp(picked, max=probs.shape[1] - 1)
+        return ids.gather(1, picked[:, None])[:, 0]
 
     def _seed(self, sampling_params: SamplingParams, handle: int) -> int:
         seed = sampling_params.seed
