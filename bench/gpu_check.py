@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench import gpu_checkpoint_checks
-from bench.gpu_checkpoint_checks import CheckResult
+from bench.gpu_checkpoint_checks import CheckResult, stop_launcher
 from engine_core.client import EngineClient, make_request
 from engine_core.endpoints import free_tcp_ports
 from engine_core.plan import POOL_HOST_BYTES_PER_BLOCK
@@ -55,7 +55,6 @@ DEMO_TURNS = 4
 DEMO_MAX_TOKENS = 16  # tokens generated per turn
 DEMO_STARTUP_TIMEOUT_S = 120.0  # for the engine and its ranks to be ready, profiling included
 DEMO_TURN_TIMEOUT_S = 60.0  # for one turn's requests to finish
-LAUNCHER_EXIT_TIMEOUT_S = 30.0
 CAPACITY_MODEL = "tiny-llama"
 CAPACITY_UTILIZATION = 0.5  # the capacity check fills this share of the device with KV blocks
 CAPACITY_STEP_TOKENS = 2048  # the engine's default max_num_batched_tokens
@@ -130,17 +129,6 @@ def serve_and_compare(address: str) -> tuple[int, list[str]]:
                     mismatches.append(req_id)
             num_requests += len(req_ids)
     return num_requests, mismatches
-
-
-def stop_launcher(launcher: subprocess.Popen) -> int:
-    """SIGTERM, as Ctrl-C would; SIGKILL past the deadline. The launcher's exit code."""
-    launcher.send_signal(signal.SIGTERM)
-    try:
-        return launcher.wait(LAUNCHER_EXIT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        launcher.kill()
-        launcher.wait(LAUNCHER_EXIT_TIMEOUT_S)
-        return -signal.SIGKILL
 
 
 def check_demo(tp_size: int, log_path: Path, expected_lines: list[str]) -> CheckResult:

@@ -88,7 +88,8 @@ def launch(model_dir: Path, folder: Path, tp_size: int, dtype: str, log_path: Pa
     return subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True), log
 
 
-def stop(launcher: subprocess.Popen) -> int:
+def stop_launcher(launcher: subprocess.Popen) -> int:
+    """SIGTERM, as Ctrl-C would; SIGKILL past the deadline. The launcher's exit code."""
     launcher.send_signal(signal.SIGTERM)
     try:
         return launcher.wait(STOP_TIMEOUT_S)
@@ -116,7 +117,7 @@ def serve(
                 results = c.run_until_finished(req_ids, RUN_TIMEOUT_S)
                 elapsed_s = time.monotonic() - start
         finally:
-            code = stop(launcher)
+            code = stop_launcher(launcher)
             log.close()
     if code != 0:
         raise RuntimeError(f"kvserve launch exited {code}; its log: {log_path}")
