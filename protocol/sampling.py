@@ -30,7 +30,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     # Filters applied in this order before a draw at temperature > 0 (greedy ignores them):
-    # penalties on the logits, then top_k, top_p and min_p on the probabilities.
+    # penalties on the logits, then min_p, top_k and top_p on the probabilities (vLLM's order).
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # smallest set of this mass
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None  # most likely ids kept; None: all
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0  # of the top probability

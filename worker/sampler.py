@@ -2,7 +2,7 @@
 
 Per request, in this order: until it has min_tokens outputs, -inf for its stop and EOS ids (vLLM's
 rule: it cannot stop early); penalties on the logits (worker/sampling/penalties.py), greedy argmax
-or, at temperature > 0, probabilities rounded to a 2**-16 grid, the top-k, top-p and min-p filters
+or, at temperature > 0, probabilities rounded to a 2**-16 grid, the min-p, top-k and top-p filters
 on that grid (worker/sampling/filters.py), and an inverse-CDF draw. A draw depends only on (seed,
 position of the token being sampled): no generator carries state, so batching, chunking,
 preemption and TP size cannot change a seeded request's tokens. On the grid the running sums are

@@ -70,8 +70,12 @@ def test_top_p_keeps_the_smallest_set_of_that_mass_and_min_p_a_fraction_of_the_t
 
 
 def _reference_filter(row: list[int], top_k: int, top_p: float, min_p: float) -> list[int]:
-    """Grid units (value * 2**16) kept by top_k, then top_p, then min_p, in exact arithmetic."""
+    """Grid units (value * 2**16) kept by min_p, then top_k, then top_p (vLLM's order), in exact
+    arithmetic."""
     kept = list(row)
+    if min_p > 0.0:
+        threshold = Fraction(min_p) * max(kept)
+        kept = [v if v >= threshold else 0 for v in kept]
     if top_k < len(kept):
         kth = sorted(kept, reverse=True)[top_k - 1]
         kept = [v if v >= kth else 0 for v in kept]
@@ -82,9 +86,6 @@ def _reference_filter(row: list[int], top_k: int, top_p: float, min_p: float) ->
             if mass >= Fraction(top_p) * total:
                 kept = [v if v >= value else 0 for v in kept]
                 break
-    if min_p > 0.0:
-        threshold = Fraction(min_p) * max(kept)
-        kept = [v if v >= threshold else 0 for v in kept]
     return kept
 
 

@@ -1,4 +1,5 @@
-"""Probability filters: top-k, then top-p, then min-p, each zeroing the ids a request drops.
+"""Probability filters: min-p, then top-k, then top-p (vLLM's order), each zeroing the ids a
+request drops.
 
 They run on the sampler's probability grid (multiples of 2**-16, the top id at exactly 1), where
 every comparison and running sum is exact: ranks holding the same logits keep the same ids. Each
@@ -17,17 +18,17 @@ def filter_probabilities(
     where a row filters); the columns give each row's settings."""
     vocab_size = probs.shape[1]
     device = probs.device
+    rows = np.flatnonzero(min_p > 0.0)
+    if len(rows):
+        selected = probs[rows]
+        fraction = torch.from_numpy(min_p[rows]).to(device)
+        probs = _keep_at_least(probs, rows, fraction * selected.amax(dim=-1))
     rows = np.flatnonzero(top_k < vocab_size)
     if len(rows):
         probs = _keep_at_least(probs, rows, _kth_largest(probs[rows], top_k[rows], device))
     rows = np.flatnonzero(top_p < 1.0)
     if len(rows):
         probs = _keep_at_least(probs, rows, _top_p_threshold(probs[rows], top_p[rows], device))
-    rows = np.flatnonzero(min_p > 0.0)
-    if len(rows):
-        selected = probs[rows]
-        fraction = torch.from_numpy(min_p[rows]).to(device)
-        probs = _keep_at_least(probs, rows, fraction * selected.amax(dim=-1))
     return probs
 
 
