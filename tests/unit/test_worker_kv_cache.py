@@ -95,8 +95,9 @@ def test_groups_of_different_page_sizes_view_the_front_of_each_padded_block() ->
     assert tuple(caches["wide"].shape) == (3, 2, 2, 2, 4)
     assert tuple(caches["narrow"].shape) == (3, 2, 2, 1, 4)
     assert caches["narrow"].stride(0) == caches["wide"].stride(0) == 32  # floats per block
-    caches["narrow"][2] = torch.arange(16, dtype=torch.float32).view(2, 2, 1, 4)
-    assert torch.equal(caches["wide"][2].flatten()[:16], torch.arange(16, dtype=torch.float32))
+    values = torch.arange(16, dtype=torch.float32, device=DEVICE)
+    caches["narrow"][2] = values.view(2, 2, 1, 4)
+    assert torch.equal(caches["wide"][2].flatten()[:16], values)
     assert not caches["wide"][2].flatten()[16:].any() and not caches["wide"][1].any()
 
 
