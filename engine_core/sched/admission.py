@@ -114,4 +114,5 @@ class RequestIntake:
             handle=next(self._handles),
             client_req_id=request.req_id,
             encoder_token_ids=encoder,
+            max_model_len=self.max_model_len,
         )

@@ -1,25 +1,22 @@
-"""InFlightStep: the step broadcast to the workers and not yet answered.
+"""The steps in flight: each step broadcast to the workers and not yet answered, oldest first.
 
-It checks that a worker's reply answers exactly that step, then applies its sampled tokens to
-the step's requests (tokens, stop rules, client outputs); the queues stay the Scheduler's.
+StepsInFlight is the engine's one record of them: the Scheduler owns it, and the EngineCore and
+the worker transport ask it rather than keeping their own. It checks that a worker's reply answers
+exactly the oldest step, and never changes a request: the Scheduler applies the reply.
 """
 
-from array import array
-from collections import defaultdict
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from engine_core.sched.request import Request, RequestStatus
-from engine_core.sched.stop import check_stop
+from engine_core.sched.request import Request
 from protocol.buffers import unpack_int32
-from protocol.client_messages import EngineCoreOutput, TokenLogprobs
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
-
-_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class InFlightStep:
-    """One scheduled step: its id, and its requests in SchedulerOutput order.
+    """One scheduled step: its id, the message sent, and its requests in SchedulerOutput order.
 
     Invariants: `handles` holds one int32 handle per request, each that request's own, in order,
     and `is_sampling` one flag per request.
@@ -29,6 +26,7 @@ class InFlightStep:
     requests: list[Request]
     handles: bytes  # int32 handles of `requests`, as every rank must echo them
     is_sampling: list[bool]  # per request: the step reaches its end and samples a real token
+    scheduler_output: SchedulerOutput  # the message broadcast for this step
     has_logprobs: bool = False  # some request live when it was scheduled asked for logprobs
 
     def check_reply(
@@ -53,55 +51,6 @@ class InFlightStep:
                 f"expected {len(self.requests)} handles in SchedulerOutput order"
             )
 
-    def apply(
-        self,
-        sampled: array,
-        max_model_len: int,
-        logprobs: list[TokenLogprobs | None] | None = None,
-    ) -> tuple[defaultdict[bytes, list[EngineCoreOutput]], list[tuple[Request, bool]]]:
-        """Append each request's sampled token and apply the stop rules: the client outputs by
-        client, and the requests that finished, each with whether it was running (else it was
-        preempted while the step ran, and waits in the queue). `logprobs`, aligned with the
-        requests (reply_logprobs.py), go out with their tokens; None: no request has any."""
-        outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
-        finished: list[tuple[Request, bool]] = []
-        if logprobs is None:
-            logprobs = [None] * len(self.requests)
-        for request, token_id, samples, token_logprobs in zip(
-            self.requests, sampled, self.is_sampling, logprobs, strict=True
-        ):
-            if not samples:
-                continue  # a partial prefill chunk: its sample means nothing
-            # Aborted, or stopped a step earlier: a token past its end, dropped with its logprobs.
-            if request.status is not _RUNNING and request.status.is_finished:
-                continue
-            # Running, or preempted while this step ran: the token is valid either way, and
-            # the workers appended it to their copy of the sequence as they sampled it.
-            request.num_output_placeholders -= 1
-            request.append_output_token_id(token_id)
-            request.num_tokens_sent += 1
-            finish_reason = None
-            num_tokens = len(request.all_token_ids)
-            if (  # the stop rules fire only on a finishing id or at a length cap: test those
-                token_id in request.finishing_token_ids
-                or num_tokens >= request.max_num_tokens
-                or num_tokens >= max_model_len
-            ) and (status := check_stop(request, max_model_len)) is not None:
-                finish_reason = status.finish_reason
-                finished.append((request, request.status is _RUNNING))
-                request.status = status
-            outputs[request.client_id].append(
-                EngineCoreOutput(
-                    request.client_req_id,
-                    [token_id],
-                    finish_reason,
-                    request.num_cached_tokens,
-                    None,
-                    token_logprobs,
-                )
-            )
-        return outputs, finished
-
     def check_invariants(self) -> None:
         assert len(self.is_sampling) == len(self.requests), (
             f"step {self.step_id}: {len(self.is_sampling)} sampling flags, "
@@ -111,3 +60,68 @@ class InFlightStep:
         assert handles == [request.handle for request in self.requests], (
             f"step {self.step_id} has handles {handles} for {len(self.requests)} requests"
         )
+        assert self.scheduler_output.step_id == self.step_id, (
+            f"step {self.step_id} holds the message of step {self.scheduler_output.step_id}"
+        )
+
+
+class StepsInFlight:
+    """The steps broadcast and not yet answered, oldest first: at most one in the synchronous
+    loop; two with asynchronous scheduling, which schedules step N+1 while the ranks run step N.
+
+    A step leaves when its reply is applied, or with every other step when none of them will
+    ever be answered (a failed worker, a lost worker generation).
+
+    Invariants: at most `max_num_steps` steps, with consecutive step ids, oldest first.
+    """
+
+    def __init__(self, max_num_steps: int) -> None:
+        self.max_num_steps = max_num_steps
+        self._steps: deque[InFlightStep] = deque()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __iter__(self) -> Iterator[InFlightStep]:
+        return iter(self._steps)
+
+    def can_add(self) -> bool:
+        return len(self._steps) < self.max_num_steps
+
+    def add(self, step: InFlightStep) -> None:
+        """Record a step just scheduled, which `can_add` allowed."""
+        assert len(self._steps) < self.max_num_steps, f"step {step.step_id}: no room in flight"
+        self._steps.append(step)
+
+    def oldest(self) -> InFlightStep:
+        """The step the next reply must answer."""
+        if not self._steps:
+            raise RuntimeError("no step is in flight")
+        return self._steps[0]
+
+    def pop_answered(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> InFlightStep:
+        """Remove and return the oldest step, after checking that the output answers it."""
+        if not self._steps:
+            raise RuntimeError("update_from_output called with no step in flight")
+        self._steps[0].check_reply(scheduler_output, model_runner_output)
+        return self._steps.popleft()
+
+    def forget(self) -> None:
+        """Drop every step: none will be answered (a worker failed, or its generation is gone)."""
+        self._steps.clear()
+
+    def check_invariants(self) -> None:
+        steps = self._steps
+        assert len(steps) <= self.max_num_steps, (
+            f"{len(steps)} steps in flight, at most {self.max_num_steps}"
+        )
+        step_ids = [step.step_id for step in steps]
+        if steps:
+            first_id = step_ids[0]
+            assert step_ids == list(range(first_id, first_id + len(steps))), (
+                f"steps in flight {step_ids} are not consecutive"
+            )
+        for step in steps:
+            step.check_invariants()

@@ -40,5 +40,4 @@ def check_scheduler(scheduler: "Scheduler") -> None:
     scheduler.admission.check_invariants([r.client_id for r in scheduler.requests.values()])
     scheduler.waiting.check_invariants()
     scheduler.kv_cache_manager.check_invariants()
-    for step in scheduler.in_flight_steps:
-        step.check_invariants()
+    scheduler.steps_in_flight.check_invariants()

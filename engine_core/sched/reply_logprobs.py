@@ -2,7 +2,7 @@
 
 The ranks send one entry per request that samples in the step and asked for logprobs, in the
 step's order (ModelRunnerOutput); the engine reads rank 0's, after the ranks' sampled ids agree.
-It only reads: applying them to the requests is InFlightStep's.
+It only reads: the Scheduler sends them out with their tokens.
 """
 
 from array import array

@@ -49,6 +49,10 @@ _FINISH_REASONS = {
 class Request:
     """One request's tokens, progress and prefix-cache hashes.
 
+    Once built, a request changes only in the Scheduler (scheduler.py): its progress and status
+    there, its tokens through the methods below; no other module assigns a field
+    (tests/unit/test_request_state_owner.py checks it).
+
     Invariants: `num_computed_tokens <= num_tokens`; `block_hashes[i]` is the hash of tokens
     `[i * block_size, (i + 1) * block_size)` for every full block, and there is one per full block.
     The block size is the hasher's: the KV cache's `hash_block_size` (the gcd of its groups'
@@ -94,7 +98,10 @@ class Request:
         handle: int = 0,
         client_req_id: str | None = None,
         encoder_token_ids: array | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`max_model_len`: the longest sequence the engine serves, which caps this request's
+        length with `max_tokens`; None for one that no scheduler serves (tests, benchmarks)."""
         self.req_id = req_id  # unique in the engine: the client's own id, scoped by its client
         self.client_req_id = req_id if client_req_id is None else client_req_id  # in outputs
         self.all_token_ids = array("i", prompt_token_ids)  # prompt, then generated tokens
@@ -112,7 +119,11 @@ class Request:
             if sampling_params.ignore_eos
             else [*sampling_params.stop_token_ids, *eos_token_ids]
         )  # ids that finish it once min_tokens outputs exist: stop ids, EOS unless ignore_eos
-        self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens  # length cap
+        # The length cap: the request finishes once it holds this many tokens (stop.py).
+        max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens
+        if max_model_len is not None and max_model_len < max_num_tokens:
+            max_num_tokens = max_model_len
+        self.max_num_tokens = max_num_tokens
         self.client_id = client_id  # the ZMQ identity of the client that sent it
         self.handle = handle  # the integer name of this request on the engine-worker wire
         self.status = RequestStatus.WAITING

@@ -5,23 +5,29 @@ tokens into per-client outputs. No I/O: the EngineCore carries its messages.
 """
 
 import logging
-from collections import deque
+from collections import defaultdict
 
 from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import RequestIntake, scoped_req_id
 from engine_core.sched.block_aligned_chunks import BlockAlignedChunks
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
-from engine_core.sched.in_flight_step import InFlightStep
+from engine_core.sched.in_flight_step import InFlightStep, StepsInFlight
 from engine_core.sched.invariants import check_scheduler
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.reply_logprobs import read_reply_logprobs
 from engine_core.sched.request import Request, RequestStatus
+from engine_core.sched.stop import check_stop
 from engine_core.sched.validation import max_num_encoder_tokens
 from protocol.buffers import pack_int32, unpack_int32
-from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest
+from protocol.client_messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    TokenLogprobs,
+)
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.stats import SchedulerStats
@@ -34,6 +40,9 @@ _RUNNING = RequestStatus.RUNNING
 
 class Scheduler:
     """Continuous batching: running requests first, then waiting ones, within the step budgets.
+
+    It is the one owner of its requests' state: only this class (and Request's own methods, which
+    it calls) changes a Request's fields; tests/unit/test_request_state_owner.py checks it.
 
     Invariants: `requests` holds exactly the requests in `running` and `waiting`; every running
     request is RUNNING and every waiting one WAITING or PREEMPTED (with no computed tokens);
@@ -83,9 +92,10 @@ class Scheduler:
         self.waiting = create_request_queue(self.policy)
         self._finished_handles: list[int] = []  # seen by the workers, to forget next step
         self._step_id = 0
-        # Steps sent and not yet answered, oldest first: two with asynchronous scheduling.
-        self._in_flight: deque[InFlightStep] = deque()
-        self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
+        # The engine's one record of the steps broadcast and not yet answered, oldest first: at
+        # most one in the synchronous loop; two with asynchronous scheduling, which schedules
+        # step N+1 while the ranks run step N. The EngineCore and the transport ask it.
+        self.steps_in_flight = StepsInFlight(2 if scheduler_config.async_scheduling else 1)
         self.num_preemptions = 0
         self.num_logprob_requests = 0  # live requests that asked for logprobs
         self.check_each_plan = False  # walk each step's plan before it is built (debugging)
@@ -140,26 +150,30 @@ class Scheduler:
         """Abort every live request of one client (it left, or stopped reading its outputs)."""
         if not self.admission.num_live(client_id):
             return {}
-        req_ids = [r.req_id for r in self.requests.values() if r.client_id == client_id]
+        req_ids = [
+            request.req_id for request in self.requests.values() if request.client_id == client_id
+        ]
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED, error)
 
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error` (a worker died); outputs keyed by client."""
-        self._in_flight.clear()  # the steps that failed will never be answered
+        self.steps_in_flight.forget()  # the steps that failed will never be answered
         return self.finish_requests(list(self.requests), RequestStatus.FINISHED_ERROR, error)
 
     def requeue_for_new_workers(self) -> None:
-        """The worker generation is gone with every KV block (DESIGN.md §8): preempt each running
-        request by recompute, keeping its tokens, forget what the workers were told (the next
-        generation gets each request whole), and clear the prefix cache."""
-        self._in_flight.clear()
-        for request in reversed(self.running):  # prepending the last first keeps their order
-            self.kv_cache_manager.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            request.num_preemptions += 1
-            self.waiting.prepend_request(request)
-        self.running = []
+        """The worker generation is gone, and every KV block with it (DESIGN.md §8): preempt each
+        running request by recompute, keeping its tokens, forget what the workers were told (a
+        new generation gets every request whole), and clear the prefix cache, whose blocks hold
+        nothing now. The steps in flight, if any, are never answered.
+
+        Each of these preemptions counts in `num_preemptions`, as one under memory pressure does:
+        the request loses its KV cache and recomputes it either way (vLLM counts the running
+        requests that a reset of the prefix cache preempts alike).
+        """
+        self.steps_in_flight.forget()
+        running, self.running = self.running, []
+        for request in reversed(running):  # prepending the last first keeps their order
+            self._preempt(request)
         for request in self.requests.values():
             request.num_tokens_sent = 0
             request.num_output_placeholders = 0
@@ -173,13 +187,9 @@ class Scheduler:
 
     @property
     def num_steps_in_flight(self) -> int:
-        """Steps scheduled and not yet updated (up to 2 with asynchronous scheduling)."""
-        return len(self._in_flight)
-
-    @property
-    def in_flight_steps(self) -> tuple[InFlightStep, ...]:
-        """The steps sent and not yet answered, oldest first."""
-        return tuple(self._in_flight)
+        """Steps scheduled and not yet updated: 0 or 1, and up to 2 while a step is scheduled
+        with asynchronous scheduling."""
+        return len(self.steps_in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -192,8 +202,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work: running requests first, then admission from the queue."""
-        if len(self._in_flight) >= self.max_steps_in_flight:
-            step_id = self._in_flight[0].step_id
+        steps_in_flight = self.steps_in_flight
+        if not steps_in_flight.can_add():
+            step_id = steps_in_flight.oldest().step_id
             raise RuntimeError(f"step {step_id} is in flight: update it first")
         plan = StepPlan()
         budget = self._schedule_running(plan, self.scheduler_config.max_num_batched_tokens)
@@ -220,37 +231,42 @@ class Scheduler:
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
         has_logprobs = self.num_logprob_requests > 0
-        step = InFlightStep(self._step_id, requests, handles, is_sampling, has_logprobs)
-        self._in_flight.append(step)
+        steps_in_flight.add(
+            InFlightStep(self._step_id, requests, handles, is_sampling, output, has_logprobs)
+        )
         return output
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Give each running request its next tokens, preempting when blocks run out."""
         running = self.running
-        allocate_slots = self.kv_cache_manager.allocate_slots
-        empty = self.kv_cache_manager.empty_kv_cache_blocks  # what most decode steps get
-        cap = self._prefill_cap
-        aligned = self._aligned_chunks
+        kv_cache_manager = self.kv_cache_manager
+        allocate_slots = kv_cache_manager.allocate_slots
+        no_new_blocks = kv_cache_manager.empty_kv_cache_blocks  # what most decode steps get
+        prefill_cap = self._prefill_cap
+        aligned_chunks = self._aligned_chunks
         idx = 0
         while idx < len(running) and budget > 0:
             request = running[idx]
+            # Its tokens once the steps in flight answer: the known ones and the placeholders.
             num_tokens = len(request.all_token_ids) + request.num_output_placeholders
             num_new_tokens = num_tokens - request.num_computed_tokens
             if request.num_output_placeholders and (
                 num_new_tokens <= 0  # nothing to compute until its last token is known
-                or num_tokens >= request.max_num_tokens  # its pending token is its last
-                or num_tokens >= self.max_model_len
+                # its pending token is its last whatever its value: scheduling past it wastes
+                # a slot, and the token sampled there would be dropped
+                or check_stop(request, num_tokens, None) is not None
             ):
                 idx += 1
                 continue
-            if cap and num_new_tokens > cap:
-                num_new_tokens = cap
+            if prefill_cap and num_new_tokens > prefill_cap:
+                num_new_tokens = prefill_cap
             if num_new_tokens > budget:
                 num_new_tokens = budget
-            if aligned is not None:
-                junction = self.kv_cache_manager.get_shared_prefix_boundary(request.req_id)
-                num_computed = request.num_computed_tokens
-                num_new_tokens = aligned.clip(request, num_computed, num_new_tokens, junction)
+            if aligned_chunks is not None:
+                shared_prefix_boundary = kv_cache_manager.get_shared_prefix_boundary(request.req_id)
+                num_new_tokens = aligned_chunks.clip(
+                    request, request.num_computed_tokens, num_new_tokens, shared_prefix_boundary
+                )
                 if not num_new_tokens:  # not even the rest of its block fits this step
                     idx += 1
                     continue
@@ -262,9 +278,13 @@ class Scheduler:
                 was_scheduled = victim in plan.running_reqs
                 if was_scheduled:
                     budget += plan.unschedule_running(victim)
-                if running.index(victim) < idx:
+                victim_idx = running.index(victim)
+                if victim_idx < idx:
                     idx -= 1
-                self._preempt(victim, plan, was_scheduled)
+                del running[victim_idx]
+                self._preempt(victim, victim.num_computed_tokens if was_scheduled else None)
+                plan.preempted_handles.append(victim.handle)  # the workers drop its blocks
+                logger.debug("preempted %s", victim.handle)
                 if victim is request:
                     break
                 new_blocks = allocate_slots(request, num_new_tokens)
@@ -274,7 +294,7 @@ class Scheduler:
             plan.running_num_tokens.append(num_new_tokens)
             # A decode step rarely crosses a block boundary: send None, not empty lists.
             plan.running_block_ids.append(
-                None if new_blocks is empty else new_blocks.get_block_ids()
+                None if new_blocks is no_new_blocks else new_blocks.get_block_ids()
             )
             budget -= num_new_tokens
             idx += 1
@@ -283,11 +303,11 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         """Admit waiting requests in queue order until one does not fit (head of line)."""
         config = self.scheduler_config
-        kv = self.kv_cache_manager
+        kv_cache_manager = self.kv_cache_manager
         reserves_full_prompt = config.reserve_full_prompt and self._aligned_chunks is None
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            computed_blocks, num_computed = kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
             if self._prefill_cap and num_new_tokens > self._prefill_cap:
                 num_new_tokens = self._prefill_cap
@@ -303,7 +323,7 @@ class Scheduler:
                     break
             # Reserving the rest of the prompt as lookahead admits only what fits whole.
             num_reserved = request.num_tokens - num_computed - num_new_tokens
-            new_blocks = kv.allocate_slots(
+            new_blocks = kv_cache_manager.allocate_slots(
                 request,
                 num_new_tokens,
                 num_new_computed_tokens=num_computed,
@@ -316,7 +336,7 @@ class Scheduler:
             self.waiting.pop_request()
             self.running.append(request)
             request.num_computed_tokens = num_computed
-            block_ids = kv.get_block_ids(request.req_id)
+            block_ids = kv_cache_manager.get_block_ids(request.req_id)
             if request.num_tokens_sent:  # the workers hold it: its new table replaces the old
                 plan.add_resumed(request, num_new_tokens, block_ids)
             else:  # never sent, or lost with a worker generation: it goes out whole
@@ -332,47 +352,78 @@ class Scheduler:
             return max(self.running, key=lambda request: (request.priority, request.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, victim: Request, plan: StepPlan, was_scheduled: bool) -> None:
-        """Free the victim's blocks and queue it first to recompute; the workers keep its tokens."""
-        self.running.remove(victim)
-        self.kv_cache_manager.free(victim, victim.num_computed_tokens if was_scheduled else None)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
+    def _preempt(self, request: Request, num_written_tokens: int | None = None) -> None:
+        """Preempt a request the caller took out of `running`, by recompute: free its blocks,
+        reset its progress and queue it first; its tokens are kept. The one path of both kinds,
+        for blocks that ran out and for a lost worker generation, and both count.
+
+        `num_written_tokens`: the tokens whose K/V the workers hold, when fewer than
+        `num_computed_tokens` (it was scheduled earlier in this step, which it will not run).
+        """
+        self.kv_cache_manager.free(request, num_written_tokens)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.prepend_request(victim)
-        plan.preempted_handles.append(victim.handle)
-        logger.debug("preempted %s", victim.handle)
+        self.waiting.prepend_request(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[bytes, EngineCoreOutputs]:
-        """Append each request's sampled token, apply the stop rules, and build client outputs."""
-        step = self._check_step(scheduler_output, model_runner_output)
+        """Answer the oldest step in flight: append each request's sampled token, apply the stop
+        rule, free the requests that finished, and build client outputs. The reply's logprobs
+        (reply_logprobs.py) go out with their tokens."""
+        step = self.steps_in_flight.pop_answered(scheduler_output, model_runner_output)
         sampled = unpack_int32(model_runner_output.sampled_token_ids)
-        logprobs = None
+        logprobs: list[TokenLogprobs | None]
         if step.has_logprobs or model_runner_output.sampled_token_ranks:
             logprobs = read_reply_logprobs(
                 model_runner_output, step.requests, step.is_sampling, sampled
             )
-        outputs, finished = step.apply(sampled, self.max_model_len, logprobs)
+        else:
+            logprobs = [None] * len(step.requests)
+        outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        finished: list[Request] = []
+        finished_while_preempted: list[Request] = []
+        for request, token_id, samples, token_logprobs in zip(
+            step.requests, sampled, step.is_sampling, logprobs, strict=True
+        ):
+            if not samples:
+                continue  # a partial prefill chunk: its sample means nothing
+            status = request.status
+            # Aborted, or stopped a step earlier: a token past its end, dropped with its logprobs.
+            if status is not _RUNNING and status.is_finished:
+                continue
+            # Running, or preempted while this step ran: the token is valid either way, and
+            # the workers appended it to their copy of the sequence as they sampled it.
+            request.num_output_placeholders -= 1
+            request.append_output_token_id(token_id)
+            request.num_tokens_sent += 1
+            finish_reason = None
+            finished_status = check_stop(request, len(request.all_token_ids), token_id)
+            if finished_status is not None:
+                finish_reason = finished_status.finish_reason
+                finished.append(request)
+                if status is not _RUNNING:  # preempted while the step ran: it waits in the queue
+                    finished_while_preempted.append(request)
+                request.status = finished_status
+            outputs[request.client_id].append(
+                EngineCoreOutput(
+                    request.client_req_id,
+                    [token_id],
+                    finish_reason,
+                    request.num_cached_tokens,
+                    None,
+                    token_logprobs,
+                )
+            )
         if finished:
-            preempted = [request for request, was_running in finished if not was_running]
-            if preempted:  # preempted while the step ran: they wait in the queue
-                self.waiting.remove_requests(preempted)
+            if finished_while_preempted:
+                self.waiting.remove_requests(finished_while_preempted)
             self.running = [request for request in self.running if request.status is _RUNNING]
-            for request, _ in finished:
+            for request in finished:
                 self._free_request(request, request.status)
         return group_by_client(outputs)
-
-    def _check_step(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> InFlightStep:
-        """The oldest step in flight, after checking that the output answers it."""
-        if not self._in_flight:
-            raise RuntimeError("update_from_output called with no step in flight")
-        self._in_flight[0].check_reply(scheduler_output, model_runner_output)
-        return self._in_flight.popleft()
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that is out of the queues: release blocks, forget it."""

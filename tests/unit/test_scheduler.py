@@ -6,7 +6,7 @@ from array import array
 import pytest
 from fake_executor import MakeHarness, reference_tokens
 
-from engine_core.sched.in_flight_step import InFlightStep
+from engine_core.sched.in_flight_step import InFlightStep, StepsInFlight
 from engine_core.sched.output import StepPlan
 from engine_core.sched.request import Request
 from protocol.buffers import pack_int32, unpack_int32
@@ -312,9 +312,24 @@ def test_building_a_step_plan_changes_no_request() -> None:
 
 def test_in_flight_step_invariants_catch_handles_that_name_other_requests() -> None:
     request = Request("r", [1, 2, 3], SamplingParams(), handle=1)
-    InFlightStep(1, [request], pack_int32([1]), [True]).check_invariants()
+    message = StepPlan().build(1, [])  # the step's SchedulerOutput: only its step_id is read
+    InFlightStep(1, [request], pack_int32([1]), [True], message).check_invariants()
     with pytest.raises(AssertionError, match="handles"):
-        InFlightStep(1, [request], pack_int32([2]), [True]).check_invariants()
+        InFlightStep(1, [request], pack_int32([2]), [True], message).check_invariants()
+
+
+def test_steps_in_flight_invariants_catch_a_skipped_step() -> None:
+    """The one record of the steps in flight holds consecutive steps, oldest first."""
+    request = Request("r", [1, 2, 3], SamplingParams(), handle=1)
+    steps_in_flight = StepsInFlight(2)
+    for step_id in (1, 3):
+        message = StepPlan().build(step_id, [])
+        steps_in_flight.add(InFlightStep(step_id, [request], pack_int32([1]), [True], message))
+    assert not steps_in_flight.can_add() and steps_in_flight.oldest().step_id == 1
+    with pytest.raises(AssertionError, match=r"\[1, 3\] are not consecutive"):
+        steps_in_flight.check_invariants()
+    steps_in_flight.forget()
+    assert len(steps_in_flight) == 0 and steps_in_flight.can_add()
 
 
 def test_invariants_hold_between_steps_with_two_steps_in_flight(make_harness: MakeHarness) -> None:
