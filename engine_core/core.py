@@ -1,7 +1,8 @@
 """EngineCore: the step loop of schedule, execute and update, over a pluggable Executor.
 
-It owns the Scheduler (and through it the only BlockPool) and never touches a socket: the server
-supplies an Executor that broadcasts each SchedulerOutput and gathers the ranks' replies.
+It owns the Scheduler (and through it the only BlockPool, and the one record of the steps in
+flight) and never touches a socket: the server supplies an Executor that broadcasts each
+SchedulerOutput and gathers the ranks' replies.
 """
 
 import logging
@@ -86,9 +87,9 @@ class EngineCore:
         if engine_config.scheduler.async_scheduling:
             is_pipelined = isinstance(executor, PipelinedExecutor)
             self._pipeline = executor if is_pipelined else SerialPipeline(executor)
-        self._in_flight: deque[SchedulerOutput] = deque()  # sent, not yet collected (async only)
-        # a failure sending the step queued behind an applied one, raised once that one's
-        # outputs are out (the next call of `step`)
+        # The steps sent and not yet collected are the scheduler's record (steps_in_flight).
+        # A failure sending the step queued behind an applied one, raised once that one's
+        # outputs are out (the next call of `step`).
         self._send_error: Exception | None = None
         self.scheduler = Scheduler(
             engine_config.scheduler,
@@ -135,7 +136,7 @@ class EngineCore:
         return (
             scheduler.has_unfinished_requests()
             or scheduler.has_finished_requests()
-            or bool(self._in_flight)
+            or scheduler.num_steps_in_flight > 0
             or self._send_error is not None
         )
 
@@ -150,6 +151,11 @@ class EngineCore:
     @property
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_manager.usage
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps sent to the ranks and not yet answered, as the scheduler records them."""
+        return self.scheduler.num_steps_in_flight
 
     @property
     def max_model_len(self) -> int:
@@ -186,16 +192,16 @@ class EngineCore:
         if (error := self._send_error) is not None:
             self._send_error = None
             raise error
-        in_flight = self._in_flight
-        if not in_flight:  # the first step of a burst runs while the next one is planned
+        steps_in_flight = self.scheduler.steps_in_flight
+        if not steps_in_flight:  # the first step of a burst runs while the next one is planned
             self._submit_next(pipeline)
             return {}
-        if len(in_flight) == 1:
+        if len(steps_in_flight) == 1:
             self._submit_next(pipeline)
-        step = in_flight.popleft()
+        step = steps_in_flight.oldest()
         model_runner_output = pipeline.collect(step.step_id)
         collected = perf_counter()
-        outputs = self.scheduler.update_from_output(step, model_runner_output)
+        outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:
             self.scheduler.check_invariants()
@@ -213,7 +219,6 @@ class EngineCore:
             scheduler_output = scheduler.schedule()
             self.schedule_time_s += perf_counter() - start
             pipeline.submit(scheduler_output)
-            self._in_flight.append(scheduler_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -238,11 +243,11 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.take_events()
 
     def requeue_for_new_workers(self) -> None:
-        """The worker generation was lost: every request will recompute on the next one."""
-        self._in_flight.clear()
+        """The worker generation was lost: every request will recompute on the next one, and
+        the scheduler forgets the steps in flight."""
         self._send_error = None
         if isinstance(self._pipeline, SerialPipeline):
-            self._pipeline.forget()  # WorkerGroup forgets its own when it retires a generation
+            self._pipeline.forget()  # a WorkerGroup drops a retired generation's replies itself
         self.scheduler.requeue_for_new_workers()
 
     @property
@@ -252,7 +257,6 @@ class EngineCore:
     def fail_all(self, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Fail every unfinished request with `error`, e.g. when a worker died."""
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
-        self._in_flight.clear()
         self._send_error = None
         return self.scheduler.fail_all(error)
 

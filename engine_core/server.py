@@ -127,7 +127,7 @@ class EngineServer:
         if router.left or router.stalled:
             self._abort_troubled_clients()
         if any(item in events for item in self._worker_items):
-            self.workers.check_idle_events()
+            self.workers.check_idle_events(self.core.num_steps_in_flight)
         if has_work or self.core.has_work():
             self._step()
         now = time.monotonic()

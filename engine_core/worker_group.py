@@ -8,7 +8,6 @@ this class never schedules, and it replaces a generation only when told to (DESI
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -100,7 +99,6 @@ class WorkerGroup:
         self.transport_time_s = 0.0  # total seconds sending steps and waiting for their replies
         # total seconds the least busy rank spent in the model's forward, as the ranks report it
         self.rank_forward_time_s = 0.0
-        self._submit_times: deque[tuple[int, float]] = deque()  # (step_id, perf_counter) sent
         self._encoder = make_encoder()
         self._decoder = worker_to_engine_decoder()
         self._is_serving = False
@@ -255,13 +253,12 @@ class WorkerGroup:
         self.last_step_id = step_id
         self.encode_time_s += encoded - start
         self.transport_time_s += time.perf_counter() - encoded
-        self._submit_times.append((step_id, encoded))
 
     def collect(self, step_id: int) -> ModelRunnerOutput:
         """Every rank's reply to `step_id`, the oldest step submitted and not yet collected;
-        rank 0's once all agree."""
-        awaited_id, _ = self._submit_times.popleft()
-        assert awaited_id == step_id, f"collecting step {step_id}, but step {awaited_id} is next"
+        rank 0's once all agree. Which step that is, the engine's scheduler records (its steps
+        in flight, in order); this group keeps no list of its own."""
+        assert step_id <= self.last_step_id, f"collecting step {step_id}, never broadcast"
         start = time.perf_counter()
         outputs = self.gather(step_id)
         # Only the time spent waiting counts: with asynchronous scheduling the ranks ran this
@@ -277,13 +274,16 @@ class WorkerGroup:
         """Every rank's ModelRunnerOutput for `step_id`, in rank order, within the step deadline."""
         return self.transport.gather(step_id, self.generation, self._sender_rank)
 
-    def check_idle_events(self) -> None:
+    def check_idle_events(self, num_steps_in_flight: int) -> None:
         """Between steps: raise if a rank died, disconnected or spoke out of turn. While a step
         is submitted and not yet collected (asynchronous scheduling), what its ranks send over
-        ZMQ, a reply or a WorkerFailed, is left for `collect`."""
+        ZMQ, a reply or a WorkerFailed, is left for `collect`.
+
+        `num_steps_in_flight`: the steps sent and not yet answered, from the engine's one
+        record of them (EngineCore.num_steps_in_flight)."""
         events = dict(self.poller.poll(0))
         self.watch.check(events)
-        if self.sock in events and not self._submit_times:
+        if self.sock in events and not num_steps_in_flight:
             identity, frame = self.sock.recv_multipart()
             rank = self._sender_rank(identity, "a frame")
             if rank is None:
@@ -329,7 +329,6 @@ class WorkerGroup:
         for identity, rank in self.ranks_by_identity.items():
             self.retired[identity] = (self.generation, rank)
         self.watch.retire(RETIRE_GRACE_S)
-        self._submit_times.clear()  # never to be answered
         self.hellos.clear()
         self.ranks_by_identity.clear()
         self.refusals.clear()
