@@ -160,6 +160,33 @@ def test_requeue_keeps_the_running_order_and_forgets_what_the_workers_were_told(
     assert not output.scheduled_cached_reqs.resumed_handles and not output.finished_handles
 
 
+def test_a_requeue_counts_one_preemption_per_running_request() -> None:
+    """A lost generation preempts its running requests by recompute through the path a pool
+    out of blocks takes, so num_preemptions counts them as the requests' own counts do; a
+    request still waiting loses nothing and is not counted."""
+    info = get_model_info("checksum", 4)
+    kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
+    executor = LosableGeneration("checksum", kv_cache_config, fault_steps=set())
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(
+            max_num_seqs=2, max_model_len=MAX_MODEL_LEN, async_scheduling=False
+        ),
+    ).checked()
+    core = EngineCore(config, kv_cache_config, info, executor)
+    for idx in range(3):
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        core.add_request(EngineCoreRequest(f"r{idx}", pack_int32([7, 8, 9, 10 + idx]), params, 0.0))
+    core.step()
+    core.step()
+    scheduler = core.scheduler
+    assert [request.req_id for request in scheduler.running] == ["r0", "r1"]
+    assert core.get_stats()["num_preemptions"] == 0
+    core.requeue_for_new_workers()
+    assert core.get_stats()["num_preemptions"] == 2
+    assert [scheduler.requests[f"r{idx}"].num_preemptions for idx in range(3)] == [1, 1, 0]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_new_generation_keeps_the_prompt_of_a_request_sent_again_whole(
     async_scheduling: bool,
