@@ -248,9 +248,10 @@ class Scheduler:
         while idx < len(running) and budget > 0:
             request = running[idx]
             # Its tokens once the steps in flight answer: the known ones and the placeholders.
-            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            num_placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + num_placeholders
             num_new_tokens = num_tokens - request.num_computed_tokens
-            if request.num_output_placeholders and (
+            if num_placeholders and (
                 num_new_tokens <= 0  # nothing to compute until its last token is known
                 # its pending token is its last whatever its value: scheduling past it wastes
                 # a slot, and the token sampled there would be dropped
