@@ -1,7 +1,8 @@
 """Scheduler: continuous batching over one KVCacheManager, with chunked prefill and preemption.
 
 It decides which requests run each step and with how many tokens, and turns the workers' sampled
-tokens into per-client outputs. No I/O: the EngineCore carries its messages.
+tokens into per-client outputs. It owns its requests' state (no other module advances a request)
+and the record of the steps in flight. No I/O: the EngineCore carries its messages.
 """
 
 import logging
@@ -358,8 +359,9 @@ class Scheduler:
         reset its progress and queue it first; its tokens are kept. The one path of both kinds,
         for blocks that ran out and for a lost worker generation, and both count.
 
-        `num_written_tokens`: the tokens whose K/V the workers hold, when fewer than
-        `num_computed_tokens` (it was scheduled earlier in this step, which it will not run).
+        `num_written_tokens`: the tokens whose K/V the ranks hold or will write, when fewer than
+        its cached blocks cover: it was scheduled earlier in the step being planned, which it
+        will not run, so blocks cached for that step's tokens leave the prefix-cache index.
         """
         self.kv_cache_manager.free(request, num_written_tokens)
         request.status = RequestStatus.PREEMPTED
