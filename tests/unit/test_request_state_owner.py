@@ -1,5 +1,7 @@
-"""One owner for a request's state: no module of engine_core/sched but the Scheduler's
-(scheduler.py) and Request's own (request.py) changes a Request's fields.
+"""One owner for a request's state: no module of engine_core but the Scheduler's
+(sched/scheduler.py) and Request's own (sched/request.py) changes a Request's fields. The sched
+package is where the temptation lives; the KV-cache managers, which receive requests, and every
+other engine module are held to the same rule.
 
 The checker parses every module under a root, so the tests below also run it on a planted tree.
 Request's fields are the names in its `__slots__`, read from request.py. In any other module it
@@ -8,10 +10,10 @@ reports, on `<expr>.<field>` where `<expr>` is not the bare name `self`:
   target, unpacked targets included;
 - an item assignment or `del` on the field (`<expr>.block_hashes[0] = ...`);
 - a call of a mutating method on the field (`<expr>.all_token_ids.append(...)`);
-and, on any `<expr>`, a call of one of Request's own commands (REQUEST_COMMANDS) and a
-`setattr(<expr>, "<field>", ...)`. `self.<field>` is another class's own attribute of that name
-(RequestIntake.eos_token_ids), except inside a class that derives from Request, where it is
-reported too.
+- a call of one of Request's own commands (`<expr>.append_output_token_id(...)`);
+and any `setattr(<expr>, "<field>", ...)`. `self.<field>` is another class's own attribute of
+that name (RequestIntake.eos_token_ids), except inside a class that derives from Request, where
+it is reported too.
 """
 
 import ast
@@ -20,9 +22,9 @@ import pathlib
 from engine_core.sched.request import Request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGE = "engine_core/sched"
-REQUEST_MODULE = f"{PACKAGE}/request.py"
-OWNER_MODULES = (f"{PACKAGE}/scheduler.py", REQUEST_MODULE)  # exactly the owners
+PACKAGE = "engine_core"
+REQUEST_MODULE = f"{PACKAGE}/sched/request.py"
+OWNER_MODULES = (f"{PACKAGE}/sched/scheduler.py", REQUEST_MODULE)  # exactly the owners
 # Request's methods that change it; the owners call them, nobody else does.
 REQUEST_COMMANDS = frozenset({"append_output_token_id", "append_output_token_ids"})
 # Methods of the fields' types (array, list, set, dict) that change the object in place.
@@ -235,9 +237,14 @@ def test_checker_reports_request_writes_planted_outside_the_owners(
                 "def count(requests):\n"
                 "    return sum(request.num_computed_tokens for request in requests)\n"
             ),
+            "engine_core/kv_cache/manager.py": (
+                "def allocate(request, num_tokens):\n"
+                "    request.num_computed_tokens += num_tokens\n"
+            ),
         },
     )
     assert request_state_violations(root) == [
+        "engine_core/kv_cache/manager.py:2 assigns num_computed_tokens",
         "engine_core/sched/step.py:11 calls append_output_token_id",
         "engine_core/sched/step.py:12 assigns num_computed_tokens",
         "engine_core/sched/step.py:14 assigns status",
@@ -249,5 +256,8 @@ def test_checker_reports_request_writes_planted_outside_the_owners(
     ]
     (root / "engine_core/sched/step.py").write_text(
         "class Step:\n    def __init__(self, priority):\n        self.priority = priority\n"
+    )
+    (root / "engine_core/kv_cache/manager.py").write_text(
+        "def allocate(request, num_tokens):\n    return request.num_computed_tokens + num_tokens\n"
     )
     assert request_state_violations(root) == []
