@@ -221,13 +221,15 @@ class Scheduler:
         num_tokens = plan.new_num_tokens + plan.running_num_tokens + plan.resumed_num_tokens
         is_sampling = []
         for request, num_new_tokens in zip(requests, num_tokens, strict=True):
-            request.num_computed_tokens += num_new_tokens
+            num_computed = request.num_computed_tokens + num_new_tokens
+            request.num_computed_tokens = num_computed
             num_known = len(request.all_token_ids)
             request.num_tokens_sent = num_known
             # A step that reaches the end of the sequence samples its next token: until that
             # token arrives, it is a placeholder the next step may already compute on.
-            samples = request.num_computed_tokens >= num_known + request.num_output_placeholders
-            request.num_output_placeholders += samples
+            num_placeholders = request.num_output_placeholders
+            samples = num_computed >= num_known + num_placeholders
+            request.num_output_placeholders = num_placeholders + samples
             is_sampling.append(samples)
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
@@ -245,6 +247,10 @@ class Scheduler:
         no_new_blocks = kv_cache_manager.empty_kv_cache_blocks  # what most decode steps get
         prefill_cap = self._prefill_cap
         aligned_chunks = self._aligned_chunks
+        # The plan's running columns, filled in step with each other (unschedule_running edits
+        # them in place, so these stay the plan's own lists).
+        scheduled, scheduled_num_tokens = plan.running_reqs, plan.running_num_tokens
+        scheduled_block_ids = plan.running_block_ids
         idx = 0
         while idx < len(running) and budget > 0:
             request = running[idx]
@@ -277,7 +283,7 @@ class Scheduler:
                 victim = self._pick_victim()
                 # A victim scheduled earlier in this step will not run it: blocks it cached for
                 # this step's tokens must leave the index (num_computed_tokens is pre-step here).
-                was_scheduled = victim in plan.running_reqs
+                was_scheduled = victim in scheduled
                 if was_scheduled:
                     budget += plan.unschedule_running(victim)
                 victim_idx = running.index(victim)
@@ -292,10 +298,10 @@ class Scheduler:
                 new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
                 continue  # the request itself was the victim; running[idx] is the next one
-            plan.running_reqs.append(request)
-            plan.running_num_tokens.append(num_new_tokens)
+            scheduled.append(request)
+            scheduled_num_tokens.append(num_new_tokens)
             # A decode step rarely crosses a block boundary: send None, not empty lists.
-            plan.running_block_ids.append(
+            scheduled_block_ids.append(
                 None if new_blocks is no_new_blocks else new_blocks.get_block_ids()
             )
             budget -= num_new_tokens
