@@ -6,7 +6,6 @@ exactly the oldest step, and never changes a request: the Scheduler applies the 
 """
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine_core.sched.request import Request
@@ -81,9 +80,6 @@ class StepsInFlight:
 
     def __len__(self) -> int:
         return len(self._steps)
-
-    def __iter__(self) -> Iterator[InFlightStep]:
-        return iter(self._steps)
 
     def can_add(self) -> bool:
         return len(self._steps) < self.max_num_steps
