@@ -1,12 +1,7 @@
-"""One Hypothesis state machine over KVCacheManager, parameterised by its groups' KV-cache specs.
-
-A subclass names the specs (full, sliding-window, chunked-local, R-SWA and cross attention, in
-any block sizes), the pool size and the prompts; test_kv_manager_machines.py holds them. A
-stand-in for the workers writes what each computed token's K/V depends on into its slot of a
-dict-based copy of the paged cache, and a request's encoder input into its cross-attention
-blocks when it is admitted. Every token's attention reads, every prefix hit and every encoder
-read is checked against those slots, so a false hit, a wrong table or a block reused while held
-fails the run. Requests hash at the gcd of the prefix-cached groups' block sizes.
+"""One Hypothesis state machine over KVCacheManager, parameterised by its groups' KV-cache specs
+(full, sliding-window, chunked-local, R-SWA and cross attention, in any block sizes), against a
+dict-based model of the paged cache; test_kv_manager_machines.py holds the subclasses. It owns no
+engine state and imports no torch.
 """
 
 import math
@@ -39,7 +34,19 @@ BRUTE_FORCE_SPECS = (FullAttentionSpec, SlidingWindowSpec, CrossAttentionSpec)
 class KVCacheManagerModelMachine(RuleBasedStateMachine):
     """Random admissions with shared prefixes (and recurring encoder inputs), admissions that
     extend a running request, chunked prefill, decode, preemption when the pool runs out and at
-    will, finish, finish-all and prefix-cache reset."""
+    will, finish, finish-all and prefix-cache reset.
+
+    A subclass names the specs, the pool size and the prompts. A stand-in for the workers writes
+    what each computed token's K/V depends on into its slot, and a request's encoder input into
+    its cross-attention blocks when it is admitted. Every token's attention reads, every prefix
+    hit and every encoder read is checked against those slots, so a false hit, a wrong table or
+    a block reused while held fails the run. Requests hash at the gcd of the prefix-cached
+    groups' block sizes.
+
+    test_kv_cache_manager_state_machine.py's one-group and full-plus-window machines are this
+    machine with specs (full_spec(),) and (full_spec(), window_spec(5)); its fast-versus-general
+    allocation check would be one more rule here.
+    """
 
     specs: tuple[KVCacheSpec, ...]
     num_blocks: int
