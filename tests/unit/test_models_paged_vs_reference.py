@@ -2,6 +2,9 @@
 
 The engine's own Scheduler drives one ModelRunner through chunked prefill, prefix hits (shared
 blocks, same-step sharing), sliding-window blocks freed and reused, and preemption with recompute.
+tiny-mla's latents and tiny-mamba-hybrid's states (align mode with a cache: block-aligned chunks
+leave checkpoints later prompts resume from; one state block without) take the same workloads;
+test_tiny_mla.py and test_tiny_mamba.py hold what only they have.
 """
 
 import functools
@@ -21,6 +24,7 @@ from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
 DEVICE = torch.device(worker_test_device())
 MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
+STATE_MODELS = ["tiny-mla", "tiny-mamba-hybrid"]  # latents or Mamba states beside (or in) K/V
 PARAMS = [
     SamplingParams(max_tokens=7, ignore_eos=True),
     SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True),
@@ -64,8 +68,11 @@ def assert_matches_reference(model: str, result: RankResult) -> None:
         assert result.outputs[i + 1] == reference(model, i, i % len(PARAMS)), f"request {i + 1}"
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize(
+    ("model", "block_size"),
+    [(m, size) for m in MODELS for size in (1, 16, 32)]
+    + [(m, size) for m in STATE_MODELS for size in (16, 32)],
+)
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_paged_tokens_equal_reference(
     model: str, block_size: int, enable_prefix_caching: bool
@@ -89,12 +96,23 @@ def test_paged_tokens_equal_reference(
 # its window of 48 and 32 tokens a step span: at block sizes 1, 4 and 32 the least the Scheduler
 # admits (167 < 2 x 86 + 1 at size 1); at 16 that least (13) never preempts. Each block id serves
 # one group at a time from tensors the groups share.
+# tiny-mla's latents fit the plain pools; tiny-mamba-hybrid also holds two state blocks, and
+# plans 48 tokens a step so that its chunks end on block boundaries past the shared prefixes.
 TIGHT_NUM_BLOCKS = {1: 87, 4: 23, 16: 9, 32: 4}
 TIGHT_HYBRID_NUM_BLOCKS = {1: 167, 4: 44, 16: 17, 32: 7}
+TIGHT_MAMBA_NUM_BLOCKS = {16: 11, 32: 6}
+TIGHT_POOLS = {
+    "tiny-llama-hybrid": TIGHT_HYBRID_NUM_BLOCKS,
+    "tiny-mamba-hybrid": TIGHT_MAMBA_NUM_BLOCKS,
+}
+MAX_NUM_BATCHED_TOKENS = {"tiny-mamba-hybrid": 48}  # 32 for the others
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(
+    ("model", "block_size"),
+    [(m, size) for m in MODELS for size in (1, 4, 16, 32)]
+    + [(m, size) for m in STATE_MODELS for size in (16, 32)],
+)
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_tokens_survive_preemption_and_recompute(
     model: str, block_size: int, enable_prefix_caching: bool
@@ -102,14 +120,16 @@ def test_tokens_survive_preemption_and_recompute(
     """Too few blocks for the batch: the last running request is preempted and later resumed.
 
     Guards the resumed path at every block size, not only at 4: a replacement table whose
-    length or slot arithmetic depended on the block size would change the tokens.
+    length or slot arithmetic depended on the block size would change the tokens. Resumed
+    tiny-mla requests recompute their latents, tiny-mamba-hybrid ones their states from a hit or
+    from zero: a read from a block of the old table would change the tokens.
     """
-    pools = TIGHT_HYBRID_NUM_BLOCKS if model == "tiny-llama-hybrid" else TIGHT_NUM_BLOCKS
+    pools = TIGHT_POOLS.get(model, TIGHT_NUM_BLOCKS)
     work = workload(
         model,
         block_size,
         pools[block_size],
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS.get(model, 32),
         enable_prefix_caching=enable_prefix_caching,
     )
     result = run_workload(work, single_rank_group(), DEVICE)
@@ -117,11 +137,10 @@ def test_tokens_survive_preemption_and_recompute(
     assert_matches_reference(model, result)
 
 
-def test_float64_kv_cache_gives_the_same_tokens() -> None:
-    result = run_workload(
-        workload("tiny-llama-hybrid", 16, 40, dtype="float64"), single_rank_group(), DEVICE
-    )
-    assert_matches_reference("tiny-llama-hybrid", result)
+@pytest.mark.parametrize("model", ["tiny-llama-hybrid", *STATE_MODELS])
+def test_float64_kv_cache_gives_the_same_tokens(model: str) -> None:
+    result = run_workload(workload(model, 16, 40, dtype="float64"), single_rank_group(), DEVICE)
+    assert_matches_reference(model, result)
 
 
 def test_preemption_of_a_decoding_request_keeps_its_tokens() -> None:
@@ -184,11 +203,12 @@ def test_hybrid_block_ids_pass_between_groups_that_share_tensors(
         assert outputs[i + 1] == reference("tiny-llama-hybrid", i, i % len(PARAMS)), f"{i + 1}"
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [*MODELS, "tiny-mla"])
 def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
-    """Proves the models read K/V through the block table: one wrong entry, different tokens."""
+    """Proves the models read K/V (tiny-mla: latents) through the block table: one wrong entry,
+    different tokens."""
     prompts = [PROMPTS[0], PROMPTS[3]]  # 8 tokens (blocks 0 and 1 of 4 tokens), then 9 tokens
-    work = Workload(model, 4, 60, prompts, [PARAMS[0]] * 2, 200, check_invariants=True)
+    work = Workload(model, 4, 80, prompts, [PARAMS[0]] * 2, 200, check_invariants=True)
     core, executor = build_rank(work, single_rank_group(), DEVICE)
     first_step = core.step()  # both prefills, each with its first token
     tokens = [
@@ -203,7 +223,8 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     row, other = input_batch.handle_to_row[1], input_batch.handle_to_row[2]
     table.block_table[row, 1] = table.block_table[other, 1]  # positions 4..7 read the other's
     outputs = run_to_completion(core)
-    assert tokens and tokens + outputs[1] != reference(model, 0, 0)
+    expected = reference(model, 0, 0)
+    assert tokens == expected[:1] and tokens + outputs[1] != expected
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

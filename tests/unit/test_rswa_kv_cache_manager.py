@@ -1,26 +1,14 @@
-"""R-SWA through KVCacheManager: scenarios with exact block ids, then the engine-path state machine
-(allocate_slots, preemption, reset) over an R-SWA group, alone and beside full attention.
+"""R-SWA through KVCacheManager: scenarios with exact block ids. The engine-path state machine over
+an R-SWA group, alone and beside full attention, is in test_kv_manager_machines.py.
 """
 
-from array import array
-
-import hypothesis.strategies as st
-from hypothesis.stateful import precondition, rule
-from test_kv_cache_manager_state_machine import (
-    FULL,
-    MAX_MODEL_LEN,
-    STEP_SETTINGS,
-    KVCacheManagerMachine,
-)
-
-from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
+from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, RSWASpec
+from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, RSWASpec
 from engine_core.sched.request import Request, RequestStatus
 from protocol.sampling import SamplingParams
 
 BLOCK_SIZE = 2
-RSWA = RSWASpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", rswa_window=3)
 
 
 def _manager(num_blocks: int = 10, rswa_window: int = 2) -> KVCacheManager:
@@ -100,99 +88,3 @@ def test_a_resumed_request_hits_only_its_own_prompt() -> None:
     hits, num_hit_tokens = manager.get_computed_blocks(resumed)
     assert num_hit_tokens == 4
     assert hits.get_block_ids() == ([1, 2],)
-
-
-class RSWAKVCacheManagerMachine(KVCacheManagerMachine):
-    """The engine-path machine over R-SWA; each slot also records whether it was written as a
-    prompt token, since a generated token's K/V saw a window and a prompt token's did not."""
-
-    specs: tuple[KVCacheSpec, ...] = (RSWA,)
-    num_blocks = 24
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.is_prompt_slot: dict[int, list[bool | None]] = {}  # block_id -> kind per slot
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def preempt(self, data: st.DataObject) -> None:
-        """Preempt a request at will, so resumed requests with generated tokens look up hits."""
-        self._preempt(self.running[data.draw(st.integers(0, len(self.running) - 1))])
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data(), token=st.integers(0, 3))
-    def admit_extension(self, data: st.DataObject, token: int) -> None:
-        """Admit a prompt that is another request's tokens so far, generated ones included: its
-        prompt blocks then cache what the other request computed as generated tokens."""
-        other = self.running[data.draw(st.integers(0, len(self.running) - 1))]
-        if other.num_tokens >= MAX_MODEL_LEN - 4:
-            return
-        self.num_requests += 1
-        tokens = [*other.all_token_ids, token]
-        request = Request(
-            f"r{self.num_requests}", tokens, SamplingParams(), block_hasher=self.hasher
-        )
-        self._admit(request)
-
-    def _check_attention_reads(
-        self, request: Request, table: list[int], pos: int, spec: KVCacheSpec
-    ) -> None:
-        """Record how token `pos` was just written, then check what it reads.
-
-        The base machine calls this right after writing token `pos` into `table`. An R-SWA token
-        reads the whole prompt and the `rswa_window` tokens before it; full attention reads all.
-        """
-        block_id = table[pos // BLOCK_SIZE]
-        kinds = self.is_prompt_slot.setdefault(block_id, [None] * BLOCK_SIZE)
-        kinds[pos % BLOCK_SIZE] = pos < request.num_prompt_tokens
-        num_prompt = request.num_prompt_tokens
-        read_positions = range(pos + 1)
-        if isinstance(spec, RSWASpec):
-            window_start = max(num_prompt, pos - spec.rswa_window)
-            read_positions = [*range(min(num_prompt, pos + 1)), *range(window_start, pos + 1)]
-        for read_pos in read_positions:
-            block_id = table[read_pos // BLOCK_SIZE]
-            slot = read_pos % BLOCK_SIZE
-            found = self.slots.get(block_id, [None] * BLOCK_SIZE)[slot]
-            kind = self.is_prompt_slot.get(block_id, [None] * BLOCK_SIZE)[slot]
-            assert block_id != 0 and found == request.all_token_ids[read_pos], (
-                f"{request.req_id} token {pos} reads token {read_pos} from block {block_id}: "
-                f"found {found}, expected {request.all_token_ids[read_pos]}"
-            )
-            # Full attention computes the same K/V either way; R-SWA does not.
-            assert not isinstance(spec, RSWASpec) or kind == (read_pos < num_prompt), (
-                f"{request.req_id} token {pos} reads position {read_pos} from block {block_id}, "
-                f"written as {'prompt' if kind else 'generated'}"
-            )
-
-    def _check_hits(self, request: Request, hits: KVCacheBlocks, num_hit_tokens: int) -> None:
-        """Hit blocks hold the request's tokens, written as prompt tokens, within its prompt."""
-        assert num_hit_tokens % BLOCK_SIZE == 0 and num_hit_tokens < request.num_tokens
-        assert num_hit_tokens <= request.num_prompt_tokens
-        tokens = request.all_token_ids
-        for group_id, blocks in enumerate(hits.blocks):
-            assert len(blocks) == num_hit_tokens // BLOCK_SIZE
-            for idx, block in enumerate(blocks):
-                assert not block.is_null, f"{request.req_id} hits the null block at {idx}"
-                key = make_block_hash_with_group_id(request.block_hashes[idx], group_id)
-                assert block.block_hash == key
-                expected = array("i", tokens[idx * BLOCK_SIZE : (idx + 1) * BLOCK_SIZE]).tolist()
-                assert self.slots[block.block_id] == expected, (
-                    f"false hit: block {block.block_id} holds {self.slots[block.block_id]}, "
-                    f"{request.req_id} expects {expected}"
-                )
-                if isinstance(self.specs[group_id], RSWASpec):
-                    assert self.is_prompt_slot[block.block_id] == [True] * BLOCK_SIZE, (
-                        f"false hit: R-SWA block {block.block_id} holds generated K/V"
-                    )
-
-
-class HybridRSWAKVCacheManagerMachine(RSWAKVCacheManagerMachine):
-    specs = (FULL, RSWA)
-    num_blocks = 40
-
-
-TestRSWAKVCacheManagerMachine = RSWAKVCacheManagerMachine.TestCase
-TestRSWAKVCacheManagerMachine.settings = STEP_SETTINGS
-TestHybridRSWAKVCacheManagerMachine = HybridRSWAKVCacheManagerMachine.TestCase
-TestHybridRSWAKVCacheManagerMachine.settings = STEP_SETTINGS

@@ -9,13 +9,14 @@ import threading
 
 import pytest
 import torch
+from test_tiny_mla import BARRIER_TIMEOUT_S, ThreadedTPGroup
 
 from bench.workload import Workload, build_rank, run_to_completion
 from protocol.buffers import pack_int32
 from protocol.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig
 from protocol.sampling import SamplingParams
 from tests.conftest import worker_test_device
-from worker.distributed import TPGroup, single_rank_group
+from worker.distributed import single_rank_group
 from worker.encoder_inputs import EncoderInputs
 from worker.models.registry import get_model_info
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
@@ -25,7 +26,6 @@ from worker.profiling import profile_step_output, run_profile_step
 DEVICE = torch.device(worker_test_device())
 MODEL = TINY_ENCDEC.name
 CROSS_GROUP = 1
-BARRIER_TIMEOUT_S = 60.0
 PARAMS = [
     SamplingParams(max_tokens=14, ignore_eos=True),
     SamplingParams(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True),
@@ -172,22 +172,6 @@ def test_a_corrupted_cross_attention_table_changes_the_tokens() -> None:
 def test_a_cross_attention_table_into_the_null_block_is_refused() -> None:
     with pytest.raises(ValueError, match="maps its encoder tokens into the null block"):
         _first_step_then_corrupt(0)
-
-
-class ThreadedTPGroup(TPGroup):
-    """Ranks as threads of one process: all_reduce sums every rank's tensor at a barrier."""
-
-    def __init__(self, rank: int, tp_size: int, slots: list, barrier: threading.Barrier) -> None:
-        super().__init__(rank, tp_size, process_group=object())
-        self.slots = slots
-        self.barrier = barrier
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[self.rank] = tensor
-        self.barrier.wait()
-        total = sum(self.slots[1:], self.slots[0])
-        self.barrier.wait()  # nobody overwrites a slot before every rank has summed
-        return total
 
 
 def test_tp2_shards_all_reduce_to_exactly_the_tp1_logits() -> None:

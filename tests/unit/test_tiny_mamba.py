@@ -1,15 +1,24 @@
-"""tiny-mamba-hybrid's paged tokens equal its unpaged reference: block sizes 16 and 32, prefix
-caching on (align mode: checkpoints, hits) and off (one state block), chunked prefill, preemption
-with recompute; its states are read and written through the Mamba group's block table, so a wrong
-block id or a lost checkpoint changes the tokens; its TP shards all-reduce to the TP=1 logits.
+"""tiny-mamba-hybrid's states are read and written through the Mamba group's block table, so a
+wrong block id or a lost checkpoint changes the tokens; asynchronous scheduling and random
+arrivals and aborts keep the reference tokens; its TP shards all-reduce to the TP=1 logits.
+
+Its paged tokens at block sizes 16 and 32, prefix caching on (align mode: checkpoints, hits) and
+off (one state block), with chunked prefill, preemption and float64, are checked with the other
+models' in test_models_paged_vs_reference.py.
 """
 
-import functools
 import random
 import threading
 
 import pytest
 import torch
+from test_models_paged_vs_reference import (
+    PARAMS,
+    PROMPTS,
+    TIGHT_MAMBA_NUM_BLOCKS,
+    assert_matches_reference,
+    workload,
+)
 from test_tiny_mla import BARRIER_TIMEOUT_S, ThreadedTPGroup
 
 from bench.workload import Workload, build_rank, run_to_completion, run_workload
@@ -21,7 +30,7 @@ from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
 from worker.mamba_state import DenseMambaState
 from worker.model_runner import ModelRunner, StepTimings
-from worker.models.reference import reference_generate
+from worker.models.reference import ReferenceModel, reference_generate
 from worker.models.registry import get_model_info
 from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
 from worker.models.tiny_mamba_reference import DenseCausalKV
@@ -29,46 +38,8 @@ from worker.models.tiny_mamba_reference import DenseCausalKV
 DEVICE = torch.device(worker_test_device())
 MODEL = TINY_MAMBA_HYBRID.name
 MAMBA_GROUP = 1
-PARAMS = [
-    SamplingParams(max_tokens=7, ignore_eos=True),
-    SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True),
-    SamplingParams(max_tokens=6, temperature=1.3, ignore_eos=True),  # unseeded: handle-derived
-    SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5, 77, 301]),
-]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_prompts(seed: int, count: int) -> list[list[int]]:
-    """Prompts of 10..90 tokens; most share a 70-token prefix so prefix caching hits."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 500) for _ in range(70)]
-    prompts = []
-    for i in range(count):
-        head = shared[: rng.randrange(10, 70)] if i % 3 else []
-        prompts.append(head + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 25))])
-    return prompts
-
-
-PROMPTS = make_prompts(seed=3, count=6)
-
-
-@functools.cache
-def reference(prompt_idx: int) -> list[int]:
-    params = PARAMS[prompt_idx % len(PARAMS)]
-    return reference_generate(MODEL, PROMPTS[prompt_idx], params, handle=prompt_idx + 1)
-
-
-def workload(block_size: int, num_blocks: int, **options: object) -> Workload:
-    params = [PARAMS[i % len(PARAMS)] for i in range(len(PROMPTS))]
-    return Workload(
-        MODEL, block_size, num_blocks, PROMPTS, params, check_invariants=True, **options
-    )
-
-
-def assert_matches_reference(outputs: dict[int, list[int]]) -> None:
-    for i in range(len(PROMPTS)):
-        assert outputs[i + 1] == reference(i), f"request {i + 1}"
 
 
 def test_groups_are_full_attention_then_align_mode_states() -> None:
@@ -78,53 +49,14 @@ def test_groups_are_full_attention_then_align_mode_states() -> None:
     assert groups[MAMBA_GROUP].layer_names == ["layers.1.mamba", "layers.3.mamba"]
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_paged_tokens_equal_reference(block_size: int, enable_prefix_caching: bool) -> None:
-    """Every prompt longer than 24 tokens is prefilled in chunks; with a cache, in block-aligned
-    chunks that leave checkpoints later prompts resume from."""
-    work = workload(
-        block_size,
-        1 + 4 * 128 // block_size,  # room for several requests at once
-        max_num_batched_tokens=24,
-        enable_prefix_caching=enable_prefix_caching,
-    )
-    result = run_workload(work, single_rank_group(), DEVICE)
-    assert_matches_reference(result.outputs)
-    assert (result.num_hit_tokens > 0) == enable_prefix_caching
-    assert max(len(p) for p in PROMPTS) > 24
-
-
-# Pools too small for the batch, yet each holding the longest request alone (its attention
-# blocks and two state blocks).
-TIGHT_NUM_BLOCKS = {16: 11, 32: 6}
-
-
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_tokens_survive_preemption_and_resumption(
-    block_size: int, enable_prefix_caching: bool
-) -> None:
-    """Preempted requests come back with fresh blocks and recompute their states from a hit or
-    from zero: a state read from a block of the old table would change the tokens."""
-    work = workload(
-        block_size,
-        TIGHT_NUM_BLOCKS[block_size],
-        max_num_batched_tokens=48,
-        enable_prefix_caching=enable_prefix_caching,
-    )
-    result = run_workload(work, single_rank_group(), DEVICE)
-    assert result.num_preemptions > 0
-    assert_matches_reference(result.outputs)
-
-
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_asynchronous_scheduling_gives_the_same_tokens(enable_prefix_caching: bool) -> None:
     """The next step is planned before the workers answer, on a placeholder token: its state
     blocks still follow the rule, through hits, chunks and preemption."""
     work = workload(
+        MODEL,
         16,
-        TIGHT_NUM_BLOCKS[16],
+        TIGHT_MAMBA_NUM_BLOCKS[16],
         max_num_batched_tokens=24,
         enable_prefix_caching=enable_prefix_caching,
         async_scheduling=True,
@@ -132,12 +64,7 @@ def test_asynchronous_scheduling_gives_the_same_tokens(enable_prefix_caching: bo
     result = run_workload(work, single_rank_group(), DEVICE)
     assert result.num_preemptions > 0
     assert (result.num_hit_tokens > 0) == enable_prefix_caching
-    assert_matches_reference(result.outputs)
-
-
-def test_float64_states_give_the_same_tokens() -> None:
-    result = run_workload(workload(16, 40, dtype="float64"), single_rank_group(), DEVICE)
-    assert_matches_reference(result.outputs)
+    assert_matches_reference(MODEL, result)
 
 
 class CheckpointWatch:
@@ -304,8 +231,9 @@ def test_random_arrivals_and_aborts_serve_the_reference_tokens(
     assert not core.has_work(), "every request should have finished"
     assert core.kv_cache_usage == 0.0 and core.get_stats()["num_preemptions"] > 0
     assert (core.get_stats()["prefix_cache_hits"] > 0) == enable_prefix_caching
+    reference_model = ReferenceModel(MODEL)  # one for all prompts: one per prompt doubles the time
     for req_id, prompt in prompts.items():
-        expected = reference_generate(MODEL, prompt, params[req_id])
+        expected = reference_model.generate(prompt, params[req_id])
         if req_id in aborted:
             expected = expected[: len(outputs[req_id])]
         assert outputs[req_id] == expected, req_id

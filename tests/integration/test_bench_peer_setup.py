@@ -1,12 +1,17 @@
 """bench/peers/setup.sh, the README's way to build the vLLM peer environment, is a runnable script
-that refuses bad arguments before it installs anything."""
+that refuses bad arguments before it installs anything.
+It starts bash, so it is an integration test."""
 
 import os
 import pathlib
 import subprocess
 
+import pytest
+
 SETUP = pathlib.Path(__file__).resolve().parents[2] / "bench" / "peers" / "setup.sh"
 TIMEOUT_S = 10.0
+
+pytestmark = pytest.mark.integration
 
 
 def test_setup_script_is_executable_bash_that_parses() -> None:

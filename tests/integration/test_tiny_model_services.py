@@ -1,0 +1,203 @@
+"""tiny-mla, tiny-mamba-hybrid and tiny-local through the real service (launcher, engine, workers):
+served tokens equal the dense reference at TP=1 and TP=2, prefix caching on and off, block sizes
+16 and 32, chunked prefill, and pools small enough to force preemption.
+
+Each launch costs seconds on a loaded machine, so each model's cases cover every axis at least once
+rather than their product. tiny-encdec, whose requests carry encoder inputs, has its own module.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+
+from engine_core.client import EngineClient
+from tests.integration.conftest import Processes, stop_launch
+from tests.integration.served_requests import (
+    assert_cache_use,
+    launch_checked,
+    mixed_params,
+    reference_tokens,
+    serve_and_check,
+    shared_prefix_prompts,
+)
+
+pytestmark = pytest.mark.integration
+
+CLIENT_TIMEOUT_S = 180.0
+CACHED, UNCACHED = "--enable-prefix-caching", "--no-enable-prefix-caching"
+
+
+@dataclass(frozen=True)
+class ServedCase:
+    """One launch and the requests served through it."""
+
+    model: str
+    tp_size: int
+    block_size: int
+    caching_flag: str
+    max_model_len: int
+    num_requests: int
+    prefix_len: int  # tokens every prompt shares
+    tail_len: int  # the first prompt's own tokens; each later one has one more
+    seed: int
+    num_tokens: int  # max_tokens of every request
+    max_num_batched_tokens: int | None = None
+    num_gpu_blocks: int | None = None
+    is_first_alone: bool = False  # serve the first prompt before the others
+
+    @property
+    def id(self) -> str:
+        caching = "cached" if self.caching_flag == CACHED else "uncached"
+        return f"{self.model}-tp{self.tp_size}-block{self.block_size}-{caching}"
+
+
+# Positional fields: model, tp_size, block_size, caching_flag, max_model_len, num_requests,
+# prefix_len, tail_len, seed, num_tokens.
+CHUNKED_CASES = [
+    # Prompts of 57 to 62 tokens in steps of at most 24: every prefill runs in three chunks; the
+    # latent is replicated on every rank.
+    ServedCase("tiny-mla", 1, 16, CACHED, 256, 6, 48, 9, 1, 6, max_num_batched_tokens=24),
+    ServedCase("tiny-mla", 2, 32, UNCACHED, 256, 6, 48, 9, 2, 6, max_num_batched_tokens=24),
+    # The same prompts; with a cache the chunks end on block boundaries, and the first prompt runs
+    # alone, so the others resume from its checkpoint at 32 tokens of the shared 48. The state
+    # channels are split over the ranks.
+    ServedCase(
+        "tiny-mamba-hybrid",
+        1,
+        16,
+        CACHED,
+        256,
+        6,
+        48,
+        9,
+        1,
+        8,
+        max_num_batched_tokens=24,
+        is_first_alone=True,
+    ),
+    ServedCase(
+        "tiny-mamba-hybrid",
+        2,
+        32,
+        UNCACHED,
+        256,
+        6,
+        48,
+        9,
+        2,
+        8,
+        max_num_batched_tokens=24,
+        is_first_alone=True,
+    ),
+    # Prompts of 49 to 54 tokens cross the 32-token chunk boundary mid-prefill, later requests hit
+    # the shared 40-token prefix, and 56 generated tokens each take the R-SWA window past the
+    # prompt's blocks, so the engine frees gap blocks and earlier chunks while the workers still
+    # read the prompt and the current chunk.
+    ServedCase("tiny-local", 1, 16, CACHED, 128, 6, 40, 9, 1, 56, max_num_batched_tokens=24),
+]
+
+PREEMPTION_CASES = [
+    # Three requests grow to 50-52 tokens in a pool of fewer blocks than they need together (at
+    # block size 16 they share the prefix's block when cached: 10 blocks of 9 usable): some are
+    # preempted, resumed and recompute their latents.
+    ServedCase("tiny-mla", 2, 16, CACHED, 64, 3, 16, 14, 7, 20, num_gpu_blocks=10),
+    ServedCase("tiny-mla", 1, 32, UNCACHED, 64, 3, 16, 14, 7, 20, num_gpu_blocks=5),
+    # Four requests grow to about 60 tokens in a pool of 12 blocks (11 usable; each request needs
+    # four attention blocks and up to two state blocks), so some are preempted, resume from a
+    # checkpoint or from zero, and recompute their states.
+    ServedCase(
+        "tiny-mamba-hybrid",
+        2,
+        16,
+        CACHED,
+        80,
+        4,
+        16,
+        14,
+        7,
+        30,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=12,
+    ),
+    # Four requests decode 60 to 70 tokens in a pool that holds fewer of them at once (the
+    # chunked-local group keeps only its current chunk; full and R-SWA their whole sequence).
+    # Preempted requests resume and recompute with the prompt they came with, so R-SWA reads the
+    # same positions as before.
+    ServedCase(
+        "tiny-local",
+        2,
+        32,
+        UNCACHED,
+        96,
+        4,
+        12,
+        10,
+        7,
+        70,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=12,
+    ),
+    ServedCase(
+        "tiny-local",
+        2,
+        16,
+        CACHED,
+        112,
+        4,
+        30,
+        10,
+        7,
+        60,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=24,
+    ),
+]
+
+
+def serve_case(processes: Processes, addresses: dict, case: ServedCase) -> dict:
+    """Launch the case, serve its requests, check every token against the reference; the stats."""
+    launch_checked(
+        processes,
+        addresses,
+        case.tp_size,
+        case.model,
+        case.caching_flag,
+        case.block_size,
+        case.max_model_len,
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        num_gpu_blocks=case.num_gpu_blocks,
+    )
+    prompts = shared_prefix_prompts(case.num_requests, case.prefix_len, case.tail_len, case.seed)
+    expected = reference_tokens(case.model)
+    with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        assert client.check_health() is True
+        first_idx = 1 if case.is_first_alone else 0
+        if case.is_first_alone:
+            params = mixed_params(1, case.num_tokens)
+            serve_and_check(client, prompts[:1], params, expected, CLIENT_TIMEOUT_S)
+        params = mixed_params(len(prompts) - first_idx, case.num_tokens, first_idx=first_idx)
+        serve_and_check(
+            client, prompts[first_idx:], params, expected, CLIENT_TIMEOUT_S, first_idx=first_idx
+        )
+        stats = client.get_stats()
+    stop_launch(processes)
+    return stats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CHUNKED_CASES, ids=lambda case: case.id)
+def test_chunked_prefills_serve_the_reference_tokens(
+    processes: Processes, addresses: dict, case: ServedCase
+) -> None:
+    stats = serve_case(processes, addresses, case)
+    assert_cache_use(stats, case.caching_flag)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", PREEMPTION_CASES, ids=lambda case: case.id)
+def test_small_pool_forces_preemption_and_outputs_still_match(
+    processes: Processes, addresses: dict, case: ServedCase
+) -> None:
+    stats = serve_case(processes, addresses, case)
+    assert stats["num_preemptions"] > 0, f"expected preemption with {case.num_gpu_blocks}: {stats}"
+    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
