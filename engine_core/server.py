@@ -14,16 +14,14 @@ import zmq
 from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
 from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher, cached_block_counts
+from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from engine_core.recovery import WorkerRecovery
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
     AbortRequests,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
     StatValue,
     UtilityCall,
     UtilityResult,
@@ -267,8 +265,7 @@ class EngineServer:
 
     def _reject(self, identity: bytes, req_id: str, reason: str) -> None:
         logger.warning("rejected request %r: %s", req_id, reason)
-        output = EngineCoreOutput(req_id, [], FinishReason.ERROR, error=reason)
-        self.router.send(identity, EngineCoreOutputs([output], timestamp=time.time()))
+        self.router.send(identity, self.core.rejection(req_id, reason))
 
     def _abort_troubled_clients(self) -> None:
         """Free the blocks of clients that left, and end the requests of those that stalled."""
@@ -288,13 +285,12 @@ class EngineServer:
             self._send_outputs(self.core.abort_client(identity, error))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
-        pool = self.core.scheduler.kv_cache_manager.block_pool
         methods: dict[str, Callable[[], tuple[bool, StatValue | dict, str | None]]] = {
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_stats": lambda: (True, self._stats(), None),
             "check_health": lambda: (True, True, None),
             "get_model_info": lambda: (True, self._model_info(), None),
-            "get_cached_block_hashes": lambda: (True, cached_block_counts(pool), None),
+            "get_cached_block_hashes": lambda: (True, self.core.cached_block_counts(), None),
         }
         method = methods.get(call.method)
         if method is None:
