@@ -164,11 +164,7 @@ class EngineServer:
         for item in self._worker_items:  # the retirement closes the old ranks' pidfds
             self._poller.unregister(item)
         self._worker_items = []
-        self.workers.on_wait = self._serve_clients_while_waiting
-        try:
-            self.recovery.recover(self.core, self.workers, error)
-        finally:
-            self.workers.on_wait = None
+        self.recovery.recover(self.core, self.workers, error, self._serve_clients_while_waiting)
         self._publish_kv_events()  # AllBlocksCleared: the new ranks' caches hold nothing
         self._watch_workers()
         return True
