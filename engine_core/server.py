@@ -114,16 +114,9 @@ class EngineServer:
         return not self.core.has_work() or now >= self._stop_deadline
 
     def _serve_once(self) -> None:
-        router = self.router
         has_work = self.core.has_work()
-        timeout_ms = 0 if has_work else (BACKLOG_RETRY_MS if router.backlogs else IDLE_POLL_MS)
-        events = dict(self._poller.poll(timeout_ms))
-        if router.sock in events:
-            self._handle_clients()
-        if router.backlogs:
-            router.flush()
-        if router.left or router.stalled:
-            self._abort_troubled_clients()
+        backlog_ms = BACKLOG_RETRY_MS if self.router.backlogs else IDLE_POLL_MS
+        events = self._serve_clients(0 if has_work else backlog_ms)
         if any(item in events for item in self._worker_items):
             self.workers.check_idle_events()
         if has_work or self.core.has_work():
@@ -131,13 +124,27 @@ class EngineServer:
         now = time.monotonic()
         if now >= self._next_probe_time:
             self._next_probe_time = now + PROBE_INTERVAL_S
-            router.probe(self.core.client_ids())
+            self.router.probe(self.core.client_ids())
         if now >= self._next_stats_time:
             self._log_stats()
         if self.metrics is not None and now >= self._next_metrics_time:
             self._next_metrics_time = now + METRICS_UPDATE_S
             self.metrics.on_stats(self.core.make_stats())
             self.metrics.on_block_residency(self.core.take_block_residency())
+
+    def _serve_clients(self, timeout_ms: int) -> dict[zmq.Socket | int, int]:
+        """The clients' half of one pass, which the handshake of a new worker generation runs
+        alone: new input, slow clients' backlogs, and clients that left or stalled. Returns the
+        poll's events, worker sockets included while a generation serves."""
+        router = self.router
+        events = dict(self._poller.poll(timeout_ms))
+        if router.sock in events:
+            self._handle_clients()
+        if router.backlogs:
+            router.flush()
+        if router.left or router.stalled:
+            self._abort_troubled_clients()
+        return events
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -171,16 +178,12 @@ class EngineServer:
 
     def _serve_clients_while_waiting(self) -> None:
         """While a new generation joins: take requests and answer calls, so that clients see
-        latency only. A stop signal ends the wait, since nothing can drain without ranks."""
+        latency only. The handshake's own poll does the waiting, so this one never blocks; the
+        poller holds the client socket alone, the old ranks' sockets being unregistered. A stop
+        signal ends the wait, since nothing can drain without ranks."""
         if self.is_stop_requested:
             raise HandshakeError("the engine was stopped while waiting for new worker ranks")
-        router = self.router
-        if router.sock.poll(0):
-            self._handle_clients()
-        if router.backlogs:
-            router.flush()
-        if router.left or router.stalled:
-            self._abort_troubled_clients()
+        self._serve_clients(0)
 
     def _watch_workers(self) -> None:
         self._worker_items = self.workers.pollables()
