@@ -10,7 +10,9 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, runtime_checkable
 
+from engine_core.kv_events import cached_block_counts
 from engine_core.sched.admission import scoped_req_id
+from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, StatValue
@@ -262,3 +264,19 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+    # -- what the server reads and builds; it never reaches the scheduler or the pool itself -----
+
+    @property
+    def max_num_encoder_tokens(self) -> int:
+        """The longest encoder input a request may carry; 0 when the model has no encoder."""
+        return self.scheduler.intake.max_num_encoder_tokens or 0
+
+    def cached_block_counts(self) -> dict[str, int]:
+        """The prefix cache as a KV-event subscriber should hold it: hex key -> copies cached."""
+        return cached_block_counts(self.scheduler.kv_cache_manager.block_pool)
+
+    def rejection(self, req_id: str, error: str) -> EngineCoreOutputs:
+        """The one output of a request refused before admission (the engine is stopping, or its
+        client reads no outputs), built as the scheduler builds its own refusals."""
+        return rejection(req_id, error)

@@ -109,8 +109,9 @@ def _start_and_serve(
     signal.signal(signal.SIGINT, request_stop)
     try:
         core = start_engine_core(config, workers)
-        max_num_encoder_tokens = core.scheduler.intake.max_num_encoder_tokens or 0
-        router = bind_clients(config, ctx, endpoints, core.max_model_len, max_num_encoder_tokens)
+        router = bind_clients(
+            config, ctx, endpoints, core.max_model_len, core.max_num_encoder_tokens
+        )
     except (HandshakeError, WorkerGroupError, AddressInUseError) as exc:
         is_starting = False  # a launcher's SIGTERM, seeing the ranks leave, must not cut this short
         logger.error("startup failed: %s", exc)

@@ -7,6 +7,7 @@ handshake; it never steps, and it gives up (fail-stop) past max_worker_restarts.
 
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -46,9 +47,16 @@ class WorkerRecovery:
     def can_recover(self, error: WorkerGroupError) -> bool:
         return error.is_recoverable and self.num_restarts < self.max_worker_restarts
 
-    def recover(self, core: EngineCore, workers: WorkerGroup, error: WorkerGroupError) -> None:
+    def recover(
+        self,
+        core: EngineCore,
+        workers: WorkerGroup,
+        error: WorkerGroupError,
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
         """Retire the generation, requeue every request, and admit the next generation once
-        each rank is Ready; HandshakeError when none joins in time or one cannot hold the pool."""
+        each rank is Ready; HandshakeError when none joins in time or one cannot hold the pool.
+        `on_wait` runs every slice of the handshake's waits (the server serving its clients)."""
         fault_time = time.monotonic()
         self.num_restarts += 1
         generation = workers.generation
@@ -64,11 +72,11 @@ class WorkerRecovery:
         workers.retire_generation(f"worker generation {generation} is retired: {error}")
         core.requeue_for_new_workers()
         deadline = fault_time + self.rejoin_timeout_s
-        self.check_new_generation(workers.wait_for_hellos(deadline))
+        self.check_new_generation(workers.wait_for_hellos(deadline, on_wait))
         first_step_id = core.next_step_id
         config = msgspec.structs.replace(self.kv_cache_config, first_step_id=first_step_id)
         workers.send_kv_cache_config(config)
-        workers.wait_for_ready(config.num_blocks, deadline)
+        workers.wait_for_ready(config.num_blocks, deadline, on_wait)
         recovery_s = time.monotonic() - fault_time
         logger.warning(
             "worker generation %d ready %.2f s after the fault: serving resumes at step %d",

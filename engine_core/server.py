@@ -14,16 +14,14 @@ import zmq
 from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
 from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher, cached_block_counts
+from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics
 from engine_core.recovery import WorkerRecovery
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
     AbortRequests,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
     StatValue,
     UtilityCall,
     UtilityResult,
@@ -116,16 +114,9 @@ class EngineServer:
         return not self.core.has_work() or now >= self._stop_deadline
 
     def _serve_once(self) -> None:
-        router = self.router
         has_work = self.core.has_work()
-        timeout_ms = 0 if has_work else (BACKLOG_RETRY_MS if router.backlogs else IDLE_POLL_MS)
-        events = dict(self._poller.poll(timeout_ms))
-        if router.sock in events:
-            self._handle_clients()
-        if router.backlogs:
-            router.flush()
-        if router.left or router.stalled:
-            self._abort_troubled_clients()
+        backlog_ms = BACKLOG_RETRY_MS if self.router.backlogs else IDLE_POLL_MS
+        events = self._serve_clients(0 if has_work else backlog_ms)
         if any(item in events for item in self._worker_items):
             self.workers.check_idle_events(self.core.num_steps_in_flight)
         if has_work or self.core.has_work():
@@ -133,13 +124,27 @@ class EngineServer:
         now = time.monotonic()
         if now >= self._next_probe_time:
             self._next_probe_time = now + PROBE_INTERVAL_S
-            router.probe(self.core.client_ids())
+            self.router.probe(self.core.client_ids())
         if now >= self._next_stats_time:
             self._log_stats()
         if self.metrics is not None and now >= self._next_metrics_time:
             self._next_metrics_time = now + METRICS_UPDATE_S
             self.metrics.on_stats(self.core.make_stats())
             self.metrics.on_block_residency(self.core.take_block_residency())
+
+    def _serve_clients(self, timeout_ms: int) -> dict[zmq.Socket | int, int]:
+        """The clients' half of one pass, which the handshake of a new worker generation runs
+        alone: new input, slow clients' backlogs, and clients that left or stalled. Returns the
+        poll's events, worker sockets included while a generation serves."""
+        router = self.router
+        events = dict(self._poller.poll(timeout_ms))
+        if router.sock in events:
+            self._handle_clients()
+        if router.backlogs:
+            router.flush()
+        if router.left or router.stalled:
+            self._abort_troubled_clients()
+        return events
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -166,27 +171,19 @@ class EngineServer:
         for item in self._worker_items:  # the retirement closes the old ranks' pidfds
             self._poller.unregister(item)
         self._worker_items = []
-        self.workers.on_wait = self._serve_clients_while_waiting
-        try:
-            self.recovery.recover(self.core, self.workers, error)
-        finally:
-            self.workers.on_wait = None
+        self.recovery.recover(self.core, self.workers, error, self._serve_clients_while_waiting)
         self._publish_kv_events()  # AllBlocksCleared: the new ranks' caches hold nothing
         self._watch_workers()
         return True
 
     def _serve_clients_while_waiting(self) -> None:
         """While a new generation joins: take requests and answer calls, so that clients see
-        latency only. A stop signal ends the wait, since nothing can drain without ranks."""
+        latency only. The handshake's own poll does the waiting, so this one never blocks; the
+        poller holds the client socket alone, the old ranks' sockets being unregistered. A stop
+        signal ends the wait, since nothing can drain without ranks."""
         if self.is_stop_requested:
             raise HandshakeError("the engine was stopped while waiting for new worker ranks")
-        router = self.router
-        if router.sock.poll(0):
-            self._handle_clients()
-        if router.backlogs:
-            router.flush()
-        if router.left or router.stalled:
-            self._abort_troubled_clients()
+        self._serve_clients(0)
 
     def _watch_workers(self) -> None:
         self._worker_items = self.workers.pollables()
@@ -267,8 +264,7 @@ class EngineServer:
 
     def _reject(self, identity: bytes, req_id: str, reason: str) -> None:
         logger.warning("rejected request %r: %s", req_id, reason)
-        output = EngineCoreOutput(req_id, [], FinishReason.ERROR, error=reason)
-        self.router.send(identity, EngineCoreOutputs([output], timestamp=time.time()))
+        self.router.send(identity, self.core.rejection(req_id, reason))
 
     def _abort_troubled_clients(self) -> None:
         """Free the blocks of clients that left, and end the requests of those that stalled."""
@@ -288,13 +284,12 @@ class EngineServer:
             self._send_outputs(self.core.abort_client(identity, error))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
-        pool = self.core.scheduler.kv_cache_manager.block_pool
         methods: dict[str, Callable[[], tuple[bool, StatValue | dict, str | None]]] = {
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_stats": lambda: (True, self._stats(), None),
             "check_health": lambda: (True, True, None),
             "get_model_info": lambda: (True, self._model_info(), None),
-            "get_cached_block_hashes": lambda: (True, cached_block_counts(pool), None),
+            "get_cached_block_hashes": lambda: (True, self.core.cached_block_counts(), None),
         }
         method = methods.get(call.method)
         if method is None:

@@ -89,7 +89,6 @@ class WorkerGroup:
         )
         self.generation = 1  # one more each time a generation is retired
         self.retired: dict[bytes, tuple[int, int]] = {}  # identity -> (generation, rank)
-        self.on_wait: Callable[[], None] | None = None  # called every WAIT_SLICE_MS of handshake
         self.hellos: dict[int, WorkerHello] = {}
         self.ranks_by_identity: dict[bytes, int] = {}
         self.peers: set[bytes] = set()  # every worker identity heard from, refused ones included
@@ -105,14 +104,20 @@ class WorkerGroup:
 
     # -- handshake -----------------------------------------------------------------------------
 
-    def wait_for_hellos(self, deadline: float) -> dict[int, WorkerHello]:
+    def wait_for_hellos(
+        self, deadline: float, on_wait: Callable[[], None] | None = None
+    ) -> dict[int, WorkerHello]:
         """Collect one valid WorkerHello per rank before `deadline` (a time.monotonic() value).
 
         A peer that cannot join (a duplicate rank, another model, garbage) is refused by itself:
         it is told to exit and the engine keeps waiting for the real rank until the deadline.
+        `on_wait`, when given, runs after each wait of at most WAIT_SLICE_MS that ends without a
+        frame (the server answering its clients while a new generation joins); what it raises
+        ends the wait.
         """
         while len(self.hellos) < self.tp_size:
-            identity, message = self._recv_handshake(deadline, "WorkerHello", set(self.hellos))
+            answered = set(self.hellos)
+            identity, message = self._recv_handshake(deadline, "WorkerHello", answered, on_wait)
             match message:
                 case WorkerHello():
                     try:
@@ -159,11 +164,14 @@ class WorkerGroup:
         self.last_step_id = config.first_step_id - 1
         self.transport.send(self.ranks_by_identity, self._encoder.encode(config))
 
-    def wait_for_ready(self, num_blocks: int, deadline: float) -> None:
-        """Require WorkerReady with exactly `num_blocks` from every rank before `deadline`."""
+    def wait_for_ready(
+        self, num_blocks: int, deadline: float, on_wait: Callable[[], None] | None = None
+    ) -> None:
+        """Require WorkerReady with exactly `num_blocks` from every rank before `deadline`;
+        `on_wait` as in `wait_for_hellos`."""
         ready_ranks: set[int] = set()
         while len(ready_ranks) < self.tp_size:
-            identity, message = self._recv_handshake(deadline, "WorkerReady", ready_ranks)
+            identity, message = self._recv_handshake(deadline, "WorkerReady", ready_ranks, on_wait)
             sender = self.ranks_by_identity.get(identity)
             if sender is None:
                 self._refuse(identity, f"the engine already has all {self.tp_size} ranks")
@@ -183,7 +191,11 @@ class WorkerGroup:
         self._is_serving = self.watch.is_serving = True
 
     def _recv_handshake(
-        self, deadline: float, awaited: str, answered: set[int]
+        self,
+        deadline: float,
+        awaited: str,
+        answered: set[int],
+        on_wait: Callable[[], None] | None,
     ) -> tuple[bytes, WorkerToEngine]:
         """The next decodable message; a frame from an unknown peer that does not decode is
         logged and dropped, since a stray or hostile connection must not abort startup."""
@@ -196,13 +208,13 @@ class WorkerGroup:
                     f"{missing_ranks(self.tp_size, answered)} of tp_size={self.tp_size}{refused}"
                 )
             wait_ms = max(1, int(remaining_s * 1000))
-            if self.on_wait is not None:
+            if on_wait is not None:
                 wait_ms = min(wait_ms, WAIT_SLICE_MS)
             events = dict(self.poller.poll(wait_ms))
             self.watch.check(events)
             if self.sock not in events:
-                if self.on_wait is not None:
-                    self.on_wait()
+                if on_wait is not None:
+                    on_wait()
                 continue
             frames = self.sock.recv_multipart(copy=False)
             identity = frames[0].bytes
