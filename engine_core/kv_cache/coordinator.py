@@ -69,10 +69,14 @@ class KVCacheCoordinator(ABC):
             make_single_type_manager(group.spec, self.block_pool, group_id)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         )
-        # Full attention never skips blocks, and is never asked to.
-        managers = self.single_type_managers
+        # Only the kinds whose attention stops reading some earlier tokens ever skip blocks:
+        # sliding windows, chunked local attention, R-SWA's gap (RSWAManager subclasses full
+        # attention) and Mamba's older states. Plain full attention pays nothing for it:
+        # remove_skipped_blocks never asks it.
         self._skipping_managers = tuple(
-            manager for manager in managers if type(manager) is not FullAttentionManager
+            manager
+            for manager in self.single_type_managers
+            if type(manager) is not FullAttentionManager
         )
         self.can_skip_blocks = bool(self._skipping_managers)
         # Cross-attention groups size their tables by the encoder's tokens, not the decoder's.
@@ -193,8 +197,12 @@ class KVCacheCoordinator(ABC):
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, HitLengths]:
-        """Each group's own longest hit, as if it were alone (a group hitting further than full
-        attention means full attention's tail was evicted); with one group, the agreed hit."""
+        """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
+
+        No group shortens another's hit: a caller compares them (a group that hits further than
+        full attention means full attention's tail was evicted). Touches nothing. With one
+        group, or none that hits, that is the agreed hit.
+        """
         hits, hit_length = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)
         return hits, (hit_length,) * len(hits)
 
