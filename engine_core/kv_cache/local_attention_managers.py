@@ -26,6 +26,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """
 
     can_skip_leading_blocks = True
+    can_skip_blocks = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
@@ -106,6 +107,8 @@ class RSWAManager(FullAttentionManager):
     block to the prefix cache (its hits stay).
     """
 
+    can_skip_blocks = True  # the gap's blocks; never leading ones
+
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
     ) -> None:
@@ -121,6 +124,13 @@ class RSWAManager(FullAttentionManager):
     ) -> int:
         """0: a generated token reads a window beside the prompt, not a plain shared prefix."""
         return 0
+
+    def is_step_in_place(
+        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+    ) -> bool:
+        """As for full attention, but only the prompt's blocks are ever cached (`cache_blocks`)."""
+        num_cacheable_tokens = min(num_real_tokens, request.num_prompt_tokens)
+        return super().is_step_in_place(request, num_tokens, num_cacheable_tokens)
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Cache the full blocks of the first `num_tokens` tokens that lie wholly in the prompt."""
