@@ -78,6 +78,15 @@ class KVCacheCoordinator(ABC):
         self.is_cross_attention = tuple(
             isinstance(manager, CrossAttentionManager) for manager in self.single_type_managers
         )
+        # Each group's `is_step_in_place`, and whether it counts encoder tokens: asked on most
+        # decode steps of a hybrid model, so bound once here.
+        self._step_in_place_questions = tuple(
+            zip(
+                [manager.is_step_in_place for manager in self.single_type_managers],
+                self.is_cross_attention,
+                strict=True,
+            )
+        )
 
     def get_num_blocks_to_allocate(
         self,
@@ -128,11 +137,9 @@ class KVCacheCoordinator(ABC):
         """
         alignment = self.cache_alignment_tokens  # cache_blocks stops on its multiples
         num_real_tokens = num_real_tokens // alignment * alignment
-        for manager, is_cross in zip(
-            self.single_type_managers, self.is_cross_attention, strict=True
-        ):
+        for is_group_in_place, is_cross in self._step_in_place_questions:
             num_group_tokens = num_encoder_tokens if is_cross else num_tokens
-            if not manager.is_step_in_place(request, num_group_tokens, num_real_tokens):
+            if not is_group_in_place(request, num_group_tokens, num_real_tokens):
                 return False
         return True
 

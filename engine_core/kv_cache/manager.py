@@ -201,8 +201,6 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
-        # Only real tokens are hashed: lookahead slots hold no known tokens yet.
-        num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
         if new_computed_blocks is None:
             # Shortcuts for a request that holds its tables and brings no hits. Each returns
             # what `_allocate_in_every_group` would, leaving the same tables and pool; that
@@ -213,13 +211,16 @@ class KVCacheManager:
                     # One group that never skips: the general path is exactly the manager's
                     # count, allocate and cache, which `allocate_held` runs in one call.
                     new_held = single_group_manager.allocate_held(
-                        request, num_tokens_need_slot, num_real_tokens
+                        request, num_tokens_need_slot, num_computed_tokens + num_new_tokens
                     )
                     if new_held is None:
                         return None
                     return KVCacheBlocks((new_held,)) if new_held else self.empty_kv_cache_blocks
             elif self._tries_in_place and self.coordinator.is_step_in_place(
-                request, num_tokens_need_slot, num_real_tokens, num_encoder_tokens
+                request,
+                num_tokens_need_slot,
+                min(num_computed_tokens + num_new_tokens, request.num_tokens),
+                num_encoder_tokens,
             ):
                 # Most decode steps: no group takes a block (so the room check passes) or caches
                 # one, and only removing skipped blocks is left of the general path.
@@ -227,6 +228,8 @@ class KVCacheManager:
                     request.req_id, request.num_computed_tokens, request.num_prompt_tokens
                 )
                 return self.empty_kv_cache_blocks
+        # Only real tokens are hashed: lookahead slots hold no known tokens yet.
+        num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
         return self._allocate_in_every_group(
             request,
             num_tokens_need_slot,

@@ -109,31 +109,34 @@ class SingleTypeKVCacheManager(ABC):
         return self.num_cached_block[req_id] >= num_real_tokens // self.block_size
 
     def allocate_held(
-        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+        self, request: KVCacheRequest, num_tokens: int, num_scheduled_tokens: int
     ) -> Sequence[KVCacheBlock] | None:
         """The coordinator's whole allocation for a request that holds a table and brings no
         hits, in a group that never skips blocks; the blocks it took, or None if they do not fit.
 
         It is `get_num_blocks_to_allocate(req_id, num_tokens, ())` checked against the free
         blocks, then `allocate_new_blocks(req_id, num_tokens)` and, with caching on,
-        `cache_blocks(request, num_real_tokens)`, which is all the coordinator runs for such a
-        request (`remove_skipped_blocks` never asks a group that cannot skip). Most steps need
-        neither a block nor a cache entry, so those two calls are made only when they would act.
+        `cache_blocks(request, num_real_tokens)`, where `num_real_tokens` is the known tokens
+        among the first `num_scheduled_tokens` (computed plus new: no lookahead). That is all
+        the coordinator runs for such a request (`remove_skipped_blocks` never asks a group that
+        cannot skip). Most steps need neither a block nor a cache entry, so those two calls,
+        and the count of known tokens, are made only when they would act.
         """
         req_id = request.req_id
-        num_held = len(self.req_to_blocks[req_id])
+        block_size = self.block_size
         # get_num_blocks_to_allocate with no hits: only the new blocks count.
-        num_new = -(-num_tokens // self.block_size) - num_held  # cdiv, inlined on this hot path
+        num_new = -(-num_tokens // block_size) - len(self.req_to_blocks[req_id])  # cdiv, inlined
         new_blocks: Sequence[KVCacheBlock] = ()
         if num_new > 0:
             if num_new > self.block_pool.free_block_queue.num_free_blocks:
                 return None
             new_blocks = self.allocate_new_blocks(req_id, num_tokens)
+        # With no block filled past the cached ones, cache_blocks would return at once.
         if (
-            self.block_pool.enable_caching
-            and num_real_tokens // self.block_size > self.num_cached_block[req_id]
+            num_scheduled_tokens // block_size > self.num_cached_block[req_id]
+            and self.block_pool.enable_caching
         ):
-            self.cache_blocks(request, num_real_tokens)
+            self.cache_blocks(request, min(num_scheduled_tokens, request.num_tokens))
         return new_blocks
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
