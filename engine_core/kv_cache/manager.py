@@ -201,6 +201,7 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
+        num_scheduled_tokens = num_computed_tokens + num_new_tokens  # all but lookahead
         if new_computed_blocks is None:
             # Shortcuts for a request that holds its tables and brings no hits. Each returns
             # what `_allocate_in_every_group` would, leaving the same tables and pool; that
@@ -211,7 +212,7 @@ class KVCacheManager:
                     # One group that never skips: the general path is exactly the manager's
                     # count, allocate and cache, which `allocate_held` runs in one call.
                     new_held = single_group_manager.allocate_held(
-                        request, num_tokens_need_slot, num_computed_tokens + num_new_tokens
+                        request, num_tokens_need_slot, num_scheduled_tokens
                     )
                     if new_held is None:
                         return None
@@ -219,7 +220,7 @@ class KVCacheManager:
             elif self._tries_in_place and self.coordinator.is_step_in_place(
                 request,
                 num_tokens_need_slot,
-                min(num_computed_tokens + num_new_tokens, request.num_tokens),
+                min(num_scheduled_tokens, request.num_tokens),
                 num_encoder_tokens,
             ):
                 # Most decode steps: no group takes a block (so the room check passes) or caches
@@ -229,7 +230,7 @@ class KVCacheManager:
                 )
                 return self.empty_kv_cache_blocks
         # Only real tokens are hashed: lookahead slots hold no known tokens yet.
-        num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+        num_real_tokens = min(num_scheduled_tokens, request.num_tokens)
         return self._allocate_in_every_group(
             request,
             num_tokens_need_slot,
