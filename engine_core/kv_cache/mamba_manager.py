@@ -161,9 +161,14 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> bool:
         """In align mode as for any group (one position per block, the boundary blocks cached);
         in one-block mode whenever the request holds its block, which never grows or caches."""
-        if self.is_align:
-            return super().is_step_in_place(request, num_tokens, num_real_tokens)
-        return bool(self.req_to_blocks.get(request.req_id))
+        req_id = request.req_id
+        blocks = self.req_to_blocks.get(req_id)
+        if not self.is_align:
+            return bool(blocks)
+        # The base class's answer (align mode always caches), without a super() call per step.
+        if blocks is None or len(blocks) * self.block_size < num_tokens:
+            return False
+        return self.num_cached_block[req_id] >= num_real_tokens // self.block_size
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Cache the block of the state after `num_tokens`, if that is a block boundary.
