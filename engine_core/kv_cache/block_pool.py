@@ -358,10 +358,21 @@ class BlockPool:
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
 
-    def _unfile(self, filed: Sequence[KVCacheBlock], mask: Sequence[bool] | None) -> None:
-        """Undo a `cache_full_blocks` call that met a hashed block after filing `filed`."""
-        done = [b for i, b in enumerate(filed) if not b.is_null and (mask is None or mask[i])]
-        self.cached_block_hash_to_block.unfile_blocks(done)
+    def _unfile(self, filed: Sequence[KVCacheBlock], block_mask: Sequence[bool] | None) -> None:
+        """Undo a `cache_full_blocks` call that met an already hashed block after filing `filed`.
+
+        `filed` is the part of the range that the call walked before it stopped, and
+        `block_mask` is aligned with it, as in `cache_full_blocks`. The call skipped null blocks
+        and masked-off blocks, so those carry no key of its making and stay as they are; every
+        other block was given its key and filed, and loses both again. A refused call so leaves
+        the prefix-cache map as it found it.
+        """
+        filed_by_call = [
+            block
+            for idx, block in enumerate(filed)
+            if not block.is_null and (block_mask is None or block_mask[idx])
+        ]
+        self.cached_block_hash_to_block.unfile_blocks(filed_by_call)
 
     @staticmethod
     def _restore_refs(blocks: Sequence[KVCacheBlock]) -> None:

@@ -21,10 +21,7 @@ from engine_core.kv_cache.retention import (
     validate_retention_interval,
     window_group_ids,
 )
-from engine_core.kv_cache.single_type_manager import (
-    FullAttentionManager,
-    SingleTypeKVCacheManager,
-)
+from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig
 from engine_core.kv_cache.spec_managers import make_single_type_manager
 
@@ -69,15 +66,26 @@ class KVCacheCoordinator(ABC):
             make_single_type_manager(group.spec, self.block_pool, group_id)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         )
-        # Full attention never skips blocks, and is never asked to.
-        managers = self.single_type_managers
+        # Only the kinds whose attention stops reading some earlier tokens ever skip blocks
+        # (each manager's `can_skip_blocks`): sliding windows, chunked local attention, R-SWA's
+        # gap and Mamba's older states. Full and cross attention pay nothing for it:
+        # remove_skipped_blocks never asks them.
         self._skipping_managers = tuple(
-            manager for manager in managers if type(manager) is not FullAttentionManager
+            manager for manager in self.single_type_managers if manager.can_skip_blocks
         )
         self.can_skip_blocks = bool(self._skipping_managers)
         # Cross-attention groups size their tables by the encoder's tokens, not the decoder's.
         self.is_cross_attention = tuple(
             isinstance(manager, CrossAttentionManager) for manager in self.single_type_managers
+        )
+        # Each group's `is_step_in_place`, and whether it counts encoder tokens: asked on most
+        # decode steps of a hybrid model, so bound once here.
+        self._step_in_place_questions = tuple(
+            zip(
+                [manager.is_step_in_place for manager in self.single_type_managers],
+                self.is_cross_attention,
+                strict=True,
+            )
         )
 
     def get_num_blocks_to_allocate(
@@ -112,7 +120,28 @@ class KVCacheCoordinator(ABC):
 
     def has_request(self, req_id: str) -> bool:
         """Whether the request holds a table (it was allocated and not freed since)."""
-        return req_id in self.single_type_managers[0].num_cached_block
+        return self.single_type_managers[0].has_request(req_id)
+
+    def is_step_in_place(
+        self,
+        request: KVCacheRequest,
+        num_tokens: int,
+        num_real_tokens: int,
+        num_encoder_tokens: int = 0,
+    ) -> bool:
+        """Whether, for a request that holds its tables, `allocate_new_blocks` and `cache_blocks`
+        with these counts would change nothing in any group (each manager's `is_step_in_place`).
+
+        Then `get_num_blocks_to_allocate` is 0 too, and an allocation only hands skipped blocks
+        back. A request that holds no table is never in place.
+        """
+        alignment = self.cache_alignment_tokens  # cache_blocks stops on its multiples
+        num_real_tokens = num_real_tokens // alignment * alignment
+        for is_group_in_place, is_cross in self._step_in_place_questions:
+            num_group_tokens = num_encoder_tokens if is_cross else num_tokens
+            if not is_group_in_place(request, num_group_tokens, num_real_tokens):
+                return False
+        return True
 
     def allocate_new_blocks(
         self, req_id: str, num_tokens: int, num_encoder_tokens: int = 0
@@ -193,8 +222,12 @@ class KVCacheCoordinator(ABC):
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, HitLengths]:
-        """Each group's own longest hit, as if it were alone (a group hitting further than full
-        attention means full attention's tail was evicted); with one group, the agreed hit."""
+        """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
+
+        No group shortens another's hit: a caller compares them (a group that hits further than
+        full attention means full attention's tail was evicted). Touches nothing. With one
+        group, or none that hits, that is the agreed hit.
+        """
         hits, hit_length = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)
         return hits, (hit_length,) * len(hits)
 

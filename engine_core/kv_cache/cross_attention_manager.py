@@ -55,6 +55,13 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
             )
         super().save_new_computed_blocks(req_id, new_computed_blocks)
 
+    def is_step_in_place(
+        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+    ) -> bool:
+        """Whether the table holds `num_tokens` encoder slots; nothing here is ever cached."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        return blocks is not None and len(blocks) * self.block_size >= num_tokens
+
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Nothing to publish: encoder blocks never enter the prefix-cache index."""
 

@@ -26,6 +26,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """
 
     can_skip_leading_blocks = True
+    can_skip_blocks = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
@@ -106,6 +107,8 @@ class RSWAManager(FullAttentionManager):
     block to the prefix cache (its hits stay).
     """
 
+    can_skip_blocks = True  # the gap's blocks; never leading ones
+
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
     ) -> None:
@@ -121,6 +124,19 @@ class RSWAManager(FullAttentionManager):
     ) -> int:
         """0: a generated token reads a window beside the prompt, not a plain shared prefix."""
         return 0
+
+    def is_step_in_place(
+        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+    ) -> bool:
+        """As for full attention, but only the prompt's blocks are ever cached (`cache_blocks`)."""
+        req_id = request.req_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None or len(blocks) * self.block_size < num_tokens:
+            return False
+        if not self.block_pool.enable_caching:
+            return True
+        num_cacheable_tokens = min(num_real_tokens, request.num_prompt_tokens)
+        return self.num_cached_block[req_id] >= num_cacheable_tokens // self.block_size
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Cache the full blocks of the first `num_tokens` tokens that lie wholly in the prompt."""

@@ -65,6 +65,7 @@ class MambaManager(SingleTypeKVCacheManager):
     """
 
     can_skip_leading_blocks = True
+    can_skip_blocks = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
@@ -154,6 +155,20 @@ class MambaManager(SingleTypeKVCacheManager):
         added += self.block_pool.get_new_blocks(1)
         blocks.extend(added)
         return added
+
+    def is_step_in_place(
+        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+    ) -> bool:
+        """In align mode as for any group (one position per block, the boundary blocks cached);
+        in one-block mode whenever the request holds its block, which never grows or caches."""
+        req_id = request.req_id
+        blocks = self.req_to_blocks.get(req_id)
+        if not self.is_align:
+            return bool(blocks)
+        # The base class's answer (align mode always caches), without a super() call per step.
+        if blocks is None or len(blocks) * self.block_size < num_tokens:
+            return False
+        return self.num_cached_block[req_id] >= num_real_tokens // self.block_size
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Cache the block of the state after `num_tokens`, if that is a block boundary.

@@ -13,13 +13,7 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
 from engine_core.kv_cache.kv_request import KVCacheRequest
-from engine_core.kv_cache.local_attention_managers import ChunkedLocalAttentionManager, RSWAManager
-from engine_core.kv_cache.mamba_manager import MambaManager
-from engine_core.kv_cache.single_type_manager import (
-    FullAttentionManager,
-    SingleTypeKVCacheManager,
-    SlidingWindowManager,
-)
+from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import (
     PREFIX_ATTENTION_SPECS,
     KVCacheConfig,
@@ -29,17 +23,6 @@ from engine_core.kv_cache.spec import (
 )
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
-
-# Managers that do nothing on a step that needs no new block and fills none, but skip blocks.
-# A Mamba group qualifies in align mode (a step inside a block neither moves nor publishes its
-# state); in one-block mode its table never holds the sequence's slots, so the check fails.
-IN_PLACE_MANAGER_TYPES = (
-    FullAttentionManager,
-    SlidingWindowManager,
-    ChunkedLocalAttentionManager,
-    RSWAManager,
-    MambaManager,
-)
 
 
 @dataclass(slots=True, eq=False)
@@ -76,7 +59,14 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         metrics_collector: BlockMetricsCollector | None = None,
         prefix_cache_retention_interval: int | None = None,
+        enable_shortcuts: bool = True,
     ) -> None:
+        """One coordinator, and its BlockPool, for the groups of `kv_cache_config`.
+
+        Args:
+            enable_shortcuts: False sends every allocation through the general path
+                (`allocate_slots`); the KV manager's state machine runs both and compares them.
+        """
         # Requests hash at the gcd of the groups' block sizes; a larger group reads a view.
         expected_hash_block_size = resolve_hash_block_size(kv_cache_config.kv_cache_groups)
         if hash_block_size is not None and hash_block_size != expected_hash_block_size:
@@ -127,16 +117,15 @@ class KVCacheManager:
         self.is_hit_capped_at_prompt = any(
             isinstance(group.spec, RSWASpec) for group in kv_cache_config.kv_cache_groups
         )
-        # With one group that never skips blocks, a request that holds a table and brings no
-        # hits (every decode step) needs no fan-out: its one manager grows it in one call.
+        # The shortcuts of `allocate_slots`, for a request that holds its tables and brings no
+        # hits (every decode step): with one group that never skips blocks, its manager runs the
+        # whole allocation; otherwise, a step that needs no block and fills none only hands
+        # skipped blocks back.
         managers = self.coordinator.single_type_managers
-        self._held_manager: SingleTypeKVCacheManager | None = (
-            managers[0] if len(managers) == 1 and not self.coordinator.can_skip_blocks else None
-        )
-        # With several such groups, most decode steps need no new block and fill none: they
-        # only hand skipped blocks back (`_is_step_in_place`), without the per-group fan-out.
-        is_in_place = all(type(manager) in IN_PLACE_MANAGER_TYPES for manager in managers)
-        self._in_place_managers = managers if len(managers) > 1 and is_in_place else ()
+        self._single_group_manager: SingleTypeKVCacheManager | None = None
+        if enable_shortcuts and len(managers) == 1 and not managers[0].can_skip_blocks:
+            self._single_group_manager = managers[0]
+        self._tries_in_place = enable_shortcuts and self._single_group_manager is None
 
     @property
     def usage(self) -> float:
@@ -212,28 +201,36 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
-        held_manager = self._held_manager
-        if new_computed_blocks is None and held_manager is not None:
-            blocks = held_manager.req_to_blocks.get(request.req_id)
-            if blocks is not None:
-                new_held = held_manager.allocate_held(
-                    request, blocks, num_tokens_need_slot, num_computed_tokens + num_new_tokens
+        num_scheduled_tokens = num_computed_tokens + num_new_tokens  # all but lookahead
+        if new_computed_blocks is None:
+            # Shortcuts for a request that holds its tables and brings no hits. Each returns
+            # what `_allocate_in_every_group` would, leaving the same tables and pool; that
+            # path stays the definition.
+            single_group_manager = self._single_group_manager
+            if single_group_manager is not None:
+                if single_group_manager.has_request(request.req_id):
+                    # One group that never skips: the general path is exactly the manager's
+                    # count, allocate and cache, which `allocate_held` runs in one call.
+                    new_held = single_group_manager.allocate_held(
+                        request, num_tokens_need_slot, num_scheduled_tokens
+                    )
+                    if new_held is None:
+                        return None
+                    return KVCacheBlocks((new_held,)) if new_held else self.empty_kv_cache_blocks
+            elif self._tries_in_place and self.coordinator.is_step_in_place(
+                request,
+                num_tokens_need_slot,
+                min(num_scheduled_tokens, request.num_tokens),
+                num_encoder_tokens,
+            ):
+                # Most decode steps: no group takes a block (so the room check passes) or caches
+                # one, and only removing skipped blocks is left of the general path.
+                self.coordinator.remove_skipped_blocks(
+                    request.req_id, request.num_computed_tokens, request.num_prompt_tokens
                 )
-                if new_held is None:
-                    return None
-                # Most decode steps: the last block has room, and nothing new is handed out.
-                return KVCacheBlocks((new_held,)) if new_held else self.empty_kv_cache_blocks
+                return self.empty_kv_cache_blocks
         # Only real tokens are hashed: lookahead slots hold no known tokens yet.
-        num_real_tokens = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-        if (
-            new_computed_blocks is None
-            and self._in_place_managers
-            and self._is_step_in_place(request, num_tokens_need_slot, num_real_tokens)
-        ):
-            self.coordinator.remove_skipped_blocks(
-                request.req_id, request.num_computed_tokens, request.num_prompt_tokens
-            )
-            return self.empty_kv_cache_blocks
+        num_real_tokens = min(num_scheduled_tokens, request.num_tokens)
         return self._allocate_in_every_group(
             request,
             num_tokens_need_slot,
@@ -252,7 +249,8 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None,
         num_encoder_tokens: int,
     ) -> KVCacheBlocks | None:
-        """`allocate_slots` through the coordinator: admit, skip, allocate and cache per group."""
+        """`allocate_slots` through the coordinator, the general path that defines it: check the
+        room, admit, remove skipped blocks, allocate and cache, in every group."""
         computed: BlocksPerGroup = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
@@ -283,27 +281,6 @@ class KVCacheManager:
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
-
-    def _is_step_in_place(
-        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
-    ) -> bool:
-        """Whether the request's table in every group holds `num_tokens` slots already and has
-        cached every block its first `num_real_tokens` tokens fill (R-SWA: those of the prompt);
-        then `allocate_slots` would only hand skipped blocks back."""
-        req_id, is_caching = request.req_id, self.enable_caching
-        alignment = self.coordinator.cache_alignment_tokens  # caching stops on its multiples
-        num_real_tokens = num_real_tokens // alignment * alignment
-        for manager in self._in_place_managers:
-            blocks = manager.req_to_blocks.get(req_id)
-            if blocks is None or len(blocks) * manager.block_size < num_tokens:
-                return False
-            if is_caching:
-                num_cacheable_tokens = num_real_tokens
-                if type(manager) is RSWAManager:
-                    num_cacheable_tokens = min(num_real_tokens, request.num_prompt_tokens)
-                if manager.num_cached_block[req_id] < num_cacheable_tokens // manager.block_size:
-                    return False
-        return True
 
     def _can_allocate(
         self,

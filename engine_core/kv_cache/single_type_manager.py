@@ -31,6 +31,7 @@ class SingleTypeKVCacheManager(ABC):
     """
 
     can_skip_leading_blocks = False  # whether blocks before the attention span become null
+    can_skip_blocks = False  # whether remove_skipped_blocks can ever free a block of this kind
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
@@ -85,41 +86,57 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def allocate_held(
-        self,
-        request: KVCacheRequest,
-        blocks: list[KVCacheBlock],
-        num_tokens: int,
-        num_real_tokens: int,
-    ) -> Sequence[KVCacheBlock] | None:
-        """One call for what a request that holds `blocks` and brings no hits asks on most steps.
+    def has_request(self, req_id: str) -> bool:
+        """Whether the request holds a table here (it was allocated and not freed since)."""
+        return req_id in self.num_cached_block
 
-        Grows the table to `num_tokens` slots and, with caching on, caches the blocks that the
-        first `num_real_tokens` tokens (the known ones, not lookahead) fill, as
-        `get_num_blocks_to_allocate`, `allocate_new_blocks` and `cache_blocks` would. Returns the
-        blocks it took, or None (nothing changed) if they do not fit. Only for a group that
-        never skips blocks, where nothing else could make room.
+    def is_step_in_place(
+        self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
+    ) -> bool:
+        """Whether `allocate_new_blocks(req_id, num_tokens)` and `cache_blocks(request,
+        num_real_tokens)` would change nothing: the table holds `num_tokens` slots already, and
+        (with caching on) every block its first `num_real_tokens` tokens fill is cached.
+
+        False for a request that holds no table. Kinds that grow or cache otherwise answer for
+        themselves.
         """
+        req_id = request.req_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None or len(blocks) * self.block_size < num_tokens:
+            return False
+        if not self.block_pool.enable_caching:
+            return True
+        return self.num_cached_block[req_id] >= num_real_tokens // self.block_size
+
+    def allocate_held(
+        self, request: KVCacheRequest, num_tokens: int, num_scheduled_tokens: int
+    ) -> Sequence[KVCacheBlock] | None:
+        """The coordinator's whole allocation for a request that holds a table and brings no
+        hits, in a group that never skips blocks; the blocks it took, or None if they do not fit.
+
+        It is `get_num_blocks_to_allocate(req_id, num_tokens, ())` checked against the free
+        blocks, then `allocate_new_blocks(req_id, num_tokens)` and, with caching on,
+        `cache_blocks(request, num_real_tokens)`, where `num_real_tokens` is the known tokens
+        among the first `num_scheduled_tokens` (computed plus new: no lookahead). That is all
+        the coordinator runs for such a request (`remove_skipped_blocks` never asks a group that
+        cannot skip). Most steps need neither a block nor a cache entry, so those two calls,
+        and the count of known tokens, are made only when they would act.
+        """
+        req_id = request.req_id
         block_size = self.block_size
-        block_pool = self.block_pool
-        num_new = -(-num_tokens // block_size) - len(blocks)  # cdiv, inlined
+        # get_num_blocks_to_allocate with no hits: only the new blocks count.
+        num_new = -(-num_tokens // block_size) - len(self.req_to_blocks[req_id])  # cdiv, inlined
         new_blocks: Sequence[KVCacheBlock] = ()
         if num_new > 0:
-            if num_new > block_pool.free_block_queue.num_free_blocks:
+            if num_new > self.block_pool.free_block_queue.num_free_blocks:
                 return None
-            new_blocks = block_pool.get_new_blocks(num_new)
-            blocks.extend(new_blocks)
-        if block_pool.enable_caching:
-            req_id = request.req_id
-            num_cached = self.num_cached_block[req_id]
-            num_full = num_real_tokens // block_size
-            if num_full > num_cached:  # a block filled up: now clamp to the known tokens
-                num_full = min(num_full, len(request.all_token_ids) // block_size)
-                if num_full > num_cached:
-                    block_pool.cache_full_blocks(
-                        request, blocks, num_cached, num_full, block_size, self.kv_cache_group_id
-                    )
-                    self.num_cached_block[req_id] = num_full
+            new_blocks = self.allocate_new_blocks(req_id, num_tokens)
+        # With no block filled past the cached ones, cache_blocks would return at once.
+        if (
+            num_scheduled_tokens // block_size > self.num_cached_block[req_id]
+            and self.block_pool.enable_caching
+        ):
+            self.cache_blocks(request, min(num_scheduled_tokens, request.num_tokens))
         return new_blocks
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
@@ -317,6 +334,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     """
 
     can_skip_leading_blocks = True
+    can_skip_blocks = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
