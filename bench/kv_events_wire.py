@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.report import DEFAULT_PEER_PYTHON
 from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import free_tcp_ports
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 PEER_SCRIPT = Path(__file__).parent / "peers" / "vllm_kv_events_check.py"

@@ -20,8 +20,9 @@ from typing import TypeVar
 
 from deploy.flags import UsageError
 from deploy.logs import setup_logging
-from engine_core.curve import check_secure
-from engine_core.endpoints import AddressInUseError, check_free, free_tcp_ports
+from engine_core.net.address import AddressInUseError
+from engine_core.net.curve import check_secure
+from engine_core.net.endpoints import check_free, free_tcp_ports
 from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,13 @@ from collections.abc import Callable
 
 import zmq
 
-from engine_core.curve import start_zap_guard
-from engine_core.endpoints import AddressInUseError, Endpoints, check_free
 from engine_core.handshake import HandshakeError
-from engine_core.handshake_refusals import REFUSAL_EVENTS, RefusalWatch
 from engine_core.kv_events import KVEventPublisher
 from engine_core.metrics import EngineMetrics
+from engine_core.net.address import AddressInUseError
+from engine_core.net.curve import start_zap_guard
+from engine_core.net.curve_refusals import REFUSAL_EVENTS, RefusalWatch
+from engine_core.net.endpoints import Endpoints, check_free
 from engine_core.recovery import WorkerRecovery
 from engine_core.server import EXIT_FAILED, EXIT_OK, EXIT_USAGE, EngineServer
 from engine_core.startup import (

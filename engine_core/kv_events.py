@@ -12,9 +12,9 @@ from collections import deque
 
 import zmq
 
-from engine_core.endpoints import make_curve_server
-from engine_core.handshake_refusals import REFUSAL_EVENTS
 from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.net.curve import make_curve_server
+from engine_core.net.curve_refusals import REFUSAL_EVENTS
 from protocol.codec import make_encoder
 from protocol.config import CurveKeys, KVEventsConfig
 from protocol.kv_events import KVCacheEvent, KVEventBatch

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engine_core.endpoints import Endpoints
 from engine_core.handshake import (
     HandshakeError,
     check_hello,
@@ -23,6 +22,7 @@ from engine_core.handshake import (
     describe_message,
     missing_ranks,
 )
+from engine_core.net.endpoints import Endpoints
 from engine_core.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
 from engine_core.step_transport import StepTransport
 from protocol.codec import make_encoder, worker_to_engine_decoder

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import EPHEMERAL_RANGE_FILE, choosable_ports
+from engine_core.net.endpoints import EPHEMERAL_RANGE_FILE, choosable_ports
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import (
     KV_CACHE_MEMORY_BYTES,

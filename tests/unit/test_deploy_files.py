@@ -18,7 +18,8 @@ import yaml
 import deploy.keys
 from deploy.cli import core_parser, worker_config_from, worker_parser
 from deploy.commands import add_subcommands, engine_config_from
-from engine_core.curve import bound_addresses, is_loopback
+from engine_core.net.address import is_loopback
+from engine_core.net.curve import bound_addresses
 from protocol.config import CurveKeys, EngineConfig, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
