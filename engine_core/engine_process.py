@@ -12,8 +12,6 @@ from collections.abc import Callable
 import zmq
 
 from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher
-from engine_core.metrics import EngineMetrics
 from engine_core.net.address import AddressInUseError
 from engine_core.net.curve import start_zap_guard
 from engine_core.net.curve_refusals import REFUSAL_EVENTS, RefusalWatch
@@ -27,6 +25,8 @@ from engine_core.startup import (
     start_engine_core,
     start_kv_event_publisher,
 )
+from engine_core.telemetry.kv_events import KVEventPublisher
+from engine_core.telemetry.metrics import EngineMetrics
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.config import EngineConfig
 

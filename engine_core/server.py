@@ -14,9 +14,9 @@ import zmq
 from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
 from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher, cached_block_counts
-from engine_core.metrics import EngineMetrics
 from engine_core.recovery import WorkerRecovery
+from engine_core.telemetry.kv_events import KVEventPublisher, cached_block_counts
+from engine_core.telemetry.metrics import EngineMetrics
 from engine_core.worker_group import WorkerGroup, WorkerGroupError
 from protocol.client_messages import (
     AbortRequests,

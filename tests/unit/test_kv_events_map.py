@@ -9,8 +9,8 @@ from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
-from engine_core.kv_events import cached_block_counts
 from engine_core.sched.request import Request
+from engine_core.telemetry.kv_events import cached_block_counts
 from protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
