@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import zmq
 
-from engine_core.handshake import HandshakeError
 from engine_core.net.address import AddressInUseError
 from engine_core.net.curve import start_zap_guard
 from engine_core.net.curve_refusals import REFUSAL_EVENTS, RefusalWatch
@@ -27,7 +26,9 @@ from engine_core.startup import (
 )
 from engine_core.telemetry.kv_events import KVEventPublisher
 from engine_core.telemetry.metrics import EngineMetrics
-from engine_core.worker_group import WorkerGroup, WorkerGroupError
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.rank_watch import WorkerGroupError
+from engine_core.workers.worker_group import WorkerGroup
 from protocol.config import EngineConfig
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from deploy.cli import exit_with
 from deploy.launch import InterruptOnce
 from engine_core import engine_process
 from engine_core.server import EXIT_FAILED, EXIT_OK
-from engine_core.worker_group import WorkerGroupError
+from engine_core.workers.rank_watch import WorkerGroupError
 
 
 class FakeWorkers:

@@ -2,8 +2,9 @@
 process through a pidfd in the poller (seen within milliseconds), and every worker connection
 through the socket monitor's disconnects (ZMQ heartbeats cover remote ranks).
 
-It observes and raises WorkerGroupError naming the rank. The one thing it does to a process is
-kill a retired local rank that did not exit within its grace period (DESIGN.md §8).
+It observes and raises WorkerGroupError naming the rank; that error is defined here, and the
+step transport and worker group raise it too, for every fault of a rank. The one thing it does to
+a process is kill a retired local rank that did not exit within its grace period (DESIGN.md §8).
 """
 
 import logging
