@@ -73,7 +73,7 @@ def enable_nccl_async_errors() -> None:
 def engine_entry(config: EngineConfig, log_level: str) -> None:
     die_with_parent()
     setup_logging("engine", log_level)
-    from engine_core.engine_process import run
+    from engine_core.service.engine_process import run
 
     sys.exit(run(with_pool_host_memory_limit(config)))
 

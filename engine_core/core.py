@@ -77,7 +77,7 @@ class EngineCore:
         executor: Executor,
         limits: SchedulerLimits | None = None,
     ) -> None:
-        """`limits`: the startup plan's (engine_core/plan.py); resolved here when not given."""
+        """`limits`: the startup plan's (service/plan.py); resolved here when not given."""
         self.engine_config = engine_config
         self.kv_cache_config = kv_cache_config  # as agreed at startup; every generation keeps it
         self.model_info = model_info

@@ -14,7 +14,7 @@ from engine_core.client import (
     make_request,
     run_async,
 )
-from engine_core.client_router import MALFORMED_REQ_ID
+from engine_core.service.client_router import MALFORMED_REQ_ID
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.sampling import SamplingParams

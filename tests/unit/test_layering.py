@@ -27,8 +27,11 @@ PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
 # package, and a package stands for every module under it.
 FORBIDDEN_EDGES = (
     ("engine_core.kv_cache", "engine_core.sched"),  # the pool knows nothing of scheduling
-    ("engine_core.server", "engine_core.sched"),  # the server reaches it only through EngineCore
-    ("engine_core.server", "engine_core.kv_cache"),
+    (
+        "engine_core.service.server",
+        "engine_core.sched",
+    ),  # the server reaches it only through EngineCore
+    ("engine_core.service.server", "engine_core.kv_cache"),
 )
 # Known violations of FORBIDDEN_EDGES; each entry goes when its import does.
 ALLOWED_EDGES: tuple[tuple[str, str], ...] = ()
@@ -205,7 +208,7 @@ def test_checker_reports_a_planted_kv_cache_to_sched_import(tmp_path: pathlib.Pa
             "engine_core/sched/__init__.py": "",
             "engine_core/sched/request.py": "from ..kv_cache.hashing import BlockHasher\n",
             "engine_core/sched/queues.py": "",
-            "engine_core/server.py": (
+            "engine_core/service/server.py": (
                 "from engine_core.kv_cache.spec import plan_kv_cache\n"
                 "from engine_core.sched import scheduler\n"
             ),
@@ -216,8 +219,8 @@ def test_checker_reports_a_planted_kv_cache_to_sched_import(tmp_path: pathlib.Pa
     assert forbidden_edges(root) == [
         "engine_core/kv_cache/block_pool.py imports engine_core.sched.request",
         "engine_core/kv_cache/manager.py imports engine_core.sched.queues",
-        "engine_core/server.py imports engine_core.sched.scheduler",
-        "engine_core/server.py imports engine_core.kv_cache.spec",
+        "engine_core/service/server.py imports engine_core.sched.scheduler",
+        "engine_core/service/server.py imports engine_core.kv_cache.spec",
     ]
 
 

@@ -3,7 +3,7 @@ a fault a new generation would repeat never is, and a new generation must fit th
 
 import pytest
 
-from engine_core.recovery import WorkerRecovery
+from engine_core.service.recovery import WorkerRecovery
 from engine_core.workers.handshake import HandshakeError
 from engine_core.workers.rank_watch import WorkerGroupError
 from protocol import PROTOCOL_VERSION

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import zmq
 
-from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
-from engine_core.recovery import WorkerRecovery
+from engine_core.service.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
+from engine_core.service.recovery import WorkerRecovery
 from engine_core.telemetry.kv_events import KVEventPublisher, cached_block_counts
 from engine_core.telemetry.metrics import EngineMetrics
 from engine_core.workers.handshake import HandshakeError

@@ -15,9 +15,9 @@ from engine_core.net.address import AddressInUseError
 from engine_core.net.curve import start_zap_guard
 from engine_core.net.curve_refusals import REFUSAL_EVENTS, RefusalWatch
 from engine_core.net.endpoints import Endpoints, check_free
-from engine_core.recovery import WorkerRecovery
-from engine_core.server import EXIT_FAILED, EXIT_OK, EXIT_USAGE, EngineServer
-from engine_core.startup import (
+from engine_core.service.recovery import WorkerRecovery
+from engine_core.service.server import EXIT_FAILED, EXIT_OK, EXIT_USAGE, EngineServer
+from engine_core.service.startup import (
     CLIENT_LINGER_MS,
     bind_clients,
     serve_metrics,

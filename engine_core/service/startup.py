@@ -8,11 +8,11 @@ import time
 
 import zmq
 
-from engine_core.client_router import ClientRouter
 from engine_core.core import EngineCore
 from engine_core.net.address import AddressInUseError
 from engine_core.net.endpoints import Endpoints, check_free, prepare_ipc_folder
-from engine_core.plan import plan_engine
+from engine_core.service.client_router import ClientRouter
+from engine_core.service.plan import plan_engine
 from engine_core.telemetry.kv_events import KVEventPublisher
 from engine_core.telemetry.metrics import EngineMetrics, MetricsServer
 from engine_core.workers.handshake import HandshakeError
