@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from bench.report import DEFAULT_PEER_PYTHON
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from deploy.bench_cmd import percentile
 from deploy.launch import Deployment, worker_configs
-from engine_core.client import EngineClient, RequestResult, make_request
+from engine_client.request import RequestResult, make_request
+from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
 from protocol.sampling import SamplingParams
