@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front end: routes, request models, tokenizer and the engine pool.
 
-It reaches engines only through engine_core.client; it never imports the engine's internals,
+It reaches engines only through engine_client; it never imports the engine's internals,
 the workers or deploy/.
 """

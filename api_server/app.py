@@ -35,7 +35,7 @@ from api_server.openai_types import (
 )
 from api_server.serving import JSON, ResponseShape, Serving
 from api_server.tokenizer import load_tokenizer
-from engine_core.client import DEFAULT_TIMEOUT_S
+from engine_client.connection import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys
 
 logger = logging.getLogger(__name__)

@@ -9,12 +9,8 @@ import time
 from collections.abc import AsyncIterator
 
 from api_server.router import PrefixAffinityRouter
-from engine_core.client import (
-    AsyncEngineClient,
-    EngineConnectionLost,
-    EngineDeadError,
-    UtilityCallError,
-)
+from engine_client.async_client import AsyncEngineClient
+from engine_client.errors import EngineConnectionLost, EngineDeadError, UtilityCallError
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest
 from protocol.config import CurveKeys
 

@@ -18,7 +18,7 @@ from api_server.logprobs import ChoiceLogprobs
 from api_server.metrics import TokenLatency
 from api_server.stop_strings import StopStringMatcher
 from api_server.tokenizer import PromptTokenizer, TextDetokenizer
-from engine_core.client import EngineConnectionLost, EngineDeadError, FrameTooLargeError
+from engine_client.errors import EngineConnectionLost, EngineDeadError, FrameTooLargeError
 from protocol.client_messages import EngineCoreOutput, FinishReason
 
 SSE_DONE = b"data: [DONE]\n\n"

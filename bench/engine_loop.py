@@ -21,8 +21,9 @@ from pathlib import Path
 
 from bench.http import stop_processes
 from bench.report import base_parser, report
-from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import free_tcp_ports
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.config import SchedulerConfig, WorkerConfig
 from protocol.kv_cache_spec import bytes_per_block, cdiv
 from protocol.sampling import SamplingParams

@@ -22,9 +22,10 @@ import torch
 
 from bench import gpu_checkpoint_checks
 from bench.gpu_checkpoint_checks import CheckResult, stop_launcher
-from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import free_tcp_ports
-from engine_core.plan import POOL_HOST_BYTES_PER_BLOCK
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import free_tcp_ports
+from engine_core.service.plan import POOL_HOST_BYTES_PER_BLOCK
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from worker.distributed import single_rank_group

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
-from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import free_tcp_ports
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 FLOAT32_MIN_MARGIN = 1e-3

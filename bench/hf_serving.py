@@ -29,8 +29,9 @@ import torch
 from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
 from bench.peer_rounds import MIN_ROUNDS, num_rounds
 from bench.report import report
-from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import free_tcp_ports
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 SIDES = ("kvserve", "generate_batch", "generate")

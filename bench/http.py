@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 
 from bench.report import base_parser, report
-from engine_core.client import AsyncEngineClient, make_request, run_async
-from engine_core.endpoints import free_tcp_ports
+from engine_client.async_client import AsyncEngineClient, run_async
+from engine_client.request import make_request
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 MODEL = "checksum"  # the cheapest model: the front end's share of each request shows most

@@ -21,8 +21,9 @@ import httpx
 
 from bench.http import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, HttpConnection, stop_processes
 from bench.report import base_parser, report
-from engine_core.client import AsyncEngineClient, UtilityCallError, run_async
-from engine_core.endpoints import free_tcp_ports
+from engine_client.async_client import AsyncEngineClient, run_async
+from engine_client.errors import UtilityCallError
+from engine_core.net.endpoints import free_tcp_ports
 
 NUM_PREFIXES = 8  # distinct shared prefixes
 NUM_SUFFIXES = 8  # requests per prefix, each with its own suffix

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from bench.report import DEFAULT_PEER_PYTHON
-from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import free_tcp_ports
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
 
 PEER_SCRIPT = Path(__file__).parent / "peers" / "vllm_kv_events_check.py"

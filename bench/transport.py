@@ -24,7 +24,7 @@ from bench.transport_ranks import (
     STEP_TIMEOUT_S,
     rank_main,
 )
-from engine_core.worker_group import WorkerGroup
+from engine_core.workers.worker_group import WorkerGroup
 from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
 from protocol.kv_cache_spec import KVCacheConfig

@@ -13,7 +13,7 @@ from bench.transport_ranks import (
     pong_main,
     shm_echo_main,
 )
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from worker.shm_ring_reader import ShmRingReader
 
 

@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder

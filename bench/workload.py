@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine_core.core import EngineCore
-from engine_core.endpoints import free_tcp_ports
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig

@@ -14,7 +14,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from deploy.keys import add_keys_flag, keys_from
-from engine_core.client import EngineClient, EngineDeadError, RequestResult, make_request
+from engine_client.errors import EngineDeadError
+from engine_client.request import RequestResult, make_request
+from engine_client.sync_client import EngineClient
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 

@@ -92,7 +92,7 @@ def core_main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     setup_logging("engine", args.log_level)
     from deploy.launch import with_pool_host_memory_limit
-    from engine_core.engine_process import run
+    from engine_core.service.engine_process import run
 
     exit_with(run(with_pool_host_memory_limit(config)))
 

@@ -291,7 +291,8 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def stats_command(args: argparse.Namespace) -> int:
-    from engine_core.client import EngineClient, EngineDeadError
+    from engine_client.errors import EngineDeadError
+    from engine_client.sync_client import EngineClient
 
     with EngineClient(args.address, args.timeout_s, keys_from(args, "client")) as client:
         try:
@@ -304,7 +305,8 @@ def stats_command(args: argparse.Namespace) -> int:
 
 
 def reset_command(args: argparse.Namespace) -> int:
-    from engine_core.client import EngineClient, EngineDeadError, UtilityCallError
+    from engine_client.errors import EngineDeadError, UtilityCallError
+    from engine_client.sync_client import EngineClient
 
     with EngineClient(args.address, args.timeout_s, keys_from(args, "client")) as client:
         try:

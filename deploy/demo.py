@@ -16,8 +16,9 @@ from rich.table import Table
 
 from deploy.bench_cmd import percentile
 from deploy.launch import Deployment, worker_configs
-from engine_core.client import EngineClient, RequestResult, make_request
-from engine_core.endpoints import free_tcp_ports
+from engine_client.request import RequestResult, make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import free_tcp_ports
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
 from protocol.sampling import SamplingParams
 from worker.models.reference import ReferenceModel

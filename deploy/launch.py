@@ -20,8 +20,9 @@ from typing import TypeVar
 
 from deploy.flags import UsageError
 from deploy.logs import setup_logging
-from engine_core.curve import check_secure
-from engine_core.endpoints import AddressInUseError, check_free, free_tcp_ports
+from engine_core.net.address import AddressInUseError
+from engine_core.net.curve import check_secure
+from engine_core.net.endpoints import check_free, free_tcp_ports
 from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def enable_nccl_async_errors() -> None:
 def engine_entry(config: EngineConfig, log_level: str) -> None:
     die_with_parent()
     setup_logging("engine", log_level)
-    from engine_core.engine_process import run
+    from engine_core.service.engine_process import run
 
     sys.exit(run(with_pool_host_memory_limit(config)))
 

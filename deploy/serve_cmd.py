@@ -13,7 +13,8 @@ import uvicorn
 from api_server.app import ApiSettings, create_app
 from deploy.flags import UsageError
 from deploy.launch import EXIT_FAILED, EXIT_OK, Deployment, check_addresses, worker_configs
-from engine_core.endpoints import AddressInUseError, check_free
+from engine_core.net.address import AddressInUseError
+from engine_core.net.endpoints import check_free
 from protocol.config import EngineConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, runtime_checkable
 
-from engine_core.kv_events import cached_block_counts
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
@@ -80,7 +79,7 @@ class EngineCore:
         executor: Executor,
         limits: SchedulerLimits | None = None,
     ) -> None:
-        """`limits`: the startup plan's (engine_core/plan.py); resolved here when not given."""
+        """`limits`: the startup plan's (service/plan.py); resolved here when not given."""
         self.engine_config = engine_config
         self.kv_cache_config = kv_cache_config  # as agreed at startup; every generation keeps it
         self.model_info = model_info
@@ -274,7 +273,7 @@ class EngineCore:
 
     def cached_block_counts(self) -> dict[str, int]:
         """The prefix cache as a KV-event subscriber should hold it: hex key -> copies cached."""
-        return cached_block_counts(self.scheduler.kv_cache_manager.block_pool)
+        return self.scheduler.kv_cache_manager.block_pool.cached_block_counts()
 
     def rejection(self, req_id: str, error: str) -> EngineCoreOutputs:
         """The one output of a request refused before admission (the engine is stopping, or its

@@ -310,6 +310,19 @@ class BlockPool:
             return 0.0
         return 1.0 - self.free_block_queue.num_free_blocks / capacity
 
+    def cached_block_counts(self) -> dict[str, int]:
+        """Hex key (hash then group id) of each hash in the prefix-cache map -> copies cached.
+
+        What a KV-event subscriber that applied every event must hold, keyed as
+        `block_hash_with_group_id`: the engine's get_cached_block_hashes call answers with it.
+        """
+        counts: dict[str, int] = {}
+        for block in self.blocks:
+            if block.block_hash is not None:
+                key = block.block_hash.hex()
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events recorded since the last call, oldest first."""
         events = self.kv_event_queue

@@ -16,10 +16,10 @@ from engine_core.sched.client_outputs import final_outputs, group_by_client, rej
 from engine_core.sched.in_flight_step import InFlightStep, StepsInFlight
 from engine_core.sched.invariants import check_scheduler
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
-from engine_core.sched.output import StepPlan
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.reply_logprobs import read_reply_logprobs
 from engine_core.sched.request import Request, RequestStatus
+from engine_core.sched.step_plan import StepPlan
 from engine_core.sched.stop import check_stop
 from engine_core.sched.validation import max_num_encoder_tokens
 from protocol.buffers import pack_int32, unpack_int32

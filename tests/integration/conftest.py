@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.endpoints import free_tcp_ports
+from engine_core.net.endpoints import free_tcp_ports
 
 __all__ = ["free_tcp_ports"]  # the tests import it from here, with the other helpers
 

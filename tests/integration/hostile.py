@@ -9,7 +9,8 @@ from pathlib import Path
 
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.client_messages import EngineCoreOutputs
 from protocol.codec import engine_to_client_decoder
 from protocol.sampling import SamplingParams

@@ -5,7 +5,8 @@ greedy and seeded sampling mixed, and every output compared with the model's non
 import random
 from collections.abc import Callable
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch
 from worker.models.reference import ReferenceModel

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from protocol.shm_ring import RingClosedError
 from worker.shm_ring_reader import ShmRingReader
 

@@ -13,13 +13,9 @@ import httpx
 import pytest
 
 from api_server.tokenizer import ByteTokenizer
-from engine_core.client import (
-    AsyncEngineClient,
-    EngineConnectionLost,
-    FrameTooLargeError,
-    make_request,
-    run_async,
-)
+from engine_client.async_client import AsyncEngineClient, run_async
+from engine_client.errors import EngineConnectionLost, FrameTooLargeError
+from engine_client.request import make_request
 from protocol.codec import make_encoder
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch

@@ -17,7 +17,8 @@ import pytest
 
 from api_server.tokenizer import ByteTokenizer
 from deploy.keys import keygen
-from engine_core.client import EngineClient, EngineDeadError
+from engine_client.errors import EngineDeadError
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import (
     Processes,

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch, wait_for
 from worker.models.reference import ReferenceModel, reference_generate

@@ -7,7 +7,8 @@ import urllib.request
 
 import pytest
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
 

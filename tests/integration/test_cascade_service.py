@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch
 from worker.models.reference import ReferenceModel

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from engine_core.client import make_request
+from engine_client.request import make_request
 from protocol.client_messages import AbortRequests, UtilityCall, UtilityResult
 from protocol.codec import engine_to_client_decoder, make_encoder
 from protocol.sampling import SamplingParams

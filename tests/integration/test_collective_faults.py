@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, wait_for
 

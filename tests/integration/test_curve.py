@@ -13,7 +13,8 @@ import pytest
 import zmq
 
 from deploy.keys import keygen, load_curve_keys
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.codec import make_encoder
 from protocol.config import CurveKeys
 from protocol.sampling import SamplingParams

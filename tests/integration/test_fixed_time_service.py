@@ -5,7 +5,8 @@ prefix caching, and an abort mid-stream frees its blocks."""
 
 import pytest
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch, wait_for
 from tests.integration.served_requests import (

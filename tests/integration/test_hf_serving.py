@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from bench.make_checkpoint import CheckpointSpec, make_checkpoint
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
 from tests.unit.hf_checkpoints import hf_greedy

@@ -9,7 +9,8 @@ import time
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.client_messages import AbortRequests
 from protocol.codec import make_encoder
 from protocol.sampling import SamplingParams

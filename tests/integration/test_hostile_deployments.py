@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
-from engine_core.endpoints import EPHEMERAL_RANGE_FILE, choosable_ports
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.net.endpoints import EPHEMERAL_RANGE_FILE, choosable_ports
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import (
     KV_CACHE_MEMORY_BYTES,

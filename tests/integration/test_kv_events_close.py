@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import zmq
 
-from engine_core import kv_events
-from engine_core.kv_events import LOCK_TIMEOUT_S, KVEventPublisher
+from engine_core.telemetry import kv_events
+from engine_core.telemetry.kv_events import LOCK_TIMEOUT_S, KVEventPublisher
 from protocol.config import KVEventsConfig
 from protocol.kv_events import KVCacheEvent, block_stored
 

@@ -9,7 +9,8 @@ import random
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from engine_core.kv_cache.hashing import make_block_hash_with_group_id
 from protocol.codec import kv_event_decoder
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

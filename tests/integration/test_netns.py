@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from deploy.keys import load_curve_keys
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, wait_for
 from tests.integration.netns import (

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.buffers import pack_int32
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.codec import kv_event_decoder
 from protocol.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from protocol.sampling import SamplingParams

@@ -10,13 +10,10 @@ import socket
 import pytest
 import zmq
 
-from engine_core.client import (
-    AsyncEngineClient,
-    EngineClient,
-    EngineDeadError,
-    make_request,
-    run_async,
-)
+from engine_client.async_client import AsyncEngineClient, run_async
+from engine_client.errors import EngineDeadError
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.buffers import pack_int32
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams

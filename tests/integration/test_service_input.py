@@ -7,14 +7,11 @@ import time
 import msgspec
 import pytest
 
-from engine_core.client import (
-    AsyncEngineClient,
-    EngineClient,
-    UtilityCallError,
-    make_request,
-    run_async,
-)
-from engine_core.client_router import MALFORMED_REQ_ID
+from engine_client.async_client import AsyncEngineClient, run_async
+from engine_client.errors import UtilityCallError
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from engine_core.service.client_router import MALFORMED_REQ_ID
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.sampling import SamplingParams

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from protocol.shm_ring import SEGMENT_PREFIX, ReaderState, RingClosedError, RingReaderGoneError
 from tests.integration.conftest import ROOT, Processes, wait_for
 from tests.integration.shm_ring_peers import frames_for

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from protocol.shm_ring import SEGMENT_PREFIX
 from tests.integration.conftest import (

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine_core.client import EngineClient, make_request
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_port, launch, wait_for
 from tests.integration.fake_rank import FakeRank

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine_core.client import EngineClient
+from engine_client.sync_client import EngineClient
 from tests.integration.conftest import Processes, stop_launch
 from tests.integration.served_requests import (
     assert_cache_use,

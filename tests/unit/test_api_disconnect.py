@@ -19,7 +19,8 @@ from api_server.errors import ApiError
 from api_server.openai_types import CompletionRequest
 from api_server.serving import ResponseShape, Serving
 from api_server.tokenizer import ByteTokenizer
-from engine_core.client import AsyncEngineClient, make_request
+from engine_client.async_client import AsyncEngineClient
+from engine_client.request import make_request
 from protocol.client_messages import (
     AbortRequests,
     ClientToEngine,

@@ -14,7 +14,7 @@ from bench.transport import (
     verdicts,
 )
 from bench.transport_ranks import reply_for
-from engine_core.handshake import describe_disagreement
+from engine_core.workers.rank_agreement import describe_disagreement
 from protocol.buffers import unpack_int32
 from protocol.codec import engine_to_worker_decoder, make_encoder
 

@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from engine_core.client_router import frame_ids_decoder, readable_ids
+from engine_core.service.client_router import frame_ids_decoder, readable_ids
 from protocol.codec import (
     client_to_engine_decoder,
     engine_to_client_decoder,

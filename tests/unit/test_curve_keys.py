@@ -13,8 +13,9 @@ from deploy.cli import worker_config_from, worker_parser
 from deploy.commands import add_subcommands, engine_config_from
 from deploy.flags import UsageError
 from deploy.keys import keygen, load_curve_keys
-from engine_core.curve import InsecureAddressError, check_secure, is_loopback
-from engine_core.endpoints import AddressInUseError, prepare_ipc_folder
+from engine_core.net.address import AddressInUseError, is_loopback
+from engine_core.net.curve import InsecureAddressError, check_secure
+from engine_core.net.endpoints import prepare_ipc_folder
 from protocol.config import EngineConfig, KVEventsConfig
 
 

@@ -18,7 +18,8 @@ import yaml
 import deploy.keys
 from deploy.cli import core_parser, worker_config_from, worker_parser
 from deploy.commands import add_subcommands, engine_config_from
-from engine_core.curve import bound_addresses, is_loopback
+from engine_core.net.address import is_loopback
+from engine_core.net.curve import bound_addresses
 from protocol.config import CurveKeys, EngineConfig, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,3 +278,20 @@ def test_the_dockerfile_is_the_cpu_build_and_runs_a_command_the_cli_accepts() ->
     assert "pip install ." in runs
     (cmd,) = [line.removeprefix("CMD ") for line in instructions if line.startswith("CMD ")]
     parse(yaml.safe_load(cmd))  # the JSON form of CMD is a YAML list
+
+
+def test_the_dockerfile_copies_every_package_pyproject_installs() -> None:
+    """A package left out of the image installs nothing: `kvserve-api` then fails on its first
+    import of the client library (engine_client, once part of engine_core)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {
+        pattern.removesuffix("*")
+        for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    copies = {
+        line.split()[1]
+        for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and not line.split()[1].endswith((".toml", ".md"))
+    }
+    assert "engine_client" in packages
+    assert packages <= copies, sorted(packages - copies)

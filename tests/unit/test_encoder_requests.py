@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from engine_core.client import make_request
+from engine_client.request import make_request
 from engine_core.sched.request import RequestStatus
 from engine_core.sched.scheduler import Scheduler
 from engine_core.sched.validation import max_num_encoder_tokens, validate_encoder_tokens

@@ -3,7 +3,7 @@ each refusal named once, before any rank allocates."""
 
 import pytest
 
-from engine_core.plan import plan_engine
+from engine_core.service.plan import plan_engine
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from protocol.worker_messages import ModelInfo

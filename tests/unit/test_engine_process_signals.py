@@ -11,9 +11,9 @@ import pytest
 
 from deploy.cli import exit_with
 from deploy.launch import InterruptOnce
-from engine_core import engine_process
-from engine_core.server import EXIT_FAILED, EXIT_OK
-from engine_core.worker_group import WorkerGroupError
+from engine_core.service import engine_process
+from engine_core.service.server import EXIT_FAILED, EXIT_OK
+from engine_core.workers.rank_watch import WorkerGroupError
 
 
 class FakeWorkers:

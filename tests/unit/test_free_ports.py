@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from engine_core import endpoints
-from engine_core.endpoints import HIGHEST_PORT, LOWEST_CHOSEN_PORT, _bind_probe, choosable_ports
+from engine_core.net import endpoints
+from engine_core.net.endpoints import HIGHEST_PORT, LOWEST_CHOSEN_PORT, _bind_probe, choosable_ports
 
 
 @pytest.mark.parametrize(

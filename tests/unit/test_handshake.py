@@ -2,14 +2,14 @@
 
 import pytest
 
-from engine_core.handshake import (
+from engine_core.workers.handshake import (
     HandshakeError,
     check_hello,
     check_ready,
-    describe_disagreement,
     describe_model_difference,
     missing_ranks,
 )
+from engine_core.workers.rank_agreement import describe_disagreement
 from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec

@@ -9,7 +9,6 @@ from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHasher, make_block_hash_with_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
-from engine_core.kv_events import cached_block_counts
 from engine_core.sched.request import Request
 from protocol.kv_events import (
     AllBlocksCleared,
@@ -47,7 +46,7 @@ def apply(events: list[KVCacheEvent], keys: set[bytes]) -> None:
 
 def pool_keys(pool: BlockPool) -> set[bytes]:
     pool.check_invariants()
-    return {bytes.fromhex(key) for key in cached_block_counts(pool)}
+    return {bytes.fromhex(key) for key in pool.cached_block_counts()}
 
 
 def test_two_copies_are_announced_once_and_removed_with_the_last() -> None:
@@ -59,7 +58,7 @@ def test_two_copies_are_announced_once_and_removed_with_the_last() -> None:
     pool.cache_full_blocks(first, blocks_a, 0, 2, BLOCK_SIZE, 0)
     pool.cache_full_blocks(second, blocks_b, 0, 2, BLOCK_SIZE, 0)
     assert pool.take_events() == [block_stored(first.block_hashes, None, list(range(8)), 4, 0)]
-    assert cached_block_counts(pool) == {
+    assert pool.cached_block_counts() == {
         make_block_hash_with_group_id(h, 0).hex(): 2 for h in first.block_hashes
     }
     pool.evict_blocks([blocks_a[1].block_id])

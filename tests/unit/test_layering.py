@@ -1,4 +1,5 @@
-"""The import rules of DESIGN.md §2, checked by parsing every module's imports under a root.
+"""The import rules of DESIGN.md §2 and the folder rules of engine_core, checked by parsing every
+module's imports under a root; and every module opens with a docstring of what it owns.
 
 Each checking function takes the root directory, so the tests below also run it on planted trees.
 """
@@ -10,29 +11,64 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "engine_core", "worker", "deploy", "api_server")
+PACKAGES = ("protocol", "engine_core", "engine_client", "worker", "deploy", "api_server")
 STDLIB = set(sys.stdlib_module_names)
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
-    "protocol": {"engine_core", "worker", "deploy", "torch", "numpy", "zmq", "api_server"},
-    "engine_core": {"torch", "worker", "deploy", "api_server"},
-    "worker": {"engine_core", "deploy", "api_server"},
+    "protocol": {
+        *("engine_core", "engine_client", "worker", "deploy", "api_server"),
+        *("torch", "numpy", "zmq"),
+    },
+    "engine_core": {"torch", "worker", "deploy", "api_server", "engine_client"},
+    # the client library speaks the protocol over a socket and needs nothing of the engine
+    "engine_client": {"engine_core", "worker", "deploy", "api_server", "torch"},
+    "worker": {"engine_core", "engine_client", "deploy", "api_server"},
     "deploy": set(),
-    "api_server": {"worker", "deploy", "torch"},  # and of engine_core, only its client
+    "api_server": {"engine_core", "worker", "deploy", "torch"},  # engines only through the client
 }
 PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
+
+# The folders of engine_core (and core.py), each with the folders of engine_core it may import
+# besides its own; every other import between them is a FORBIDDEN_EDGE. Every module of
+# engine_core lies in one of them, so a new folder or loose module must state its rule here.
+ENGINE_CORE_FOLDERS = {
+    # the KV-cache layer, plain Python: the pool knows nothing of scheduling
+    "engine_core.kv_cache": (),
+    # requests and the scheduler, which asks the KV-cache manager; no processes, no sockets
+    "engine_core.sched": ("engine_core.kv_cache",),
+    # EngineCore, the step loop over an Executor: it owns the scheduler and touches no socket
+    "engine_core.core": ("engine_core.sched", "engine_core.kv_cache"),
+    # addresses, binding and CURVE: under every folder that opens a socket, above none
+    "engine_core.net": (),
+    # metrics and KV events bind through net, and read neither the scheduler nor the pool
+    "engine_core.telemetry": ("engine_core.net",),
+    # the worker side binds through net and never reaches the service, so never the client router
+    "engine_core.workers": ("engine_core.net",),
+    # the engine process: the only folder that joins the worker side and the client side
+    "engine_core.service": (
+        *("engine_core.core", "engine_core.sched", "engine_core.kv_cache"),
+        *("engine_core.net", "engine_core.telemetry", "engine_core.workers"),
+    ),
+}
 
 # (importer, imported): edges inside a package that must not exist; each side is a module or a
 # package, and a package stands for every module under it.
 FORBIDDEN_EDGES = (
-    ("engine_core.kv_cache", "engine_core.sched"),  # the pool knows nothing of scheduling
-    ("engine_core.server", "engine_core.sched"),  # the server reaches it only through EngineCore
-    ("engine_core.server", "engine_core.kv_cache"),
+    *(
+        (folder, other)
+        for folder, allowed in ENGINE_CORE_FOLDERS.items()
+        for other in ENGINE_CORE_FOLDERS
+        if other != folder and other not in allowed
+    ),
+    # the server reaches the scheduler and the pool only through EngineCore
+    ("engine_core.service.server", "engine_core.sched"),
+    ("engine_core.service.server", "engine_core.kv_cache"),
 )
 # Known violations of FORBIDDEN_EDGES; each entry goes when its import does.
 ALLOWED_EDGES: tuple[tuple[str, str], ...] = ()
-ACYCLIC_PACKAGES = ("deploy",)  # no two modules of these import each other, even indirectly
+# no two modules of these import each other, even indirectly
+ACYCLIC_PACKAGES = ("deploy", "engine_client")
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -158,6 +194,25 @@ def import_cycles(root: pathlib.Path, package: str) -> list[list[str]]:
     return sorted(cycles)
 
 
+def modules_outside_folders(root: pathlib.Path) -> list[str]:
+    """The modules of engine_core in none of ENGINE_CORE_FOLDERS, so that no rule covers them."""
+    return [
+        str(path.relative_to(root))
+        for path in _modules(root, "engine_core")
+        if _module_name(path, root) != "engine_core"
+        and not any(_is_within(_module_name(path, root), folder) for folder in ENGINE_CORE_FOLDERS)
+    ]
+
+
+def modules_without_docstring(root: pathlib.Path, package: str) -> list[str]:
+    """The modules of `package` that do not open with a docstring saying what they own."""
+    return [
+        str(path.relative_to(root))
+        for path in _modules(root, package)
+        if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+    ]
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_respects_import_rules(package: str) -> None:
     violations = package_violations(ROOT, package)
@@ -165,18 +220,21 @@ def test_package_respects_import_rules(package: str) -> None:
 
 
 def test_packages_keep_their_inner_edges() -> None:
-    """kv_cache never imports sched; server.py reaches the scheduler only through EngineCore."""
+    """Each folder of engine_core imports only the folders ENGINE_CORE_FOLDERS allows it, and
+    server.py reaches the scheduler only through EngineCore."""
     violations = forbidden_edges(ROOT)
     assert not violations, "\n".join(violations)
 
 
-def test_api_server_reaches_engines_only_through_the_client() -> None:
-    violations = [
-        edge
-        for edge in edges(ROOT, "api_server", "engine_core")
-        if not edge.endswith(" imports engine_core.client")
-    ]
-    assert not violations, "\n".join(violations)
+def test_every_engine_core_module_lies_in_a_folder_with_rules() -> None:
+    outside = modules_outside_folders(ROOT)
+    assert not outside, outside
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_opens_with_what_it_owns(package: str) -> None:
+    missing = modules_without_docstring(ROOT, package)
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("package", ACYCLIC_PACKAGES)
@@ -205,7 +263,8 @@ def test_checker_reports_a_planted_kv_cache_to_sched_import(tmp_path: pathlib.Pa
             "engine_core/sched/__init__.py": "",
             "engine_core/sched/request.py": "from ..kv_cache.hashing import BlockHasher\n",
             "engine_core/sched/queues.py": "",
-            "engine_core/server.py": (
+            "engine_core/service/__init__.py": "",
+            "engine_core/service/server.py": (
                 "from engine_core.kv_cache.spec import plan_kv_cache\n"
                 "from engine_core.sched import scheduler\n"
             ),
@@ -216,8 +275,113 @@ def test_checker_reports_a_planted_kv_cache_to_sched_import(tmp_path: pathlib.Pa
     assert forbidden_edges(root) == [
         "engine_core/kv_cache/block_pool.py imports engine_core.sched.request",
         "engine_core/kv_cache/manager.py imports engine_core.sched.queues",
-        "engine_core/server.py imports engine_core.sched.scheduler",
-        "engine_core/server.py imports engine_core.kv_cache.spec",
+        "engine_core/service/server.py imports engine_core.sched.scheduler",
+        "engine_core/service/server.py imports engine_core.kv_cache.spec",
+    ]
+
+
+def test_checker_reports_a_worker_side_import_of_the_client_router(tmp_path: pathlib.Path) -> None:
+    """Only the service joins the worker side and the client side: startup may import both, the
+    worker group may not import the router, even lazily and relatively."""
+    root = _plant(
+        tmp_path,
+        {
+            "engine_core/service/__init__.py": "",
+            "engine_core/service/client_router.py": "",
+            "engine_core/service/startup.py": (
+                "from engine_core.service.client_router import ClientRouter\n"
+                "from engine_core.workers.worker_group import WorkerGroup\n"
+            ),
+            "engine_core/workers/__init__.py": "",
+            "engine_core/workers/worker_group.py": (
+                "def f() -> None:\n    from ..service.client_router import ClientRouter\n"
+            ),
+            "engine_core/telemetry/__init__.py": "",
+            "engine_core/telemetry/metrics.py": "from engine_core.workers import worker_group\n",
+        },
+    )
+    assert forbidden_edges(root) == [
+        "engine_core/telemetry/metrics.py imports engine_core.workers.worker_group",
+        "engine_core/workers/worker_group.py imports engine_core.service.client_router",
+    ]
+
+
+def _planted_file(name: str, leaf: str) -> str:
+    """Where a planted module within `name` goes: `name` itself when it is a module today, else a
+    module `leaf` inside the package."""
+    path = name.replace(".", "/")
+    return f"{path}/{leaf}.py" if (ROOT / path).is_dir() else f"{path}.py"
+
+
+@pytest.mark.parametrize("edge", FORBIDDEN_EDGES, ids="->".join)
+def test_checker_reports_each_forbidden_edge_on_a_planted_tree(
+    tmp_path: pathlib.Path, edge: tuple[str, str]
+) -> None:
+    importer, imported = edge
+    importer_file = _planted_file(importer, "planted_importer")
+    imported_file = _planted_file(imported, "planted_target")
+    imported_module = imported_file.removesuffix(".py").replace("/", ".")
+    root = _plant(tmp_path, {importer_file: f"import {imported_module}\n", imported_file: ""})
+    assert forbidden_edges(root) == [f"{importer_file} imports {imported_module}"]
+
+
+@pytest.mark.parametrize(
+    ("package", "name"),
+    [(package, name) for package, names in FORBIDDEN.items() for name in sorted(names)],
+)
+def test_checker_reports_each_forbidden_package_import_on_a_planted_tree(
+    tmp_path: pathlib.Path, package: str, name: str
+) -> None:
+    root = _plant(tmp_path, {f"{package}/planted.py": f"def f() -> None:\n    import {name}\n"})
+    assert f"{package}/planted.py imports {name}" in package_violations(root, package)
+
+
+def test_checker_reports_a_planted_protocol_import_outside_stdlib_and_msgspec(
+    tmp_path: pathlib.Path,
+) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "protocol/config.py": "import json\nimport msgspec\nfrom protocol import errors\n",
+            "protocol/errors.py": "",
+            "protocol/codec.py": "import yaml\n",
+        },
+    )
+    assert package_violations(root, "protocol") == [
+        "protocol/codec.py imports yaml, not stdlib or msgspec"
+    ]
+
+
+def test_checker_reports_a_planted_module_outside_the_folders(tmp_path: pathlib.Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "engine_core/__init__.py": "",
+            "engine_core/core.py": "",
+            "engine_core/kv_cache/block_pool.py": "",
+            "engine_core/loose.py": "",
+            "engine_core/gadgets/__init__.py": "",
+        },
+    )
+    assert modules_outside_folders(root) == [
+        "engine_core/gadgets/__init__.py",
+        "engine_core/loose.py",
+    ]
+
+
+def test_checker_reports_a_planted_module_without_docstring(tmp_path: pathlib.Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "engine_client/__init__.py": '"""The client library."""\n',
+            "engine_client/errors.py": '# errors\n"""The errors a client raises."""\n',
+            "engine_client/request.py": "import time\n",
+            "engine_client/connection.py": '""" """\n',
+        },
+    )
+    assert modules_without_docstring(root, "engine_client") == [
+        "engine_client/connection.py",
+        "engine_client/request.py",
     ]
 
 
@@ -239,7 +403,7 @@ def test_checker_reports_a_planted_deploy_cycle(tmp_path: pathlib.Path) -> None:
 def test_nothing_imports_deploy() -> None:
     offenders = [
         str(path.relative_to(ROOT))
-        for package in ("protocol", "engine_core", "worker", "bench")
+        for package in ("protocol", "engine_core", "engine_client", "worker", "bench")
         for path in _modules(ROOT, package)
         if "deploy" in _imported_top_levels(path, ROOT)
     ]
@@ -248,7 +412,7 @@ def test_nothing_imports_deploy() -> None:
 
 def test_engine_and_worker_never_read_argv_or_environment() -> None:
     offenders = []
-    for package in ("protocol", "engine_core", "worker"):
+    for package in ("protocol", "engine_core", "engine_client", "worker"):
         for path in _modules(ROOT, package):
             text = path.read_text()
             if "os.environ" in text or "sys.argv" in text or "os.getenv" in text:
@@ -288,3 +452,47 @@ def test_benchmark_peers_never_import_kvserve() -> None:
         offenders += [f"{path.relative_to(ROOT)} imports {other}" for other in imports - STDLIB]
     assert len(peers) >= 3 and {"trace", "replay", "scheduler_workloads"} <= shared, shared
     assert not offenders, offenders
+
+
+def _attribute_reads(path: pathlib.Path, attribute: str, of: str | None = None) -> list[str]:
+    """`file:line` of every `<expr>.<attribute>` in the module at `path`; with `of`, only where
+    `<expr>` is a name or attribute called `of` (`core.scheduler`, not `config.scheduler`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == attribute
+        and (of is None or _name_of(node.value) == of)
+    ]
+
+
+def _name_of(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def test_the_service_never_reaches_through_engine_core_to_the_scheduler() -> None:
+    """Imports alone cannot see `core.scheduler.kv_cache_manager.block_pool`: the service asks
+    EngineCore's accessors, so the scheduler and the pool can change behind them."""
+    reads = [
+        read
+        for path in sorted((ROOT / "engine_core" / "service").glob("*.py"))
+        for attribute in ("kv_cache_manager", "block_pool")
+        for read in _attribute_reads(path, attribute)
+    ] + [
+        read
+        for path in sorted((ROOT / "engine_core" / "service").glob("*.py"))
+        for read in _attribute_reads(path, "scheduler", of="core")
+    ]
+    assert not reads, reads
+
+
+def test_attribute_reads_are_found(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = tmp_path / "engine_core" / "service" / "server.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("def f(core):\n    return core.scheduler.kv_cache_manager\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _attribute_reads(planted, "scheduler", of="core") == ["engine_core/service/server.py:2"]
+    assert _attribute_reads(planted, "scheduler", of="config") == []

@@ -1,6 +1,6 @@
 """EngineMetrics turns the step loop's outputs and stats into Prometheus samples."""
 
-from engine_core.metrics import EngineMetrics
+from engine_core.telemetry.metrics import EngineMetrics
 from protocol.client_messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from protocol.stats import BlockResidencyStats, PrefixCacheStats, SchedulerStats
 

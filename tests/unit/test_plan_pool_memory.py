@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from engine_core.plan import POOL_HOST_BYTES_PER_BLOCK, plan_engine
+from engine_core.service.plan import POOL_HOST_BYTES_PER_BLOCK, plan_engine
 from protocol.config import CacheConfig, EngineConfig
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from protocol.worker_messages import ModelInfo
@@ -37,7 +37,7 @@ def test_the_override_brings_a_huge_pool_under_the_limit() -> None:
 
 
 def test_without_a_limit_the_pool_is_only_stated(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="engine_core.plan"):
+    with caplog.at_level(logging.INFO, logger="engine_core.service.plan"):
         plan = plan_engine(_config(None), MODEL, [50_000_000, 60_000_000])
     assert plan.kv_cache_config.num_blocks == 50_000_000
     assert "pool of 50000000 blocks takes about 5722.0 MiB of host memory" in caplog.text

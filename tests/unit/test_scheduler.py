@@ -7,8 +7,8 @@ import pytest
 from fake_executor import MakeHarness, reference_tokens
 
 from engine_core.sched.in_flight_step import InFlightStep, StepsInFlight
-from engine_core.sched.output import StepPlan
 from engine_core.sched.request import Request
+from engine_core.sched.step_plan import StepPlan
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import SchedulerOutput

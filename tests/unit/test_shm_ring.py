@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from protocol.shm_ring import (
     SEGMENT_PREFIX,
     ReaderState,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from protocol.shm_ring import ReplyTooLargeError, RingClosedError, RingLayout
 from worker.shm_ring_reader import ShmRingReader
 

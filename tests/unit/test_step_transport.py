@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from deploy.flags import ENGINE_FLAGS, add_flags, build_config
-from engine_core.handshake import HandshakeError
-from engine_core.step_transport import StepTransport, choose_ring_ranks
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.step_transport import StepTransport, choose_ring_ranks
 from protocol import PROTOCOL_VERSION
 from protocol.codec import engine_to_worker_decoder, worker_to_engine_decoder
 from protocol.config import EngineConfig

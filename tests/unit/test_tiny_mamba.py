@@ -22,7 +22,7 @@ from test_models_paged_vs_reference import (
 from test_tiny_mla import BARRIER_TIMEOUT_S, ThreadedTPGroup
 
 from bench.workload import Workload, build_rank, run_to_completion, run_workload
-from engine_core.client import make_request
+from engine_client.request import make_request
 from protocol.kv_cache_spec import FullAttentionSpec, MambaSpec, cdiv
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput

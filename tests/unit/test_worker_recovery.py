@@ -3,9 +3,9 @@ a fault a new generation would repeat never is, and a new generation must fit th
 
 import pytest
 
-from engine_core.handshake import HandshakeError
-from engine_core.rank_watch import WorkerGroupError
-from engine_core.recovery import WorkerRecovery
+from engine_core.service.recovery import WorkerRecovery
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.rank_watch import WorkerGroupError
 from protocol import PROTOCOL_VERSION
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig

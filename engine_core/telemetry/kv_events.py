@@ -12,9 +12,8 @@ from collections import deque
 
 import zmq
 
-from engine_core.endpoints import make_curve_server
-from engine_core.handshake_refusals import REFUSAL_EVENTS
-from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.net.curve import make_curve_server
+from engine_core.net.curve_refusals import REFUSAL_EVENTS
 from protocol.codec import make_encoder
 from protocol.config import CurveKeys, KVEventsConfig
 from protocol.kv_events import KVCacheEvent, KVEventBatch
@@ -174,16 +173,3 @@ class KVEventPublisher:
                     seq_bytes = seq.to_bytes(SEQ_SIZE_BYTES, "big")
                     replay.send_multipart((identity, b"", topic, seq_bytes, payload))
                 replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
-
-
-def cached_block_counts(pool: BlockPool) -> dict[str, int]:
-    """Hex key (hash then group id) of each hash in the pool's prefix-cache map -> copies cached.
-
-    What a subscriber that applied every event must hold, keyed as `block_hash_with_group_id`.
-    """
-    counts: dict[str, int] = {}
-    for block in pool.blocks:
-        if block.block_hash is not None:
-            key = block.block_hash.hex()
-            counts[key] = counts.get(key, 0) + 1
-    return counts

@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import zmq
 
-from engine_core.handshake import HandshakeError, describe_message
-from engine_core.rank_watch import RankWatch, WorkerGroupError
-from engine_core.shm_ring_writer import ShmRingWriter
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.rank_agreement import describe_message
+from engine_core.workers.rank_watch import RankWatch, WorkerGroupError
+from engine_core.workers.shm_ring_writer import ShmRingWriter
 from protocol.codec import worker_to_engine_decoder
 from protocol.errors import ProtocolError
 from protocol.shm_ring import RingClosedError, RingReaderGoneError, read_host_id

@@ -13,12 +13,12 @@ import socket
 
 import zmq
 
+from engine_core.net.address import TCP_PREFIX, AddressInUseError, ipc_path
+from engine_core.net.curve import make_curve_server
 from protocol.config import CurveKeys
 
 logger = logging.getLogger(__name__)
 
-IPC_PREFIX = "ipc://"
-TCP_PREFIX = "tcp://"
 PROBE_TIMEOUT_S = 0.5  # a live ipc socket accepts at once; a stale file refuses at once
 IPC_FOLDER_MODE = 0o700  # a folder the engine makes for its ipc sockets
 IPC_FILE_MODE = 0o600  # an ipc socket file: only the owner may connect
@@ -29,18 +29,6 @@ MIN_CHOSEN_PORTS = 1000  # a narrower gap beside the ephemeral range is left alo
 PORT_DRAWS = 64  # ports drawn per probe before the kernel is asked for one
 # Drawn from the OS, not the `random` module: processes seeded alike must not draw alike.
 _port_draws = random.SystemRandom()
-
-
-class AddressInUseError(RuntimeError):
-    """An address the engine must bind is taken or unusable; a usage error (exit 2)."""
-
-
-def ipc_path(address: str) -> str | None:
-    """The file of an ipc:// address, or None for another transport or an abstract socket."""
-    if not address.startswith(IPC_PREFIX):
-        return None
-    path = address.removeprefix(IPC_PREFIX)
-    return None if path.startswith("@") else path  # @: Linux's abstract namespace, no file
 
 
 def check_free(address: str, flag: str) -> None:
@@ -89,17 +77,6 @@ def _check_tcp_free(address: str, flag: str) -> None:
             is_in_use = exc.errno == errno.EADDRINUSE
             reason = "is in use" if is_in_use else f"is unusable: {exc.strerror}"
             raise AddressInUseError(f"{flag} {address} {reason}") from None
-
-
-def make_curve_server(sock: zmq.Socket, curve: CurveKeys | None, flag: str) -> None:
-    """Make `sock` a CURVE server before it binds (without keys: leave it as is). Its ZAP domain
-    is `flag`, so the ZAP handler's refusals name the socket."""
-    if curve is None:
-        return
-    sock.setsockopt(zmq.CURVE_SERVER, 1)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key.encode())
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key.encode())
-    sock.setsockopt(zmq.ZAP_DOMAIN, flag.encode())
 
 
 def prepare_ipc_folder(address: str) -> None:

@@ -11,22 +11,24 @@ from collections.abc import Callable
 
 import zmq
 
-from engine_core.curve import start_zap_guard
-from engine_core.endpoints import AddressInUseError, Endpoints, check_free
-from engine_core.handshake import HandshakeError
-from engine_core.handshake_refusals import REFUSAL_EVENTS, RefusalWatch
-from engine_core.kv_events import KVEventPublisher
-from engine_core.metrics import EngineMetrics
-from engine_core.recovery import WorkerRecovery
-from engine_core.server import EXIT_FAILED, EXIT_OK, EXIT_USAGE, EngineServer
-from engine_core.startup import (
+from engine_core.net.address import AddressInUseError
+from engine_core.net.curve import start_zap_guard
+from engine_core.net.curve_refusals import REFUSAL_EVENTS, RefusalWatch
+from engine_core.net.endpoints import Endpoints, check_free
+from engine_core.service.recovery import WorkerRecovery
+from engine_core.service.server import EXIT_FAILED, EXIT_OK, EXIT_USAGE, EngineServer
+from engine_core.service.startup import (
     CLIENT_LINGER_MS,
     bind_clients,
     serve_metrics,
     start_engine_core,
     start_kv_event_publisher,
 )
-from engine_core.worker_group import WorkerGroup, WorkerGroupError
+from engine_core.telemetry.kv_events import KVEventPublisher
+from engine_core.telemetry.metrics import EngineMetrics
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.rank_watch import WorkerGroupError
+from engine_core.workers.worker_group import WorkerGroup
 from protocol.config import EngineConfig
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""HandshakeRefusals turns a socket monitor's events into one log line per refused peer, with
+"""CurveRefusals turns a socket monitor's events into one log line per refused peer, with
 its address, and tells the rank watch which disconnects were refusals, not lost ranks."""
 
 import logging
@@ -6,14 +6,14 @@ import logging
 import pytest
 import zmq
 
-from engine_core.handshake_refusals import HandshakeRefusals, peer_address
+from engine_core.net.curve_refusals import CurveRefusals, peer_address
 
 
 def _event(kind: int, value: int) -> dict:
     return {"event": kind, "value": value, "endpoint": b"tcp://127.0.0.1:5555"}
 
 
-def _refuse(refusals: HandshakeRefusals, fd: int) -> bool:
+def _refuse(refusals: CurveRefusals, fd: int) -> bool:
     refusals.on_event(_event(zmq.EVENT_ACCEPTED, fd))
     refusals.on_event(
         _event(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
@@ -24,7 +24,7 @@ def _refuse(refusals: HandshakeRefusals, fd: int) -> bool:
 def test_a_keyless_peer_is_logged_with_the_flag_and_its_disconnect_marked_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    refusals = HandshakeRefusals("--worker-address")
+    refusals = CurveRefusals("--worker-address")
     with caplog.at_level(logging.WARNING):
         assert _refuse(refusals, -1) is True  # fd -1: the address cannot be read
     (record,) = caplog.records
@@ -39,7 +39,7 @@ def test_a_keyless_peer_is_logged_with_the_flag_and_its_disconnect_marked_refuse
 def test_a_peer_that_completed_its_handshake_disconnects_unlogged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    refusals = HandshakeRefusals("--client-address")
+    refusals = CurveRefusals("--client-address")
     with caplog.at_level(logging.WARNING):
         refusals.on_event(_event(zmq.EVENT_ACCEPTED, -1))
         assert refusals.on_event(_event(zmq.EVENT_DISCONNECTED, -1)) is False
@@ -47,7 +47,7 @@ def test_a_peer_that_completed_its_handshake_disconnects_unlogged(
 
 
 def test_a_retrying_peer_is_logged_at_powers_of_two(caplog: pytest.LogCaptureFixture) -> None:
-    refusals = HandshakeRefusals("--client-address")
+    refusals = CurveRefusals("--client-address")
     with caplog.at_level(logging.WARNING):
         for _ in range(9):
             _refuse(refusals, -1)

@@ -1,4 +1,4 @@
-"""HandshakeRefusals: logging the peers a CURVE socket turns away before its ZAP handler hears of
+"""CurveRefusals: logging the peers a CURVE socket turns away before its ZAP handler hears of
 them (no key, another mechanism, garbage). ZMQ reports those only as socket-monitor events that
 name the local endpoint; the peer's address is read from the connection's fd when it is accepted.
 
@@ -39,7 +39,7 @@ def peer_address(fd: int) -> str:
     return "a local process"  # ipc://: a Unix socket has no peer name
 
 
-class HandshakeRefusals:
+class CurveRefusals:
     """The refusals on one socket, from its monitor events in order.
 
     Invariants: `_peers` maps the fds of accepted connections not yet disconnected to their
@@ -99,7 +99,7 @@ class RefusalWatch:
 
     def __init__(self, monitors: list[tuple[zmq.Socket, str]]) -> None:
         self._monitors = [monitor for monitor, _ in monitors]
-        self._refusals = [HandshakeRefusals(flag) for _, flag in monitors]
+        self._refusals = [CurveRefusals(flag) for _, flag in monitors]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="curve-refusals", daemon=True)
         self._thread.start()

@@ -5,13 +5,7 @@ reason is testable without processes.
 """
 
 from protocol import PROTOCOL_VERSION
-from protocol.worker_messages import (
-    ModelInfo,
-    ModelRunnerOutput,
-    WorkerHello,
-    WorkerReady,
-    WorkerToEngine,
-)
+from protocol.worker_messages import ModelInfo, WorkerHello, WorkerReady
 
 
 class HandshakeError(RuntimeError):
@@ -72,28 +66,3 @@ def check_ready(
 
 def missing_ranks(tp_size: int, present: set[int] | dict[int, object]) -> list[int]:
     return [rank for rank in range(tp_size) if rank not in present]
-
-
-def describe_disagreement(step_id: int, outputs: list[ModelRunnerOutput]) -> str | None:
-    """Name the ranks whose sampled tokens differ from rank 0's, or None when all agree."""
-    reference = outputs[0]
-    differing = [
-        out.rank
-        for out in outputs[1:]
-        if out.sampled_token_ids != reference.sampled_token_ids or out.handles != reference.handles
-    ]
-    if not differing:
-        return None
-    return (
-        f"ranks disagree on the tokens of step {step_id}: "
-        f"rank(s) {differing} differ from rank {reference.rank}"
-    )
-
-
-def describe_message(message: WorkerToEngine) -> str:
-    """A short name of a message for an error: its type, and the step of a reply."""
-    match message:
-        case ModelRunnerOutput():
-            return f"a reply to step {message.step_id} as rank {message.rank}"
-        case _:
-            return type(message).__name__

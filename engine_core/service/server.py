@@ -11,13 +11,14 @@ from collections.abc import Callable
 
 import zmq
 
-from engine_core.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
 from engine_core.core import EngineCore
-from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher
-from engine_core.metrics import EngineMetrics
-from engine_core.recovery import WorkerRecovery
-from engine_core.worker_group import WorkerGroup, WorkerGroupError
+from engine_core.service.client_router import PROBE_INTERVAL_S, ClientRouter, MalformedFrame
+from engine_core.service.recovery import WorkerRecovery
+from engine_core.telemetry.kv_events import KVEventPublisher
+from engine_core.telemetry.metrics import EngineMetrics
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.rank_watch import WorkerGroupError
+from engine_core.workers.worker_group import WorkerGroup
 from protocol.client_messages import (
     AbortRequests,
     EngineCoreOutputs,

@@ -8,14 +8,15 @@ import time
 
 import zmq
 
-from engine_core.client_router import ClientRouter
 from engine_core.core import EngineCore
-from engine_core.endpoints import AddressInUseError, Endpoints, check_free, prepare_ipc_folder
-from engine_core.handshake import HandshakeError
-from engine_core.kv_events import KVEventPublisher
-from engine_core.metrics import EngineMetrics, MetricsServer
-from engine_core.plan import plan_engine
-from engine_core.worker_group import WorkerGroup
+from engine_core.net.address import AddressInUseError
+from engine_core.net.endpoints import Endpoints, check_free, prepare_ipc_folder
+from engine_core.service.client_router import ClientRouter
+from engine_core.service.plan import plan_engine
+from engine_core.telemetry.kv_events import KVEventPublisher
+from engine_core.telemetry.metrics import EngineMetrics, MetricsServer
+from engine_core.workers.handshake import HandshakeError
+from engine_core.workers.worker_group import WorkerGroup
 from protocol.client_messages import REQUEST_FRAME_HEADROOM_BYTES
 from protocol.config import EngineConfig
 

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import msgspec
 
 from engine_core.core import EngineCore
-from engine_core.handshake import HandshakeError, describe_model_difference
-from engine_core.metrics import EngineMetrics
-from engine_core.rank_watch import WorkerGroupError
-from engine_core.worker_group import WorkerGroup
+from engine_core.telemetry.metrics import EngineMetrics
+from engine_core.workers.handshake import HandshakeError, describe_model_difference
+from engine_core.workers.rank_watch import WorkerGroupError
+from engine_core.workers.worker_group import WorkerGroup
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import ModelInfo, WorkerHello

@@ -3,41 +3,24 @@ handler that admits only authorized public keys (and logs every refusal with the
 and the options that make a socket a CURVE server. It reads no files: keys come in the config.
 """
 
-import ipaddress
 import logging
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from engine_core.endpoints import TCP_PREFIX, AddressInUseError
-from protocol.config import EngineConfig
+from engine_core.net.address import AddressInUseError, is_loopback
+from protocol.config import CurveKeys, EngineConfig
 
 logger = logging.getLogger(__name__)
 
 AUTH_STOP_TIMEOUT_S = 2.0  # the ZAP thread answers TERMINATE at once; never wait longer
 KEYGEN_HINT = "make keys with `kvserve keygen DIR`, then pass --curve-keys-dir DIR"
-LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 # Each socket's ZAP domain is the flag that sets its address, so a refusal names the socket.
 SOCKET_DOMAINS = ("--worker-address", "--client-address", "--kv-events-config")
 
 
 class InsecureAddressError(AddressInUseError):
     """A non-loopback tcp address without CURVE keys and without --insecure: a usage error."""
-
-
-def is_loopback(address: str) -> bool:
-    """True for ipc://, inproc:// and tcp on 127.0.0.0/8, ::1 or localhost; False for any other
-    tcp host (a wildcard, an interface, a name), which other hosts may reach."""
-    if not address.startswith(TCP_PREFIX):
-        return True  # ipc:// and inproc:// never leave this host
-    host = address.removeprefix(TCP_PREFIX).rpartition(":")[0].strip("[]")
-    host = host.rpartition(";")[2]  # tcp://source;host:port binds nothing at the source
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bound_addresses(config: EngineConfig) -> list[tuple[str, str]]:
@@ -122,6 +105,17 @@ class ZapGuard(ThreadAuthenticator):
         if self.zap_socket is not None:
             self.zap_socket.close(linger=0)
             self.zap_socket = None  # type: ignore[assignment]
+
+
+def make_curve_server(sock: zmq.Socket, curve: CurveKeys | None, flag: str) -> None:
+    """Make `sock` a CURVE server before it binds (without keys: leave it as is). Its ZAP domain
+    is `flag`, so the ZAP handler's refusals name the socket."""
+    if curve is None:
+        return
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key.encode())
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key.encode())
+    sock.setsockopt(zmq.ZAP_DOMAIN, flag.encode())
 
 
 def start_zap_guard(ctx: zmq.Context, config: EngineConfig) -> ZapGuard | None:

@@ -2,8 +2,9 @@
 process through a pidfd in the poller (seen within milliseconds), and every worker connection
 through the socket monitor's disconnects (ZMQ heartbeats cover remote ranks).
 
-It observes and raises WorkerGroupError naming the rank. The one thing it does to a process is
-kill a retired local rank that did not exit within its grace period (DESIGN.md §8).
+It observes and raises WorkerGroupError naming the rank; that error is defined here, and the
+step transport and worker group raise it too, for every fault of a rank. The one thing it does to
+a process is kill a retired local rank that did not exit within its grace period (DESIGN.md §8).
 """
 
 import logging
@@ -15,7 +16,7 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from engine_core.handshake_refusals import REFUSAL_EVENTS, HandshakeRefusals
+from engine_core.net.curve_refusals import REFUSAL_EVENTS, CurveRefusals
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class RankWatch:
         self.fd_ranks: dict[int, int] = {}  # connection fd of a rank's hello -> its rank
         self.retired_fds: set[int] = set()  # connections of retired ranks, not yet closed
         self.is_serving = False  # a disconnect is a lost rank only once the group serves
-        self.refusals = HandshakeRefusals("--worker-address")
+        self.refusals = CurveRefusals("--worker-address")
 
     def watch_process(self, rank: int, pid: int, host: str) -> None:
         """Put a local worker's process in the poller, so its death is seen within milliseconds."""

@@ -13,17 +13,11 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engine_core.endpoints import Endpoints
-from engine_core.handshake import (
-    HandshakeError,
-    check_hello,
-    check_ready,
-    describe_disagreement,
-    describe_message,
-    missing_ranks,
-)
-from engine_core.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
-from engine_core.step_transport import StepTransport
+from engine_core.net.endpoints import Endpoints
+from engine_core.workers.handshake import HandshakeError, check_hello, check_ready, missing_ranks
+from engine_core.workers.rank_agreement import describe_disagreement, describe_message
+from engine_core.workers.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
+from engine_core.workers.step_transport import StepTransport
 from protocol.codec import make_encoder, worker_to_engine_decoder
 from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import KVCacheConfig
