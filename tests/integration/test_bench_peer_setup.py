@@ -1,5 +1,5 @@
-"""bench/peers/setup.sh, the README's way to build the vLLM peer environment, is a runnable script
-that refuses bad arguments before it installs anything.
+"""bench/peers/setup.sh, docs/benchmarks.md's way to build the vLLM peer environment, is a
+runnable script that refuses bad arguments before it installs anything.
 It starts bash, so it is an integration test."""
 
 import os
