@@ -129,14 +129,8 @@ class RSWAManager(FullAttentionManager):
         self, request: KVCacheRequest, num_tokens: int, num_real_tokens: int
     ) -> bool:
         """As for full attention, but only the prompt's blocks are ever cached (`cache_blocks`)."""
-        req_id = request.req_id
-        blocks = self.req_to_blocks.get(req_id)
-        if blocks is None or len(blocks) * self.block_size < num_tokens:
-            return False
-        if not self.block_pool.enable_caching:
-            return True
         num_cacheable_tokens = min(num_real_tokens, request.num_prompt_tokens)
-        return self.num_cached_block[req_id] >= num_cacheable_tokens // self.block_size
+        return super().is_step_in_place(request, num_tokens, num_cacheable_tokens)
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Cache the full blocks of the first `num_tokens` tokens that lie wholly in the prompt."""
