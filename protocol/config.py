@@ -49,6 +49,11 @@ class CacheConfig(_Config, frozen=True):
     # Tokens between the boundaries where a sliding-window group keeps its blocks indexed for
     # prefix hits (each interval's end, plus each prompt's replay boundary); None keeps all.
     prefix_cache_retention_interval: PositiveInt | None = None
+    # Tiers below the pool (DESIGN.md §3.5), as vLLM's --kv-offloading-size: bytes over all
+    # ranks together; 0 turns a tier off. A disk tier needs a host tier above it.
+    kv_offload_host_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_offload_disk_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_offload_disk_dir: str | None = None  # one preallocated file per rank in this folder
 
     def __post_init__(self) -> None:
         interval = self.prefix_cache_retention_interval

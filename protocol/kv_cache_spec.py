@@ -185,6 +185,11 @@ class KVCacheConfig(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # Reader i of the ring is rank shm_ring_reader_ranks[i]; other ranks keep ZMQ.
     shm_ring_name: str | None = None
     shm_ring_reader_ranks: list[int] = []
+    # Tiers below the pool (DESIGN.md §3.5): slots of bytes_per_block each that every rank
+    # allocates (0: no such tier), and the folder of the disk tier's one file per rank.
+    num_host_slots: int = 0
+    num_disk_slots: int = 0
+    disk_dir: str | None = None
 
 
 def cdiv(numerator: int, denominator: int) -> int:

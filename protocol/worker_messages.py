@@ -87,6 +87,21 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     num_computed_tokens: bytes = b""
 
 
+class KVTransfers(msgspec.Struct, frozen=True, array_like=True):
+    """One step's copies between the device pool and the tiers below it (DESIGN.md §3.5).
+
+    The engine decides every move; each rank runs the four lists in field order before the
+    step's forward, so a page or slot is always read before a later list overwrites it. Each
+    list is int32 little-endian (source, destination) pairs. A slot is one block id's pages in
+    every shared KV tensor of the rank (protocol.kv_cache_spec.bytes_per_block).
+    """
+
+    host_to_disk: bytes = b""  # (host slot, disk slot): a host victim moves down to the disk tier
+    device_to_host: bytes = b""  # (block id, host slot): an evicted device page moves down
+    disk_to_host: bytes = b""  # (disk slot, host slot): checksum verified; failures are reported
+    host_to_device: bytes = b""  # (host slot, block id): a lower-tier hit is copied in
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """One step's work, broadcast unchanged to every rank."""
 
@@ -101,6 +116,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # Per KV-cache group, the leading blocks every running request's table shares once this
     # step's blocks are allocated (cascade attention reads them once); []: none reported
     num_common_prefix_blocks: list[NumBlocks] = []
+    kv_transfers: KVTransfers | None = None  # None: no tier traffic this step
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -117,6 +133,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     logprob_token_ids: bytes = b""  # int32, aligned with logprobs: the sampled id, the top N
     sampled_token_ranks: bytes = b""  # int32 per such request: 1 is the most likely token
     forward_s: float = 0.0  # seconds this rank spent in the model's forward, all-reduces included
+    # int32 disk slots of this step's kv_transfers that hold no valid copy on this rank: a read
+    # whose checksum failed (its host destination is then empty too) or a write that failed.
+    failed_disk_slots: bytes = b""
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
