@@ -201,6 +201,26 @@ def allocate_kv_caches(
     return kv_caches
 
 
+def shared_kv_tensors(
+    kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor], tp_size: int
+) -> list[torch.Tensor]:
+    """The shared tensors under the layer views, as allocated: tensor i is the storage of the
+    i-th layer of every group. Whole pages are copied through them (worker/kv_tiers.py)."""
+    groups = kv_cache_config.kv_cache_groups
+    shape = (kv_cache_config.num_blocks, page_stride_bytes(groups, tp_size))
+    tensors = []
+    for layer_names in shared_tensor_layers(groups):
+        storage = kv_caches[layer_names[0]].untyped_storage()
+        if storage.nbytes() != shape[0] * shape[1]:
+            raise ValueError(
+                f"layer {layer_names[0]} views {storage.nbytes()} bytes, expected {shape}"
+            )
+        # [num_blocks, page_stride_bytes]: the tensor allocate_kv_caches made
+        shared = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        tensors.append(shared.set_(storage, 0, shape, (shape[1], 1)))
+    return tensors
+
+
 def layer_page_shape(spec: KVCacheSpec, tp_size: int) -> tuple[int, ...]:
     """The shape of one block of one layer on one rank, below the num_blocks dimension."""
     match spec:

@@ -31,6 +31,7 @@ from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
+from worker.kv_tiers import KVTiers, build_kv_tiers
 from worker.models.hf.config import is_checkpoint
 from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
@@ -90,8 +91,10 @@ class ModelRunner:
         check_each_step: bool = False,
         enable_cascade_attention: bool = True,
         eos_token_ids: Sequence[int] = (),  # the model's, held back under min_tokens
+        kv_tiers: KVTiers | None = None,  # host and disk slots below the pages; None: no tiers
     ) -> None:
         self.model = model
+        self.kv_tiers = kv_tiers
         # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
         # each request reads it through its own table. The engine's counts are checked either way.
         self.enable_cascade_attention = enable_cascade_attention
@@ -119,6 +122,8 @@ class ModelRunner:
                 f"expected {self.last_step_id + 1}"
             )
         start = time.perf_counter()
+        # copy-outs, then copy-ins, all before the forward (DESIGN.md §3.5)
+        failed_disk_slots = pack_int32(self._apply_transfers(scheduler_output))
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
         handles = pack_int32(scheduled.handles)
@@ -128,7 +133,12 @@ class ModelRunner:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
             self.ready_at_s = 0.0
             return ModelRunnerOutput(
-                scheduler_output.step_id, self.rank, handles, b"", scheduler_output.generation
+                scheduler_output.step_id,
+                self.rank,
+                handles,
+                b"",
+                scheduler_output.generation,
+                failed_disk_slots=failed_disk_slots,
             )
         token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(
             scheduled, scheduler_output.num_common_prefix_blocks
@@ -168,7 +178,20 @@ class ModelRunner:
             logprobs.token_ids,
             logprobs.sampled_token_ranks,
             self.timings.model_s,
+            failed_disk_slots,
         )
+
+    def _apply_transfers(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """Run the step's tier copies; the disk slots that hold no valid copy on this rank."""
+        transfers = scheduler_output.kv_transfers
+        if transfers is None:
+            return []
+        if self.kv_tiers is None:
+            raise ValueError(
+                f"step {scheduler_output.step_id} moves blocks between tiers, but rank "
+                f"{self.rank} was given none"
+            )
+        return self.kv_tiers.apply(transfers)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""
@@ -363,6 +386,8 @@ class ModelRunner:
                 f"group {group_idx} holds block id {max_id}, past num_blocks={num_blocks}"
             )
         check_kv_caches(self.kv_cache_config, self.kv_caches)
+        if self.kv_tiers is not None:
+            self.kv_tiers.check_invariants()
 
 
 def build_model_runner(
@@ -379,6 +404,7 @@ def build_model_runner(
             config.model, tp_group, device, config.seed, config.model_step_ms, dtype
         )
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
+    kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)
     info = get_model_info(config.model, config.block_size, kv_dtype, tp_group.tp_size)
     return ModelRunner(
         model,
@@ -392,4 +418,5 @@ def build_model_runner(
         # is right for any schedule: planning a shared prefix for it would be wasted work
         enable_cascade_attention=not is_checkpoint(config.model),
         eos_token_ids=info.eos_token_ids,
+        kv_tiers=kv_tiers,
     )

@@ -355,6 +355,11 @@ class Worker:
             self.stream.close(STREAM_CLOSE_TIMEOUT_S)
             self.stream = None
 
+    def close_tiers(self) -> None:
+        """Remove this rank's disk tier file: no later generation reads it."""
+        if self.runner is not None and self.runner.kv_tiers is not None:
+            self.runner.kv_tiers.close()
+
     def close_ring(self) -> None:
         if self.ring is not None:
             self.poller.unregister(self.ring.fileno())

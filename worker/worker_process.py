@@ -63,6 +63,7 @@ def run(config: WorkerConfig) -> int:
         return EXIT_FAILED
     finally:
         worker.close_stream()
+        worker.close_tiers()
         worker.close_ring()
         sock.disable_monitor()
         monitor.close(linger=0)
