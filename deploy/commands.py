@@ -18,6 +18,7 @@ from deploy.flags import (
     UsageError,
     add_flags,
     build_config,
+    check_kv_offload,
     parse_kv_events_config,
 )
 from deploy.keys import KEYS_FLAG, add_keys_flag, keygen_command, keys_from
@@ -74,7 +75,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     curve = keys_from(args, "engine")
     if curve is not None:
         extra["curve"] = msgspec.to_builtins(curve)
-    return build_config(args, ENGINE_FLAGS, EngineConfig, **extra)
+    config = build_config(args, ENGINE_FLAGS, EngineConfig, **extra)
+    check_kv_offload(config.cache)
+    return config
 
 
 def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> WorkerConfig:

@@ -7,12 +7,13 @@ only the flag names (vLLM's where the concept is the same) and a help text with 
 import argparse
 import enum
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
 
-from protocol.config import EngineConfig, KVEventsConfig, WorkerConfig
+from protocol.config import CacheConfig, EngineConfig, KVEventsConfig, WorkerConfig
 
 C = TypeVar("C", EngineConfig, WorkerConfig)
 
@@ -140,6 +141,24 @@ ENGINE_FLAGS = [
         ("--kv-cache-metrics-sample",),
         ("cache", "kv_cache_metrics_sample"),
         "share of block allocations timed for --kv-cache-metrics, 0..1",
+    ),
+    Flag(
+        ("--kv-offload-host-bytes",),
+        ("cache", "kv_offload_host_bytes"),
+        "bytes of the host-memory tier below the KV pool, over all ranks together (pinned on "
+        "CUDA); 0: no tiers",
+    ),
+    Flag(
+        ("--kv-offload-disk-dir",),
+        ("cache", "kv_offload_disk_dir"),
+        "folder of the disk tier below the host tier: one preallocated file per rank, removed "
+        "at exit",
+    ),
+    Flag(
+        ("--kv-offload-disk-bytes",),
+        ("cache", "kv_offload_disk_bytes"),
+        "bytes of the disk tier over all ranks together (needs --kv-offload-host-bytes and "
+        "--kv-offload-disk-dir); 0: no disk tier",
     ),
     Flag(("--max-num-seqs",), ("scheduler", "max_num_seqs"), "running requests at most"),
     Flag(
@@ -329,6 +348,37 @@ def build_config(args: argparse.Namespace, flags: list[Flag], config_type: type[
         return msgspec.convert(values, config_type)
     except msgspec.ValidationError as exc:
         raise UsageError(_explain(exc, args, flags)) from None
+
+
+def check_kv_offload(cache: CacheConfig) -> None:
+    """A disk tier sits below a host tier and in a folder this process can write (checked here,
+    by making a file there, so a bad one exits 2 before any process starts)."""
+    host_bytes, disk_bytes, disk_dir = (
+        cache.kv_offload_host_bytes,
+        cache.kv_offload_disk_bytes,
+        cache.kv_offload_disk_dir,
+    )
+    if disk_bytes and not host_bytes:
+        raise UsageError(
+            f"--kv-offload-disk-bytes {disk_bytes}: a disk tier needs a host tier above it, "
+            f"expected --kv-offload-host-bytes > 0"
+        )
+    if disk_bytes and disk_dir is None:
+        raise UsageError(f"--kv-offload-disk-bytes {disk_bytes}: expected --kv-offload-disk-dir")
+    if disk_dir is None:
+        return
+    if not disk_bytes:
+        raise UsageError(
+            f"--kv-offload-disk-dir {disk_dir}: expected --kv-offload-disk-bytes > 0 with it"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=disk_dir, prefix="kvserve-tier-check-"):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--kv-offload-disk-dir {disk_dir}: expected a folder this user can write "
+            f"({exc.strerror or exc})"
+        ) from None
 
 
 def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
