@@ -6,7 +6,11 @@ left out; a batch is an array. Only wire shapes: no sockets, only stdlib and msg
 
 import msgspec
 
-MEDIUM_GPU = "GPU"  # the `medium` of every kvserve block: the paged cache on the ranks' devices
+# vLLM's `medium` names: where a block lives. A block moving down a tier is a BlockRemoved on
+# one medium and a BlockStored on the next, as vLLM's offloading connector reports it.
+MEDIUM_GPU = "GPU"  # the device block pool: the paged cache on the ranks' devices
+MEDIUM_CPU = "CPU"  # the host tier (DESIGN.md §3.5): slots in each rank's host memory
+MEDIUM_DISK = "DISK"  # the disk tier: slots in one preallocated file per rank
 
 
 class BlockStored(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -22,7 +26,7 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     token_ids: list[int]  # the tokens of all new blocks, concatenated
     block_size: int  # tokens per block
     lora_id: int | None  # LoRA adapter id; None, as kvserve serves no adapters
-    medium: str | None  # where the blocks live: MEDIUM_GPU
+    medium: str | None  # where the blocks live: MEDIUM_GPU, MEDIUM_CPU or MEDIUM_DISK
     lora_name: str | None  # LoRA adapter name; None, as kvserve serves no adapters
     extra_keys: list[msgspec.Raw] | None = None  # per block, other inputs of its hash
     group_idx: int | None = None  # the KV-cache group the blocks belong to
@@ -38,7 +42,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """Hashes that left the prefix cache: the last cached copy was evicted."""
 
     block_hashes: list[bytes]
-    medium: str | None  # where the blocks lived: MEDIUM_GPU
+    medium: str | None  # where the blocks lived: MEDIUM_GPU, MEDIUM_CPU or MEDIUM_DISK
     group_idx: int | None = None  # the KV-cache group the blocks belonged to
     locality: str | None = None  # "LOCAL" or "REMOTE" to the publisher
     ownership: str | None = None  # the offloading tier the blocks left
@@ -65,21 +69,26 @@ def block_stored(
     token_ids: list[int],
     block_size: int,
     group_idx: int,
+    medium: str = MEDIUM_GPU,
 ) -> BlockStored:
-    """A BlockStored as kvserve publishes it: on the GPU medium, with no LoRA adapter."""
+    """A BlockStored as kvserve publishes it: with no LoRA adapter, on the GPU medium unless
+    told. A lower tier's stores carry no tokens and no parent, as vLLM's offloading connector
+    sends them: a subscriber learns the tokens from the GPU store that came first."""
     return BlockStored(
         block_hashes,
         parent_block_hash,
         token_ids,
         block_size,
         None,
-        MEDIUM_GPU,
+        medium,
         None,
         None,
         group_idx,
     )
 
 
-def block_removed(block_hashes: list[bytes], group_idx: int) -> BlockRemoved:
-    """A BlockRemoved as kvserve publishes it: on the GPU medium."""
-    return BlockRemoved(block_hashes, MEDIUM_GPU, group_idx=group_idx)
+def block_removed(
+    block_hashes: list[bytes], group_idx: int, medium: str = MEDIUM_GPU
+) -> BlockRemoved:
+    """A BlockRemoved as kvserve publishes it: on the GPU medium unless told."""
+    return BlockRemoved(block_hashes, medium, group_idx=group_idx)

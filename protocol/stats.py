@@ -24,6 +24,15 @@ class PrefixCacheStats(msgspec.Struct):
     preempted_queries: int = 0  # their tokens looked up
     preempted_hits: int = 0  # of those, tokens found in the cache
     resets: int = 0  # times the prefix cache was cleared
+    # The tiers below the pool (DESIGN.md §3.5), over every admission, preempted ones included:
+    host_hits: int = 0  # tokens of the hits above copied in from the host tier
+    disk_hits: int = 0  # of those, tokens the host tier first fetched from disk for the request
+    blocks_to_host: int = 0  # blocks copied device -> host (the pool evicted them)
+    blocks_to_disk: int = 0  # blocks copied host -> disk (the host tier evicted them)
+    blocks_from_disk: int = 0  # blocks copied disk -> host (a disk hit promoted)
+    blocks_from_host: int = 0  # blocks copied host -> device (a host hit)
+    disk_read_failures: int = 0  # disk slots whose checksum failed on a read: misses
+    disk_write_failures: int = 0  # disk slots a rank could not write: dropped
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -7,12 +7,18 @@ Invariants are checked only in `check_invariants()`, never on the hot path.
 
 import gc
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine_core.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from engine_core.kv_cache.block_hash_map import BlockHashToBlockMap
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
-from engine_core.kv_cache.hashing import BlockHash, get_block_hash, get_group_id, group_id_suffix
+from engine_core.kv_cache.hashing import (
+    BlockHash,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    group_id_suffix,
+)
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from protocol.kv_cache_spec import NULL_BLOCK_ID
 from protocol.kv_events import AllBlocksCleared, KVCacheEvent, block_removed, block_stored
@@ -99,6 +105,9 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         self._group_id_suffixes = _GroupIdSuffixes()
         self._get_one_block = self.cached_block_hash_to_block.get_one_block
+        # Told (block id, key) when a cached block is reused, before the page is overwritten:
+        # the tiers below the pool copy it down in the step that reuses it (DESIGN.md §3.5).
+        self.eviction_listener: Callable[[int, BlockHashWithGroupId], None] | None = None
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
@@ -193,10 +202,14 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         # A reused block may still carry the hash of its old content: drop it, or a later
         # lookup would hit a block that now holds other tokens.
-        if self.enable_kv_cache_events or self.metrics_collector is not None:
+        listener = self.eviction_listener
+        if self.enable_kv_cache_events or self.metrics_collector is not None or listener:
             for block in blocks:
-                if block.block_hash is not None:
+                key = block.block_hash
+                if key is not None:
                     self._evict_cached_block(block)
+                    if listener is not None:
+                        listener(block.block_id, key)
                 block.ref_cnt = 1
         else:  # nobody to tell: unmap the stale hashes in one call
             stale: list[KVCacheBlock] = []
@@ -322,6 +335,10 @@ class BlockPool:
                 key = block.block_hash.hex()
                 counts[key] = counts.get(key, 0) + 1
         return counts
+
+    def record_event(self, event: KVCacheEvent) -> None:
+        """Queue an event of the tiers below the pool, in order with the pool's own."""
+        self.kv_event_queue.append(event)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events recorded since the last call, oldest first."""

@@ -12,7 +12,9 @@ import msgspec
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
+from engine_core.kv_cache.hashing import group_id_suffix
 from engine_core.kv_cache.kv_request import KVCacheRequest
+from engine_core.kv_cache.kv_tiers import KVTiers, describe_unsupported_tiers
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import (
     PREFIX_ATTENTION_SPECS,
@@ -23,6 +25,7 @@ from engine_core.kv_cache.spec import (
 )
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
+from protocol.worker_messages import KVTransfers
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +36,11 @@ class KVCacheBlocks:
     # Tokens of a prefix full attention hit past where a window group's retained blocks let the
     # agreed hit reach (vLLM's shared-prefix junction); 0 if none. A sum of blocks drops it.
     shared_prefix_boundary: int = 0
+    # Host-tier slots of the blocks right after `blocks` (full attention's), copied into fresh
+    # device blocks when the request is admitted; a sum of blocks drops them.
+    host_hit_slots: Sequence[int] = ()
+    # The request's next blocks are coming up from the disk tier: admit it a step later.
+    is_waiting_for_disk: bool = False
 
     def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
         return KVCacheBlocks(
@@ -126,6 +134,28 @@ class KVCacheManager:
         if enable_shortcuts and len(managers) == 1 and not managers[0].can_skip_blocks:
             self._single_group_manager = managers[0]
         self._tries_in_place = enable_shortcuts and self._single_group_manager is None
+        # The tiers below the pool (DESIGN.md §3.5), with prefix caching only: nothing else
+        # names a block's content.
+        self.tiers: KVTiers | None = None
+        self._tier_suffix = group_id_suffix(0)  # the key suffix of the one tiered group
+        if enable_caching and kv_cache_config.num_host_slots:
+            self.tiers = self._make_tiers(kv_cache_config, enable_kv_cache_events)
+
+    def _make_tiers(self, kv_cache_config: KVCacheConfig, enable_kv_cache_events: bool) -> KVTiers:
+        """The tiers' index over the one full-attention group, told of every pool eviction."""
+        reason = describe_unsupported_tiers(kv_cache_config.kv_cache_groups)
+        if reason is not None:
+            raise ValueError(reason)
+        pool = self.block_pool
+        tiers = KVTiers(
+            kv_cache_config.num_host_slots,
+            kv_cache_config.num_disk_slots,
+            kv_cache_config.kv_cache_groups[0].spec.block_size,
+            self._prefix_cache_stats,
+            pool.record_event if enable_kv_cache_events else None,
+        )
+        pool.eviction_listener = tiers.on_device_evict
+        return tiers
 
     @property
     def usage(self) -> float:
@@ -170,9 +200,42 @@ class KVCacheManager:
             )
             longest = hit_lengths[self._junction_group_id]
             junction = longest if longest > num_hit_tokens else 0
+        if self.tiers is not None:
+            return self._extend_into_tiers(request, hits, num_hit_tokens, max_hit_length)
         if not num_hit_tokens and not junction:
             return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(hits, junction), num_hit_tokens
+
+    def _extend_into_tiers(
+        self,
+        request: KVCacheRequest,
+        hits: BlocksPerGroup,
+        num_hit_tokens: int,
+        max_hit_length: int,
+    ) -> tuple[KVCacheBlocks, int]:
+        """Continue a full-attention hit past the pool into the host tier, then the disk tier.
+
+        Host hits count as computed tokens and get device blocks at admission. Disk hits are
+        not read by this step: their copy up to the host tier starts now, and the request waits
+        until the step's reply confirms the copy (`is_waiting_for_disk`), so that a failed
+        checksum is a miss and never a wrong token, and no step stalls on a disk read.
+        """
+        tiers = self.tiers
+        assert tiers is not None
+        block_size = tiers.block_size
+        hashes = request.block_hashes
+        start_idx = num_hit_tokens // block_size
+        stop_idx = min(max_hit_length // block_size, len(hashes))
+        suffix = self._tier_suffix
+        slots = tiers.find_host_hits(hashes, start_idx, stop_idx, suffix)
+        if tiers.disk is not None:
+            tiers.pin_host_slots(slots)  # the promotion below must not evict them
+            end_idx = start_idx + len(slots)
+            if tiers.is_waiting_for_disk(request.req_id, hashes, end_idx, stop_idx, suffix):
+                return KVCacheBlocks(hits, is_waiting_for_disk=True), num_hit_tokens
+        if not num_hit_tokens and not slots:
+            return self.empty_kv_cache_blocks, 0
+        return KVCacheBlocks(hits, host_hit_slots=slots), num_hit_tokens + len(slots) * block_size
 
     def allocate_slots(
         self,
@@ -258,10 +321,14 @@ class KVCacheManager:
         )
         req_id = request.req_id
         coordinator = self.coordinator
+        host_slots = () if new_computed_blocks is None else new_computed_blocks.host_hit_slots
+        if host_slots:  # read last in the step: this allocation's evictions must spare them
+            assert self.tiers is not None, "host hits without tiers"
+            self.tiers.pin_host_slots(host_slots)
         if not self._can_allocate(request, num_tokens_need_slot, computed, num_encoder_tokens):
             return None
         if not coordinator.has_request(req_id):
-            self._admit(request, num_new_computed_tokens, computed)
+            self._admit(request, num_new_computed_tokens, computed, host_slots)
             if new_computed_blocks is not None and new_computed_blocks.shared_prefix_boundary:
                 self._shared_prefix_boundaries[req_id] = new_computed_blocks.shared_prefix_boundary
         elif new_computed_blocks is not None:
@@ -278,6 +345,11 @@ class KVCacheManager:
                 self._shared_prefix_boundaries.get(req_id, 0) if self._retains_at_junction else 0
             )
             coordinator.cache_blocks(request, num_real_tokens, junction)
+        if host_slots:  # their fresh blocks now cache the hits' keys: fill them first
+            assert self.tiers is not None
+            start_idx = len(computed[0])
+            table = coordinator.get_blocks(req_id)[0][start_idx : start_idx + len(host_slots)]
+            self.tiers.copy_in(host_slots, [block.block_id for block in table])
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
@@ -304,7 +376,11 @@ class KVCacheManager:
         return num_blocks <= num_free_blocks + num_freed
 
     def _admit(
-        self, request: KVCacheRequest, num_hit_tokens: int, computed: BlocksPerGroup
+        self,
+        request: KVCacheRequest,
+        num_hit_tokens: int,
+        computed: BlocksPerGroup,
+        host_slots: Sequence[int] = (),
     ) -> None:
         """Start the tables of a request that holds none, with its hits, and count its lookup.
 
@@ -321,6 +397,11 @@ class KVCacheManager:
                 stats.requests += 1
                 stats.queries += request.num_tokens
                 stats.hits += num_hit_tokens
+            if self.tiers is not None:
+                block_size = self.tiers.block_size
+                stats.host_hits += len(host_slots) * block_size
+                num_disk_blocks = self.tiers.count_disk_hits(request.req_id, host_slots)
+                stats.disk_hits += num_disk_blocks * block_size
         self.coordinator.save_new_computed_blocks(request.req_id, computed)
 
     def free(self, request: KVCacheRequest, num_written_tokens: int | None = None) -> None:
@@ -335,6 +416,8 @@ class KVCacheManager:
             self.coordinator.uncache_unwritten(request.req_id, num_written_tokens)
         self._shared_prefix_boundaries.pop(request.req_id, None)
         self.coordinator.free(request.req_id)
+        if self.tiers is not None:
+            self.tiers.forget_request(request.req_id)
 
     def get_shared_prefix_boundary(self, req_id: str) -> int:
         """The junction an admitted request's lookup reported (KVCacheBlocks), 0 if none."""
@@ -360,7 +443,10 @@ class KVCacheManager:
         )
 
     def reset_prefix_cache(self) -> bool:
-        """Clear the prefix cache; False (with a logged reason) while a request holds blocks."""
+        """Clear the prefix cache and the tiers below it; False (with a logged reason) while a
+        request holds blocks."""
+        if self.tiers is not None and self.block_pool.reset_refusal_reason() is None:
+            self.tiers.clear()  # its BlockRemoved events go out before AllBlocksCleared
         if not self.block_pool.reset_prefix_cache():
             return False
         self._prefix_cache_stats.resets += 1
@@ -369,7 +455,20 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
+    def take_kv_transfers(self, step_id: int) -> KVTransfers | None:
+        """The tier copies of step `step_id`, planned by its allocations; None if none."""
+        if self.tiers is None:
+            return None
+        return self.tiers.take_transfers(step_id)
+
+    def on_step_reply(self, step_id: int, failed_disk_slots: bytes) -> None:
+        """Confirm a step's disk copies: a slot that failed on any rank becomes a miss."""
+        if self.tiers is not None:
+            self.tiers.on_step_reply(step_id, failed_disk_slots)
+
     def check_invariants(self) -> None:
         self.coordinator.check_invariants()
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         if self.metrics_collector is not None:
             self.metrics_collector.check_invariants()

@@ -216,7 +216,11 @@ class Scheduler:
         self._step_id += 1
         requests = plan.requests_in_order()
         finished, self._finished_handles = self._finished_handles, []
-        output = plan.build(self._step_id, finished, self.kv_cache_manager, self.running)
+        # The tier copies its allocations planned (evicted pages down, hits up) ride with it.
+        kv_transfers = self.kv_cache_manager.take_kv_transfers(self._step_id)
+        output = plan.build(
+            self._step_id, finished, self.kv_cache_manager, self.running, kv_transfers
+        )
         # Advance only once the message is built: it carries each request's state before the step.
         num_tokens = plan.new_num_tokens + plan.running_num_tokens + plan.resumed_num_tokens
         is_sampling = []
@@ -316,6 +320,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
             computed_blocks, num_computed = kv_cache_manager.get_computed_blocks(request)
+            if computed_blocks.is_waiting_for_disk:  # its disk hits arrive in a step or two
+                break
             num_new_tokens = request.num_tokens - num_computed
             if self._prefill_cap and num_new_tokens > self._prefill_cap:
                 num_new_tokens = self._prefill_cap
@@ -383,6 +389,8 @@ class Scheduler:
         rule, free the requests that finished, and build client outputs. The reply's logprobs
         (reply_logprobs.py) go out with their tokens."""
         step = self.steps_in_flight.pop_answered(scheduler_output, model_runner_output)
+        if model_runner_output.failed_disk_slots or scheduler_output.kv_transfers is not None:
+            self.kv_cache_manager.on_step_reply(step.step_id, model_runner_output.failed_disk_slots)
         sampled = unpack_int32(model_runner_output.sampled_token_ids)
         logprobs: list[TokenLogprobs | None]
         if step.has_logprobs or model_runner_output.sampled_token_ranks:

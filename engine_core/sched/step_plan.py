@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.request import Request
 from protocol.buffers import pack_int32
-from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
+from protocol.worker_messages import (
+    CachedRequestData,
+    KVTransfers,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
 
@@ -76,6 +81,7 @@ class StepPlan:
         finished_handles: list[int],
         kv_cache_manager: KVCacheManager | None = None,
         running: list[Request] | None = None,
+        kv_transfers: KVTransfers | None = None,
     ) -> SchedulerOutput:
         """The wire message, read from each request as it stood before this step; writes nothing.
 
@@ -110,6 +116,7 @@ class StepPlan:
                 if kv_cache_manager is None or running is None
                 else num_common_prefix_blocks(kv_cache_manager, running)
             ),
+            kv_transfers=kv_transfers,
         )
 
 

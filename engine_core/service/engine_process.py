@@ -19,6 +19,7 @@ from engine_core.service.recovery import WorkerRecovery
 from engine_core.service.server import EXIT_FAILED, EXIT_OK, EXIT_USAGE, EngineServer
 from engine_core.service.startup import (
     CLIENT_LINGER_MS,
+    StartupFlagError,
     bind_clients,
     serve_metrics,
     start_engine_core,
@@ -118,7 +119,8 @@ def _start_and_serve(
         is_starting = False  # a launcher's SIGTERM, seeing the ranks leave, must not cut this short
         logger.error("startup failed: %s", exc)
         workers.shutdown(f"engine startup failed: {exc}", is_failure=True)
-        return EXIT_USAGE if isinstance(exc, AddressInUseError) else EXIT_FAILED
+        is_usage = isinstance(exc, (AddressInUseError, StartupFlagError))
+        return EXIT_USAGE if is_usage else EXIT_FAILED
     except KeyboardInterrupt:
         is_starting = False
         workers.shutdown("the engine was stopped during startup")

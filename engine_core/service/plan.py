@@ -6,10 +6,11 @@ startup check lives here, once; no sockets.
 import logging
 from dataclasses import dataclass
 
-from engine_core.kv_cache.spec import describe_capacity, plan_kv_cache
+from engine_core.kv_cache.kv_tiers import describe_unsupported_tiers
+from engine_core.kv_cache.spec import KVCacheGroupSpec, describe_capacity, plan_kv_cache
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
-from protocol.config import EngineConfig
-from protocol.kv_cache_spec import KVCacheConfig
+from protocol.config import CacheConfig, EngineConfig
+from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
 from protocol.worker_messages import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -18,6 +19,11 @@ logger = logging.getLogger(__name__)
 # in the block list), measured: a BlockPool of 1,000,000 blocks took 120.4 bytes per block, both
 # in tracemalloc's count and in the process's resident memory (CPython 3.11).
 POOL_HOST_BYTES_PER_BLOCK = 120
+
+
+class FlagValueError(ValueError):
+    """A flag's value that cannot work with the model the ranks loaded: a usage error (exit 2)
+    that only the handshake can find, its message naming the flag."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +46,16 @@ def plan_engine(
     kv_cache_config = plan_kv_cache(
         model_info.kv_cache_groups, num_blocks_per_rank, config.cache.num_gpu_blocks_override
     )
+    num_host_slots, num_disk_slots = plan_tier_slots(
+        config.cache, kv_cache_config.kv_cache_groups, config.tp_size
+    )
     kv_cache_config = KVCacheConfig(
         kv_cache_config.num_blocks,
         kv_cache_config.kv_cache_groups,
         check_invariants=config.check_invariants,  # the ranks walk theirs when the engine does
+        num_host_slots=num_host_slots,
+        num_disk_slots=num_disk_slots,
+        disk_dir=config.cache.kv_offload_disk_dir if num_disk_slots else None,
     )
     check_pool_host_memory(kv_cache_config.num_blocks, config.max_pool_host_memory_bytes)
     limits = resolve_limits(config.scheduler, config.cache, kv_cache_config, model_info)
@@ -51,6 +63,62 @@ def plan_engine(
         kv_cache_config, limits.max_model_len, limits.num_blocks_per_request
     )
     return EnginePlan(kv_cache_config, limits, list(num_blocks_per_rank), summary)
+
+
+def plan_tier_slots(
+    cache: CacheConfig, kv_cache_groups: list[KVCacheGroupSpec], tp_size: int
+) -> tuple[int, int]:
+    """Slots of the host and disk tiers on each rank (DESIGN.md §3.5), 0 for a tier that is off.
+
+    The budgets cover every rank together, as vLLM's --kv-offloading-size does: each rank gets
+    budget // tp_size bytes, in slots of one block's pages on that rank. FlagValueError names
+    the flag whose value cannot work with this model.
+    """
+    host_bytes, disk_bytes = cache.kv_offload_host_bytes, cache.kv_offload_disk_bytes
+    if not host_bytes and not disk_bytes:
+        return 0, 0
+    if disk_bytes and not host_bytes:
+        raise FlagValueError(
+            f"--kv-offload-disk-bytes {disk_bytes} needs a host tier above the disk tier: "
+            "expected --kv-offload-host-bytes above 0"
+        )
+    if disk_bytes and not cache.kv_offload_disk_dir:
+        raise FlagValueError(
+            f"--kv-offload-disk-bytes {disk_bytes} needs --kv-offload-disk-dir: got none"
+        )
+    if not cache.enable_prefix_caching:
+        raise FlagValueError(
+            "--kv-offload-host-bytes keeps evicted prefix-cache blocks: expected prefix "
+            "caching on, got it off"
+        )
+    reason = describe_unsupported_tiers(kv_cache_groups)
+    if reason is not None:
+        raise FlagValueError(reason)
+    page_bytes = bytes_per_block(kv_cache_groups, tp_size)
+    num_slots = []
+    for flag, budget in (
+        ("--kv-offload-host-bytes", host_bytes),
+        ("--kv-offload-disk-bytes", disk_bytes),
+    ):
+        if not budget:
+            num_slots.append(0)
+            continue
+        rank_bytes = budget // tp_size
+        if rank_bytes < page_bytes:
+            raise FlagValueError(
+                f"{flag} {budget} gives each of the {tp_size} ranks {rank_bytes} bytes, less "
+                f"than one block of {page_bytes} bytes: expected at least {page_bytes * tp_size}"
+            )
+        num_slots.append(rank_bytes // page_bytes)
+        logger.info(
+            "%s: %d slots of %d bytes on each of %d ranks (%d bytes per rank)",
+            flag,
+            num_slots[-1],
+            page_bytes,
+            tp_size,
+            num_slots[-1] * page_bytes,
+        )
+    return num_slots[0], num_slots[1]
 
 
 def check_pool_host_memory(num_blocks: int, max_pool_host_memory_bytes: int | None) -> None:

@@ -12,7 +12,7 @@ from engine_core.core import EngineCore
 from engine_core.net.address import AddressInUseError
 from engine_core.net.endpoints import Endpoints, check_free, prepare_ipc_folder
 from engine_core.service.client_router import ClientRouter
-from engine_core.service.plan import plan_engine
+from engine_core.service.plan import FlagValueError, plan_engine
 from engine_core.telemetry.kv_events import KVEventPublisher
 from engine_core.telemetry.metrics import EngineMetrics, MetricsServer
 from engine_core.workers.handshake import HandshakeError
@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 CLIENT_LINGER_MS = 2000  # time given to final outputs to reach their clients at exit
 
 
+class StartupFlagError(HandshakeError):
+    """The handshake found a flag's value that cannot work with the loaded model: exit 2."""
+
+
 def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
     """DESIGN.md §6: every rank says hello, they agree on num_blocks, and every rank is ready."""
     deadline = time.monotonic() + config.handshake_timeout_s
@@ -33,6 +37,8 @@ def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
     num_blocks_per_rank = [hellos[rank].num_blocks_available for rank in range(config.tp_size)]
     try:
         plan = plan_engine(config, model_info, num_blocks_per_rank)
+    except FlagValueError as exc:
+        raise StartupFlagError(str(exc)) from None
     except ValueError as exc:
         raise HandshakeError(str(exc)) from None
     kv_cache_config = plan.kv_cache_config

@@ -71,6 +71,28 @@ class EngineMetrics:
             registry=r,
         )
         resets = Counter("kvserve:prefix_cache_resets", "prefix cache clears", registry=r)
+        host_hits = Counter(
+            "kvserve:prefix_cache_host_hits",
+            "prompt tokens of the hits copied in from the host tier",
+            registry=r,
+        )
+        disk_hits = Counter(
+            "kvserve:prefix_cache_disk_hits",
+            "prompt tokens of the host-tier hits first fetched from the disk tier",
+            registry=r,
+        )
+        moved = Counter(
+            "kvserve:kv_offload_blocks",
+            "blocks copied between the device pool and the tiers below it, by direction",
+            ["direction"],
+            registry=r,
+        )
+        disk_failures = Counter(
+            "kvserve:kv_offload_disk_failures",
+            "disk-tier slots that failed (checksum on read, or the write), now misses",
+            ["op"],
+            registry=r,
+        )
         # Each counter follows one total of SchedulerStats and advances by that total's growth
         # since the last `on_stats`: the one place where increments are computed.
         self._counted: list[tuple[Counter, Callable[[SchedulerStats], int]]] = [
@@ -80,6 +102,14 @@ class EngineMetrics:
             (preempted_queries, lambda stats: stats.prefix_cache.preempted_queries),
             (preempted_hits, lambda stats: stats.prefix_cache.preempted_hits),
             (resets, lambda stats: stats.prefix_cache.resets),
+            (host_hits, lambda stats: stats.prefix_cache.host_hits),
+            (disk_hits, lambda stats: stats.prefix_cache.disk_hits),
+            (moved.labels("device_to_host"), lambda stats: stats.prefix_cache.blocks_to_host),
+            (moved.labels("host_to_disk"), lambda stats: stats.prefix_cache.blocks_to_disk),
+            (moved.labels("disk_to_host"), lambda stats: stats.prefix_cache.blocks_from_disk),
+            (moved.labels("host_to_device"), lambda stats: stats.prefix_cache.blocks_from_host),
+            (disk_failures.labels("read"), lambda stats: stats.prefix_cache.disk_read_failures),
+            (disk_failures.labels("write"), lambda stats: stats.prefix_cache.disk_write_failures),
         ]
         self._last_totals = [0] * len(self._counted)
 

@@ -5,6 +5,9 @@ Pure functions of the messages: worker_group.py and step_transport.py gather the
 raise; nothing here touches a socket or decides what a disagreement costs.
 """
 
+import msgspec
+
+from protocol.buffers import pack_int32, unpack_int32
 from protocol.worker_messages import ModelRunnerOutput, WorkerToEngine
 
 
@@ -22,6 +25,20 @@ def describe_disagreement(step_id: int, outputs: list[ModelRunnerOutput]) -> str
         f"ranks disagree on the tokens of step {step_id}: "
         f"rank(s) {differing} differ from rank {reference.rank}"
     )
+
+
+def with_every_failed_disk_slot(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """Rank 0's reply, carrying the disk slots that failed on any rank (sorted, once each).
+
+    Each rank holds its own shard of a slot, so a slot is good only where every rank's copy is.
+    """
+    reference = outputs[0]
+    if not any(out.failed_disk_slots for out in outputs):
+        return reference
+    failed: set[int] = set()
+    for out in outputs:
+        failed.update(unpack_int32(out.failed_disk_slots))
+    return msgspec.structs.replace(reference, failed_disk_slots=pack_int32(sorted(failed)))
 
 
 def describe_message(message: WorkerToEngine) -> str:

@@ -15,7 +15,11 @@ import zmq
 
 from engine_core.net.endpoints import Endpoints
 from engine_core.workers.handshake import HandshakeError, check_hello, check_ready, missing_ranks
-from engine_core.workers.rank_agreement import describe_disagreement, describe_message
+from engine_core.workers.rank_agreement import (
+    describe_disagreement,
+    describe_message,
+    with_every_failed_disk_slot,
+)
 from engine_core.workers.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
 from engine_core.workers.step_transport import StepTransport
 from protocol.codec import make_encoder, worker_to_engine_decoder
@@ -262,8 +266,9 @@ class WorkerGroup:
 
     def collect(self, step_id: int) -> ModelRunnerOutput:
         """Every rank's reply to `step_id`, the oldest step submitted and not yet collected;
-        rank 0's once all agree. Which step that is, the engine's scheduler records (its steps
-        in flight, in order); this group keeps no list of its own."""
+        rank 0's once all agree, with the disk slots that failed on any rank. Which step that
+        is, the engine's scheduler records (its steps in flight, in order); this group keeps no
+        list of its own."""
         assert step_id <= self.last_step_id, f"collecting step {step_id}, never broadcast"
         start = time.perf_counter()
         outputs = self.gather(step_id)
@@ -274,7 +279,7 @@ class WorkerGroup:
         if disagreement:  # a new generation would diverge again: a bug, not a fault
             raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
         self.rank_forward_time_s += min(output.forward_s for output in outputs)
-        return outputs[0]
+        return with_every_failed_disk_slot(outputs)
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:
         """Every rank's ModelRunnerOutput for `step_id`, in rank order, within the step deadline."""
