@@ -5,8 +5,9 @@ hit rate is held to), on a real random-weight checkpoint on the CPU, in interlea
 Each conversation opens on a document of its own, then adds a user turn and an answer per turn;
 the conversations take turns round-robin, a few requests in flight, so by the time one comes back
 the others' contexts have pushed it out of the pool. The working set of prefixes (every
-conversation's last context) is 4x the pool; the host tier holds 3 pools, or 1 pool above a disk
-tier of 3, so device plus tiers hold what the 4x pool holds.
+conversation's last context) is 4x the pool. A tier keeps its copy of a block it hands back up
+(the engine's policy), so what the pool holds is mostly held below it too: the lowest tier gets
+room for the whole working set, 4 pools (the host tier; or 1 pool of host above 4 of disk).
 
 Run: `python -m bench.kv_tiers [--rounds 5] [--json FILE]`; `--copies` instead times the rank's
 copies per block in each direction (bench/kv_tier_copies.py).
@@ -75,26 +76,26 @@ class TurnResult:
 
 
 def side_flags(side: str, pool_blocks: int, block_bytes: int, folder: Path) -> list[str]:
-    """Each side's pool and tiers: device plus tiers hold 4 pools wherever there are tiers."""
+    """Each side's pool and tiers: the lowest tier holds the working set, 4 pools."""
     num_blocks = pool_blocks * (WORKING_SET_PER_POOL if side == "pool_4x" else 1)
     flags = ["--num-gpu-blocks-override", str(num_blocks + 1)]  # + the null block
     flags += ["--kv-cache-memory-bytes", str((num_blocks + 1) * block_bytes)]
     if side == "host":
-        flags += ["--kv-offload-host-bytes", str(3 * pool_blocks * block_bytes)]
+        flags += ["--kv-offload-host-bytes", str(WORKING_SET_PER_POOL * pool_blocks * block_bytes)]
     if side == "host_disk":
         flags += ["--kv-offload-host-bytes", str(pool_blocks * block_bytes)]
-        flags += ["--kv-offload-disk-bytes", str(3 * pool_blocks * block_bytes)]
+        flags += ["--kv-offload-disk-bytes", str(WORKING_SET_PER_POOL * pool_blocks * block_bytes)]
         flags += ["--kv-offload-disk-dir", str(folder / "disk")]
     return flags
 
 
 def start_side(
-    side: str, model_dir: Path, folder: Path, flags: list[str], threads: int
+    side: str, model_dir: Path, folder: Path, flags: list[str], max_model_len: int, threads: int
 ) -> subprocess.Popen:
     (master_port,) = free_tcp_ports(1)
     command = [str(Path(sys.executable).parent / "kvserve"), "launch", "--model", str(model_dir)]
     command += ["--master-port", str(master_port), "--device", "cpu", *flags]
-    command += ["--block-size", str(BLOCK_SIZE)]
+    command += ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len)]
     command += ["--client-address", f"ipc://{folder}/{side}-client.sock"]
     command += ["--worker-address", f"ipc://{folder}/{side}-worker.sock", "--log-level", "WARNING"]
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
@@ -200,10 +201,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint; default: a bench-shape qwen3")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 3)")
-    parser.add_argument("--conversations", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=4, help="per conversation")
-    parser.add_argument("--document-tokens", type=int, default=256)
-    parser.add_argument("--user-tokens", type=int, default=48)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=3, help="per conversation")
+    parser.add_argument("--document-tokens", type=int, default=512)
+    parser.add_argument("--user-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--in-flight", type=int, default=2, help="requests outstanding at once")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each engine's rank")
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                 model_dir,
                 folder,
                 side_flags(side, chat.pool_blocks, block_bytes, folder),
+                chat.last_context_tokens + chat.output_tokens,
                 args.threads,
             )
             for side in SIDES
