@@ -50,13 +50,19 @@ def remove_stale_files(disk_dir: str) -> list[str]:
 
 
 def _is_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, not yet reaped by its launcher) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # alive, another user's
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return True  # no /proc to ask: kill() says it exists
+    return text[text.rindex(")") + 2 :].split()[0] != "Z"
 
 
 def payload_checksum(pieces: Sequence[np.ndarray]) -> int:
