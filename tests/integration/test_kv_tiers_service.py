@@ -13,12 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from bench.make_checkpoint import CheckpointSpec, make_checkpoint
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.kv_cache_spec import bytes_per_block
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch, wait_for
-from tests.integration.served_requests import mixed_params, reference_tokens, serve_and_check
+from tests.integration.served_requests import (
+    Expected,
+    mixed_params,
+    reference_tokens,
+    serve_and_check,
+)
 from worker.models.registry import get_model_info
 
 pytestmark = pytest.mark.integration
@@ -56,7 +62,7 @@ CASES = [
 
 def tier_flags(case: TierCase, disk_dir: Path) -> list[str]:
     """Budgets over all ranks together, in slots of one rank's block."""
-    info = get_model_info(case.model, BLOCK_SIZE)
+    info = get_model_info(case.model, BLOCK_SIZE, tp_size=case.tp_size)
     block_bytes = bytes_per_block(info.kv_cache_groups, case.tp_size) * case.tp_size
     flags = ["--kv-offload-host-bytes", str(case.num_host_slots * block_bytes)]
     if case.num_disk_slots:
@@ -83,18 +89,27 @@ def group_prompts(seed: int) -> list[list[list[int]]]:
     return groups
 
 
-def serve_rounds(client: EngineClient, model: str, num_rounds: int, seed: int) -> None:
+def serve_rounds(
+    client: EngineClient, expected: Expected | None, num_rounds: int, seed: int
+) -> list[list[int]]:
     """Each group in turn, one request at a time, `num_rounds` times over: from the second round
-    on, a group's prefix was evicted from the pool by the others and comes back from a tier."""
-    expected = reference_tokens(model)
-    groups = group_prompts(seed)
-    idx = 0
+    on, a group's prefix was evicted from the pool by the others and comes back from a tier.
+    Every request's tokens must be `expected`'s (when given); returns them in order."""
+    served: list[list[int]] = []
     for _ in range(num_rounds):
-        for group in groups:
+        for group in group_prompts(seed):
             for prompt in group:
-                params = mixed_params(1, 4, first_idx=idx)
-                serve_and_check(client, [prompt], params, expected, CLIENT_TIMEOUT_S, first_idx=idx)
-                idx += 1
+                idx = len(served)
+                (params,) = mixed_params(1, 4, first_idx=idx)
+                req_id = f"req-{idx}"
+                client.add_request(make_request(req_id, prompt, params))
+                result = client.run_until_finished([req_id], CLIENT_TIMEOUT_S)[req_id]
+                assert result.error is None, f"{req_id} failed: {result.error}"
+                if expected is not None:
+                    tokens = expected(idx, prompt, params)
+                    assert result.token_ids == tokens, f"{req_id}: {result.token_ids} != {tokens}"
+                served.append(result.token_ids)
+    return served
 
 
 def assert_tier_use(stats: dict, case: TierCase) -> None:
@@ -115,7 +130,7 @@ def test_hits_through_the_tiers_serve_the_reference_tokens(
     disk_dir.mkdir()
     launch_tiered(processes, addresses, case, disk_dir)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_rounds(client, case.model, num_rounds=3, seed=case.tp_size)
+        serve_rounds(client, reference_tokens(case.model), num_rounds=3, seed=case.tp_size)
         stats = client.get_stats()
         if case.num_disk_slots:  # one file per rank while the ranks run
             assert len(os.listdir(disk_dir)) == case.tp_size, os.listdir(disk_dir)
@@ -163,7 +178,7 @@ def test_a_killed_rank_costs_the_tiers_and_no_token(
     launch_tiered(processes, addresses, case, disk_dir)
     expected = reference_tokens(case.model)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_rounds(client, case.model, num_rounds=2, seed=9)
+        serve_rounds(client, expected, num_rounds=2, seed=9)
         log = processes.log("launch")
         pid = int(re.findall(r"rank 0 joined: pid (\d+)", log)[-1])
         prompts = [prompt for group in group_prompts(seed=9) for prompt in group]
@@ -184,9 +199,42 @@ def test_a_killed_rank_costs_the_tiers_and_no_token(
         for req_id, prompt, param in zip(req_ids, prompts, params, strict=True):
             tokens = expected(0, prompt, param)
             assert results[req_id].token_ids == tokens, f"{req_id} after the kill"
-        serve_rounds(client, case.model, num_rounds=2, seed=10)  # the new tiers serve hits
+        serve_rounds(client, expected, num_rounds=2, seed=10)  # the new tiers serve hits
         stats = client.get_stats()
     stop_launch(processes)
     assert "worker generation 2 ready" in processes.log("launch")
     assert stats["prefix_cache_host_hits"] > 0, stats
     assert os.listdir(disk_dir) == [], "the killed rank's disk file outlived the deployment"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), CheckpointSpec(arch="qwen3"))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2"])
+def test_a_checkpoint_serves_the_same_tokens_with_tiers_on_and_off(
+    processes: Processes, addresses: dict, tmp_path: Path, checkpoint: Path, tp_size: int
+) -> None:
+    """A real model's prefix copied back from the host and disk tiers is bit for bit the one the
+    ranks computed, so greedy and seeded tokens equal those of recomputing it (tiers off)."""
+    case = TierCase(str(checkpoint), tp_size, 16, 4, 64)  # hits come from the disk tier too
+    served: dict[str, list[list[int]]] = {}
+    for tiers in ("off", "on"):
+        disk_dir = tmp_path / f"disk-{tiers}"
+        disk_dir.mkdir()
+        argv = ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)]
+        argv += ["--num-gpu-blocks-override", str(case.num_gpu_blocks), "--check-invariants"]
+        if tiers == "on":
+            argv += tier_flags(case, disk_dir)
+        launch(processes, addresses, tp_size, str(checkpoint), *argv)
+        with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+            expected = None if tiers == "off" else lambda idx, *_: served["off"][idx]
+            served[tiers] = serve_rounds(client, expected, num_rounds=3, seed=tp_size)
+            stats = client.get_stats()
+        stop_launch(processes)
+        processes.procs.pop("launch")
+        if tiers == "on":
+            assert_tier_use(stats, case)
+    assert served["on"] == served["off"]
