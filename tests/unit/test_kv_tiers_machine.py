@@ -55,6 +55,7 @@ class KVTiersMachine(KVCacheManagerModelMachine):
         self.unanswered: deque[tuple[int, list[int]]] = deque()  # (step id, failed disk slots)
         self.expected_pages: dict[bytes, Page] = {}  # key -> the page its tokens make
         self.num_transfers = 0
+        self.disk_waiters: list[Request] = []  # waiting for disk hits, most recent last
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -138,6 +139,18 @@ class KVTiersMachine(KVCacheManagerModelMachine):
         while self.unanswered:
             self.reply()
 
+    @precondition(lambda self: self.disk_waiters)
+    @rule()
+    def readmit_disk_waiter(self) -> None:
+        """The scheduler's next look at a request that waited for its disk hits: the steps in
+        flight answered, it is admitted with them (or computes what failed or was evicted)."""
+        request = self.disk_waiters.pop()
+        if request not in self.waiting:
+            return  # readmitted already by another rule
+        self.answer_all()
+        self.waiting.remove(request)
+        self._admit(request)
+
     @rule()
     def empty_step(self) -> None:
         """A step that allocates nothing: promotions started by a waiting request go out."""
@@ -160,6 +173,7 @@ class KVTiersMachine(KVCacheManagerModelMachine):
         if hits.is_waiting_for_disk:
             self._end_step()  # its disk -> host copies go out; it waits for their replies
             self.waiting.append(request)
+            self.disk_waiters.append(request)
             return
         self._check_hits(request, hits, num_hit_tokens)
         num_new = min(request.num_tokens - num_hit_tokens, self.max_chunk_tokens)
