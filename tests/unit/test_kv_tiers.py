@@ -7,14 +7,18 @@ the tokens or fails an assertion.
 """
 
 import random
+import signal
 
 import pytest
 from fake_executor import MakeHarness, reference_tokens
 
 from engine_core.kv_cache.kv_tiers import KVTiers
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.service import engine_process
 from engine_core.service.plan import FlagValueError, plan_engine, plan_tier_slots
+from engine_core.service.server import EXIT_USAGE
 from engine_core.workers.rank_agreement import with_every_failed_disk_slot
+from protocol import PROTOCOL_VERSION
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.config import CacheConfig, EngineConfig
 from protocol.kv_cache_spec import (
@@ -26,7 +30,7 @@ from protocol.kv_cache_spec import (
 )
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, BlockRemoved, BlockStored
 from protocol.stats import PrefixCacheStats
-from protocol.worker_messages import KVTransfers, ModelInfo, ModelRunnerOutput
+from protocol.worker_messages import KVTransfers, ModelInfo, ModelRunnerOutput, WorkerHello
 
 PROMPT_A = list(range(1, 13))  # three full blocks of 4
 PROMPT_B = list(range(30, 50))  # five blocks: with a pool of 6 it evicts two of A's
@@ -312,3 +316,47 @@ def test_tiers_are_refused_for_a_model_with_a_sliding_window_group() -> None:
     cache = CacheConfig(block_size=4, kv_offload_host_bytes=10**6)
     with pytest.raises(FlagValueError, match=r"one full-attention.*SlidingWindowSpec"):
         plan_tier_slots(cache, hybrid, 1)
+
+
+class _HelloWorkers:
+    """Ranks that said hello with a model whose page is larger than the host budget's share."""
+
+    def __init__(self, model: ModelInfo, tp_size: int) -> None:
+        self.hellos = [
+            WorkerHello(PROTOCOL_VERSION, rank, tp_size, 1, "here", "cpu", model, 40)
+            for rank in range(tp_size)
+        ]
+        self.shutdowns: list[tuple[str, bool]] = []
+
+    def wait_for_hellos(self, deadline: float) -> list[WorkerHello]:
+        return self.hellos
+
+    def shutdown(self, reason: str, is_failure: bool = False) -> None:
+        self.shutdowns.append((reason, is_failure))
+
+
+def test_a_host_budget_below_one_page_stops_the_engine_with_exit_2() -> None:
+    """Only the handshake knows the page size; the refusal is still a usage error naming the
+    flag. No sockets: the ranks are a stand-in, and the stop handlers are put back."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    config = EngineConfig(
+        tp_size=2, cache=CacheConfig(block_size=4, kv_offload_host_bytes=100)
+    ).checked()
+    workers = _HelloWorkers(ModelInfo("tiny", 64, [], 32, GROUPS), 2)
+    try:
+        code = engine_process._start_and_serve(
+            config,
+            None,  # type: ignore[arg-type]  # the context and endpoints are never reached
+            None,  # type: ignore[arg-type]
+            [],
+            workers,  # type: ignore[arg-type]
+            None,
+            None,
+        )
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert code == EXIT_USAGE
+    ((reason, is_failure),) = workers.shutdowns
+    assert "--kv-offload-host-bytes 100 gives each of the 2 ranks 50 bytes" in reason
+    assert is_failure
