@@ -2,7 +2,7 @@
 
 Token rule: the next token of a sequence is crc32 of its int32 bytes (prompt and all generated
 tokens) modulo the vocabulary, so a run with preemption yields the same tokens as one without.
-With `TierMemory` it also keeps the pages of the first KV-cache group (each position holds the
+With `TierMemory` it also keeps the pages of every KV-cache group (each position holds the
 crc32 of the prefix up to it), runs each step's tier copies on them, and samples from what the
 pages hold: a page copied wrong, or read before it was written, changes the tokens.
 Logprob rule (fake_logprobs): a request that asks for N gets, per sampled token, the token then N
@@ -66,17 +66,24 @@ def _pairs(data: bytes) -> list[tuple[int, int]]:
 
 
 class TierMemory:
-    """The ranks' paged cache of group 0 and their host and disk tier slots, as the ranks run a
-    step's copies (in KVTransfers' field order, before the forward).
+    """The ranks' paged cache and their host and disk tier slots, as the ranks run a step's
+    copies (in KVTransfers' field order, before the forward).
 
-    A page is a list of per-position fingerprints (None: never written). A disk slot in
-    `corrupt_disk_slots` fails its next read's checksum, and one in `failing_disk_writes` its
-    next write: both are reported in the reply's failed_disk_slots, and a failed read leaves
-    its host slot empty, as a rank would.
+    A page is a list of per-position fingerprints (None: never written), in every KV-cache
+    group. A disk slot in `corrupt_disk_slots` fails its next read's checksum, and one in
+    `failing_disk_writes` its next write: both are reported in the reply's failed_disk_slots,
+    and a failed read leaves its host slot empty, as a rank would.
     """
 
-    def __init__(self, block_size: int, num_host_slots: int, num_disk_slots: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_host_slots: int,
+        num_disk_slots: int,
+        windows: list[int | None] | None = None,
+    ) -> None:
         self.block_size = block_size
+        self.windows = windows or [None]  # per KV-cache group: its sliding window, or None
         self.num_host_slots = num_host_slots
         self.num_disk_slots = num_disk_slots
         self.pages: dict[int, list[int | None]] = {}  # block id -> its page
@@ -137,11 +144,15 @@ class TierMemory:
             page = self.pages.setdefault(block_ids[pos // size], [None] * size)
             page[pos % size] = crc
 
-    def read_matches(self, block_ids: list[int], tokens: array, end: int) -> bool:
-        """Whether the pages hold the K/V of positions [0, end) of this sequence."""
+    def read_matches(
+        self, block_ids: list[int], tokens: array, end: int, window: int | None = None
+    ) -> bool:
+        """Whether the pages hold the K/V that token `end` reads: positions [0, end), or under a
+        sliding window its last `window - 1` of them."""
         size = self.block_size
-        crc = 0
-        for pos in range(end):
+        first = 0 if window is None else max(end - window + 1, 0)
+        crc = zlib.crc32(pack_int32(tokens[:first]))
+        for pos in range(first, end):
             crc = zlib.crc32(pack_int32(tokens[pos : pos + 1]), crc)
             page = self.pages.get(block_ids[pos // size])
             if page is None or page[pos % size] != crc:
@@ -307,9 +318,10 @@ class FakeExecutor:
         state.num_computed_tokens = end
         memory = self.tier_memory
         is_read_wrong = False
-        if memory is not None:  # the forward reads the computed prefix, then writes its tokens
-            is_read_wrong = not memory.read_matches(state.block_ids[0], state.tokens, start)
-            memory.write(state.block_ids[0], state.tokens, start, end)
+        if memory is not None:  # the forward reads what each group keeps, then writes its tokens
+            for group_ids, window in zip(state.block_ids, memory.windows, strict=True):
+                is_read_wrong |= not memory.read_matches(group_ids, state.tokens, start, window)
+                memory.write(group_ids, state.tokens, start, end)
         if end < len(state.tokens):
             return 0  # a partial prefill chunk: the scheduler ignores this sample
         token = next_token(state.tokens, self.vocab_size)
@@ -360,7 +372,8 @@ class Harness:
         # With tiers, the workers' pages are modelled and the tokens sampled from them.
         self.tier_memory = None
         if num_host_slots:
-            self.tier_memory = TierMemory(block_size, num_host_slots, num_disk_slots)
+            windows = [sliding_window if is_window else None for is_window in self.is_window_group]
+            self.tier_memory = TierMemory(block_size, num_host_slots, num_disk_slots, windows)
         self.executor = FakeExecutor(
             vocab_size, block_size, config.scheduler.max_num_batched_tokens, self.tier_memory
         )

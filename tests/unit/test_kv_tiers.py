@@ -12,8 +12,10 @@ import signal
 import pytest
 from fake_executor import MakeHarness, reference_tokens
 
+from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.kv_tiers import KVTiers
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_cache.tier_hits import TierHit
 from engine_core.service import engine_process
 from engine_core.service.plan import FlagValueError, plan_engine, plan_tier_slots
 from engine_core.service.server import EXIT_USAGE
@@ -25,6 +27,7 @@ from protocol.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
     bytes_per_block,
 )
@@ -129,17 +132,24 @@ def _workload(seed: int) -> list[tuple[str, list[int], int]]:
     return requests
 
 
+@pytest.mark.parametrize("sliding_window", [None, 6])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize(("num_host_slots", "num_disk_slots"), [(0, 0), (6, 0), (3, 12)])
 def test_tokens_are_those_of_the_prompt_alone_with_tiers_on_and_off(
-    make_harness: MakeHarness, async_scheduling: bool, num_host_slots: int, num_disk_slots: int
+    make_harness: MakeHarness,
+    async_scheduling: bool,
+    num_host_slots: int,
+    num_disk_slots: int,
+    sliding_window: int | None,
 ) -> None:
-    """A pool of 10 blocks under 40 requests over 5 documents: most hits come from the tiers,
-    with preemption, and the tokens never change. With tiers, the workers sample from pages."""
+    """A pool of 11 blocks (20 beside a window) under 40 requests over 5 documents: most hits
+    come from the tiers, with preemption, and the tokens never change. With tiers, the workers
+    sample from the pages of every group."""
     harness = make_harness(
-        num_blocks=12,
+        num_blocks=12 if sliding_window is None else 21,
         block_size=4,
         max_model_len=40,
+        sliding_window=sliding_window,
         num_host_slots=num_host_slots,
         num_disk_slots=num_disk_slots,
         async_scheduling=async_scheduling,
@@ -236,7 +246,7 @@ def test_the_recovery_requeue_forgets_the_tiers(make_harness: MakeHarness) -> No
 
 def test_a_failed_disk_write_drops_the_key_and_a_late_report_is_ignored() -> None:
     stats = PrefixCacheStats()
-    tiers = KVTiers(1, 2, 4, stats)
+    tiers = KVTiers(BlockPool(4, True), 1, 2, [4], stats)
     first, second = b"\x01" * 36, b"\x02" * 36
     tiers.on_device_evict(1, first)
     tiers.take_transfers(1)
@@ -254,15 +264,15 @@ def test_a_failed_disk_write_drops_the_key_and_a_late_report_is_ignored() -> Non
 
 def test_a_host_hit_read_this_step_is_not_evicted_by_the_same_step() -> None:
     """Guards against overwriting a host slot that host_to_device reads later in the step."""
-    tiers = KVTiers(1, 0, 4, PrefixCacheStats())
-    key = b"\x01" * 36
+    tiers = KVTiers(BlockPool(4, True), 1, 0, [4], PrefixCacheStats())
+    key = b"\x01" * 32 + bytes(4)
     tiers.on_device_evict(1, key)
     tiers.take_transfers(1)
-    slots = tiers.find_host_hits([key[:-4]], 0, 1, key[-4:])
-    assert slots == [0]
-    tiers.pin_host_slots(slots)
-    tiers.on_device_evict(2, b"\x02" * 36)  # the one slot is pinned: this block is dropped
-    tiers.copy_in(slots, [3])
+    (hit,) = tiers.view(include_disk=False).get_cached_prefix([key[:-4]], 1, 0)
+    assert isinstance(hit, TierHit) and (hit.tier_slot, hit.block_hash) == (0, key)
+    tiers.pin_host_slots([hit.tier_slot])
+    tiers.on_device_evict(2, b"\x02" * 32 + bytes(4))  # the one slot is pinned: dropped
+    tiers.copy_in(hit.tier_slot, 3)
     assert _lists(tiers.take_transfers(2)) == [[], [], [], [0, 3]]
 
 
@@ -308,14 +318,14 @@ def test_a_budget_that_cannot_work_names_its_flag(fields: dict, message: str) ->
         plan_tier_slots(CacheConfig(block_size=4, **fields), GROUPS, 2)
 
 
-def test_tiers_are_refused_for_a_model_with_a_sliding_window_group() -> None:
-    hybrid = [
-        *GROUPS,
-        KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(4, 2, 8, "float32", sliding_window=8)),
-    ]
+def test_tiers_serve_sliding_windows_and_refuse_mamba_states() -> None:
+    window = SlidingWindowSpec(4, 2, 8, "float32", sliding_window=8)
+    hybrid = [*GROUPS, KVCacheGroupSpec(["layers.1"], window)]
     cache = CacheConfig(block_size=4, kv_offload_host_bytes=10**6)
-    with pytest.raises(FlagValueError, match=r"one full-attention.*SlidingWindowSpec"):
-        plan_tier_slots(cache, hybrid, 1)
+    assert plan_tier_slots(cache, hybrid, 1)[0] > 0
+    mamba = MambaSpec(4, ((2, 3),), "float32", mamba_cache_mode="align")
+    with pytest.raises(FlagValueError, match=r"sliding-window KV-cache groups.*MambaSpec"):
+        plan_tier_slots(cache, [*GROUPS, KVCacheGroupSpec(["layers.1"], mamba)], 1)
 
 
 class _HelloWorkers:

@@ -13,11 +13,12 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, precondition, rule
 from kv_manager_machine import KVCacheManagerModelMachine
-from kv_specs import full_spec
+from kv_specs import full_spec, window_spec
 
 from engine_core.kv_cache.kv_tiers import KVTiers
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
+from engine_core.kv_cache.tier_hits import TierHit
 from engine_core.kv_cache.tier_index import TierIndex
 from engine_core.sched.request import Request, RequestStatus
 from protocol.buffers import pack_int32, unpack_int32
@@ -59,7 +60,7 @@ class KVTiersMachine(KVCacheManagerModelMachine):
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        groups = [KVCacheGroupSpec(["g0"], self.specs[0])]
+        groups = [KVCacheGroupSpec([f"g{idx}"], spec) for idx, spec in enumerate(self.specs)]
         config = KVCacheConfig(
             num_blocks=self.num_blocks,
             kv_cache_groups=groups,
@@ -76,12 +77,12 @@ class KVTiersMachine(KVCacheManagerModelMachine):
     # ---- the steps: copies, then writes; replies a step late ------------------------------
 
     def before_writes(self, request: Request, num_new_tokens: int) -> None:
-        size = self.block_sizes[0]
-        num_full = min(request.num_computed_tokens + num_new_tokens, request.num_tokens) // size
-        for idx in range(num_full):  # what each full block's key names, from its tokens
-            positions = range(idx * size, (idx + 1) * size)
-            page = {pos % size: self.slot_content(request, self.specs[0], pos) for pos in positions}
-            self.expected_pages[self._key(request, 0, idx)] = page
+        num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        for group_id, (spec, size) in enumerate(zip(self.specs, self.block_sizes, strict=True)):
+            for idx in range(num_tokens // size):  # what each full block's key names
+                positions = range(idx * size, (idx + 1) * size)
+                page = {pos % size: self.slot_content(request, spec, pos) for pos in positions}
+                self.expected_pages[self._key(request, group_id, idx)] = page
         self._end_step()
 
     def _end_step(self) -> None:
@@ -106,7 +107,7 @@ class KVTiersMachine(KVCacheManagerModelMachine):
                 self.disk_memory[disk_slot] = page
             self.corrupt_disk_slots.discard(disk_slot)
         for block_id, host_slot in _pairs(transfers.device_to_host):
-            page = dict(self.slots[block_id])
+            page = dict(self.slots[block_id])  # the machines' groups share one block size
             assert len(page) == self.block_sizes[0], f"block {block_id} copied out unfull"
             self.host_memory[host_slot] = page
         for disk_slot, host_slot in _pairs(transfers.disk_to_host):
@@ -184,18 +185,37 @@ class KVTiersMachine(KVCacheManagerModelMachine):
         self.running.append(request)
 
     def _check_hits(self, request: Request, hits: KVCacheBlocks, num_hit_tokens: int) -> None:
-        """The pool's part of the hit as the base machine checks it; each host hit is the next
-        block's key, readable, and holds that key's page."""
-        size = self.block_sizes[0]
-        num_host_tokens = len(hits.host_hit_slots) * size
-        super()._check_hits(request, hits, num_hit_tokens - num_host_tokens)
-        assert num_hit_tokens <= request.num_tokens - 1
+        """The hit is the longest the pool and the host tier serve together (the brute force
+        of the base machine, with host slots as cached), and each hit block holds its key's
+        page: in the pool, or in the host slot a TierHit names."""
+        assert num_hit_tokens == self._brute_force_hit_length(request), request
+        assert num_hit_tokens % self.alignment == 0 and num_hit_tokens < request.num_tokens
         host = self.tiers.host
-        first_idx = len(hits.blocks[0])
-        for offset, slot in enumerate(hits.host_hit_slots):
-            key = self._key(request, 0, first_idx + offset)
-            assert host.key_of(slot) == key and slot not in host.pending, (slot, key.hex())
-            assert self.host_memory.get(slot) == self.expected_pages[key], f"host slot {slot}"
+        for group_id, blocks in enumerate(hits.blocks):
+            spec, size = self.specs[group_id], self.block_sizes[group_id]
+            assert len(blocks) == num_hit_tokens // size
+            read_from = min(self.read_positions(request, spec, num_hit_tokens))
+            for idx, block in enumerate(blocks):
+                if block.is_null:
+                    assert (idx + 1) * size <= read_from, f"null hit {idx} is still read"
+                    continue
+                key = self._key(request, group_id, idx)
+                assert block.block_hash == key, (idx, block)
+                if isinstance(block, TierHit):
+                    slot = block.tier_slot
+                    assert not block.is_on_disk, "a disk hit was offered for admission"
+                    assert host.key_of(slot) == key and slot not in host.pending, (slot, block)
+                    held = self.host_memory.get(slot)
+                else:
+                    held = {i: c for i, c in self.slots[block.block_id].items() if i < size}
+                assert held == self.expected_pages[key], f"false hit: {block!r} holds {held}"
+
+    def _is_cached(self, request: Request, group_id: int, idx: int) -> bool:
+        """In the pool, or readable in the host tier (a disk hit is first waited for)."""
+        if super()._is_cached(request, group_id, idx):
+            return True
+        slot = self.tiers.host.slot_of(self._key(request, group_id, idx))
+        return slot is not None and slot not in self.tiers.host.pending
 
     # ---- invariants --------------------------------------------------------------------
 
@@ -235,7 +255,19 @@ class HostOnlyTiersMachine(KVTiersMachine):
     num_disk_slots = 0
 
 
+class HybridTiersMachine(KVTiersMachine):
+    """Full attention beside a window of 5 tokens, blocks of 2: the hybrid fixed point finds
+    hits in the pool and the host tier together, each group by its own rule."""
+
+    specs = (full_spec(2), window_spec(5, 2))
+    num_blocks = 17
+    num_host_slots = 6
+    num_disk_slots = 12
+
+
 TestKVTiersMachine = KVTiersMachine.TestCase
 TestKVTiersMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestHostOnlyTiersMachine = HostOnlyTiersMachine.TestCase
 TestHostOnlyTiersMachine.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+TestHybridTiersMachine = HybridTiersMachine.TestCase
+TestHybridTiersMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
