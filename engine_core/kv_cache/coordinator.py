@@ -24,6 +24,7 @@ from engine_core.kv_cache.retention import (
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig
 from engine_core.kv_cache.spec_managers import make_single_type_manager
+from engine_core.kv_cache.tier_hits import TierHitView
 
 __all__ = [
     "BlocksPerGroup",
@@ -220,7 +221,7 @@ class KVCacheCoordinator(ABC):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | None = None,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         """The hit blocks per group and the hit length in tokens, touching nothing.
 
@@ -232,7 +233,7 @@ class KVCacheCoordinator(ABC):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | None = None,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
 
@@ -278,7 +279,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | None = None,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         return self._no_hit, 0
 
@@ -345,7 +346,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | None = None,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         manager = self._manager
         hits = manager.find_longest_cache_hit(
@@ -417,7 +418,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | None = None,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         return self.hit_search.find_longest_cache_hit(
             block_hashes, max_cache_hit_length, hit_source
@@ -427,7 +428,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | None = None,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         return self.hit_search.find_longest_cache_hit_per_group(
             block_hashes, max_cache_hit_length, hit_source

@@ -17,8 +17,10 @@ from engine_core.kv_cache.hybrid_hit_search import BlocksPerGroup
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import (
     PREFIX_ATTENTION_SPECS,
+    ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     KVCacheGroupSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from engine_core.kv_cache.tier_hits import TierHit, TierHitView
@@ -46,16 +48,18 @@ class _StepDiskCopies:
     writes: list[_DiskCopy] = field(default_factory=list)  # host_to_disk
 
 
-TIERED_SPECS = (*PREFIX_ATTENTION_SPECS, SlidingWindowSpec)  # their hits the tiers serve
+# The kinds whose hit scans read the pool only through its lookups, so TierHitView serves them.
+TIERED_SPECS = (*PREFIX_ATTENTION_SPECS, SlidingWindowSpec, ChunkedLocalAttentionSpec, RSWASpec)
 
 
 def describe_unsupported_tiers(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> str | None:
     """Why these KV-cache groups cannot have tiers below the pool, or None if they can.
 
-    Full attention (and MLA) and sliding windows, alone or together, look their hits up through
-    TierHitView, each by its own rule; cross-attention groups never hash a block, so they never
-    tier. Mamba states, chunked-local attention and R-SWA are refused until their hit rules are
-    checked against the tiers: an honest refusal rather than a risk of a wrong token.
+    Full attention (and MLA), sliding windows, chunked-local attention and R-SWA, alone or
+    together, look their hits up through TierHitView, each by its own rule; cross-attention
+    groups never hash a block, so they never tier. Mamba states are refused: a state block's
+    copy is not yet checked against the ranks' state layout, and an honest refusal beats a
+    risk of a wrong token.
     """
     refused = [
         type(group.spec).__name__
@@ -65,9 +69,9 @@ def describe_unsupported_tiers(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> s
     if not refused:
         return None
     return (
-        "--kv-offload-host-bytes: the tiers below the pool serve full-attention, MLA and "
-        f"sliding-window KV-cache groups, and this model also has {sorted(set(refused))}: "
-        "turn the tiers off"
+        "--kv-offload-host-bytes: the tiers below the pool serve full-attention, MLA, "
+        "sliding-window, chunked-local and R-SWA KV-cache groups, and this model also has "
+        f"{sorted(set(refused))}: turn the tiers off"
     )
 
 

@@ -324,7 +324,9 @@ def test_tiers_serve_sliding_windows_and_refuse_mamba_states() -> None:
     cache = CacheConfig(block_size=4, kv_offload_host_bytes=10**6)
     assert plan_tier_slots(cache, hybrid, 1)[0] > 0
     mamba = MambaSpec(4, ((2, 3),), "float32", mamba_cache_mode="align")
-    with pytest.raises(FlagValueError, match=r"sliding-window KV-cache groups.*MambaSpec"):
+    with pytest.raises(
+        FlagValueError, match=r"R-SWA KV-cache groups, and this model also has \[.MambaSpec.\]"
+    ):
         plan_tier_slots(cache, [*GROUPS, KVCacheGroupSpec(["layers.1"], mamba)], 1)
 
 

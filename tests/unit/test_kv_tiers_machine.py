@@ -12,12 +12,13 @@ from collections import deque
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from kv_manager_machine import KVCacheManagerModelMachine
+from kv_manager_machine import BRUTE_FORCE_SPECS, KVCacheManagerModelMachine
 from kv_specs import full_spec, window_spec
+from test_kv_manager_machines import chunked_local_spec, rswa_spec
 
 from engine_core.kv_cache.kv_tiers import KVTiers
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
+from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, RSWASpec
 from engine_core.kv_cache.tier_hits import TierHit
 from engine_core.kv_cache.tier_index import TierIndex
 from engine_core.sched.request import Request, RequestStatus
@@ -79,7 +80,10 @@ class KVTiersMachine(KVCacheManagerModelMachine):
     def before_writes(self, request: Request, num_new_tokens: int) -> None:
         num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
         for group_id, (spec, size) in enumerate(zip(self.specs, self.block_sizes, strict=True)):
-            for idx in range(num_tokens // size):  # what each full block's key names
+            num_full = num_tokens // size
+            if isinstance(spec, RSWASpec):  # it caches prompt blocks only: a generated token's
+                num_full = min(num_full, request.num_prompt_tokens // size)  # K/V differs
+            for idx in range(num_full):  # what each full block's key names
                 positions = range(idx * size, (idx + 1) * size)
                 page = {pos % size: self.slot_content(request, spec, pos) for pos in positions}
                 self.expected_pages[self._key(request, group_id, idx)] = page
@@ -188,7 +192,8 @@ class KVTiersMachine(KVCacheManagerModelMachine):
         """The hit is the longest the pool and the host tier serve together (the brute force
         of the base machine, with host slots as cached), and each hit block holds its key's
         page: in the pool, or in the host slot a TierHit names."""
-        assert num_hit_tokens == self._brute_force_hit_length(request), request
+        if all(isinstance(spec, BRUTE_FORCE_SPECS) for spec in self.specs):
+            assert num_hit_tokens == self._brute_force_hit_length(request), request
         assert num_hit_tokens % self.alignment == 0 and num_hit_tokens < request.num_tokens
         host = self.tiers.host
         for group_id, blocks in enumerate(hits.blocks):
@@ -265,9 +270,29 @@ class HybridTiersMachine(KVTiersMachine):
     num_disk_slots = 12
 
 
+class LocalTiersMachine(KVTiersMachine):
+    """Chunked-local attention (chunks of 4) beside full attention: a hit reads its own chunk."""
+
+    specs = (full_spec(2), chunked_local_spec(4))
+    num_blocks = 17
+    num_host_slots = 6
+    num_disk_slots = 12
+
+
+class RSWATiersMachine(KVTiersMachine):
+    """R-SWA alone: only prompt blocks are cached, so only they ever tier."""
+
+    specs = (rswa_spec(3),)
+    num_blocks = 11
+
+
 TestKVTiersMachine = KVTiersMachine.TestCase
 TestKVTiersMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestHostOnlyTiersMachine = HostOnlyTiersMachine.TestCase
 TestHostOnlyTiersMachine.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestHybridTiersMachine = HybridTiersMachine.TestCase
 TestHybridTiersMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+TestLocalTiersMachine = LocalTiersMachine.TestCase
+TestLocalTiersMachine.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+TestRSWATiersMachine = RSWATiersMachine.TestCase
+TestRSWATiersMachine.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
