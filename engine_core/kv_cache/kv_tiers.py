@@ -20,6 +20,7 @@ from engine_core.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     KVCacheGroupSpec,
+    MambaSpec,
     RSWASpec,
     SlidingWindowSpec,
 )
@@ -49,17 +50,23 @@ class _StepDiskCopies:
 
 
 # The kinds whose hit scans read the pool only through its lookups, so TierHitView serves them.
-TIERED_SPECS = (*PREFIX_ATTENTION_SPECS, SlidingWindowSpec, ChunkedLocalAttentionSpec, RSWASpec)
+# A Mamba state block (align mode) is a row of the ranks' shared tensors like any page.
+TIERED_SPECS = (
+    *PREFIX_ATTENTION_SPECS,
+    SlidingWindowSpec,
+    ChunkedLocalAttentionSpec,
+    RSWASpec,
+    MambaSpec,
+)
 
 
 def describe_unsupported_tiers(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> str | None:
     """Why these KV-cache groups cannot have tiers below the pool, or None if they can.
 
-    Full attention (and MLA), sliding windows, chunked-local attention and R-SWA, alone or
-    together, look their hits up through TierHitView, each by its own rule; cross-attention
-    groups never hash a block, so they never tier. Mamba states are refused: a state block's
-    copy is not yet checked against the ranks' state layout, and an honest refusal beats a
-    risk of a wrong token.
+    Every kind kvserve knows looks its hits up through TierHitView, each by its own rule (full
+    attention's prefix, a window's run, a chunk, Mamba's last state in align mode), alone or in
+    a hybrid; cross-attention groups never hash a block, so they never tier. A kind added later
+    is refused here until its hit rule is checked against the tiers.
     """
     refused = [
         type(group.spec).__name__
@@ -69,9 +76,8 @@ def describe_unsupported_tiers(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> s
     if not refused:
         return None
     return (
-        "--kv-offload-host-bytes: the tiers below the pool serve full-attention, MLA, "
-        "sliding-window, chunked-local and R-SWA KV-cache groups, and this model also has "
-        f"{sorted(set(refused))}: turn the tiers off"
+        "--kv-offload-host-bytes: the tiers below the pool do not serve the KV-cache groups "
+        f"{sorted(set(refused))} of this model yet: turn the tiers off"
     )
 
 
