@@ -194,6 +194,34 @@ class BlockPool:
         if announced:
             self._record_block_stored(request, announced, block_size, kv_cache_group_id)
 
+    def cache_loaded_block(
+        self,
+        block: KVCacheBlock,
+        key: BlockHashWithGroupId,
+        token_ids: list[int],
+        parent_block_hash: bytes | None,
+        block_size: int,
+    ) -> None:
+        """Cache a fresh block under `key`: its page comes in from a tier below the pool in the
+        step that allocated it (DESIGN.md §3.5), so it is full from that step on."""
+        if block.block_hash is not None or block.is_null:
+            raise ValueError(f"cannot cache loaded block {block.block_id}: {block!r}")
+        block.block_hash = key
+        index = self.cached_block_hash_to_block
+        first = index.file_first(key, block)
+        if first is not block:
+            index.add_copy(key, first, block)
+        elif self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                block_stored(
+                    [bytes(get_block_hash(key))],
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    get_group_id(key),
+                )
+            )
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, drop their stale hashes, ref them."""
         num_free = self.free_block_queue.num_free_blocks

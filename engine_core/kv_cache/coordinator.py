@@ -24,6 +24,7 @@ from engine_core.kv_cache.retention import (
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig
 from engine_core.kv_cache.spec_managers import make_single_type_manager
+from engine_core.kv_cache.tier_hits import TierHitView
 
 __all__ = [
     "BlocksPerGroup",
@@ -105,13 +106,15 @@ class KVCacheCoordinator(ABC):
             num_blocks += manager.get_num_blocks_to_allocate(req_id, num_group_tokens, blocks)
         return num_blocks
 
-    def save_new_computed_blocks(self, req_id: str, new_computed_blocks: BlocksPerGroup) -> None:
-        """Touch every group's hits, then start the request's tables with them.
+    def save_new_computed_blocks(
+        self, req_id: str, new_computed_blocks: BlocksPerGroup, is_touched: bool = False
+    ) -> None:
+        """Touch every group's hits (unless the caller did), then start the request's tables.
 
         All hits are touched before any new block is allocated, so the allocation of one group
         can never evict the hit blocks of another.
         """
-        if self.enable_caching:
+        if self.enable_caching and not is_touched:
             for blocks in new_computed_blocks:
                 if blocks:
                     self.block_pool.touch(blocks)
@@ -215,12 +218,22 @@ class KVCacheCoordinator(ABC):
 
     @abstractmethod
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
-        """The hit blocks per group and the hit length in tokens, touching nothing."""
+        """The hit blocks per group and the hit length in tokens, touching nothing.
+
+        `hit_source` answers the lookups in place of the pool: the tiers' TierHitView, whose
+        TierHit stand-ins the KV-cache manager turns into device blocks at admission.
+        """
 
     def find_longest_cache_hit_per_group(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
 
@@ -228,7 +241,9 @@ class KVCacheCoordinator(ABC):
         full attention means full attention's tail was evicted). Touches nothing. With one
         group, or none that hits, that is the agreed hit.
         """
-        hits, hit_length = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+        hits, hit_length = self.find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, hit_source
+        )
         return hits, (hit_length,) * len(hits)
 
     def check_invariants(self) -> None:
@@ -261,7 +276,10 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         self._no_hit: BlocksPerGroup = tuple(() for _ in self.single_type_managers)
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         return self._no_hit, 0
 
@@ -301,9 +319,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     ) -> int:
         return self._manager.get_num_blocks_to_allocate(req_id, num_tokens, new_computed_blocks[0])
 
-    def save_new_computed_blocks(self, req_id: str, new_computed_blocks: BlocksPerGroup) -> None:
+    def save_new_computed_blocks(
+        self, req_id: str, new_computed_blocks: BlocksPerGroup, is_touched: bool = False
+    ) -> None:
         blocks = new_computed_blocks[0]
-        if blocks:
+        if blocks and not is_touched:
             self.block_pool.touch(blocks)
         self._manager.save_new_computed_blocks(req_id, blocks)
 
@@ -323,14 +343,17 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self._manager.free(req_id)
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         manager = self._manager
         hits = manager.find_longest_cache_hit(
             block_hashes,
             max_cache_hit_length,
             self._group_ids,
-            self.block_pool,
+            self.block_pool if hit_source is None else hit_source,
             manager.kv_cache_spec,
         )
         return hits, len(hits[0]) * manager.block_size
@@ -392,14 +415,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 manager.cache_blocks(seen, num_tokens)
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
-        return self.hit_search.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+        return self.hit_search.find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, hit_source
+        )
 
     def find_longest_cache_hit_per_group(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
-        return self.hit_search.find_longest_cache_hit_per_group(block_hashes, max_cache_hit_length)
+        return self.hit_search.find_longest_cache_hit_per_group(
+            block_hashes, max_cache_hit_length, hit_source
+        )
 
 
 def get_kv_cache_coordinator(

@@ -18,6 +18,7 @@ from engine_core.kv_cache.spec import (
     KVCacheSpec,
 )
 from engine_core.kv_cache.spec_managers import spec_manager_class
+from engine_core.kv_cache.tier_hits import TierHitView
 
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
 HitLengths = tuple[int, ...]  # one hit length in tokens per KV-cache group
@@ -49,13 +50,17 @@ class HybridHitSearch:
         self.has_mixed_block_sizes = self.alignment_tokens != self.hash_block_size
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         """Shrink the hit length until every group hits at least that far (a fixed point).
 
         Each pass asks every spec group for its aligned hit within the current length; the
         length can only fall, so the loop ends, and when a pass changes nothing every group
-        agrees.
+        agrees. `hit_source` answers the lookups (the pool; with tiers, a TierHitView, so that
+        tier hits count in every group by that group's rule).
         """
         views = self._views(block_hashes)
         alignment = self.alignment_tokens
@@ -70,7 +75,9 @@ class HybridHitSearch:
                     for group_id in group_ids:
                         hits[group_id] = hits[group_id][: pass_length // spec.block_size]
                     continue
-                found, pass_length = self._find_aligned(spec, group_ids, hashes, pass_length)
+                found, pass_length = self._find_aligned(
+                    spec, group_ids, hashes, pass_length, hit_source
+                )
                 for group_id, group_hits in zip(group_ids, found, strict=True):
                     hits[group_id] = group_hits
                 if isinstance(spec, PREFIX_ATTENTION_SPECS):
@@ -85,7 +92,10 @@ class HybridHitSearch:
         return tuple(h[:n] for h, n in zip(hits, lengths, strict=True)), hit_length
 
     def find_longest_cache_hit_per_group(
-        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         """One aligned search per spec group (groups of one spec hit together), none bounding
         another."""
@@ -93,7 +103,9 @@ class HybridHitSearch:
         hit_lengths = [0] * self.num_groups
         views = self._views(block_hashes)
         for (spec, group_ids), hashes in zip(self.spec_groups, views, strict=True):
-            found, length = self._find_aligned(spec, group_ids, hashes, max_cache_hit_length)
+            found, length = self._find_aligned(
+                spec, group_ids, hashes, max_cache_hit_length, hit_source
+            )
             for group_id, group_hits in zip(group_ids, found, strict=True):
                 hits[group_id] = group_hits
                 hit_lengths[group_id] = length
@@ -118,6 +130,7 @@ class HybridHitSearch:
         group_ids: list[int],
         block_hashes: Sequence[BlockHash],
         max_length: int,
+        hit_source: BlockPool | TierHitView | None = None,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The spec group's longest hit within `max_length` that ends on `alignment_tokens`.
 
@@ -128,9 +141,10 @@ class HybridHitSearch:
         """
         manager_cls = spec_manager_class(spec)
         block_size, alignment = spec.block_size, self.alignment_tokens
+        source = self.block_pool if hit_source is None else hit_source
         while True:
             found = manager_cls.find_longest_cache_hit(
-                block_hashes, max_length, group_ids, self.block_pool, spec
+                block_hashes, max_length, group_ids, source, spec
             )
             length = len(found[0]) * block_size
             aligned = length // alignment * alignment

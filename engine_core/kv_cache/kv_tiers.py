@@ -6,16 +6,25 @@ slots' memory and only copy; this module owns no memory and does no I/O.
 """
 
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine_core.kv_cache.hashing import (
-    BlockHash,
-    BlockHashWithGroupId,
-    get_block_hash,
-    get_group_id,
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.hashing import BlockHashWithGroupId, get_block_hash, get_group_id
+from engine_core.kv_cache.hybrid_hit_search import BlocksPerGroup
+from engine_core.kv_cache.kv_request import KVCacheRequest
+from engine_core.kv_cache.spec import (
+    PREFIX_ATTENTION_SPECS,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    RSWASpec,
+    SlidingWindowSpec,
 )
-from engine_core.kv_cache.spec import PREFIX_ATTENTION_SPECS, KVCacheGroupSpec
+from engine_core.kv_cache.tier_hits import TierHit, TierHitView
 from engine_core.kv_cache.tier_index import TierIndex
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, KVCacheEvent, block_removed, block_stored
@@ -40,20 +49,35 @@ class _StepDiskCopies:
     writes: list[_DiskCopy] = field(default_factory=list)  # host_to_disk
 
 
+# The kinds whose hit scans read the pool only through its lookups, so TierHitView serves them.
+# A Mamba state block (align mode) is a row of the ranks' shared tensors like any page.
+TIERED_SPECS = (
+    *PREFIX_ATTENTION_SPECS,
+    SlidingWindowSpec,
+    ChunkedLocalAttentionSpec,
+    RSWASpec,
+    MambaSpec,
+)
+
+
 def describe_unsupported_tiers(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> str | None:
     """Why these KV-cache groups cannot have tiers below the pool, or None if they can.
 
-    The tiers serve one full-attention (or MLA) group: a hit there is a whole prefix, so a
-    lower-tier run simply extends the pool's. Sliding windows, Mamba states and hybrid models
-    need their own rules of which blocks a hit reads, not built yet: refused at startup rather
-    than risk a wrong token.
+    Every kind kvserve knows looks its hits up through TierHitView, each by its own rule (full
+    attention's prefix, a window's run, a chunk, Mamba's last state in align mode), alone or in
+    a hybrid; cross-attention groups never hash a block, so they never tier. A kind added later
+    is refused here until its hit rule is checked against the tiers.
     """
-    kinds = [type(group.spec).__name__ for group in kv_cache_groups]
-    if len(kv_cache_groups) == 1 and isinstance(kv_cache_groups[0].spec, PREFIX_ATTENTION_SPECS):
+    refused = [
+        type(group.spec).__name__
+        for group in kv_cache_groups
+        if not isinstance(group.spec, (*TIERED_SPECS, CrossAttentionSpec))
+    ]
+    if not refused:
         return None
     return (
-        f"--kv-offload-host-bytes: the tiers below the pool serve models with one full-attention "
-        f"(or MLA) KV-cache group, and this model has {kinds}: turn the tiers off"
+        "--kv-offload-host-bytes: the tiers below the pool do not serve the KV-cache groups "
+        f"{sorted(set(refused))} of this model yet: turn the tiers off"
     )
 
 
@@ -86,19 +110,26 @@ class KVTiers:
 
     def __init__(
         self,
+        pool: BlockPool,
         num_host_slots: int,
         num_disk_slots: int,
-        block_size: int,
+        block_sizes: Sequence[int],
         stats: PrefixCacheStats,
         record_event: Callable[[KVCacheEvent], None] | None = None,
     ) -> None:
+        """Args:
+        block_sizes: tokens per block of each KV-cache group, by group id.
+        record_event: queues a KV event in order with the pool's; None records none.
+        """
         if num_disk_slots and not num_host_slots:
             raise ValueError(
                 f"a disk tier of {num_disk_slots} slots needs a host tier above it: got none"
             )
         self.host = TierIndex(num_host_slots, MEDIUM_CPU)
         self.disk = TierIndex(num_disk_slots, MEDIUM_DISK) if num_disk_slots else None
-        self.block_size = block_size  # tokens per block, for the events
+        self.pool = pool
+        self.block_sizes = list(block_sizes)
+        self.hash_block_size = math.gcd(*self.block_sizes)  # as the requests hash
         self.stats = stats  # the KV-cache manager's live totals
         self._record_event = record_event
         # The step being planned, in KVTransfers' field order.
@@ -135,111 +166,129 @@ class KVTiers:
 
     # ---- lookups ----------------------------------------------------------------------------
 
-    def find_host_hits(
-        self, block_hashes: Sequence[BlockHash], start_idx: int, stop_idx: int, suffix: bytes
-    ) -> list[int]:
-        """The host slots of blocks `start_idx, start_idx + 1, ...` up to the first host miss
-        (or `stop_idx`), each marked most recently used. Pins nothing."""
-        host = self.host
-        slots: list[int] = []
-        for idx in range(start_idx, stop_idx):
-            slot = host.lookup(block_hashes[idx] + suffix)
-            if slot is None:
-                break
-            slots.append(slot)
-        return slots
+    def view(self, include_disk: bool) -> TierHitView:
+        """The pool's lookups extended into the host tier, and the disk tier if asked."""
+        return TierHitView(self.pool, self.host, self.disk, include_disk and self.disk is not None)
 
-    def is_waiting_for_disk(
-        self,
-        req_id: str,
-        block_hashes: Sequence[BlockHash],
-        start_idx: int,
-        stop_idx: int,
-        suffix: bytes,
-    ) -> bool:
-        """Whether the request should wait a step for its disk hits to reach the host tier.
+    def is_awaiting_disk(self, req_id: str) -> bool:
+        """Whether the request's disk hits are still on their way up (their copies unconfirmed).
 
-        From block `start_idx` (the first the pool and the host tier miss) it starts a
-        disk -> host copy of each block on disk, up to the first block found nowhere. The
-        request waits while any of those host slots is unconfirmed, and waits at most once per
-        admission: if its promoted blocks are gone by then (evicted, or a failed checksum), it
-        computes them.
+        Once they are confirmed (or failed) it waits no more in this admission: its next lookup
+        leaves the disk tier out, so a prefix evicted again meanwhile cannot hold it forever.
         """
-        if self.disk is None or req_id in self._has_waited:
-            return False
         awaited = self._awaited_slots.get(req_id)
-        if awaited is not None:
-            if awaited & self.host.pending:
-                return True
-            del self._awaited_slots[req_id]
-            self._has_waited.add(req_id)
+        if awaited is None:
             return False
-        awaited = self._promote_from_disk(req_id, block_hashes, start_idx, stop_idx, suffix)
-        if not awaited:
-            return False
-        self._awaited_slots[req_id] = awaited
-        return True
+        if awaited & self.host.pending:
+            return True
+        del self._awaited_slots[req_id]
+        self._has_waited.add(req_id)
+        return False
 
-    def _promote_from_disk(
-        self,
-        req_id: str,
-        block_hashes: Sequence[BlockHash],
-        start_idx: int,
-        stop_idx: int,
-        suffix: bytes,
-    ) -> set[int]:
-        """Start the disk -> host copies of a request's next blocks; the host slots awaited."""
+    def can_wait_for_disk(self, req_id: str) -> bool:
+        return self.disk is not None and req_id not in self._has_waited
+
+    def promote(self, req_id: str, hits: Sequence[TierHit]) -> bool:
+        """Start the disk -> host copies of a lookup's disk hits; whether the request waits.
+
+        Its host hits are pinned first, so that making room for the copies cannot evict them.
+        The request waits while any of the host slots it needs is unconfirmed.
+        """
         host, disk = self.host, self.disk
         assert disk is not None
+        host.pinned.update(hit.tier_slot for hit in hits if not hit.is_on_disk)
         awaited: set[int] = set()
         promoted = self._promoted_keys.setdefault(req_id, set())
-        for idx in range(start_idx, stop_idx):
-            key = block_hashes[idx] + suffix
+        for hit in hits:
+            key = hit.block_hash
+            if not hit.is_on_disk or key is None:
+                continue
             host_slot = host.slot_of(key)
-            if host_slot is not None:  # on its way up already, or readable: keep it this step
+            if host_slot is not None:  # already on its way up, for another request
                 if host_slot in host.pending:
                     awaited.add(host_slot)
-                else:
-                    host.pinned.add(host_slot)
                 continue
             disk_slot = disk.lookup(key)
             if disk_slot is None:
-                break
+                continue
             disk.pinned.add(disk_slot)  # read this step: no write may take it first
             host_slot = self._claim_host_slot(key)
             if host_slot is None:
-                break
+                break  # every host slot is pinned or pending: the rest is computed
             host.pending.add(host_slot)
             self._disk_to_host.append((disk_slot, host_slot))
             self._disk_copies.reads.append(_DiskCopy(disk_slot, key, host_slot))
             self.stats.blocks_from_disk += 1
             promoted.add(key)
             awaited.add(host_slot)
-        return awaited
+        if not awaited:
+            return False
+        self._awaited_slots[req_id] = awaited
+        return True
 
     # ---- admission copies in ------------------------------------------------------------
 
-    def pin_host_slots(self, slots: Sequence[int]) -> None:
+    def pin_host_slots(self, slots: Iterable[int]) -> None:
         """Keep these host hits from eviction by this step's allocations (they are read last)."""
         self.host.pinned.update(slots)
 
-    def copy_in(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy each host hit into the fresh device block that now caches its key."""
-        host_to_device = self._host_to_device
-        for slot, block_id in zip(slots, block_ids, strict=True):
-            assert slot in self.host.pinned, f"host slot {slot} is read without a pin"
-            host_to_device.pop(block_id, None)  # a block freed and reused this step: last wins
-            host_to_device[block_id] = slot
-        self.stats.blocks_from_host += len(slots)
+    def copy_in(self, slot: int, block_id: int) -> None:
+        """Copy a host hit into the fresh device block that now caches its key."""
+        host = self.host
+        key = host.key_of(slot)
+        assert key is not None and slot in host.pinned, f"host slot {slot} is read unpinned"
+        host.touch(key)
+        self._host_to_device.pop(block_id, None)  # a block freed and reused this step: last wins
+        self._host_to_device[block_id] = slot
+        self.stats.blocks_from_host += 1
 
-    def count_disk_hits(self, req_id: str, slots: Sequence[int]) -> int:
+    def count_disk_hits(self, req_id: str, keys: Iterable[BlockHashWithGroupId | None]) -> int:
         """How many of an admitted request's host hits were fetched from disk for it."""
-        promoted = self._promoted_keys.pop(req_id, None)
-        self._awaited_slots.pop(req_id, None)
+        promoted = self._promoted_keys.get(req_id)
         if not promoted:
             return 0
-        key_of = self.host.key_of
-        return sum(1 for slot in slots if key_of(slot) in promoted)
+        return sum(1 for key in keys if key in promoted)
+
+    def materialize(self, request: KVCacheRequest, computed: BlocksPerGroup) -> BlocksPerGroup:
+        """Admit a lookup's host hits: touch its pool hits first (so that nothing below can
+        evict them), give each TierHit a fresh device block cached under its key, and copy its
+        host slot in, in this step. The caller saves the tables without touching again."""
+        pool = self.pool
+        num_tier_hits = 0
+        for blocks in computed:
+            pool.touch([block for block in blocks if not isinstance(block, TierHit)])
+            num_tier_hits += sum(1 for block in blocks if isinstance(block, TierHit))
+        # In table order; this may evict pool blocks, whose copies cannot take the pinned slots.
+        fresh = iter(pool.get_new_blocks(num_tier_hits))
+        tables: list[Sequence[KVCacheBlock]] = []
+        for group_id, blocks in enumerate(computed):
+            table = list(blocks)
+            for idx, hit in enumerate(blocks):
+                if not isinstance(hit, TierHit):
+                    continue
+                assert not hit.is_on_disk and hit.block_hash is not None, f"{hit!r} is not read"
+                block = next(fresh)
+                self._cache_loaded(block, hit.block_hash, request, idx, group_id)
+                self.copy_in(hit.tier_slot, block.block_id)
+                table[idx] = block
+            tables.append(table)
+        return tuple(tables)
+
+    def _cache_loaded(
+        self,
+        block: KVCacheBlock,
+        key: BlockHashWithGroupId,
+        request: KVCacheRequest,
+        idx: int,
+        group_id: int,
+    ) -> None:
+        """File block `idx` of a group's table under its key, as the pool caches a full block:
+        announced (GPU) with its tokens and its parent, the hash before it in the group."""
+        block_size = self.block_sizes[group_id]
+        scale = block_size // self.hash_block_size  # the group reads every scale-th hash
+        tokens = request.all_token_ids[idx * block_size : (idx + 1) * block_size]
+        parent = bytes(request.block_hashes[idx * scale - 1]) if idx else None
+        self.pool.cache_loaded_block(block, key, list(tokens), parent, block_size)
 
     def forget_request(self, req_id: str) -> None:
         """The request freed its blocks (finished or preempted): its next admission may wait."""
@@ -399,7 +448,7 @@ class KVTiers:
                     [bytes(get_block_hash(key))],
                     None,
                     [],
-                    self.block_size,
+                    self.block_sizes[get_group_id(key)],
                     get_group_id(key),
                     medium,
                 )

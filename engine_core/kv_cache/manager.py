@@ -12,7 +12,6 @@ import msgspec
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsCollector
 from engine_core.kv_cache.coordinator import BlocksPerGroup, get_kv_cache_coordinator
-from engine_core.kv_cache.hashing import group_id_suffix
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.kv_tiers import KVTiers, describe_unsupported_tiers
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
@@ -23,6 +22,7 @@ from engine_core.kv_cache.spec import (
     RSWASpec,
     resolve_hash_block_size,
 )
+from engine_core.kv_cache.tier_hits import TierHit
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
 from protocol.worker_messages import KVTransfers
@@ -36,10 +36,8 @@ class KVCacheBlocks:
     # Tokens of a prefix full attention hit past where a window group's retained blocks let the
     # agreed hit reach (vLLM's shared-prefix junction); 0 if none. A sum of blocks drops it.
     shared_prefix_boundary: int = 0
-    # Host-tier slots of the blocks right after `blocks` (full attention's), copied into fresh
-    # device blocks when the request is admitted; a sum of blocks drops them.
-    host_hit_slots: Sequence[int] = ()
-    # The request's next blocks are coming up from the disk tier: admit it a step later.
+    # The request's hits are coming up from the disk tier: admit it a step later. (Hits in the
+    # host tier are TierHit stand-ins in `blocks`, made device blocks at admission.)
     is_waiting_for_disk: bool = False
 
     def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
@@ -137,20 +135,23 @@ class KVCacheManager:
         # The tiers below the pool (DESIGN.md §3.5), with prefix caching only: nothing else
         # names a block's content.
         self.tiers: KVTiers | None = None
-        self._tier_suffix = group_id_suffix(0)  # the key suffix of the one tiered group
         if enable_caching and kv_cache_config.num_host_slots:
             self.tiers = self._make_tiers(kv_cache_config, enable_kv_cache_events)
+        self._waiting_for_disk = KVCacheBlocks(
+            self.empty_kv_cache_blocks.blocks, is_waiting_for_disk=True
+        )
 
     def _make_tiers(self, kv_cache_config: KVCacheConfig, enable_kv_cache_events: bool) -> KVTiers:
-        """The tiers' index over the one full-attention group, told of every pool eviction."""
+        """The tiers' indexes, told of every eviction of the pool."""
         reason = describe_unsupported_tiers(kv_cache_config.kv_cache_groups)
         if reason is not None:
             raise ValueError(reason)
         pool = self.block_pool
         tiers = KVTiers(
+            pool,
             kv_cache_config.num_host_slots,
             kv_cache_config.num_disk_slots,
-            kv_cache_config.kv_cache_groups[0].spec.block_size,
+            [group.spec.block_size for group in kv_cache_config.kv_cache_groups],
             self._prefix_cache_stats,
             pool.record_event if enable_kv_cache_events else None,
         )
@@ -190,52 +191,37 @@ class KVCacheManager:
         max_hit_length = request.num_tokens - 1
         if self.is_hit_capped_at_prompt:
             max_hit_length = min(max_hit_length, request.num_prompt_tokens)
+        hit_source = None
+        tiers = self.tiers
+        if tiers is not None:
+            if tiers.is_awaiting_disk(request.req_id):
+                return self._waiting_for_disk, 0
+            hit_source = tiers.view(tiers.can_wait_for_disk(request.req_id))
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_hit_length
+            request.block_hashes, max_hit_length, hit_source
         )
+        if tiers is not None:
+            tier_hits = [block for group in hits for block in group if isinstance(block, TierHit)]
+            if any(hit.is_on_disk for hit in tier_hits):
+                # Disk is not read in the step that needs it: its copy up goes out now, and
+                # the request is admitted once the step's reply confirms it (a failed checksum
+                # is then a miss, never a wrong token); if nothing could start, it computes.
+                if tiers.promote(request.req_id, tier_hits):
+                    return self._waiting_for_disk, 0
+                hit_source = tiers.view(include_disk=False)
+                hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+                    request.block_hashes, max_hit_length, hit_source
+                )
         junction = 0
         if self._junction_group_id is not None:
             _, hit_lengths = self.coordinator.find_longest_cache_hit_per_group(
-                request.block_hashes, max_hit_length
+                request.block_hashes, max_hit_length, hit_source
             )
             longest = hit_lengths[self._junction_group_id]
             junction = longest if longest > num_hit_tokens else 0
-        if self.tiers is not None:
-            return self._extend_into_tiers(request, hits, num_hit_tokens, max_hit_length)
         if not num_hit_tokens and not junction:
             return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(hits, junction), num_hit_tokens
-
-    def _extend_into_tiers(
-        self,
-        request: KVCacheRequest,
-        hits: BlocksPerGroup,
-        num_hit_tokens: int,
-        max_hit_length: int,
-    ) -> tuple[KVCacheBlocks, int]:
-        """Continue a full-attention hit past the pool into the host tier, then the disk tier.
-
-        Host hits count as computed tokens and get device blocks at admission. Disk hits are
-        not read by this step: their copy up to the host tier starts now, and the request waits
-        until the step's reply confirms the copy (`is_waiting_for_disk`), so that a failed
-        checksum is a miss and never a wrong token, and no step stalls on a disk read.
-        """
-        tiers = self.tiers
-        assert tiers is not None
-        block_size = tiers.block_size
-        hashes = request.block_hashes
-        start_idx = num_hit_tokens // block_size
-        stop_idx = min(max_hit_length // block_size, len(hashes))
-        suffix = self._tier_suffix
-        slots = tiers.find_host_hits(hashes, start_idx, stop_idx, suffix)
-        if tiers.disk is not None:
-            tiers.pin_host_slots(slots)  # the promotion below must not evict them
-            end_idx = start_idx + len(slots)
-            if tiers.is_waiting_for_disk(request.req_id, hashes, end_idx, stop_idx, suffix):
-                return KVCacheBlocks(hits, is_waiting_for_disk=True), num_hit_tokens
-        if not num_hit_tokens and not slots:
-            return self.empty_kv_cache_blocks, 0
-        return KVCacheBlocks(hits, host_hit_slots=slots), num_hit_tokens + len(slots) * block_size
 
     def allocate_slots(
         self,
@@ -321,14 +307,21 @@ class KVCacheManager:
         )
         req_id = request.req_id
         coordinator = self.coordinator
-        host_slots = () if new_computed_blocks is None else new_computed_blocks.host_hit_slots
-        if host_slots:  # read last in the step: this allocation's evictions must spare them
-            assert self.tiers is not None, "host hits without tiers"
-            self.tiers.pin_host_slots(host_slots)
+        tier_hits: list[TierHit] = []
+        if self.tiers is not None and new_computed_blocks is not None:
+            tier_hits = [
+                block for group in computed for block in group if isinstance(block, TierHit)
+            ]
+            # Read last in the step: this allocation's evictions must spare their host slots.
+            self.tiers.pin_host_slots(hit.tier_slot for hit in tier_hits)
         if not self._can_allocate(request, num_tokens_need_slot, computed, num_encoder_tokens):
             return None
         if not coordinator.has_request(req_id):
-            self._admit(request, num_new_computed_tokens, computed, host_slots)
+            if tier_hits:  # device blocks for them, filled from the host tier in this step
+                assert self.tiers is not None
+                self._count_tier_hits(request, computed)
+                computed = self.tiers.materialize(request, computed)
+            self._admit(request, num_new_computed_tokens, computed, is_touched=bool(tier_hits))
             if new_computed_blocks is not None and new_computed_blocks.shared_prefix_boundary:
                 self._shared_prefix_boundaries[req_id] = new_computed_blocks.shared_prefix_boundary
         elif new_computed_blocks is not None:
@@ -345,11 +338,6 @@ class KVCacheManager:
                 self._shared_prefix_boundaries.get(req_id, 0) if self._retains_at_junction else 0
             )
             coordinator.cache_blocks(request, num_real_tokens, junction)
-        if host_slots:  # their fresh blocks now cache the hits' keys: fill them first
-            assert self.tiers is not None
-            start_idx = len(computed[0])
-            table = coordinator.get_blocks(req_id)[0][start_idx : start_idx + len(host_slots)]
-            self.tiers.copy_in(host_slots, [block.block_id for block in table])
         if not any(new_blocks):
             return self.empty_kv_cache_blocks  # most decode steps: the last block has room
         return KVCacheBlocks(new_blocks)
@@ -380,7 +368,7 @@ class KVCacheManager:
         request: KVCacheRequest,
         num_hit_tokens: int,
         computed: BlocksPerGroup,
-        host_slots: Sequence[int] = (),
+        is_touched: bool = False,
     ) -> None:
         """Start the tables of a request that holds none, with its hits, and count its lookup.
 
@@ -397,12 +385,23 @@ class KVCacheManager:
                 stats.requests += 1
                 stats.queries += request.num_tokens
                 stats.hits += num_hit_tokens
-            if self.tiers is not None:
-                block_size = self.tiers.block_size
-                stats.host_hits += len(host_slots) * block_size
-                num_disk_blocks = self.tiers.count_disk_hits(request.req_id, host_slots)
-                stats.disk_hits += num_disk_blocks * block_size
-        self.coordinator.save_new_computed_blocks(request.req_id, computed)
+        self.coordinator.save_new_computed_blocks(request.req_id, computed, is_touched)
+
+    def _count_tier_hits(self, request: KVCacheRequest, computed: BlocksPerGroup) -> None:
+        """Count an admitted lookup's tier hits in tokens, in the group that took most of them
+        (each group holds its own copy of the same tokens), and those fetched from disk."""
+        tiers = self.tiers
+        assert tiers is not None
+        num_host_tokens = num_disk_tokens = 0
+        for blocks, block_size in zip(computed, tiers.block_sizes, strict=True):
+            keys = [block.block_hash for block in blocks if isinstance(block, TierHit)]
+            num_disk_blocks = tiers.count_disk_hits(request.req_id, keys)
+            num_host_tokens = max(num_host_tokens, len(keys) * block_size)
+            num_disk_tokens = max(num_disk_tokens, num_disk_blocks * block_size)
+        tiers.forget_request(request.req_id)
+        stats = self._prefix_cache_stats
+        stats.host_hits += num_host_tokens
+        stats.disk_hits += num_disk_tokens
 
     def free(self, request: KVCacheRequest, num_written_tokens: int | None = None) -> None:
         """Release every block of the request, tail first in each group.

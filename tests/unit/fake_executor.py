@@ -2,6 +2,9 @@
 
 Token rule: the next token of a sequence is crc32 of its int32 bytes (prompt and all generated
 tokens) modulo the vocabulary, so a run with preemption yields the same tokens as one without.
+With `TierMemory` it also keeps the pages of every KV-cache group (each position holds the
+crc32 of the prefix up to it), runs each step's tier copies on them, and samples from what the
+pages hold: a page copied wrong, or read before it was written, changes the tokens.
 Logprob rule (fake_logprobs): a request that asks for N gets, per sampled token, the token then N
 ids after it, logprobs that name the token's position, and rank 1 + position % 3, so an entry
 delivered with the wrong token is seen.
@@ -29,7 +32,7 @@ from protocol.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from protocol.sampling import SamplingParams
-from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
+from protocol.worker_messages import KVTransfers, ModelInfo, ModelRunnerOutput, SchedulerOutput
 
 
 def next_token(token_ids: array, vocab_size: int) -> int:
@@ -55,6 +58,106 @@ def fake_logprobs(
     ids = [token_id] + [(token_id + 1 + idx) % vocab_size for idx in range(num_logprobs)]
     values = [-position / 8.0] + [-(position + idx + 1) / 8.0 for idx in range(num_logprobs)]
     return TokenLogprobs([ids], [values], [1 + position % 3])
+
+
+def _pairs(data: bytes) -> list[tuple[int, int]]:
+    values = unpack_int32(data)
+    return list(zip(values[::2], values[1::2], strict=True))
+
+
+class TierMemory:
+    """The ranks' paged cache and their host and disk tier slots, as the ranks run a step's
+    copies (in KVTransfers' field order, before the forward).
+
+    A page is a list of per-position fingerprints (None: never written), in every KV-cache
+    group. A disk slot in `corrupt_disk_slots` fails its next read's checksum, and one in
+    `failing_disk_writes` its next write: both are reported in the reply's failed_disk_slots,
+    and a failed read leaves its host slot empty, as a rank would.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_host_slots: int,
+        num_disk_slots: int,
+        windows: list[int | None] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.windows = windows or [None]  # per KV-cache group: its sliding window, or None
+        self.num_host_slots = num_host_slots
+        self.num_disk_slots = num_disk_slots
+        self.pages: dict[int, list[int | None]] = {}  # block id -> its page
+        self.host: dict[int, list[int | None] | None] = {}
+        self.disk: dict[int, list[int | None] | None] = {}
+        self.corrupt_disk_slots: set[int] = set()
+        self.failing_disk_writes: set[int] = set()
+        self.num_copies = {"host_to_disk": 0, "device_to_host": 0, "disk_to_host": 0}
+        self.num_copies["host_to_device"] = 0
+
+    def run(self, transfers: KVTransfers) -> list[int]:
+        """Run one step's copies; the disk slots that failed."""
+        failed: list[int] = []
+        for host_slot, disk_slot in _pairs(transfers.host_to_disk):
+            assert 0 <= disk_slot < self.num_disk_slots, f"disk slot {disk_slot} out of range"
+            page = self._read(self.host, host_slot, self.num_host_slots, "host")
+            self.corrupt_disk_slots.discard(disk_slot)
+            if disk_slot in self.failing_disk_writes:
+                self.failing_disk_writes.discard(disk_slot)
+                self.disk[disk_slot] = None
+                failed.append(disk_slot)
+            else:
+                self.disk[disk_slot] = list(page)
+        for block_id, host_slot in _pairs(transfers.device_to_host):
+            assert 0 <= host_slot < self.num_host_slots, f"host slot {host_slot} out of range"
+            page = self.pages.get(block_id)
+            assert page is not None and None not in page, f"block {block_id} copied out unfull"
+            self.host[host_slot] = list(page)
+        for disk_slot, host_slot in _pairs(transfers.disk_to_host):
+            assert 0 <= host_slot < self.num_host_slots, f"host slot {host_slot} out of range"
+            if disk_slot in self.corrupt_disk_slots or self.disk.get(disk_slot) is None:
+                self.host[host_slot] = None
+                failed.append(disk_slot)
+            else:
+                self.host[host_slot] = list(self._read(self.disk, disk_slot, 0, "disk"))
+        for host_slot, block_id in _pairs(transfers.host_to_device):
+            page = self._read(self.host, host_slot, self.num_host_slots, "host")
+            self.pages[block_id] = list(page)
+        for name in self.num_copies:
+            self.num_copies[name] += len(getattr(transfers, name)) // 8
+        return failed
+
+    @staticmethod
+    def _read(
+        memory: dict[int, list[int | None] | None], slot: int, num_slots: int, tier: str
+    ) -> list[int | None]:
+        assert not num_slots or 0 <= slot < num_slots, f"{tier} slot {slot} out of range"
+        page = memory.get(slot)
+        assert page is not None, f"{tier} slot {slot} is read before anything valid was written"
+        return page
+
+    def write(self, block_ids: list[int], tokens: array, start: int, end: int) -> None:
+        """The forward writes the K/V of positions [start, end): here, their prefix's crc32."""
+        size = self.block_size
+        crc = zlib.crc32(pack_int32(tokens[:start]))
+        for pos in range(start, end):
+            crc = zlib.crc32(pack_int32(tokens[pos : pos + 1]), crc)
+            page = self.pages.setdefault(block_ids[pos // size], [None] * size)
+            page[pos % size] = crc
+
+    def read_matches(
+        self, block_ids: list[int], tokens: array, end: int, window: int | None = None
+    ) -> bool:
+        """Whether the pages hold the K/V that token `end` reads: positions [0, end), or under a
+        sliding window its last `window - 1` of them."""
+        size = self.block_size
+        first = 0 if window is None else max(end - window + 1, 0)
+        crc = zlib.crc32(pack_int32(tokens[:first]))
+        for pos in range(first, end):
+            crc = zlib.crc32(pack_int32(tokens[pos : pos + 1]), crc)
+            page = self.pages.get(block_ids[pos // size])
+            if page is None or page[pos % size] != crc:
+                return False
+        return True
 
 
 class _WorkerRequest:
@@ -83,8 +186,15 @@ class FakeExecutor:
     tokens scheduled for it.
     """
 
-    def __init__(self, vocab_size: int, block_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        tier_memory: TierMemory | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
+        self.tier_memory = tier_memory
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[int, _WorkerRequest] = {}
@@ -101,6 +211,10 @@ class FakeExecutor:
         self.num_steps += 1
         if self.on_step is not None:
             self.on_step(out)
+        failed_disk_slots: list[int] = []
+        if out.kv_transfers is not None:
+            assert self.tier_memory is not None, f"step {out.step_id} copies with no tiers"
+            failed_disk_slots = self.tier_memory.run(out.kv_transfers)
         self._drop(out)
         handles = self._add_new(out) + self._apply_cached(out)
         num_scheduled = unpack_int32(out.num_scheduled_tokens)
@@ -129,6 +243,7 @@ class FakeExecutor:
             logprobs.tobytes(),
             pack_int32(logprob_ids),
             pack_int32(ranks),
+            failed_disk_slots=pack_int32(failed_disk_slots),
         )
 
     def _drop(self, out: SchedulerOutput) -> None:
@@ -199,10 +314,19 @@ class FakeExecutor:
                 f"handle {handle}: {len(group_ids)} blocks cannot hold {end} tokens"
             )
             assert 0 not in group_ids[-1:], f"handle {handle} writes into the null block"
+        start = state.num_computed_tokens
         state.num_computed_tokens = end
+        memory = self.tier_memory
+        is_read_wrong = False
+        if memory is not None:  # the forward reads what each group keeps, then writes its tokens
+            for group_ids, window in zip(state.block_ids, memory.windows, strict=True):
+                is_read_wrong |= not memory.read_matches(group_ids, state.tokens, start, window)
+                memory.write(group_ids, state.tokens, start, end)
         if end < len(state.tokens):
             return 0  # a partial prefill chunk: the scheduler ignores this sample
         token = next_token(state.tokens, self.vocab_size)
+        if is_read_wrong:  # attention read K/V of other tokens: so does the sample
+            token = (token + 1) % self.vocab_size
         state.tokens.append(token)  # a worker keeps what it samples; the engine never resends it
         return token
 
@@ -226,6 +350,8 @@ class Harness:
         max_model_len: int = 128,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        num_host_slots: int = 0,
+        num_disk_slots: int = 0,
         **scheduler_fields: object,
     ) -> None:
         groups = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size, 1, 8, "float32"))]
@@ -243,10 +369,18 @@ class Harness:
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.is_window_group = [isinstance(group.spec, SlidingWindowSpec) for group in groups]
+        # With tiers, the workers' pages are modelled and the tokens sampled from them.
+        self.tier_memory = None
+        if num_host_slots:
+            windows = [sliding_window if is_window else None for is_window in self.is_window_group]
+            self.tier_memory = TierMemory(block_size, num_host_slots, num_disk_slots, windows)
         self.executor = FakeExecutor(
-            vocab_size, block_size, config.scheduler.max_num_batched_tokens
+            vocab_size, block_size, config.scheduler.max_num_batched_tokens, self.tier_memory
         )
-        self.core = EngineCore(config, KVCacheConfig(num_blocks, groups), model_info, self.executor)
+        kv_cache_config = KVCacheConfig(
+            num_blocks, groups, num_host_slots=num_host_slots, num_disk_slots=num_disk_slots
+        )
+        self.core = EngineCore(config, kv_cache_config, model_info, self.executor)
         self.scheduler = self.core.scheduler
         self.tokens: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, FinishReason] = {}

@@ -281,6 +281,7 @@ class KVCacheManagerModelMachine(RuleBasedStateMachine):
         if new_blocks is None:
             assert self._snapshot() == before, "a failed allocate_slots changed the pool"
             return None
+        self.before_writes(request, num_new_tokens + num_hit_tokens)
         tables = self.kv.get_block_ids(request.req_id)
         if is_admission:
             self._write_encoder(request, tables)  # the workers run the encoder on admission
@@ -298,6 +299,10 @@ class KVCacheManagerModelMachine(RuleBasedStateMachine):
                 self._check_attention_reads(request, table, pos, group_id)
         request.num_computed_tokens = start + num_new_tokens
         return new_blocks
+
+    def before_writes(self, request: Request, num_new_tokens: int) -> None:
+        """Between an allocation and the workers' writes of its tokens: a subclass runs what
+        the workers do first there (the tier machine, a step's copies)."""
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -1,0 +1,94 @@
+"""TierHit and TierHitView: prefix hits that live below the pool, as the managers' scans see them.
+
+A scan asks the view where the pool would answer; where the pool misses and a lower tier holds
+the key, the view answers a TierHit stand-in. So every kind of hit search (full attention's
+prefix, a window's run, the hybrid fixed point) counts tier hits by its own rules. A TierHit is
+never touched, tabled or freed: admission replaces it by a fresh device block.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_core.kv_cache.block import KVCacheBlock
+from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.hashing import BlockHash, BlockHashWithGroupId, group_id_suffix
+from engine_core.kv_cache.tier_index import TierIndex
+
+NO_BLOCK_ID = -1  # a TierHit has no device block until admission gives it one
+
+
+@dataclass(slots=True, eq=False)
+class TierHit(KVCacheBlock):
+    """A hit in the host tier (`tier_slot` is its host slot) or on disk (`is_on_disk`).
+
+    Its `ref_cnt` stays 0 and it is not null, so capacity counts it as one free block consumed,
+    which is what its fresh device block costs.
+    """
+
+    tier_slot: int = 0  # the host slot, or the disk slot when on disk
+    is_on_disk: bool = False
+
+
+class TierHitView:
+    """The pool's lookups (`get_cached_block`, `get_cached_prefix`, `null_block`), extended
+    into the host tier and, with `include_disk`, the disk tier. Touches nothing."""
+
+    def __init__(
+        self, pool: BlockPool, host: TierIndex, disk: TierIndex | None, include_disk: bool
+    ) -> None:
+        self.pool = pool
+        self.null_block = pool.null_block
+        self.enable_caching = pool.enable_caching
+        self.host = host
+        self.disk = disk if include_disk else None
+        self._suffixes: dict[int, bytes] = {}
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One block per group, the pool's where it has one, else a TierHit; None on a miss."""
+        blocks: list[KVCacheBlock] = []
+        for group_id in kv_cache_group_ids:
+            block = self._find(block_hash + self._suffix(group_id))
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
+
+    def get_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], num_blocks: int, kv_cache_group_id: int
+    ) -> list[KVCacheBlock]:
+        """The longest run from block 0 that the pool or a tier holds."""
+        suffix = self._suffix(kv_cache_group_id)
+        hits: list[KVCacheBlock] = []
+        for idx in range(num_blocks):
+            block = self._find(block_hashes[idx] + suffix)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _find(self, key: bytes) -> KVCacheBlock | None:
+        block = self.pool.cached_block_hash_to_block.get_one_block(key)
+        if block is not None:
+            return block
+        tier_key = BlockHashWithGroupId(key)
+        host = self.host
+        slot = host.slot_of(tier_key)
+        if slot is not None and slot not in host.pending:
+            return TierHit(NO_BLOCK_ID, block_hash=tier_key, tier_slot=slot)
+        disk = self.disk
+        if disk is None:
+            return None
+        if slot is not None:  # on its way up for another request: wait for it as a disk hit
+            return TierHit(NO_BLOCK_ID, block_hash=tier_key, tier_slot=slot, is_on_disk=True)
+        disk_slot = disk.slot_of(tier_key)
+        if disk_slot is None or disk_slot in disk.pending:
+            return None
+        return TierHit(NO_BLOCK_ID, block_hash=tier_key, tier_slot=disk_slot, is_on_disk=True)
+
+    def _suffix(self, group_id: int) -> bytes:
+        suffix = self._suffixes.get(group_id)
+        if suffix is None:
+            suffix = self._suffixes[group_id] = group_id_suffix(group_id)
+        return suffix
