@@ -30,6 +30,7 @@ from worker.models.registry import get_model_info
 pytestmark = pytest.mark.integration
 
 CLIENT_TIMEOUT_S = 180.0
+HEALTH_TIMEOUT_S = 1.0
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 48  # 12 blocks: a request fits the 15 usable ones
 PREFIX_LEN = 24  # tokens each group's prompts share: 6 blocks
@@ -57,6 +58,8 @@ CASES = [
     TierCase("tiny-llama", 1, 16, 4, 64),  # host victims go to disk and come back from it
     TierCase("tiny-llama", 2, 16, 8, 64),
     TierCase("tiny-mla", 1, 16, 64, 0),  # one latent per token, replicated on every rank
+    TierCase("tiny-llama-hybrid", 2, 28, 8, 64),  # full and sliding-window groups: 2 ids a block
+    TierCase("tiny-mamba-hybrid", 1, 16, 64, 0),  # attention pages and Mamba states
 ]
 
 
@@ -77,6 +80,20 @@ def launch_tiered(
     argv = ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)]
     argv += ["--num-gpu-blocks-override", str(case.num_gpu_blocks), *tier_flags(case, disk_dir)]
     launch(processes, addresses, case.tp_size, case.model, *argv, "--check-invariants", *extra)
+
+
+def wait_serving(processes: Processes, client: EngineClient) -> None:
+    """Until the engine answers, failing at once when the launcher exits (a refused flag)."""
+
+    def is_serving() -> bool:
+        if processes.procs["launch"].poll() is not None:
+            raise AssertionError(f"launch exited:\n{processes.log('launch')[-3000:]}")
+        try:
+            return client.call_utility("check_health", timeout_s=HEALTH_TIMEOUT_S) is True
+        except TimeoutError:
+            return False
+
+    wait_for(is_serving, CLIENT_TIMEOUT_S, "the engine answering check_health")
 
 
 def group_prompts(seed: int) -> list[list[list[int]]]:
@@ -130,7 +147,8 @@ def test_hits_through_the_tiers_serve_the_reference_tokens(
     disk_dir.mkdir()
     launch_tiered(processes, addresses, case, disk_dir)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_rounds(client, reference_tokens(case.model), num_rounds=3, seed=case.tp_size)
+        wait_serving(processes, client)
+        serve_rounds(client, reference_tokens(case.model), num_rounds=2, seed=case.tp_size)
         stats = client.get_stats()
         if case.num_disk_slots:  # one file per rank while the ranks run
             assert len(os.listdir(disk_dir)) == case.tp_size, os.listdir(disk_dir)
@@ -153,6 +171,7 @@ def test_preemption_with_tiers_serves_the_reference_tokens(
     expected = reference_tokens(case.model)
     prompts = [prompt for group in group_prompts(seed=5) for prompt in group]
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        wait_serving(processes, client)
         for wave in range(2):
             first_idx = wave * len(prompts)
             params = mixed_params(len(prompts), 12, first_idx=first_idx)
@@ -178,6 +197,7 @@ def test_a_killed_rank_costs_the_tiers_and_no_token(
     launch_tiered(processes, addresses, case, disk_dir)
     expected = reference_tokens(case.model)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        wait_serving(processes, client)
         serve_rounds(client, expected, num_rounds=2, seed=9)
         log = processes.log("launch")
         pid = int(re.findall(r"rank 0 joined: pid (\d+)", log)[-1])
@@ -230,6 +250,7 @@ def test_a_checkpoint_serves_the_same_tokens_with_tiers_on_and_off(
             argv += tier_flags(case, disk_dir)
         launch(processes, addresses, tp_size, str(checkpoint), *argv)
         with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+            wait_serving(processes, client)
             expected = None if tiers == "off" else lambda idx, *_: served["off"][idx]
             served[tiers] = serve_rounds(client, expected, num_rounds=3, seed=tp_size)
             stats = client.get_stats()
