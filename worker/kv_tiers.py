@@ -7,8 +7,10 @@ wrote the pages it copies out), and the forward waits on one event after the cop
 overwrites a page before its copy is taken nor reads a page before it is copied in.
 """
 
+import contextlib
 import logging
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,11 +148,12 @@ class KVTiers:
         return failed
 
     def _device_to_host(self, pairs: Pairs) -> None:
-        for block_id, host_slot, length in pairs.runs():
-            for t, pages in enumerate(self.device_pages):
-                self.host[t, host_slot : host_slot + length].copy_(
-                    pages[block_id : block_id + length], non_blocking=self.is_cuda
-                )
+        with self._on_side_stream():
+            for block_id, host_slot, length in pairs.runs():
+                for t, pages in enumerate(self.device_pages):
+                    self.host[t, host_slot : host_slot + length].copy_(
+                        pages[block_id : block_id + length], non_blocking=self.is_cuda
+                    )
         self.is_host_written[pairs.dst] = True
 
     def _disk_to_host(self, pairs: Pairs) -> list[int]:
@@ -172,15 +175,22 @@ class KVTiers:
             # the engine copies in only slots it knows hold a copy: a disk read is copied in
             # once its step reported no failure, so this is a bug, and wrong tokens would follow
             raise ValueError(f"kv_transfers.host_to_device reads empty host slots {empty}")
-        for host_slot, block_id, length in pairs.runs():
-            for t, pages in enumerate(self.device_pages):
-                pages[block_id : block_id + length].copy_(
-                    self.host[t, host_slot : host_slot + length], non_blocking=self.is_cuda
-                )
+        with self._on_side_stream():
+            for host_slot, block_id, length in pairs.runs():
+                for t, pages in enumerate(self.device_pages):
+                    pages[block_id : block_id + length].copy_(
+                        self.host[t, host_slot : host_slot + length], non_blocking=self.is_cuda
+                    )
 
     def _host_pieces(self, host_slot: int) -> list[np.ndarray]:
         """Host slot `host_slot` as one buffer per shared tensor, for disk I/O."""
         return [self.host_numpy[t, host_slot] for t in range(self.host_numpy.shape[0])]
+
+    def _on_side_stream(self) -> AbstractContextManager[object]:
+        """Copies issued inside run on the side stream (on CUDA; the CPU copies at once)."""
+        if self.side_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.side_stream)
 
     def _sync_host(self) -> None:
         """Before the CPU touches host slots: the side stream's copies into and out of them end."""

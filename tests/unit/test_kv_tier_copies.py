@@ -17,6 +17,7 @@ from protocol.worker_messages import (
     NewRequestData,
     SchedulerOutput,
 )
+from tests.conftest import worker_test_device
 from worker.disk_tier import SLOT_HEADER, disk_file_name, remove_stale_files
 from worker.distributed import single_rank_group
 from worker.kv_cache import allocate_kv_caches, shared_kv_tensors
@@ -29,7 +30,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 8
 NUM_HOST_SLOTS = 4
 NUM_DISK_SLOTS = 4
-CPU = torch.device("cpu")
+DEVICE = torch.device(worker_test_device())  # cuda under `pytest --device cuda`: a side stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,12 +47,13 @@ def make_tiers(
         num_disk_slots=num_disk_slots,
         disk_dir=str(tmp_path),
     )
-    kv_caches = allocate_kv_caches(config, 1, CPU)
+    kv_caches = allocate_kv_caches(config, 1, DEVICE)
     tiers = build_kv_tiers(config, kv_caches, 1, rank=0)
     assert tiers is not None
     generator = torch.Generator().manual_seed(0)
     for pages in tiers.device_pages:
-        pages[1:] = torch.randint(0, 256, pages[1:].shape, dtype=torch.uint8, generator=generator)
+        fill = torch.randint(0, 256, pages[1:].shape, dtype=torch.uint8, generator=generator)
+        pages[1:] = fill.to(pages.device)
     return tiers, tiers.device_pages
 
 
@@ -63,7 +65,7 @@ def transfers(**lists: list[tuple[int, int]]) -> KVTransfers:
 
 def page(device_pages: list[torch.Tensor], block_id: int) -> list[bytes]:
     """One block id's page in every shared tensor."""
-    return [pages[block_id].numpy().tobytes() for pages in device_pages]
+    return [pages[block_id].cpu().numpy().tobytes() for pages in device_pages]
 
 
 def test_pages_round_trip_exactly_through_host_and_disk(tmp_path: Path) -> None:
@@ -215,12 +217,19 @@ def test_a_prefix_copied_back_through_the_tiers_gives_the_reference_tokens(
     config = KVCacheConfig(
         NUM_BLOCKS, info.kv_cache_groups, num_host_slots=2, num_disk_slots=2, disk_dir=str(tmp_path)
     )
-    kv_caches = allocate_kv_caches(config, 1, CPU)
+    kv_caches = allocate_kv_caches(config, 1, DEVICE)
     tiers = build_kv_tiers(config, kv_caches, 1, rank=0)
     assert tiers is not None
-    model = build_model("tiny-llama", single_rank_group(), CPU)
+    model = build_model("tiny-llama", single_rank_group(), DEVICE)
     runner = ModelRunner(
-        model, config, kv_caches, 0, info.max_model_len, CPU, check_each_step=True, kv_tiers=tiers
+        model,
+        config,
+        kv_caches,
+        0,
+        info.max_model_len,
+        DEVICE,
+        check_each_step=True,
+        kv_tiers=tiers,
     )
 
     def step(
