@@ -149,9 +149,14 @@ class KVTiers:
     def on_device_evict(self, block_id: int, key: BlockHashWithGroupId) -> None:
         """The pool is reusing block `block_id`, cached under `key`: copy it down first.
 
-        The page is final: only full blocks are hashed, and a hashed block's tokens were
-        scheduled in this step's predecessors (or it was uncached when its step dropped it), so
-        the ranks have written it before they run this step's copies.
+        The copy runs before this step's forward, and the page is final by then, asynchronous
+        scheduling included. Only full blocks are hashed, and only over known tokens (a step's
+        placeholder token is hashed once it arrives), so the step that writes a hashed block's
+        tokens was planned no later than the hash was set; a step dropped before it ran takes
+        its hashes with it (`uncache_unwritten`, Mamba's pending checkpoints). The ranks run
+        steps in order, so every step planned before this one has written its pages when this
+        one's copies start, and no later step writes a full block again. A block freed while a
+        step in flight still writes it is thus never hashed, or hashed and already final.
         """
         host = self.host
         if key in host:  # inclusive: the host copy is as good (and a pending one soon will be)
