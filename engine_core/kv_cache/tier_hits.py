@@ -42,6 +42,7 @@ class TierHitView:
         self.host = host
         self.disk = disk if include_disk else None
         self._suffixes: dict[int, bytes] = {}
+        self._get_one_block = pool.cached_block_hash_to_block.get_one_block  # bound once
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
@@ -59,9 +60,12 @@ class TierHitView:
         self, block_hashes: Sequence[BlockHash], num_blocks: int, kv_cache_group_id: int
     ) -> list[KVCacheBlock]:
         """The longest run from block 0 that the pool or a tier holds."""
+        # The pool's own scan first (most hits end there), then block by block past its miss.
+        hits = self.pool.get_cached_prefix(block_hashes, num_blocks, kv_cache_group_id)
+        if len(hits) == num_blocks:
+            return hits
         suffix = self._suffix(kv_cache_group_id)
-        hits: list[KVCacheBlock] = []
-        for idx in range(num_blocks):
+        for idx in range(len(hits), num_blocks):
             block = self._find(block_hashes[idx] + suffix)
             if block is None:
                 break
@@ -69,7 +73,7 @@ class TierHitView:
         return hits
 
     def _find(self, key: bytes) -> KVCacheBlock | None:
-        block = self.pool.cached_block_hash_to_block.get_one_block(key)
+        block = self._get_one_block(key)
         if block is not None:
             return block
         tier_key = BlockHashWithGroupId(key)
