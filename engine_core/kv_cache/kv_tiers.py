@@ -6,15 +6,12 @@ slots' memory and only copy; this module owns no memory and does no I/O.
 """
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.hashing import BlockHashWithGroupId, get_block_hash, get_group_id
-from engine_core.kv_cache.hybrid_hit_search import BlocksPerGroup
-from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.spec import (
     PREFIX_ATTENTION_SPECS,
     ChunkedLocalAttentionSpec,
@@ -129,7 +126,6 @@ class KVTiers:
         self.disk = TierIndex(num_disk_slots, MEDIUM_DISK) if num_disk_slots else None
         self.pool = pool
         self.block_sizes = list(block_sizes)
-        self.hash_block_size = math.gcd(*self.block_sizes)  # as the requests hash
         self.stats = stats  # the KV-cache manager's live totals
         self._record_event = record_event
         # The step being planned, in KVTransfers' field order.
@@ -149,9 +145,14 @@ class KVTiers:
     def on_device_evict(self, block_id: int, key: BlockHashWithGroupId) -> None:
         """The pool is reusing block `block_id`, cached under `key`: copy it down first.
 
-        The page is final: only full blocks are hashed, and a hashed block's tokens were
-        scheduled in this step's predecessors (or it was uncached when its step dropped it), so
-        the ranks have written it before they run this step's copies.
+        The copy runs before this step's forward, and the page is final by then, asynchronous
+        scheduling included. Only full blocks are hashed, and only over known tokens (a step's
+        placeholder token is hashed once it arrives), so the step that writes a hashed block's
+        tokens was planned no later than the hash was set; a step dropped before it ran takes
+        its hashes with it (`uncache_unwritten`, Mamba's pending checkpoints). The ranks run
+        steps in order, so every step planned before this one has written its pages when this
+        one's copies start, and no later step writes a full block again. A block freed while a
+        step in flight still writes it is thus never hashed, or hashed and already final.
         """
         host = self.host
         if key in host:  # inclusive: the host copy is as good (and a pending one soon will be)
@@ -242,53 +243,21 @@ class KVTiers:
         self._host_to_device[block_id] = slot
         self.stats.blocks_from_host += 1
 
-    def count_disk_hits(self, req_id: str, keys: Iterable[BlockHashWithGroupId | None]) -> int:
-        """How many of an admitted request's host hits were fetched from disk for it."""
-        promoted = self._promoted_keys.get(req_id)
-        if not promoted:
-            return 0
-        return sum(1 for key in keys if key in promoted)
-
-    def materialize(self, request: KVCacheRequest, computed: BlocksPerGroup) -> BlocksPerGroup:
-        """Admit a lookup's host hits: touch its pool hits first (so that nothing below can
-        evict them), give each TierHit a fresh device block cached under its key, and copy its
-        host slot in, in this step. The caller saves the tables without touching again."""
-        pool = self.pool
-        num_tier_hits = 0
-        for blocks in computed:
-            pool.touch([block for block in blocks if not isinstance(block, TierHit)])
-            num_tier_hits += sum(1 for block in blocks if isinstance(block, TierHit))
-        # In table order; this may evict pool blocks, whose copies cannot take the pinned slots.
-        fresh = iter(pool.get_new_blocks(num_tier_hits))
-        tables: list[Sequence[KVCacheBlock]] = []
-        for group_id, blocks in enumerate(computed):
-            table = list(blocks)
-            for idx, hit in enumerate(blocks):
-                if not isinstance(hit, TierHit):
-                    continue
-                assert not hit.is_on_disk and hit.block_hash is not None, f"{hit!r} is not read"
-                block = next(fresh)
-                self._cache_loaded(block, hit.block_hash, request, idx, group_id)
-                self.copy_in(hit.tier_slot, block.block_id)
-                table[idx] = block
-            tables.append(table)
-        return tuple(tables)
-
-    def _cache_loaded(
-        self,
-        block: KVCacheBlock,
-        key: BlockHashWithGroupId,
-        request: KVCacheRequest,
-        idx: int,
-        group_id: int,
-    ) -> None:
-        """File block `idx` of a group's table under its key, as the pool caches a full block:
-        announced (GPU) with its tokens and its parent, the hash before it in the group."""
-        block_size = self.block_sizes[group_id]
-        scale = block_size // self.hash_block_size  # the group reads every scale-th hash
-        tokens = request.all_token_ids[idx * block_size : (idx + 1) * block_size]
-        parent = bytes(request.block_hashes[idx * scale - 1]) if idx else None
-        self.pool.cache_loaded_block(block, key, list(tokens), parent, block_size)
+    def count_admitted_hits(
+        self, req_id: str, computed: Sequence[Sequence[KVCacheBlock]]
+    ) -> tuple[int, int]:
+        """An admitted lookup's tier hits in tokens, and those of them fetched from disk for
+        it, in the group that took most (each group holds its own copy of the same tokens).
+        The request's admission is over: its disk wait is forgotten."""
+        promoted = self._promoted_keys.get(req_id, set())
+        num_host_tokens = num_disk_tokens = 0
+        for blocks, block_size in zip(computed, self.block_sizes, strict=True):
+            keys = [block.block_hash for block in blocks if isinstance(block, TierHit)]
+            num_disk_blocks = sum(1 for key in keys if key in promoted)
+            num_host_tokens = max(num_host_tokens, len(keys) * block_size)
+            num_disk_tokens = max(num_disk_tokens, num_disk_blocks * block_size)
+        self.forget_request(req_id)
+        return num_host_tokens, num_disk_tokens
 
     def forget_request(self, req_id: str) -> None:
         """The request freed its blocks (finished or preempted): its next admission may wait."""
@@ -384,6 +353,11 @@ class KVTiers:
 
     def clear(self) -> None:
         """Forget both tiers (the ranks' tier memory is gone, or a reset): every key leaves."""
+        logger.info(
+            "tiers below the pool cleared: %d host and %d disk blocks forgotten",
+            len(self.host),
+            0 if self.disk is None else len(self.disk),
+        )
         self._emit_removed(
             [k for k in self.host.held_keys() if self._is_announced_host(k)], MEDIUM_CPU
         )

@@ -22,7 +22,7 @@ from engine_core.kv_cache.spec import (
     RSWASpec,
     resolve_hash_block_size,
 )
-from engine_core.kv_cache.tier_hits import TierHit
+from engine_core.kv_cache.tier_hits import TierHit, replace_tier_hits
 from protocol.kv_events import KVCacheEvent
 from protocol.stats import BlockResidencyStats, PrefixCacheStats
 from protocol.worker_messages import KVTransfers
@@ -82,6 +82,7 @@ class KVCacheManager:
                 f"the gcd of the KV-cache block sizes {block_sizes}: expected them equal"
             )
         self.max_model_len = max_model_len
+        self._hash_block_size = expected_hash_block_size
         self.enable_caching = enable_caching
         # None indexes every full block; an interval indexes a window group's blocks only where
         # a hit could start reading them: each interval's end and each prompt's replay boundary.
@@ -319,8 +320,19 @@ class KVCacheManager:
         if not coordinator.has_request(req_id):
             if tier_hits:  # device blocks for them, filled from the host tier in this step
                 assert self.tiers is not None
-                self._count_tier_hits(request, computed)
-                computed = self.tiers.materialize(request, computed)
+                num_host_tokens, num_disk_tokens = self.tiers.count_admitted_hits(
+                    request.req_id, computed
+                )
+                self._prefix_cache_stats.host_hits += num_host_tokens
+                self._prefix_cache_stats.disk_hits += num_disk_tokens
+                computed = replace_tier_hits(
+                    self.block_pool,
+                    request,
+                    computed,
+                    self.tiers.block_sizes,
+                    self._hash_block_size,
+                    self.tiers.copy_in,
+                )
             self._admit(request, num_new_computed_tokens, computed, is_touched=bool(tier_hits))
             if new_computed_blocks is not None and new_computed_blocks.shared_prefix_boundary:
                 self._shared_prefix_boundaries[req_id] = new_computed_blocks.shared_prefix_boundary
@@ -386,22 +398,6 @@ class KVCacheManager:
                 stats.queries += request.num_tokens
                 stats.hits += num_hit_tokens
         self.coordinator.save_new_computed_blocks(request.req_id, computed, is_touched)
-
-    def _count_tier_hits(self, request: KVCacheRequest, computed: BlocksPerGroup) -> None:
-        """Count an admitted lookup's tier hits in tokens, in the group that took most of them
-        (each group holds its own copy of the same tokens), and those fetched from disk."""
-        tiers = self.tiers
-        assert tiers is not None
-        num_host_tokens = num_disk_tokens = 0
-        for blocks, block_size in zip(computed, tiers.block_sizes, strict=True):
-            keys = [block.block_hash for block in blocks if isinstance(block, TierHit)]
-            num_disk_blocks = tiers.count_disk_hits(request.req_id, keys)
-            num_host_tokens = max(num_host_tokens, len(keys) * block_size)
-            num_disk_tokens = max(num_disk_tokens, num_disk_blocks * block_size)
-        tiers.forget_request(request.req_id)
-        stats = self._prefix_cache_stats
-        stats.host_hits += num_host_tokens
-        stats.disk_hits += num_disk_tokens
 
     def free(self, request: KVCacheRequest, num_written_tokens: int | None = None) -> None:
         """Release every block of the request, tail first in each group.

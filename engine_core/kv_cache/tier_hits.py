@@ -6,12 +6,17 @@ prefix, a window's run, the hybrid fixed point) counts tier hits by its own rule
 never touched, tabled or freed: admission replaces it by a fresh device block.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHash, BlockHashWithGroupId, group_id_suffix
+from engine_core.kv_cache.hashing import (
+    BlockHash,
+    BlockHashWithGroupId,
+    group_id_suffix,
+)
+from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.tier_index import TierIndex
 
 NO_BLOCK_ID = -1  # a TierHit has no device block until admission gives it one
@@ -42,6 +47,7 @@ class TierHitView:
         self.host = host
         self.disk = disk if include_disk else None
         self._suffixes: dict[int, bytes] = {}
+        self._get_one_block = pool.cached_block_hash_to_block.get_one_block  # bound once
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
@@ -59,9 +65,12 @@ class TierHitView:
         self, block_hashes: Sequence[BlockHash], num_blocks: int, kv_cache_group_id: int
     ) -> list[KVCacheBlock]:
         """The longest run from block 0 that the pool or a tier holds."""
+        # The pool's own scan first (most hits end there), then block by block past its miss.
+        hits = self.pool.get_cached_prefix(block_hashes, num_blocks, kv_cache_group_id)
+        if len(hits) == num_blocks:
+            return hits
         suffix = self._suffix(kv_cache_group_id)
-        hits: list[KVCacheBlock] = []
-        for idx in range(num_blocks):
+        for idx in range(len(hits), num_blocks):
             block = self._find(block_hashes[idx] + suffix)
             if block is None:
                 break
@@ -69,7 +78,7 @@ class TierHitView:
         return hits
 
     def _find(self, key: bytes) -> KVCacheBlock | None:
-        block = self.pool.cached_block_hash_to_block.get_one_block(key)
+        block = self._get_one_block(key)
         if block is not None:
             return block
         tier_key = BlockHashWithGroupId(key)
@@ -92,3 +101,47 @@ class TierHitView:
         if suffix is None:
             suffix = self._suffixes[group_id] = group_id_suffix(group_id)
         return suffix
+
+
+def replace_tier_hits(
+    pool: BlockPool,
+    request: KVCacheRequest,
+    computed: tuple[Sequence[KVCacheBlock], ...],
+    block_sizes: Sequence[int],
+    hash_block_size: int,
+    copy_in: Callable[[int, int], None],
+) -> tuple[Sequence[KVCacheBlock], ...]:
+    """Admit a lookup with host hits: touch its pool hits first (so that nothing below can evict
+    them), give each TierHit a fresh device block cached under its key, and `copy_in(host slot,
+    block id)` in this step. The caller saves the tables without touching them again.
+
+    Args:
+        block_sizes: tokens per block of each KV-cache group, by group id.
+        hash_block_size: the block size requests hash at (a group reads every
+            `block_size // hash_block_size`-th hash).
+    """
+    num_tier_hits = 0
+    for blocks in computed:
+        pool.touch([block for block in blocks if not isinstance(block, TierHit)])
+        num_tier_hits += sum(1 for block in blocks if isinstance(block, TierHit))
+    # In table order; this may evict pool blocks, whose copies cannot take the pinned slots.
+    fresh = iter(pool.get_new_blocks(num_tier_hits))
+    tables: list[Sequence[KVCacheBlock]] = []
+    for group_id, blocks in enumerate(computed):
+        table = list(blocks)
+        block_size = block_sizes[group_id]
+        scale = block_size // hash_block_size  # the group reads every scale-th hash
+        for idx, hit in enumerate(blocks):
+            if not isinstance(hit, TierHit):
+                continue
+            assert not hit.is_on_disk and hit.block_hash is not None, f"{hit!r} is not read"
+            block = next(fresh)
+            # Cached as the pool caches a full block: announced with its tokens and its
+            # parent, the hash before it in the group.
+            tokens = request.all_token_ids[idx * block_size : (idx + 1) * block_size]
+            parent = bytes(request.block_hashes[idx * scale - 1]) if idx else None
+            pool.cache_loaded_block(block, hit.block_hash, list(tokens), parent, block_size)
+            copy_in(hit.tier_slot, block.block_id)
+            table[idx] = block
+        tables.append(table)
+    return tuple(tables)
