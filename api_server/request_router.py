@@ -2,9 +2,9 @@
 shows of its decisions. Pure policy: no sockets, no awaits; the engine pool asks it and reports
 each request's first output and end.
 
-Policies: `kv` (the engines' own KV events, kv_scorer.py's formula), `first-block` (the engine
-that last served the prompt's first block, PrefixAffinityRouter), `least-loaded` (fewest
-outstanding tokens) and `round-robin`.
+Policies: `kv` (the engines' own KV events, kv_scorer.py's formula; first-block's rule while no
+engine's events are followed), `first-block` (the engine that last served the prompt's first
+block, PrefixAffinityRouter), `least-loaded` (fewest outstanding tokens) and `round-robin`.
 """
 
 import enum
@@ -38,6 +38,7 @@ class Decision:
     predicted_hit_tokens: int | None  # None when no index of that engine was usable
     num_prefill_tokens: int  # prompt tokens the load counts as waiting until the first output
     num_tokens: int  # prompt plus the most tokens the request may generate
+    is_first_block: bool = False  # chosen (and counted) by the first-block router
 
 
 class RequestHasher:
@@ -109,7 +110,14 @@ class RequestRouter:
         num_cached = [0] * self.num_engines
         if index is not None:
             num_cached = [index.num_blocks(idx) for idx in range(self.num_engines)]
-        engine_idx = self._pick(prompt_token_ids, num_tokens, candidates, weighted, num_cached)
+        is_first_block = self.policy is RouterPolicy.FIRST_BLOCK or (
+            self.policy is RouterPolicy.KV and not has_index
+        )
+        if is_first_block:  # kv with no engine indexed falls back to first-block's guess
+            is_available = [idx in candidates for idx in range(self.num_engines)]
+            engine_idx = self.first_block.choose(prompt_token_ids, num_tokens, is_available)
+        else:
+            engine_idx = self._pick(prompt_token_ids, candidates, weighted, num_cached)
         predicted = None
         if has_index and is_indexed[engine_idx]:
             num_prompt = len(prompt_token_ids)
@@ -117,24 +125,21 @@ class RequestRouter:
         num_prefill = len(prompt_token_ids) - (predicted or 0)
         self.load.add(engine_idx, num_prefill, num_tokens)
         self.decisions[engine_idx] += 1
-        return Decision(engine_idx, predicted, num_prefill, num_tokens)
+        return Decision(engine_idx, predicted, num_prefill, num_tokens, is_first_block)
 
     def _pick(
         self,
         prompt_token_ids: list[int],
-        num_tokens: int,
         candidates: list[int],
         weighted: list[float],
         num_cached: list[int],
     ) -> int:
+        """The engine under kv (with an index), least-loaded or round-robin."""
         outstanding = self.load.outstanding_tokens
         match self.policy:
             case RouterPolicy.KV:
                 num_prompt = len(prompt_token_ids)
                 return self.scorer.choose(weighted, num_prompt, self.load, candidates, num_cached)
-            case RouterPolicy.FIRST_BLOCK:
-                is_available = [idx in candidates for idx in range(self.num_engines)]
-                return self.first_block.choose(prompt_token_ids, num_tokens, is_available)
             case RouterPolicy.LEAST_LOADED:
                 return min(candidates, key=lambda idx: (outstanding[idx], idx))
             case RouterPolicy.ROUND_ROBIN:
@@ -142,6 +147,8 @@ class RequestRouter:
                 engine_idx = min(candidates, key=lambda idx: (idx - start) % self.num_engines)
                 self._next_round_robin = (engine_idx + 1) % self.num_engines
                 return engine_idx
+            case RouterPolicy.FIRST_BLOCK:
+                raise AssertionError("first-block decisions are taken in choose()")
 
     def on_first_output(self, decision: Decision, num_cached_tokens: int) -> None:
         """The request's prefill ended; the engine served `num_cached_tokens` from its cache."""
@@ -153,7 +160,7 @@ class RequestRouter:
 
     def release(self, decision: Decision, is_decoding: bool) -> None:
         """The request ended: after its first output when `is_decoding`, else before it."""
-        if self.policy is RouterPolicy.FIRST_BLOCK:
+        if decision.is_first_block:
             self.first_block.release(decision.engine_idx, decision.num_tokens)
         self.load.remove(
             decision.engine_idx, decision.num_prefill_tokens, decision.num_tokens, is_decoding

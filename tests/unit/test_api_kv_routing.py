@@ -236,12 +236,15 @@ def test_the_kv_policy_follows_the_index_and_a_silent_engine_counts_by_load_alon
     assert (silent.engine_idx, silent.predicted_hit_tokens) == (0, 0)  # engine 0 holds nothing
     router.on_first_output(silent, 0)
     router.release(silent, is_decoding=True)
+    # no stream answers: first-block's guess, which has seen this first block nowhere yet
     unknown = router.choose(prompt, 30, None, [True, True], index, [False, False])
     assert (unknown.engine_idx, unknown.predicted_hit_tokens) == (0, None)
+    assert unknown.is_first_block and router.first_block.engine_of_prefix(prompt) == 0
     router.release(unknown, is_decoding=False)
     assert router.decisions == [2, 1] and router.num_predicted == [1, 0]
     router.check_invariants()
     assert router.load.outstanding_tokens == [0, 0]
+    assert router.first_block.outstanding_tokens == [0, 0]
 
 
 def test_round_robin_least_loaded_and_first_block_keep_their_rules() -> None:
