@@ -1,12 +1,15 @@
 """The front end's KV-event index against real engines: after a workload that evicts, a reset, a
-restarted front end and a stopped engine, its index of each engine equals that engine's own map
-(get_cached_block_hashes); a batch dropped on purpose heals through replay; predictions of the
-kv policy match the hits the engines report; CURVE streams are followed with the client keys.
+rank recovery, a restarted front end and a stopped engine, its index of each engine equals that
+engine's own map (get_cached_block_hashes); a batch dropped on purpose heals through replay;
+predictions of the kv policy match the hits the engines report; CURVE streams are followed with
+the client keys.
 """
 
 import asyncio
 import json
+import os
 import random
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -138,7 +141,13 @@ def test_the_index_equals_the_engines_maps_through_eviction_reset_restart_and_ch
 ) -> None:
     ports = free_tcp_ports(5)
     engines = [
-        launch_engine(processes, ipc_folder, "a", *events_flags((ports[0], ports[1]))),
+        launch_engine(
+            processes,
+            ipc_folder,
+            "a",
+            *events_flags((ports[0], ports[1])),
+            *("--max-worker-restarts", "1"),
+        ),
         launch_engine(processes, ipc_folder, "b", *events_flags((ports[2], ports[3]))),
     ]
     url = start_front_end(processes, "api", engines, ports[4])
@@ -166,6 +175,20 @@ def test_the_index_equals_the_engines_maps_through_eviction_reset_restart_and_ch
         assert client.reset_prefix_cache() is True
     stats = assert_index_matches(url, engines, "after engine b's reset")
     assert stats["engines"][1]["index_blocks"] == 0 and stats["engines"][0]["index_blocks"] > 0
+
+    # A rank of engine a dies and its generation is replaced (whatever the engine then does with
+    # its cache, the index must follow it).
+    os.kill(int(re.findall(r"rank 0 joined: pid (\d+)", processes.log("launch-a"))[-1]), 9)
+    wait_for(
+        lambda: (
+            "worker generation 1 lost" in processes.log("launch-a")
+            and re.search(r"worker generation 2 ready", processes.log("launch-a"))
+        ),
+        STARTUP_TIMEOUT_S,
+        "engine a's new worker generation",
+    )
+    drive(url, conversation_prompts(seed=8, num_prompts=8))
+    assert_index_matches(url, engines, "after engine a's rank recovery")
 
     stop_process(processes, "api")  # a new front end rebuilds the index by replay on connect
     url = start_front_end(processes, "api-again", engines, ports[4])
