@@ -27,7 +27,7 @@ class RouterPolicy(enum.Enum):
 
 
 ROUTER_POLICIES = tuple(policy.value for policy in RouterPolicy)
-DEFAULT_ROUTER_POLICY = RouterPolicy.FIRST_BLOCK
+DEFAULT_ROUTER_POLICY = RouterPolicy.KV
 
 
 @dataclass(frozen=True, slots=True)
