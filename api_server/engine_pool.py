@@ -75,10 +75,15 @@ class EngineHandle:
             except UtilityCallError as exc:
                 logger.warning("engine at %s announces no routing info: %s", self.address, exc)
                 info = {}
-            if not isinstance(info, dict):
-                raise ValueError(f"get_routing_info of {self.address} answered {info!r}")
-            self.routing_info = info
-            self.hash_params = decode_hash_params(info, self.address) if info else None
+            self.routing_info = info if isinstance(info, dict) else {}
+            try:
+                if not isinstance(info, dict):
+                    raise ValueError(f"get_routing_info of {self.address} answered {info!r}")
+                self.hash_params = decode_hash_params(info, self.address) if info else None
+            except ValueError as exc:  # an engine whose hashing is unknown is not routed to
+                logger.error("engine at %s: %s: not routed to", self.address, exc)
+                self.hash_params = None
+                self.hash_mismatch = str(exc)
         return self.routing_info or None
 
     def mark_down(self, reason: str) -> None:
@@ -122,8 +127,8 @@ class EnginePool:
 
     Invariants: `router` counts exactly the requests inside `generate` on each engine; a handle
     is healthy only after its engine answered check_health, and stops being so at its first
-    disconnect or unanswered check; `hash_params` is the first HashParams an engine announced,
-    and an engine announcing others is never routed to.
+    disconnect or unanswered check; `hash_params` are those of the first engine (in flag order)
+    that announced any, and an engine announcing others is never routed to.
     """
 
     def __init__(
@@ -168,6 +173,12 @@ class EnginePool:
     async def check_health(self) -> list[bool]:
         """Ask every engine now; whether each answered. Then follow what they announced."""
         answers = list(await asyncio.gather(*(handle.check_health() for handle in self.handles)))
+        announced = [handle.hash_params for handle in self.handles if handle.hash_params]
+        if announced and announced[0] != self.hash_params:  # the first engine, by flag order
+            self.hash_params = announced[0]
+            is_caching = self.hash_params.is_prefix_caching
+            self.router.hasher = RequestHasher(self.hash_params) if is_caching else None
+            logger.info("engines hash blocks with %s", self.hash_params)
         for engine_idx, handle in enumerate(self.handles):
             if handle.is_healthy and handle.routing_info is not None:
                 self._adopt_routing_info(engine_idx, handle)
@@ -176,13 +187,8 @@ class EnginePool:
     def _adopt_routing_info(self, engine_idx: int, handle: EngineHandle) -> None:
         """Check an engine's hash parameters against the fleet's and follow its KV events."""
         params = handle.hash_params
-        if params is None:
+        if params is None or self.hash_params is None:
             return
-        if self.hash_params is None:
-            self.hash_params = params
-            if params.is_prefix_caching:
-                self.router.hasher = RequestHasher(params)
-            logger.info("engines hash blocks with %s", params)
         mismatch = hash_params_mismatch(self.hash_params, params)
         if mismatch != handle.hash_mismatch:
             handle.hash_mismatch = mismatch

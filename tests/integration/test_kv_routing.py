@@ -308,3 +308,45 @@ def test_a_curve_engines_events_are_followed_with_the_client_keys(
         "the index matching the CURVE engine's map",
     )
     stop_process(processes, "api")
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_that_hashes_differently_is_named_and_never_routed_to(
+    processes: Processes, ipc_folder: Path
+) -> None:
+    ports = free_tcp_ports(5)
+    engines = [
+        launch_engine(processes, ipc_folder, "a", *events_flags((ports[0], ports[1]))),
+        launch_engine(
+            processes, ipc_folder, "b", *events_flags((ports[2], ports[3])), "--hash-seed", "other"
+        ),
+    ]
+    args = ["serve", "--model", MODEL, "--port", str(ports[4]), "--log-level", "INFO"]
+    for address in engines:
+        args += ["--engine-address", address]
+    processes.start("api", "kvserve_main", args)
+    url = f"http://127.0.0.1:{ports[4]}"
+
+    def b_refused() -> dict | None:
+        if processes.procs["api"].poll() is not None:
+            raise AssertionError(f"api exited:\n{processes.log('api')[-3000:]}")
+        try:
+            stats = httpx.get(f"{url}/router", timeout=2).json()
+        except (httpx.TransportError, json.JSONDecodeError):
+            return None
+        a, b = stats["engines"]
+        return stats if a["is_routable"] and b["hash_mismatch"] is not None else None
+
+    stats = wait_for(b_refused, STARTUP_TIMEOUT_S, "engine b refused for its hash seed")
+    assert stats["router_policy"] == "kv"  # the default
+    assert stats["engines"][1]["hash_mismatch"] == "hash_seed: 'kvserve' != 'other'"
+    assert not stats["engines"][1]["is_routable"]
+    assert "hashes blocks unlike the first engine (hash_seed: 'kvserve' != 'other')" in (
+        processes.log("api")
+    )
+    drive(url, conversation_prompts(seed=9, num_prompts=4))
+    decisions = [engine["decisions"] for engine in router_stats(url)["engines"]]
+    assert decisions == [4, 0], decisions
+    stop_process(processes, "api")
+    stop_process(processes, "launch-a")
+    stop_process(processes, "launch-b")
