@@ -347,6 +347,13 @@ def test_an_engine_that_hashes_differently_is_named_and_never_routed_to(
     drive(url, conversation_prompts(seed=9, num_prompts=4))
     decisions = [engine["decisions"] for engine in router_stats(url)["engines"]]
     assert decisions == [4, 0], decisions
+    processes.start("stats", "kvserve_main", ["stats", "--url", url])
+    assert processes.wait_exit("stats", 30) == 0, processes.log("stats")
+    num_blocks = router_stats(url)["engines"][0]["index_blocks"]
+    assert num_blocks > 0
+    assert f"engine 0 {engines[0]}: {num_blocks} blocks indexed, 4 requests routed" in (
+        processes.log("stats")
+    )
     stop_process(processes, "api")
     stop_process(processes, "launch-a")
     stop_process(processes, "launch-b")
