@@ -247,6 +247,7 @@ class EnginePool:
                     "next_seq": subscriber.index.next_seq[idx],
                     "replays": subscriber.num_replays[idx],
                     "gaps": subscriber.num_gaps[idx],
+                    "restarts": subscriber.num_restarts[idx],
                 }
                 if include_keys:
                     engine["index_keys"] = sorted(

@@ -1,8 +1,8 @@
 """The front end's KV-event index against real engines: after a workload that evicts, a reset, a
-rank recovery, a restarted front end and a stopped engine, its index of each engine equals that
-engine's own map (get_cached_block_hashes); a batch dropped on purpose heals through replay;
-predictions of the kv policy match the hits the engines report; CURVE streams are followed with
-the client keys.
+rank recovery, a restarted front end, and an engine that stops and comes back, its index of each
+engine equals that engine's own map (get_cached_block_hashes); a batch dropped on purpose heals
+through replay; predictions of the kv policy match the hits the engines report; an engine that
+hashes differently is refused; CURVE streams are followed with the client keys.
 """
 
 import asyncio
@@ -208,8 +208,21 @@ def test_the_index_equals_the_engines_maps_through_eviction_reset_restart_and_ch
     assert 'kvserve:router_kv_events_silent{engine="1"} 1.0' in metrics
     assert 'kvserve:router_kv_events_silences_total{engine="1"} 1.0' in metrics
     assert "routed by load alone" in processes.log("api-again")
+
+    # Engine b comes back on the same addresses: its publisher counts from 0 again.
+    launch_engine(processes, ipc_folder, "b", *events_flags((ports[2], ports[3])))
+
+    def b_is_back() -> bool:
+        engine_b = router_stats(url)["engines"][1]
+        return engine_b["is_routable"] and not engine_b["is_kv_events_silent"]
+
+    wait_for(b_is_back, STARTUP_TIMEOUT_S, "engine b routed to again")
+    drive(url, conversation_prompts(seed=10, num_prompts=12))
+    stats = assert_index_matches(url, engines, "after engine b restarted")
+    assert stats["engines"][1]["restarts"] == 1 and stats["engines"][1]["index_blocks"] > 0
     stop_process(processes, "api-again")
     stop_process(processes, "launch-a")
+    stop_process(processes, "launch-b")
 
 
 def test_a_dropped_batch_heals_through_replay(processes: Processes, addresses: dict) -> None:
