@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from api_server.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
+from bench.conversations import NUM_TURNS, Conversation, workload
 from bench.http import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, stop_processes
 from bench.report import base_parser, report
 from engine_client.async_client import AsyncEngineClient, run_async
@@ -34,11 +34,6 @@ from engine_core.net.endpoints import free_tcp_ports
 
 POLICIES = ("kv", "first-block", "least-loaded", "round-robin")
 REFERENCE = "one-engine-4x"  # a single engine with every engine's blocks: the hit-rate reference
-SYSTEM_PROMPT_LEN = 256  # tokens of each shared system prompt
-SYSTEM_PROMPT_WEIGHTS = (12, 2, 1, 1)  # how often conversations use each: popularity is skewed
-USER_TURN_LEN = 48  # tokens a user adds per turn
-REPLY_LEN = 16  # tokens of the assistant's answer the client sends back next turn
-NUM_TURNS = 4
 MAX_TOKENS = 16
 DEFAULT_CONVERSATIONS = 32
 DEFAULT_CONCURRENCY = 16  # conversations in flight through one front end
@@ -49,20 +44,6 @@ KV_CACHE_MEMORY_BYTES = 64_000_000  # the CPU budget; --num-gpu-blocks-override 
 RESET_TIMEOUT_S = 30.0  # an engine refuses a reset while requests still hold blocks
 RESET_RETRY_S = 0.1
 DEFAULT_OMP_WAIT_POLICY = "PASSIVE"  # replicas on a small host must not spin against each other
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    system_idx: int
-    user_turns: list[list[int]]
-    replies: list[list[int]]
-
-    def prompt(self, systems: list[list[int]], turn: int) -> list[int]:
-        """The system prompt, every earlier turn with its reply, then this turn's message."""
-        tokens = list(systems[self.system_idx])
-        for earlier in range(turn):
-            tokens += self.user_turns[earlier] + self.replies[earlier]
-        return tokens + self.user_turns[turn]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,28 +63,6 @@ class Pass:
     @property
     def output_tokens_per_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s
-
-
-def workload(seed: int, num_conversations: int) -> tuple[list[list[int]], list[Conversation]]:
-    """System prompts, and conversations that pick one by SYSTEM_PROMPT_WEIGHTS."""
-    rng = random.Random(seed)
-    systems = [
-        [rng.randrange(3, 250) for _ in range(SYSTEM_PROMPT_LEN)] for _ in SYSTEM_PROMPT_WEIGHTS
-    ]
-    indices = range(len(SYSTEM_PROMPT_WEIGHTS))
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(3, 250) for _ in range(n)]
-
-    conversations = [
-        Conversation(
-            rng.choices(indices, weights=SYSTEM_PROMPT_WEIGHTS)[0],
-            [tokens(USER_TURN_LEN) for _ in range(NUM_TURNS)],
-            [tokens(REPLY_LEN) for _ in range(NUM_TURNS)],
-        )
-        for _ in range(num_conversations)
-    ]
-    return systems, conversations
 
 
 @dataclass(frozen=True, slots=True)

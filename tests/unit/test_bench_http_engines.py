@@ -1,19 +1,10 @@
-"""bench/http_engines.py's workload and figures: each turn of a conversation extends the one
-before it (so an engine that kept the conversation serves its history from cache), conversations
-share skewed system prompts, and the figures compare every policy with kv."""
+"""bench/http_engines.py's workload (bench/conversations.py) and figures: each turn of a
+conversation extends the one before it (so an engine that kept the conversation serves its
+history from cache), conversations share skewed system prompts, and the figures compare every
+policy with kv."""
 
-from bench.http_engines import (
-    NUM_TURNS,
-    POLICIES,
-    REFERENCE,
-    REPLY_LEN,
-    SYSTEM_PROMPT_LEN,
-    USER_TURN_LEN,
-    Pass,
-    Sizing,
-    figures,
-    workload,
-)
+from bench.conversations import NUM_TURNS, REPLY_LEN, SYSTEM_PROMPT_LEN, USER_TURN_LEN, workload
+from bench.http_engines import POLICIES, REFERENCE, Pass, Sizing, figures
 
 
 def test_each_turn_extends_the_last_with_its_reply_and_a_new_message() -> None:
