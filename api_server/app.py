@@ -24,6 +24,8 @@ from starlette.types import Receive, Scope, Send
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new_response_id
 from api_server.errors import ApiError
+from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
+from api_server.kv_scorer import KVScoreWeights
 from api_server.metrics import ApiMetrics, MetricsMiddleware
 from api_server.openai_types import (
     CHAT_DECODER,
@@ -33,6 +35,7 @@ from api_server.openai_types import (
     check_model,
     parse_body,
 )
+from api_server.request_router import DEFAULT_ROUTER_POLICY, RouterPolicy
 from api_server.serving import JSON, ResponseShape, Serving
 from api_server.tokenizer import load_tokenizer
 from engine_client.connection import DEFAULT_TIMEOUT_S
@@ -52,6 +55,7 @@ ROUTES = (
     "/v1/models",
     "/health",
     "/metrics",
+    "/router",
     "/version",
 )
 
@@ -70,6 +74,9 @@ class ApiSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_timeout_s: float = DEFAULT_TIMEOUT_S  # longest wait for a request's next output
     engine_curve: CurveKeys | None = None  # client keypair for engines that are CURVE servers
+    router_policy: RouterPolicy = DEFAULT_ROUTER_POLICY  # --router-policy
+    router_weights: KVScoreWeights | None = None  # --router-*-weight; None: the defaults
+    kv_events_silent_limit_s: float = DEFAULT_SILENT_LIMIT_S  # --router-silent-limit-s
 
 
 class ApiState:
@@ -250,6 +257,15 @@ async def metrics(state: ApiState, request: Request) -> Response:
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+async def router_stats(state: ApiState, request: Request) -> Response:
+    """The router's policy and, per engine, its index size and decision counts; with
+    `?include_keys=true`, the index's keys too."""
+    _check_api_key(request, state)
+    serving, _ = state.running()
+    include_keys = request.query_params.get("include_keys", "false").lower() == "true"
+    return JSONResponse(serving.pool.router_stats(include_keys))
+
+
 async def version_info(request: Request) -> Response:
     try:
         kvserve_version = version("kvserve")
@@ -291,12 +307,20 @@ def create_app(settings: ApiSettings) -> Starlette:
             settings.block_size,
             settings.engine_timeout_s,
             settings.engine_curve,
+            settings.router_policy,
+            settings.router_weights,
+            settings.kv_events_silent_limit_s,
         )
         pool.start()
         state.metrics = ApiMetrics(pool, set(ROUTES))
         served = state.served_names[0]
         state.serving = Serving(pool, state.tokenizer, served, state.metrics.token_latency)
-        logger.info("serving %s from %d engine(s)", served, len(pool.handles))
+        logger.info(
+            "serving %s from %d engine(s), routed by %s",
+            served,
+            len(pool.handles),
+            settings.router_policy.value,
+        )
         try:
             yield
         finally:
@@ -311,6 +335,7 @@ def create_app(settings: ApiSettings) -> Starlette:
         Route("/v1/models", partial(models, state), methods=["GET"]),
         Route("/health", partial(health, state), methods=["GET"]),
         Route("/metrics", partial(metrics, state), methods=["GET"]),
+        Route("/router", partial(router_stats, state), methods=["GET"]),
         Route("/version", version_info, methods=["GET"]),
     ]
     app = Starlette(

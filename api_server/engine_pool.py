@@ -1,5 +1,6 @@
-"""EnginePool: one AsyncEngineClient per engine address, their health, and routing through
-PrefixAffinityRouter. It owns the clients; it never decodes engine messages itself.
+"""EnginePool: one AsyncEngineClient per engine address, their health, their routing info (hash
+parameters and KV-event endpoints), and routing through RequestRouter over the KVEventSubscriber's
+index. It owns the clients; it never decodes engine messages itself.
 """
 
 import asyncio
@@ -8,9 +9,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from api_server.router import PrefixAffinityRouter
+from api_server.kv_event_subscriber import (
+    DEFAULT_SILENT_LIMIT_S,
+    KVEventSubscriber,
+    StreamSource,
+    subscribable_endpoint,
+)
+from api_server.kv_scorer import KVScoreWeights
+from api_server.request_router import (
+    DEFAULT_ROUTER_POLICY,
+    RequestHasher,
+    RequestRouter,
+    RouterPolicy,
+)
 from engine_client.async_client import AsyncEngineClient
 from engine_client.errors import EngineConnectionLost, EngineDeadError, UtilityCallError
+from kv_hashing.hash_params import HashParams, decode_hash_params, hash_params_mismatch
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest
 from protocol.config import CurveKeys
 
@@ -37,12 +51,40 @@ class EngineHandle:
         self.client = AsyncEngineClient(address, timeout_s=timeout_s, curve=curve)
         self.is_healthy = False  # until its first check_health answer
         self.last_answer_s: float | None = None  # time.monotonic() of its last answer
+        self.routing_info: dict[str, object] | None = None  # get_routing_info, per connection
+        self.hash_params: HashParams | None = None  # announced in routing_info
+        self.hash_mismatch: str | None = None  # why its hashes differ from the pool's: not routed
 
     async def reconnect(self) -> None:
         """A fresh client: a client that saw its engine disconnect stays dead."""
         fresh = AsyncEngineClient(self.address, timeout_s=self.timeout_s, curve=self.curve)
         old, self.client = self.client, fresh
+        self.routing_info = None  # asked again of whatever engine answers next
         await old.close()
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_healthy and self.hash_mismatch is None
+
+    async def fetch_routing_info(self) -> dict[str, object] | None:
+        """The engine's get_routing_info, asked once per connection; None from an engine that
+        does not know the call (it is then routed by load alone)."""
+        if self.routing_info is None:
+            try:
+                info = await self.client.call_utility("get_routing_info")
+            except UtilityCallError as exc:
+                logger.warning("engine at %s announces no routing info: %s", self.address, exc)
+                info = {}
+            self.routing_info = info if isinstance(info, dict) else {}
+            try:
+                if not isinstance(info, dict):
+                    raise ValueError(f"get_routing_info of {self.address} answered {info!r}")
+                self.hash_params = decode_hash_params(info, self.address) if info else None
+            except ValueError as exc:  # an engine whose hashing is unknown is not routed to
+                logger.error("engine at %s: %s: not routed to", self.address, exc)
+                self.hash_params = None
+                self.hash_mismatch = str(exc)
+        return self.routing_info or None
 
     def mark_down(self, reason: str) -> None:
         if self.is_healthy:
@@ -54,6 +96,7 @@ class EngineHandle:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):  # not wait_for, which can drop a cancel
                 await self.client.call_utility("check_health")
                 await self.client.fetch_model_info()  # cached: asked once per connection
+                await self.fetch_routing_info()  # cached likewise
         except EngineConnectionLost:
             return False  # what was in flight is lost; the client reconnects on its own
         except EngineDeadError as exc:
@@ -84,7 +127,8 @@ class EnginePool:
 
     Invariants: `router` counts exactly the requests inside `generate` on each engine; a handle
     is healthy only after its engine answered check_health, and stops being so at its first
-    disconnect or unanswered check.
+    disconnect or unanswered check; `hash_params` are those of the first engine (in flag order)
+    that announced any, and an engine announcing others is never routed to.
     """
 
     def __init__(
@@ -93,15 +137,22 @@ class EnginePool:
         block_size: int,
         timeout_s: float,
         curve: CurveKeys | None = None,
+        policy: RouterPolicy = DEFAULT_ROUTER_POLICY,
+        weights: KVScoreWeights | None = None,
+        silent_limit_s: float = DEFAULT_SILENT_LIMIT_S,
     ) -> None:
         if not addresses:
             raise ValueError("engine pool of 0 addresses: expected at least one")
         self.handles = [EngineHandle(address, timeout_s, curve) for address in addresses]
-        self.router = PrefixAffinityRouter(len(addresses), block_size)
-        self.num_requests = [0] * len(addresses)  # routed to each engine since the start
+        self.router = RequestRouter(len(addresses), block_size, policy, weights)
+        self.hash_params: HashParams | None = None  # the fleet's, from the first announcement
+        self.subscriber: KVEventSubscriber | None = None  # made in start(), inside the loop
+        self._curve = curve
+        self._silent_limit_s = silent_limit_s
         self._health_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        self.subscriber = KVEventSubscriber(len(self.handles), self._curve, self._silent_limit_s)
         self._health_task = asyncio.ensure_future(self._watch_health())
 
     async def close(self) -> None:
@@ -109,6 +160,8 @@ class EnginePool:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self.subscriber is not None:
+            await self.subscriber.close()
         for handle in self.handles:
             await handle.client.close()
 
@@ -118,12 +171,94 @@ class EnginePool:
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def check_health(self) -> list[bool]:
-        """Ask every engine now; whether each answered."""
-        return list(await asyncio.gather(*(handle.check_health() for handle in self.handles)))
+        """Ask every engine now; whether each answered. Then follow what they announced."""
+        answers = list(await asyncio.gather(*(handle.check_health() for handle in self.handles)))
+        announced = [handle.hash_params for handle in self.handles if handle.hash_params]
+        if announced and announced[0] != self.hash_params:  # the first engine, by flag order
+            self.hash_params = announced[0]
+            is_caching = self.hash_params.is_prefix_caching
+            self.router.hasher = RequestHasher(self.hash_params) if is_caching else None
+            logger.info("engines hash blocks with %s", self.hash_params)
+        for engine_idx, handle in enumerate(self.handles):
+            if handle.is_healthy and handle.routing_info is not None:
+                self._adopt_routing_info(engine_idx, handle)
+        return answers
+
+    def _adopt_routing_info(self, engine_idx: int, handle: EngineHandle) -> None:
+        """Check an engine's hash parameters against the fleet's and follow its KV events."""
+        params = handle.hash_params
+        if params is None or self.hash_params is None:
+            return
+        mismatch = hash_params_mismatch(self.hash_params, params)
+        if mismatch != handle.hash_mismatch:
+            handle.hash_mismatch = mismatch
+            if mismatch is not None:
+                logger.error(
+                    "engine at %s hashes blocks unlike the first engine (%s): not routed to",
+                    handle.address,
+                    mismatch,
+                )
+        info = handle.routing_info or {}
+        endpoint, replay_endpoint = (
+            info.get("kv_events_endpoint"),
+            info.get("kv_events_replay_endpoint"),
+        )
+        if mismatch is None and isinstance(endpoint, str) and self.subscriber is not None:
+            source = StreamSource(
+                subscribable_endpoint(endpoint, handle.address),
+                subscribable_endpoint(replay_endpoint, handle.address)
+                if isinstance(replay_endpoint, str)
+                else None,
+                str(info.get("kv_events_topic") or ""),
+            )
+            self.subscriber.follow(engine_idx, source)
+
+    def is_indexed(self) -> list[bool]:
+        """Per engine: whether its KV-event stream is followed and answering."""
+        subscriber = self.subscriber
+        if subscriber is None:
+            return [False] * len(self.handles)
+        return [
+            subscriber.is_following(idx) and not subscriber.is_silent[idx]
+            for idx in range(len(self.handles))
+        ]
+
+    def router_stats(self, include_keys: bool = False) -> dict[str, object]:
+        """What `kvserve stats --url` prints: the policy and, per engine, its index and counts;
+        with `include_keys`, every key the index holds for it (hex, as get_cached_block_hashes)."""
+        router, subscriber = self.router, self.subscriber
+        engines = []
+        for idx, handle in enumerate(self.handles):
+            engine: dict[str, object] = {
+                "address": handle.address,
+                "is_routable": handle.is_routable,
+                "hash_mismatch": handle.hash_mismatch,
+                "decisions": router.decisions[idx],
+                "predicted_hit_tokens": router.predicted_hit_tokens[idx],
+                "actual_hit_tokens": router.actual_hit_tokens[idx],
+                "waiting_prefill_tokens": router.load.waiting_prefill_tokens[idx],
+                "running_decodes": router.load.num_running[idx],
+            }
+            if subscriber is not None:
+                engine |= {
+                    "is_following_kv_events": subscriber.is_following(idx),
+                    "is_kv_events_silent": subscriber.is_silent[idx],
+                    "index_blocks": subscriber.index.num_blocks(idx),
+                    "next_seq": subscriber.index.next_seq[idx],
+                    "replays": subscriber.num_replays[idx],
+                    "gaps": subscriber.num_gaps[idx],
+                    "restarts": subscriber.num_restarts[idx],
+                }
+                if include_keys:
+                    engine["index_keys"] = sorted(
+                        key.hex() for key in subscriber.index.engine_keys(idx)
+                    )
+            engines.append(engine)
+        return {"router_policy": router.policy.value, "engines": engines}
 
     @property
     def has_healthy_engine(self) -> bool:
-        return any(handle.is_healthy for handle in self.handles)
+        return any(handle.is_routable for handle in self.handles)
 
     @property
     def max_model_len(self) -> int | None:
@@ -157,13 +292,18 @@ class EnginePool:
     ) -> AsyncIterator[EngineCoreOutput]:
         """Route a request, yield its outputs; a request left early (its consumer disconnected or
         was cancelled) is aborted in its engine, so that its blocks are freed."""
-        is_available = [handle.is_healthy for handle in self.handles]
-        engine_idx = self.router.choose(prompt_token_ids, num_tokens, is_available)
-        self.num_requests[engine_idx] += 1
-        handle = self.handles[engine_idx]
-        is_finished = False
+        is_available = [handle.is_routable for handle in self.handles]
+        index = None if self.subscriber is None else self.subscriber.index
+        decision = self.router.choose(
+            prompt_token_ids, num_tokens, request.cache_salt, is_available, index, self.is_indexed()
+        )
+        handle = self.handles[decision.engine_idx]
+        is_finished = is_decoding = False
         try:
             async for output in handle.client.generate(request):
+                if not is_decoding:
+                    is_decoding = True
+                    self.router.on_first_output(decision, output.num_cached_tokens)
                 is_finished = output.finish_reason is not None
                 yield output
         except EngineConnectionLost:
@@ -174,7 +314,7 @@ class EnginePool:
             is_finished = True
             raise
         finally:
-            self.router.release(engine_idx, num_tokens)
+            self.router.release(decision, is_decoding)
             if not is_finished:
                 logger.debug("aborting %s on the engine at %s", request.req_id, handle.address)
                 await handle.client.abort([request.req_id])

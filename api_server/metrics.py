@@ -1,5 +1,6 @@
 """ApiMetrics: Prometheus text for /metrics, with the front end's own HTTP request counts and
-latencies, and each engine's get_stats under vLLM's metric names (label `engine`).
+latencies, each engine's get_stats under vLLM's metric names (label `engine`), and the router's
+decisions, hit predictions and KV-event index per engine.
 
 One registry per app, never prometheus-client's global one.
 """
@@ -55,6 +56,74 @@ class EngineStatsCollector(Collector):
         yield healthy
 
 
+class RouterCollector(Collector):
+    """The router's counts per engine, read from the pool at each scrape; it never waits."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        router, subscriber = self.pool.router, self.pool.subscriber
+        engines = [str(idx) for idx in range(len(self.pool.handles))]
+        counters: list[tuple[str, str, list[int]]] = [
+            ("router_decisions", "Requests the router sent to each engine", router.decisions),
+            (
+                "router_hit_predictions",
+                "Requests whose cache hit the router predicted, then the engine measured",
+                router.num_predicted,
+            ),
+            (
+                "router_predicted_hit_tokens",
+                "Prompt tokens the router expected each engine to find cached",
+                router.predicted_hit_tokens,
+            ),
+            (
+                "router_actual_hit_tokens",
+                "Prompt tokens the engines found cached, for the same requests",
+                router.actual_hit_tokens,
+            ),
+        ]
+        if subscriber is not None:
+            counters += [
+                (
+                    "router_kv_events_replays",
+                    "Replays asked of each engine",
+                    subscriber.num_replays,
+                ),
+                ("router_kv_events_gaps", "Gaps in each engine's live stream", subscriber.num_gaps),
+                (
+                    "router_kv_events_silences",
+                    "Times each engine's KV-event stream fell silent",
+                    subscriber.num_silences,
+                ),
+                (
+                    "router_kv_events_lost_batches",
+                    "Batches gone from an engine's replay buffer before they were read",
+                    subscriber.num_lost_batches,
+                ),
+            ]
+        for name, helptext, values in counters:
+            family = CounterMetricFamily(f"kvserve:{name}", helptext, labels=["engine"])
+            for engine, value in zip(engines, values, strict=True):
+                family.add_metric([engine], float(value))
+            yield family
+        if subscriber is None:
+            return
+        blocks = GaugeMetricFamily(
+            "kvserve:router_index_blocks", "Blocks the router's index holds", labels=["engine"]
+        )
+        silent = GaugeMetricFamily(
+            "kvserve:router_kv_events_silent",
+            "1 while an engine's KV events answer nothing: routed by load alone",
+            labels=["engine"],
+        )
+        for idx, engine in enumerate(engines):
+            blocks.add_metric([engine], float(subscriber.index.num_blocks(idx)))
+            silent.add_metric([engine], float(subscriber.is_silent[idx]))
+        yield blocks
+        yield silent
+
+
 class TokenLatency:
     """vLLM's TTFT and inter-token latency histograms, timed where the client sees the tokens."""
 
@@ -98,6 +167,7 @@ class ApiMetrics:
         self.token_latency = TokenLatency(self.registry)
         self.engines = EngineStatsCollector([handle.address for handle in pool.handles])
         self.registry.register(self.engines)
+        self.registry.register(RouterCollector(pool))
 
     def observe(self, path: str, method: str, status: int, duration_s: float) -> None:
         handler = path if path in self.handlers else "other"

@@ -41,6 +41,7 @@ LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest fol
     "distributed_backend",
     "seed",
     "model_step_ms",
+    "model_prefill_token_us",
     "kv_cache_dtype",
 )
 LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
@@ -140,6 +141,14 @@ def add_subcommands(commands: argparse._SubParsersAction) -> None:
         sub.add_argument("--address", default=DEFAULT_CLIENT_ADDRESS, help="engine client socket")
         sub.add_argument("--timeout-s", type=float, default=10.0, help="seconds to wait")
         add_keys_flag(sub, "client")
+        if name == "stats":
+            sub.add_argument(
+                "--url",
+                help="a running `kvserve serve` front end (http://HOST:PORT): print its router's "
+                "policy and, per engine, the KV-event index size and decisions, not an engine's "
+                "statistics",
+            )
+            sub.add_argument("--api-key", help="the front end's --api-key, with --url")
         sub.set_defaults(handler=stats_command if name == "stats" else reset_command)
 
     keygen = commands.add_parser("keygen", help="write CURVE keys for the engine, workers, clients")
@@ -198,6 +207,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "and a launched engine and its workers theirs; default off",
     )
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    add_router_flags(parser)
     parser.add_argument(
         "--tokenizer",
         metavar="DIR",
@@ -214,6 +224,42 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
 
 
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    """How the front end spreads requests over several --engine-address engines."""
+    from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
+    from api_server.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
+    from api_server.request_router import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+
+    parser.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default=DEFAULT_ROUTER_POLICY.value,
+        help="kv: the engine whose KV events show the longest cached prefix, weighed against "
+        "its outstanding work; first-block: the engine that last served the prompt's first "
+        "block; least-loaded: fewest outstanding tokens; round-robin. Default %(default)s",
+    )
+    parser.add_argument(
+        "--router-prefill-weight",
+        type=float,
+        default=DEFAULT_PREFILL_WEIGHT,
+        help="kv policy: cost per prompt token an engine must still compute; default %(default)s",
+    )
+    parser.add_argument(
+        "--router-decode-weight",
+        type=float,
+        default=DEFAULT_DECODE_WEIGHT,
+        help="kv policy: cost per request an engine is decoding, in prompt tokens; "
+        "default %(default)s",
+    )
+    parser.add_argument(
+        "--router-silent-limit-s",
+        type=float,
+        default=DEFAULT_SILENT_LIMIT_S,
+        help="seconds an engine's KV-event stream may answer nothing before the kv policy "
+        "routes to it by load alone; default %(default)s",
+    )
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from deploy.logs import setup_logging
     from deploy.serve_cmd import serve_http, serve_with_deployment
@@ -222,6 +268,11 @@ def serve_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--port {args.port}: expected a TCP port in [1, 65535]")
     if args.max_request_body_bytes < 1:
         raise UsageError(f"--max-request-body-bytes {args.max_request_body_bytes}: expected >= 1")
+    for flag in ("router_prefill_weight", "router_decode_weight"):
+        if not getattr(args, flag) >= 0:  # NaN too
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 0")
+    if not args.router_silent_limit_s > 0:
+        raise UsageError(f"--router-silent-limit-s {args.router_silent_limit_s}: expected > 0")
     # --host and --port are the HTTP socket's here, not the engine's client socket
     engine_config = engine_config_from(
         argparse.Namespace(**{**vars(args), "host": None, "port": None})
@@ -248,11 +299,16 @@ def _api_settings(
     from pathlib import Path
 
     from api_server.app import ApiSettings
+    from api_server.kv_scorer import KVScoreWeights
+    from api_server.request_router import RouterPolicy
 
     extra: dict = {
         "api_key": args.api_key,
         "max_body_bytes": args.max_request_body_bytes,
         "engine_curve": keys_from(args, "client"),
+        "router_policy": RouterPolicy(args.router_policy),
+        "router_weights": KVScoreWeights(args.router_prefill_weight, args.router_decode_weight),
+        "kv_events_silent_limit_s": args.router_silent_limit_s,
     }
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: expected a folder holding tokenizer.json")
@@ -293,8 +349,37 @@ def demo_command(args: argparse.Namespace) -> int:
     )
 
 
+def front_end_stats(url: str, timeout_s: float, api_key: str | None) -> dict:
+    """GET /router of a front end; OSError or ValueError saying what failed."""
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {url}: expected http://HOST:PORT")
+    request = urllib.request.Request(url.rstrip("/") + "/router")
+    if api_key is not None:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        return json.loads(answer.read())
+
+
 def stats_command(args: argparse.Namespace) -> int:
     from engine_client.errors import EngineDeadError
+
+    if getattr(args, "url", None) is not None:
+        try:
+            stats = front_end_stats(args.url, args.timeout_s, args.api_key)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        except OSError as exc:
+            print(f"kvserve stats: {args.url}: {exc}", file=sys.stderr)
+            return 1
+        for idx, engine in enumerate(stats["engines"]):
+            print(
+                f"engine {idx} {engine['address']}: {engine.get('index_blocks', 0)} blocks "
+                f"indexed, {engine['decisions']} requests routed"
+            )
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
     from engine_client.sync_client import EngineClient
 
     with EngineClient(args.address, args.timeout_s, keys_from(args, "client")) as client:

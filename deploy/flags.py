@@ -299,6 +299,12 @@ WORKER_FLAGS = [
         ("model_step_ms",),
         "milliseconds of device time each forward of the fixed-time model takes (its GPU time)",
     ),
+    Flag(
+        ("--model-prefill-token-us",),
+        ("model_prefill_token_us",),
+        "microseconds of device time the fixed-time model adds per prompt token a forward "
+        "computes (0: a prefill costs one step whatever its length)",
+    ),
 ]
 
 KV_EVENTS_FLAG = "--kv-events-config"

@@ -164,3 +164,6 @@ class WorkerConfig(_Config, frozen=True):
     model_step_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     # dtype of the KV cache; auto follows the compute dtype
     kv_cache_dtype: Literal["auto", "float32", "float64", "float16", "bfloat16"] = "auto"
+    # the fixed-time model's extra device time per prompt token a forward computes, in us: a
+    # prefill's cost grows with its tokens, as on a GPU; decodes are charged the step alone
+    model_prefill_token_us: Annotated[float, msgspec.Meta(ge=0)] = 0.0

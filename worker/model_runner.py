@@ -401,7 +401,13 @@ def build_model_runner(
     dtype, kv_dtype = resolve_dtypes(config.model, config.dtype, config.kv_cache_dtype, device)
     if model is None:
         model = build_model(
-            config.model, tp_group, device, config.seed, config.model_step_ms, dtype
+            config.model,
+            tp_group,
+            device,
+            config.seed,
+            config.model_step_ms,
+            dtype,
+            config.model_prefill_token_us,
         )
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)

@@ -121,7 +121,13 @@ class Worker:
         dtype, kv_dtype = resolve_dtypes(config.model, config.dtype, config.kv_cache_dtype, device)
         model_info = get_model_info(config.model, config.block_size, kv_dtype, config.tp_size)
         self.model = build_model(
-            config.model, self.tp_group, device, config.seed, config.model_step_ms, dtype
+            config.model,
+            self.tp_group,
+            device,
+            config.seed,
+            config.model_step_ms,
+            dtype,
+            config.model_prefill_token_us,
         )
         num_blocks = measure_num_blocks(
             config, model_info, device, start, self.model, self.tp_group

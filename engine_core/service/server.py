@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from engine_core.core import EngineCore
@@ -19,6 +20,7 @@ from engine_core.telemetry.metrics import EngineMetrics
 from engine_core.workers.handshake import HandshakeError
 from engine_core.workers.rank_watch import WorkerGroupError
 from engine_core.workers.worker_group import WorkerGroup
+from kv_hashing.hash_params import hash_params
 from protocol.client_messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -291,6 +293,7 @@ class EngineServer:
             "check_health": lambda: (True, True, None),
             "get_model_info": lambda: (True, self._model_info(), None),
             "get_cached_block_hashes": lambda: (True, self.core.cached_block_counts(), None),
+            "get_routing_info": lambda: (True, self._routing_info(), None),
         }
         method = methods.get(call.method)
         if method is None:
@@ -316,6 +319,20 @@ class EngineServer:
             "max_model_len": self.core.max_model_len,
             "vocab_size": self.core.model_info.vocab_size,
             "max_request_frame_bytes": self.router.sock.getsockopt(zmq.MAXMSGSIZE),
+        }
+
+    def _routing_info(self) -> dict[str, StatValue]:
+        """What a KV-aware front end needs to route here: the hash parameters (it refuses to
+        route over engines that disagree) and where this engine publishes its KV events (the
+        endpoints as bound: the front end puts the engine's host in for a wildcard)."""
+        groups = self.core.kv_cache_config.kv_cache_groups
+        params = hash_params(self.config.cache, [group.spec.block_size for group in groups])
+        events = self.config.kv_events
+        is_publishing = events.enable_kv_cache_events
+        return msgspec.structs.asdict(params) | {
+            "kv_events_endpoint": events.endpoint if is_publishing else None,
+            "kv_events_replay_endpoint": events.replay_endpoint if is_publishing else None,
+            "kv_events_topic": events.topic,
         }
 
     def _stats(self) -> dict[str, StatValue]:

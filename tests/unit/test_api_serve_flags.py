@@ -51,3 +51,39 @@ def test_a_tokenizer_folder_without_tokenizer_json_exits_2(
     assert f"--tokenizer {tmp_path}: expected a folder holding tokenizer.json" in (
         capsys.readouterr().err
     )
+
+
+def test_router_flags_set_the_policy_and_the_kv_weights() -> None:
+    from api_server.kv_scorer import KVScoreWeights
+    from api_server.request_router import RouterPolicy
+
+    default = _settings("--model", "tiny-llama")
+    assert default.router_policy is RouterPolicy.KV
+    settings = _settings(
+        *("--model", "tiny-llama", "--router-policy", "round-robin"),
+        *("--router-prefill-weight", "2", "--router-decode-weight", "0.5"),
+        *("--router-silent-limit-s", "7"),
+    )
+    assert settings.router_policy is RouterPolicy.ROUND_ROBIN
+    assert settings.router_weights == KVScoreWeights(2.0, 0.5)
+    assert settings.kv_events_silent_limit_s == 7.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--router-policy", "random"], "argument --router-policy: invalid choice: 'random'"),
+        (["--router-decode-weight", "-1"], "--router-decode-weight -1.0: expected >= 0"),
+        (["--router-prefill-weight", "nan"], "--router-prefill-weight nan: expected >= 0"),
+        (["--router-silent-limit-s", "0"], "--router-silent-limit-s 0.0: expected > 0"),
+    ],
+)
+def test_bad_router_flags_exit_2_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

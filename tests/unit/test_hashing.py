@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_core.kv_cache.hashing import (
+from kv_hashing.block_hasher import (
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
     BlockHasher,

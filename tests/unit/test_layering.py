@@ -11,7 +11,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "engine_core", "engine_client", "worker", "deploy", "api_server")
+PACKAGES = (
+    *("protocol", "kv_hashing", "engine_core", "engine_client", "worker", "deploy", "api_server"),
+)
 STDLIB = set(sys.stdlib_module_names)
 
 # package -> top-level modules it must never import
@@ -22,12 +24,21 @@ FORBIDDEN = {
     },
     "engine_core": {"torch", "worker", "deploy", "api_server", "engine_client"},
     # the client library speaks the protocol over a socket and needs nothing of the engine
-    "engine_client": {"engine_core", "worker", "deploy", "api_server", "torch"},
-    "worker": {"engine_core", "engine_client", "deploy", "api_server"},
+    "engine_client": {"engine_core", "worker", "deploy", "api_server", "torch", "kv_hashing"},
+    "worker": {"engine_core", "engine_client", "deploy", "api_server", "kv_hashing"},
+    # block hashing, shared by the engine and the front end: the protocol and xxhash only
+    "kv_hashing": {
+        *("engine_core", "engine_client", "worker", "deploy", "api_server"),
+        *("torch", "numpy", "zmq"),
+    },
     "deploy": set(),
     "api_server": {"engine_core", "worker", "deploy", "torch"},  # engines only through the client
 }
 PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
+KV_HASHING_ALLOWED_IMPORTS = {"msgspec", "xxhash", "protocol", "kv_hashing"}
+# The only modules that may import kv_hashing: the KV-cache layer keys its prefix cache with it,
+# the engine service announces its HashParams, and the front end hashes requests to route them.
+KV_HASHING_IMPORTERS = ("engine_core.kv_cache", "engine_core.service", "api_server")
 
 # The folders of engine_core (and core.py), each with the folders of engine_core it may import
 # besides its own; every other import between them is a FORBIDDEN_EDGE. Every module of
@@ -128,7 +139,23 @@ def package_violations(root: pathlib.Path, package: str) -> list[str]:
         if package == "protocol":
             for name in sorted(imported - STDLIB - PROTOCOL_ALLOWED_THIRD_PARTY - {"protocol"}):
                 violations.append(f"{path.relative_to(root)} imports {name}, not stdlib or msgspec")
+        if package == "kv_hashing":
+            for name in sorted(imported - STDLIB - KV_HASHING_ALLOWED_IMPORTS):
+                violations.append(f"{path.relative_to(root)} imports {name}, outside its rule")
     return violations
+
+
+def kv_hashing_importers_outside(root: pathlib.Path) -> list[str]:
+    """Imports of kv_hashing by a module of PACKAGES outside KV_HASHING_IMPORTERS."""
+    return [
+        f"{path.relative_to(root)} imports {name}"
+        for package in PACKAGES
+        if package != "kv_hashing"
+        for path in _modules(root, package)
+        if not any(_is_within(_module_name(path, root), ok) for ok in KV_HASHING_IMPORTERS)
+        for name in sorted(_imported_modules(path, root))
+        if _is_within(name, "kv_hashing")
+    ]
 
 
 def edges(root: pathlib.Path, importer: str, imported: str) -> list[str]:
@@ -217,6 +244,35 @@ def modules_without_docstring(root: pathlib.Path, package: str) -> list[str]:
 def test_package_respects_import_rules(package: str) -> None:
     violations = package_violations(ROOT, package)
     assert not violations, "\n".join(violations)
+
+
+def test_only_the_kv_cache_the_service_and_the_front_end_import_kv_hashing() -> None:
+    offenders = kv_hashing_importers_outside(ROOT)
+    assert not offenders, offenders
+
+
+def test_checker_reports_a_planted_kv_hashing_import_outside_its_importers(
+    tmp_path: pathlib.Path,
+) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "kv_hashing/__init__.py": "",
+            "kv_hashing/block_hasher.py": "import xxhash\nfrom protocol.config import HashAlgo\n",
+            "kv_hashing/planted.py": "import yaml\n",
+            "engine_core/kv_cache/hashing.py": "from kv_hashing.block_hasher import BlockHasher\n",
+            "engine_core/sched/request.py": "from kv_hashing import block_hasher\n",
+            "api_server/router.py": "from kv_hashing.block_hasher import BlockHasher\n",
+            "engine_client/request.py": "import kv_hashing.block_hasher\n",
+        },
+    )
+    assert kv_hashing_importers_outside(root) == [
+        "engine_core/sched/request.py imports kv_hashing.block_hasher",
+        "engine_client/request.py imports kv_hashing.block_hasher",
+    ]
+    assert package_violations(root, "kv_hashing") == [
+        "kv_hashing/planted.py imports yaml, outside its rule"
+    ]
 
 
 def test_packages_keep_their_inner_edges() -> None:

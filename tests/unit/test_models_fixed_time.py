@@ -192,3 +192,32 @@ def test_the_logit_mixer_reuses_its_buffers_and_gives_the_formulas_logits() -> N
         assert torch.equal(mix_logits(totals, CHECKSUM.vocab_size), expected)
     tokens = mix_logits(torch.arange(4096), CHECKSUM.vocab_size).argmax(dim=1)
     assert len(set(tokens.tolist())) > CHECKSUM.vocab_size // 2  # consecutive totals spread
+
+
+def test_a_prefill_costs_its_prompt_tokens_and_a_decode_the_step_alone() -> None:
+    """With --model-prefill-token-us, a forward's device time grows by that much per token it
+    computes and does not sample from: the prompt of a prefill, nothing for a decode. Tokens stay
+    checksum's, whatever the charge."""
+    args = ["--model", "fixed-time", "--model-prefill-token-us", "2000"]
+    config = worker_config_from(worker_parser().parse_args(args), {})
+    assert config.model_prefill_token_us == 2000.0
+    model = build_model(
+        FIXED_TIME.name,
+        single_rank_group(),
+        DEVICE,
+        model_step_ms=10.0,
+        model_prefill_token_us=config.model_prefill_token_us,
+    )
+    assert isinstance(model, FixedTimeModel) and model.prefill_token_s == 0.002
+    checksum = ChecksumModel(CHECKSUM, single_rank_group(), DEVICE)
+    sequence = [3, 14, 15, 92, 65, 35]  # five tokens computed without sampling, one sampled
+    called_s = time.perf_counter()
+    assert torch.equal(forward_once(model, sequence), forward_once(checksum, sequence))
+    assert called_s + 0.010 + 5 * 0.002 <= model.ready_at_s
+    assert model.ready_at_s <= time.perf_counter() + 0.010 + 5 * 0.002
+    time.sleep(0.05)  # idle again: a one-token forward (a decode) costs the step alone
+    called_s = time.perf_counter()
+    forward_once(model, sequence[:1])
+    assert called_s + 0.010 <= model.ready_at_s <= time.perf_counter() + 0.010
+    with pytest.raises(UsageError, match=r"--model-prefill-token-us -1\.0"):
+        worker_config_from(worker_parser().parse_args(["--model-prefill-token-us", "-1"]), {})

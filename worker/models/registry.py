@@ -128,6 +128,7 @@ def build_model(
     seed: int = 0,
     model_step_ms: float = DEFAULT_MODEL_STEP_MS,  # fixed-time's device time per forward
     dtype: str = FAKE_MODEL_DTYPE,  # a checkpoint's compute dtype (resolve_dtypes)
+    model_prefill_token_us: float = 0.0,  # fixed-time's extra device time per prompt token
 ) -> Model:
     """The model `name` on this rank; every rank of a group must pass the same seed. A
     checkpoint is checked (CheckpointError) before this rank reads its slices of the weights."""
@@ -138,7 +139,7 @@ def build_model(
     if name == CHECKSUM.name:
         return ChecksumModel(CHECKSUM, tp_group, device)
     if name == FIXED_TIME.name:
-        return build_fixed_time(tp_group, device, model_step_ms)
+        return build_fixed_time(tp_group, device, model_step_ms, model_prefill_token_us)
     if name == TINY_MLA.name:
         return TinyMLA(TINY_MLA, tp_group, seed, device)
     if name == TINY_ENCDEC.name:

@@ -1,0 +1,174 @@
+"""RequestRouter: the engine each request goes to under `--router-policy`, and the counts /metrics
+shows of its decisions. Pure policy: no sockets, no awaits; the engine pool asks it and reports
+each request's first output and end.
+
+Policies: `kv` (the engines' own KV events, kv_scorer.py's formula; first-block's rule while no
+engine's events are followed), `first-block` (the engine that last served the prompt's first
+block, PrefixAffinityRouter), `least-loaded` (fewest outstanding tokens) and `round-robin`.
+"""
+
+import enum
+from dataclasses import dataclass
+
+from api_server.kv_index import KVBlockIndex, index_key
+from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
+from api_server.router import PrefixAffinityRouter
+from kv_hashing.block_hasher import BlockHasher, BlockHashListWithBlockSize, first_block_extra_keys
+from kv_hashing.hash_params import HashParams
+
+ROUTED_GROUP_IDX = 0  # the KV-cache group whose cached prefix the kv policy weighs
+
+
+class RouterPolicy(enum.Enum):
+    KV = "kv"
+    FIRST_BLOCK = "first-block"
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
+
+
+ROUTER_POLICIES = tuple(policy.value for policy in RouterPolicy)
+DEFAULT_ROUTER_POLICY = RouterPolicy.KV
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request went, and what the router expected there."""
+
+    engine_idx: int
+    predicted_hit_tokens: int | None  # None when no index of that engine was usable
+    num_prefill_tokens: int  # prompt tokens the load counts as waiting until the first output
+    num_tokens: int  # prompt plus the most tokens the request may generate
+    is_first_block: bool = False  # chosen (and counted) by the first-block router
+
+
+class RequestHasher:
+    """A request's prefix-cache keys for the routed group, hashed as the engines hash them."""
+
+    def __init__(self, params: HashParams) -> None:
+        self.params = params
+        self.hasher = BlockHasher(params.block_size, params.algo, params.hash_seed)  # type: ignore[arg-type]
+
+    def keys(self, prompt_token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """Keys of the blocks an engine may serve from its cache: the engine always computes a
+        prompt's last token, so only blocks within the tokens before it."""
+        tokens = prompt_token_ids[: max(0, len(prompt_token_ids) - 1)]
+        hashes = self.hasher.hash_prefix(tokens, first_block_extra_keys(cache_salt))
+        view = BlockHashListWithBlockSize(
+            hashes, self.params.block_size, self.params.group_block_size
+        )
+        return [index_key(block_hash, ROUTED_GROUP_IDX) for block_hash in view.snapshot()]
+
+
+class RequestRouter:
+    """Chooses an engine per request under one policy and keeps the per-engine load and counts.
+
+    Invariants: `load` counts exactly the decisions not yet released; `decisions[i]` counts the
+    requests sent to engine i; predicted and actual hit tokens are summed over the same requests.
+    """
+
+    def __init__(
+        self,
+        num_engines: int,
+        block_size: int,
+        policy: RouterPolicy = DEFAULT_ROUTER_POLICY,
+        weights: KVScoreWeights | None = None,
+    ) -> None:
+        self.num_engines = num_engines
+        self.policy = policy
+        self.block_size = block_size
+        self.weights = weights or KVScoreWeights()
+        self.first_block = PrefixAffinityRouter(num_engines, block_size)
+        self.load = EngineLoad(num_engines)
+        self.hasher: RequestHasher | None = None  # once the engines announced their HashParams
+        self.scorer = KVScorer(self.weights, block_size)
+        self.decisions = [0] * num_engines
+        self.num_predicted = [0] * num_engines  # requests whose hit was predicted and measured
+        self.predicted_hit_tokens = [0] * num_engines  # summed over those requests
+        self.actual_hit_tokens = [0] * num_engines  # the engines' num_cached_tokens, likewise
+        self._next_round_robin = 0
+
+    def choose(
+        self,
+        prompt_token_ids: list[int],
+        num_tokens: int,
+        cache_salt: str | None,
+        is_available: list[bool],
+        index: KVBlockIndex | None,
+        is_indexed: list[bool],
+    ) -> Decision:
+        """The engine for a request; `is_indexed[i]`: engine i's index is current (its stream
+        answers), so its cached prefix counts. Counts the request as waiting there."""
+        candidates = [idx for idx in range(self.num_engines) if is_available[idx]]
+        if not candidates:
+            raise LookupError(f"no engine available among {self.num_engines}")
+        weighted = [0.0] * self.num_engines
+        has_index = index is not None and self.hasher is not None and any(is_indexed)
+        if has_index:
+            keys = self.hasher.keys(prompt_token_ids, cache_salt)  # type: ignore[union-attr]
+            hits = index.prefix_hits(keys)  # type: ignore[union-attr]
+            weighted = [hit if is_indexed[idx] else 0.0 for idx, (_, hit) in enumerate(hits)]
+        num_cached = [0] * self.num_engines
+        if index is not None:
+            num_cached = [index.num_blocks(idx) for idx in range(self.num_engines)]
+        is_first_block = self.policy is RouterPolicy.FIRST_BLOCK or (
+            self.policy is RouterPolicy.KV and not has_index
+        )
+        if is_first_block:  # kv with no engine indexed falls back to first-block's guess
+            is_available = [idx in candidates for idx in range(self.num_engines)]
+            engine_idx = self.first_block.choose(prompt_token_ids, num_tokens, is_available)
+        else:
+            engine_idx = self._pick(prompt_token_ids, candidates, weighted, num_cached)
+        predicted = None
+        if has_index and is_indexed[engine_idx]:
+            num_prompt = len(prompt_token_ids)
+            predicted = predicted_hit_tokens(weighted[engine_idx], self.block_size, num_prompt)
+        num_prefill = len(prompt_token_ids) - (predicted or 0)
+        self.load.add(engine_idx, num_prefill, num_tokens)
+        self.decisions[engine_idx] += 1
+        return Decision(engine_idx, predicted, num_prefill, num_tokens, is_first_block)
+
+    def _pick(
+        self,
+        prompt_token_ids: list[int],
+        candidates: list[int],
+        weighted: list[float],
+        num_cached: list[int],
+    ) -> int:
+        """The engine under kv (with an index), least-loaded or round-robin."""
+        outstanding = self.load.outstanding_tokens
+        match self.policy:
+            case RouterPolicy.KV:
+                num_prompt = len(prompt_token_ids)
+                return self.scorer.choose(weighted, num_prompt, self.load, candidates, num_cached)
+            case RouterPolicy.LEAST_LOADED:
+                return min(candidates, key=lambda idx: (outstanding[idx], idx))
+            case RouterPolicy.ROUND_ROBIN:
+                start = self._next_round_robin
+                engine_idx = min(candidates, key=lambda idx: (idx - start) % self.num_engines)
+                self._next_round_robin = (engine_idx + 1) % self.num_engines
+                return engine_idx
+            case RouterPolicy.FIRST_BLOCK:
+                raise AssertionError("first-block decisions are taken in choose()")
+
+    def on_first_output(self, decision: Decision, num_cached_tokens: int) -> None:
+        """The request's prefill ended; the engine served `num_cached_tokens` from its cache."""
+        self.load.start_decoding(decision.engine_idx, decision.num_prefill_tokens)
+        if decision.predicted_hit_tokens is not None:
+            self.num_predicted[decision.engine_idx] += 1
+            self.predicted_hit_tokens[decision.engine_idx] += decision.predicted_hit_tokens
+            self.actual_hit_tokens[decision.engine_idx] += num_cached_tokens
+
+    def release(self, decision: Decision, is_decoding: bool) -> None:
+        """The request ended: after its first output when `is_decoding`, else before it."""
+        if decision.is_first_block:
+            self.first_block.release(decision.engine_idx, decision.num_tokens)
+        self.load.remove(
+            decision.engine_idx, decision.num_prefill_tokens, decision.num_tokens, is_decoding
+        )
+
+    def check_invariants(self) -> None:
+        self.load.check_invariants()
+        self.first_block.check_invariants()
+        assert sum(self.decisions) >= sum(self.num_predicted), (
+            f"{sum(self.num_predicted)} predictions for {sum(self.decisions)} decisions"
+        )

@@ -1,0 +1,301 @@
+"""The front end's KV-aware routing without sockets: the index applies event batches in sequence
+order (gaps held back, clears, restarts, media), the scorer weighs cached prefix against load,
+the request router's decisions are a function of events and load alone, and engines must agree
+on their hash parameters."""
+
+import random
+
+import pytest
+
+from api_server.kv_event_subscriber import subscribable_endpoint
+from api_server.kv_index import KVBlockIndex, Offer, index_key
+from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
+from api_server.request_router import RequestHasher, RequestRouter, RouterPolicy
+from kv_hashing.block_hasher import BlockHasher, first_block_extra_keys
+from kv_hashing.hash_params import (
+    HashParams,
+    decode_hash_params,
+    hash_params,
+    hash_params_mismatch,
+)
+from protocol.config import CacheConfig
+from protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    block_removed,
+    block_stored,
+)
+
+BLOCK_SIZE = 4
+PARAMS = HashParams(True, "sha256", BLOCK_SIZE, "seed", BLOCK_SIZE, 1)
+
+
+def stored(hashes: list[bytes], medium: str = "GPU") -> BlockStored:
+    event = block_stored(hashes, None, [1] * BLOCK_SIZE * len(hashes), BLOCK_SIZE, 0)
+    return BlockStored(
+        event.block_hashes, None, event.token_ids, BLOCK_SIZE, None, medium, None, None, 0
+    )
+
+
+def batch(*events: BlockStored | BlockRemoved | AllBlocksCleared) -> KVEventBatch:
+    return KVEventBatch(0.0, list(events), 0)
+
+
+def keys_of(hashes: list[bytes]) -> list[bytes]:
+    return [index_key(block_hash, 0) for block_hash in hashes]
+
+
+def prompt_hashes(prompt: list[int], salt: str | None = None) -> list[bytes]:
+    return BlockHasher(BLOCK_SIZE, "sha256", "seed").hash_prefix(
+        prompt, first_block_extra_keys(salt)
+    )
+
+
+def test_batches_apply_in_sequence_and_a_gap_waits_for_its_replay() -> None:
+    index = KVBlockIndex(2)
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    assert index.offer(0, 0, batch(stored([a, b]))) is Offer.APPLIED
+    assert index.offer(0, 2, batch(stored([c]))) is Offer.GAP  # batch 1 was lost
+    assert index.engine_keys(0) == set(keys_of([a, b]))
+    assert index.offer(0, 1, batch(block_removed([b], 0))) is Offer.APPLIED  # the replay
+    assert index.offer(0, 2, batch(stored([c]))) is Offer.APPLIED
+    assert index.offer(0, 1, batch(block_removed([b], 0))) is Offer.STALE  # live, late
+    assert index.engine_keys(0) == set(keys_of([a, c])) and index.next_seq == [3, 0]
+    assert index.engine_keys(1) == set()
+    index.check_invariants()
+
+
+def test_all_blocks_cleared_empties_only_that_engine() -> None:
+    index = KVBlockIndex(2)
+    a, b = b"a" * 32, b"b" * 32
+    index.offer(0, 0, batch(stored([a, b])))
+    index.offer(1, 0, batch(stored([a])))
+    index.offer(0, 1, batch(AllBlocksCleared()))
+    assert index.engine_keys(0) == set() and index.engine_keys(1) == set(keys_of([a]))
+    assert index.prefix_hits(keys_of([a, b])) == [(0, 0.0), (1, 1.0)]
+    index.offer(0, 2, batch(stored([a])))
+    assert index.num_blocks(0) == 1 and index.num_clears == [1, 0]
+    index.check_invariants()
+
+
+def test_a_restarted_publisher_is_forgotten_and_followed_from_seq_0() -> None:
+    index = KVBlockIndex(1)
+    index.offer(0, 0, batch(stored([b"a" * 32])))
+    index.offer(0, 1, batch(stored([b"b" * 32])))
+    index.restart(0)
+    assert index.num_blocks(0) == 0 and index.next_seq == [0]
+    assert index.offer(0, 0, batch(stored([b"c" * 32]))) is Offer.APPLIED
+    assert index.engine_keys(0) == set(keys_of([b"c" * 32]))
+
+
+def test_skipping_lost_batches_keeps_what_was_known_and_ignores_unknown_removals() -> None:
+    index = KVBlockIndex(1)
+    index.offer(0, 0, batch(stored([b"a" * 32])))
+    index.skip_to(0, 5)
+    assert index.offer(0, 5, batch(block_removed([b"z" * 32], 0))) is Offer.APPLIED
+    assert index.num_unknown_removals == [1] and index.num_blocks(0) == 1
+    with pytest.raises(ValueError, match="back to seq 2"):
+        index.skip_to(0, 2)
+
+
+def test_prefix_hits_count_the_run_from_block_0_weighted_by_medium() -> None:
+    index = KVBlockIndex(3)
+    h = [bytes([i]) * 32 for i in range(4)]
+    index.offer(0, 0, batch(stored(h[:3])))  # blocks 0-2 on the GPU
+    index.offer(1, 0, batch(stored(h[:2], "CPU"), stored([h[3]])))  # 0-1 in host memory, 3
+    index.offer(2, 0, batch(stored(h[1:])))  # no block 0: no usable prefix
+    assert index.prefix_hits(keys_of(h)) == [(3, 3.0), (2, 1.0), (0, 0.0)]
+    index.offer(1, 1, batch(stored([h[0]])))  # block 0 on the GPU too: the best medium counts
+    assert index.prefix_hits(keys_of(h)) == [(3, 3.0), (2, 1.5), (0, 0.0)]
+    index.offer(1, 2, batch(BlockRemoved([h[0]], "CPU", 0)))
+    assert index.prefix_hits(keys_of(h))[1] == (2, 1.5)  # its GPU copy remains
+    index.check_invariants()
+
+
+def test_the_scorer_weighs_the_cached_prefix_against_waiting_prefill_and_decodes() -> None:
+    load = EngineLoad(2)
+    scorer = KVScorer(KVScoreWeights(prefill_weight=1.0, decode_weight=8.0), BLOCK_SIZE)
+    prompt_len = 41  # 10 full blocks before the last token
+    # engine 0 holds 8 blocks (32 tokens): cost 41 - 32 = 9, engine 1 costs 41
+    assert scorer.costs([8.0, 0.0], prompt_len, load) == [9.0, 41.0]
+    assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 0
+    load.add(0, 20, 60)  # 20 prompt tokens waiting on engine 0: 29 still beats 41
+    assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 0
+    load.start_decoding(0, 20)
+    for _ in range(4):
+        load.add(0, 0, 10)
+        load.start_decoding(0, 0)
+    assert scorer.costs([8.0, 0.0], prompt_len, load) == [9.0 + 5 * 8.0, 41.0]
+    assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 1  # too busy now
+    assert scorer.choose([8.0, 0.0], prompt_len, load, [0], [8, 0]) == 0  # the only candidate
+    load.check_invariants()
+    with pytest.raises(LookupError):
+        scorer.choose([0.0, 0.0], prompt_len, load, [], [0, 0])
+    with pytest.raises(ValueError, match="expected >= 0"):
+        KVScoreWeights(decode_weight=-1.0)
+
+
+def test_ties_go_to_the_longer_hit_then_less_load_then_the_emptier_cache() -> None:
+    load = EngineLoad(3)
+    scorer = KVScorer(KVScoreWeights(prefill_weight=0.0, decode_weight=0.0), BLOCK_SIZE)
+    assert scorer.choose([1.0, 2.0, 0.0], 20, load, [0, 1, 2], [5, 5, 5]) == 1
+    assert scorer.choose([0.0, 0.0, 0.0], 20, load, [0, 1, 2], [5, 2, 3]) == 1
+    load.add(1, 4, 4)
+    assert scorer.choose([0.0, 0.0, 0.0], 20, load, [0, 1, 2], [5, 2, 3]) == 2
+
+
+def test_a_predicted_hit_never_covers_the_last_prompt_token() -> None:
+    assert predicted_hit_tokens(3.0, BLOCK_SIZE, 12) == 8  # the engine computes token 11
+    assert predicted_hit_tokens(3.0, BLOCK_SIZE, 13) == 12
+    assert predicted_hit_tokens(1.5, BLOCK_SIZE, 40) == 6
+
+
+def test_requests_hash_as_the_engine_with_salt_and_larger_group_blocks() -> None:
+    prompt = list(range(3, 3 + 17))  # four full blocks before the last token
+    hasher = RequestHasher(PARAMS)
+    assert hasher.keys(prompt, None) == keys_of(prompt_hashes(prompt[:16]))
+    assert hasher.keys(prompt, "tenant") == keys_of(prompt_hashes(prompt[:16], "tenant"))
+    assert hasher.keys(prompt, "tenant") != hasher.keys(prompt, None)
+    wide = RequestHasher(HashParams(True, "sha256", BLOCK_SIZE, "seed", 2 * BLOCK_SIZE, 1))
+    assert wide.keys(prompt, None) == keys_of(prompt_hashes(prompt[:16])[1::2])
+    assert hasher.keys(prompt[:4], None) == []  # the only block holds the last token
+
+
+def random_stream(rng: random.Random, num_engines: int) -> list[tuple[int, KVEventBatch]]:
+    """Stores and removals of 12 hashes over the engines, with a clear now and then."""
+    hashes = [bytes([i]) * 32 for i in range(12)]
+    held: list[set[bytes]] = [set() for _ in range(num_engines)]
+    stream = []
+    for _ in range(60):
+        engine = rng.randrange(num_engines)
+        roll = rng.random()
+        if roll < 0.05:
+            held[engine].clear()
+            stream.append((engine, batch(AllBlocksCleared())))
+        elif roll < 0.7 or not held[engine]:
+            new = [h for h in rng.sample(hashes, 3) if h not in held[engine]]
+            held[engine].update(new)
+            stream.append((engine, batch(stored(new))))
+        else:
+            gone = rng.sample(sorted(held[engine]), 1)
+            held[engine].difference_update(gone)
+            stream.append((engine, batch(block_removed(gone, 0))))
+    return stream
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_decisions_are_a_function_of_the_events_and_the_load(seed: int) -> None:
+    """Two routers fed the same events (one with its batches replayed out of order and late
+    duplicates mixed in) make the same decisions for the same requests."""
+    rng = random.Random(seed)
+    stream = random_stream(rng, 3)
+    indexes = [KVBlockIndex(3), KVBlockIndex(3)]
+    seqs = [0, 0, 0]
+    numbered = []
+    for engine, events in stream:
+        numbered.append((engine, seqs[engine], events))
+        seqs[engine] += 1
+    for engine, seq, events in numbered:
+        indexes[0].offer(engine, seq, events)
+    shuffled = numbered + numbered[: len(numbered) // 2]
+    rng.shuffle(shuffled)
+    while any(indexes[1].next_seq[e] < seqs[e] for e in range(3)):  # replays fill the gaps
+        for engine, seq, events in shuffled:
+            indexes[1].offer(engine, seq, events)
+    assert [indexes[0].engine_keys(e) for e in range(3)] == [
+        indexes[1].engine_keys(e) for e in range(3)
+    ]
+    routers = [RequestRouter(3, BLOCK_SIZE, RouterPolicy.KV) for _ in range(2)]
+    for router in routers:
+        router.hasher = RequestHasher(PARAMS)
+    prompts = [[rng.randrange(3, 50) for _ in range(rng.randrange(3, 30))] for _ in range(20)]
+    choices: list[list[int]] = [[], []]
+    for side, (router, index) in enumerate(zip(routers, indexes, strict=True)):
+        for prompt in prompts:
+            decision = router.choose(prompt, len(prompt) + 4, None, [True] * 3, index, [True] * 3)
+            choices[side].append(decision.engine_idx)
+            router.on_first_output(decision, decision.predicted_hit_tokens or 0)
+        router.check_invariants()
+    assert choices[0] == choices[1]
+    assert routers[0].predicted_hit_tokens == routers[1].predicted_hit_tokens
+
+
+def test_the_kv_policy_follows_the_index_and_a_silent_engine_counts_by_load_alone() -> None:
+    index = KVBlockIndex(2)
+    router = RequestRouter(2, BLOCK_SIZE, RouterPolicy.KV)
+    router.hasher = RequestHasher(PARAMS)
+    prompt = list(range(3, 3 + 21))  # five blocks before the last token
+    index.offer(1, 0, batch(stored(prompt_hashes(prompt[:20]))))
+    decision = router.choose(prompt, 30, None, [True, True], index, [True, True])
+    assert (decision.engine_idx, decision.predicted_hit_tokens) == (1, 20)
+    assert decision.num_prefill_tokens == 1
+    router.release(decision, is_decoding=False)
+    silent = router.choose(prompt, 30, None, [True, True], index, [True, False])
+    assert (silent.engine_idx, silent.predicted_hit_tokens) == (0, 0)  # engine 0 holds nothing
+    router.on_first_output(silent, 0)
+    router.release(silent, is_decoding=True)
+    # no stream answers: first-block's guess, which has seen this first block nowhere yet
+    unknown = router.choose(prompt, 30, None, [True, True], index, [False, False])
+    assert (unknown.engine_idx, unknown.predicted_hit_tokens) == (0, None)
+    assert unknown.is_first_block and router.first_block.engine_of_prefix(prompt) == 0
+    router.release(unknown, is_decoding=False)
+    assert router.decisions == [2, 1] and router.num_predicted == [1, 0]
+    router.check_invariants()
+    assert router.load.outstanding_tokens == [0, 0]
+    assert router.first_block.outstanding_tokens == [0, 0]
+
+
+def test_round_robin_least_loaded_and_first_block_keep_their_rules() -> None:
+    robin = RequestRouter(3, BLOCK_SIZE, RouterPolicy.ROUND_ROBIN)
+    picks = [
+        robin.choose([1] * 8, 8, None, [True, False, True], None, [False] * 3) for _ in range(4)
+    ]
+    assert [d.engine_idx for d in picks] == [0, 2, 0, 2]
+    least = RequestRouter(2, BLOCK_SIZE, RouterPolicy.LEAST_LOADED)
+    first = least.choose([1] * 8, 100, None, [True, True], None, [False] * 2)
+    assert least.choose([1] * 8, 10, None, [True, True], None, [False] * 2).engine_idx == 1
+    least.release(first, is_decoding=False)
+    assert least.choose([1] * 8, 10, None, [True, True], None, [False] * 2).engine_idx == 0
+    affinity = RequestRouter(2, BLOCK_SIZE, RouterPolicy.FIRST_BLOCK)
+    a = affinity.choose([7] * 8, 10, None, [True, True], None, [False] * 2)
+    b = affinity.choose([8] * 8, 10, None, [True, True], None, [False] * 2)
+    again = affinity.choose([7] * 8 + [1], 10, None, [True, True], None, [False] * 2)
+    assert (a.engine_idx, b.engine_idx, again.engine_idx) == (0, 1, 0)
+    for decision in (a, b, again):
+        affinity.release(decision, is_decoding=False)
+    assert affinity.first_block.outstanding_tokens == [0, 0]
+
+
+def test_engines_that_hash_differently_are_named_by_the_field() -> None:
+    config = CacheConfig(block_size=16)
+    mine = hash_params(config, [16])
+    assert hash_params_mismatch(mine, hash_params(config, [16])) is None
+    salted = hash_params(CacheConfig(block_size=16, hash_seed="other"), [16])
+    assert hash_params_mismatch(mine, salted) == "hash_seed: 'kvserve' != 'other'"
+    xx = hash_params(CacheConfig(block_size=16, prefix_caching_hash_algo="xxhash"), [16])
+    assert hash_params_mismatch(mine, xx) == "algo: 'sha256' != 'xxhash'"
+    assert hash_params_mismatch(mine, hash_params(config, [32])) == "group_block_size: 16 != 32"
+    announced = {"algo": "sha256", "kv_events_endpoint": None} | {
+        "is_prefix_caching": True,
+        "block_size": 16,
+        "hash_seed": "kvserve",
+        "group_block_size": 16,
+        "num_kv_cache_groups": 1,
+    }
+    assert decode_hash_params(announced, "engine B") == mine  # other keys are ignored
+    with pytest.raises(ValueError, match="hash parameters of engine B"):
+        decode_hash_params({"algo": "sha256"}, "engine B")
+
+
+def test_a_wildcard_events_endpoint_takes_the_engines_host() -> None:
+    assert subscribable_endpoint("tcp://*:5557", "tcp://10.0.0.7:5555") == "tcp://10.0.0.7:5557"
+    assert subscribable_endpoint("tcp://0.0.0.0:5557", "ipc:///tmp/e.sock") == (
+        "tcp://127.0.0.1:5557"
+    )
+    assert subscribable_endpoint("tcp://*:5557", "tcp://[fd00::1]:5555") == "tcp://[fd00::1]:5557"
+    assert subscribable_endpoint("tcp://10.0.0.9:5557", "tcp://10.0.0.7:5555") == (
+        "tcp://10.0.0.9:5557"
+    )
+    assert subscribable_endpoint("ipc:///tmp/kv.sock", "tcp://10.0.0.7:1") == "ipc:///tmp/kv.sock"
