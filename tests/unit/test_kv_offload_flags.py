@@ -55,11 +55,19 @@ def test_the_tier_flags_set_the_cache_config(tmp_path: Path) -> None:
             ],
             "--kv-offload-disk-dir {tmp}/missing: expected a folder this user can write",
         ),
+        (  # no file can be made under a regular file, even by root (unlike a read-only folder)
+            [
+                *["--kv-offload-host-bytes", "1", "--kv-offload-disk-bytes", "1"],
+                *["--kv-offload-disk-dir", "{tmp}/a-file"],
+            ],
+            "--kv-offload-disk-dir {tmp}/a-file: expected a folder this user can write",
+        ),
     ],
 )
 def test_bad_tier_flags_are_usage_errors_naming_the_flag(
     tmp_path: Path, argv: list[str], message: str
 ) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
     argv = [arg.format(tmp=tmp_path) for arg in argv]
     with pytest.raises(UsageError, match=message.format(tmp=tmp_path).replace("$", r"\$")):
         engine_config(*argv)
