@@ -110,6 +110,7 @@ class KVCacheManagerModelMachine(RuleBasedStateMachine):
         # state sums up. A block written as one kind stops holding the other.
         self.slots: dict[int, dict[int, object]] = {}
         self.states: dict[int, object] = {}
+        self.prefixes: dict[str, list[tuple[int, ...]]] = {}  # see _prefix
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -325,7 +326,16 @@ class KVCacheManagerModelMachine(RuleBasedStateMachine):
         only a window)."""
         encoder = None if request.encoder_token_ids is None else tuple(request.encoder_token_ids)
         is_prompt = isinstance(spec, RSWASpec) and pos < request.num_prompt_tokens
-        return (tuple(request.all_token_ids[: pos + 1]), encoder, is_prompt)
+        return (self._prefix(request, pos), encoder, is_prompt)
+
+    def _prefix(self, request: Request, pos: int) -> tuple[int, ...]:
+        """tuple(request.all_token_ids[: pos + 1]), built once per request and position: a
+        request's tokens are only ever appended to."""
+        prefixes = self.prefixes.setdefault(request.req_id, [])
+        tokens = request.all_token_ids
+        while len(prefixes) <= pos:
+            prefixes.append(tuple(tokens[: len(prefixes) + 1]))
+        return prefixes[pos]
 
     @staticmethod
     def read_positions(request: Request, spec: KVCacheSpec, pos: int) -> list[int]:

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from test_models_paged_vs_reference import PARAMS, PROMPTS
+from model_workloads import PARAMS, PROMPTS
 
 from bench.workload import Workload, run_workload
 from tests.conftest import worker_test_device
