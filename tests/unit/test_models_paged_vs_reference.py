@@ -5,8 +5,10 @@ blocks, same-step sharing), sliding-window blocks freed and reused, and preempti
 tiny-mla's latents, tiny-mamba-hybrid's states (align mode with a cache: block-aligned chunks
 leave checkpoints later prompts resume from; one state block without), tiny-local's
 chunked-local and R-SWA layers (run through EngineNullsMirror) and tiny-encdec's encoder blocks
-take the same tests over their families' workloads (model_workloads.py); test_tiny_*.py hold what
-only one model has.
+take the same tests over their families' workloads (model_workloads.py), and so does
+tiny-llama-hybrid-2x, whose window group's blocks are twice the engine's block size (requests
+hash at --block-size, the gcd; its hits end on the larger size); test_tiny_*.py hold what only
+one model has.
 """
 
 import pytest
@@ -26,6 +28,7 @@ from bench.workload import Workload, build_rank, run_to_completion
 from engine_core.sched.request import RequestStatus
 from worker.distributed import TPGroup, single_rank_group
 from worker.models.checksum import CHECKSUM, ChecksumModel
+from worker.models.registry import get_model_info
 from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
 MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
@@ -55,6 +58,7 @@ PAGED_MAX_NUM_BATCHED_TOKENS = {"tiny-encdec": 12}  # 24 for the others
     ("model", "block_size", "enable_prefix_caching"),
     cases({m: (1, 16, 32) for m in MODELS})
     + cases({m: (16, 32) for m in STATE_MODELS})
+    + cases({"tiny-llama-hybrid-2x": (4, 16)})
     + cases({"tiny-local": (4, 16, 32)})
     + [("tiny-encdec", 4, True), ("tiny-encdec", 16, False), ("tiny-encdec", 32, True)],
 )
@@ -96,6 +100,9 @@ def test_paged_tokens_equal_reference(
 # tiny-local's chunked-local group holds only its current chunk; its R-SWA group, like full
 # attention, is planned for its whole sequence. tiny-encdec's preempted requests lose their
 # encoder blocks and resume with new ones, into which the worker encodes their input again.
+# tiny-llama-hybrid-2x in 36 blocks of 4: the longest request (86 tokens) holds 22
+# full-attention blocks of 4 and cdiv(47 + 24, 8) + 1 = 10 window blocks of 8 (the Scheduler
+# admits 33 and up), too few for the batch.
 TIGHT_NUM_BLOCKS = {1: 87, 4: 23, 16: 9, 32: 4}
 TIGHT_HYBRID_NUM_BLOCKS = {1: 167, 4: 44, 16: 17, 32: 7}
 TIGHT_MAMBA_NUM_BLOCKS = {16: 11, 32: 6}
@@ -104,14 +111,20 @@ TIGHT_POOLS = {
     "tiny-mamba-hybrid": TIGHT_MAMBA_NUM_BLOCKS,
     "tiny-local": {4: 100, 16: 26, 32: 14},
     "tiny-encdec": {4: 40, 16: 12},
+    "tiny-llama-hybrid-2x": {4: 36},
 }
-MAX_NUM_BATCHED_TOKENS = {"tiny-mamba-hybrid": 48, "tiny-encdec": 16}  # 32 for the others
+MAX_NUM_BATCHED_TOKENS = {
+    "tiny-mamba-hybrid": 48,
+    "tiny-encdec": 16,
+    "tiny-llama-hybrid-2x": 24,
+}  # 32 for the others
 
 
 @pytest.mark.parametrize(
     ("model", "block_size", "enable_prefix_caching"),
     cases({m: (1, 4, 16, 32) for m in MODELS})
     + cases({m: (16, 32) for m in STATE_MODELS})
+    + cases({"tiny-llama-hybrid-2x": (4,)})
     + cases({"tiny-local": (4, 16, 32)})
     + cases({"tiny-encdec": (4, 16)}, caching=(True,)),
 )
@@ -143,6 +156,11 @@ def test_tokens_survive_preemption_and_recompute(
         for handle, num_prompt_tokens in result.mirror.resumed_prompts.items():
             assert num_prompt_tokens == len(family(model).prompts[handle - 1]), handle
     assert_matches_reference(model, result.outputs)
+
+
+def test_the_2x_window_group_uses_twice_the_block_size() -> None:
+    groups = get_model_info("tiny-llama-hybrid-2x", 4).kv_cache_groups
+    assert [group.spec.block_size for group in groups] == [4, 8]
 
 
 @pytest.mark.parametrize("model", ["tiny-llama-hybrid", *STATE_MODELS])
