@@ -1,12 +1,18 @@
-"""The KVCacheManager state machine (kv_manager_machine.py), once per family of groups: mixed
-block sizes, cross attention beside full attention, chunked-local attention and R-SWA (each
-alone and beside full attention)."""
+"""The KVCacheManager state machine (kv_manager_machine.py), once per family of groups: full
+attention and windows with the general-path twin, mixed block sizes, cross attention beside full
+attention, chunked-local attention and R-SWA (each alone and beside full attention), and Mamba
+state groups in planned batched steps (alone and beside full attention, both modes)."""
 
 from hypothesis import settings
 from kv_manager_machine import KVCacheManagerModelMachine
 from kv_specs import full_spec, window_spec
 
-from engine_core.kv_cache.spec import ChunkedLocalAttentionSpec, CrossAttentionSpec, RSWASpec
+from engine_core.kv_cache.spec import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    MambaSpec,
+    RSWASpec,
+)
 
 
 def chunked_local_spec(attention_chunk_size: int) -> ChunkedLocalAttentionSpec:
@@ -25,7 +31,77 @@ def rswa_spec(rswa_window: int) -> RSWASpec:
     )
 
 
+def mamba_spec(mode: str) -> MambaSpec:
+    return MambaSpec(2, ((2, 2),), "float32", mamba_cache_mode=mode)
+
+
 STEP_SETTINGS = settings(stateful_step_count=40, deadline=None)
+MAMBA_STEP_SETTINGS = settings(stateful_step_count=30, deadline=None)
+
+
+class ShortcutsMachine(KVCacheManagerModelMachine):
+    """One full-attention group, its single-group shortcut against the general path."""
+
+    specs = (full_spec(),)
+    num_blocks = 20
+    max_model_len = 32
+    base_prompts = ([7] * 12, list(range(100, 112)), [1, 2] * 6)
+    checks_shortcuts = True
+
+
+class HybridShortcutsMachine(ShortcutsMachine):
+    """Full attention beside a window, the in-place shortcut against the general path."""
+
+    specs = (full_spec(), window_spec(5))
+    num_blocks = 36
+
+
+class WindowShortcutsMachine(ShortcutsMachine):
+    """One group that skips blocks: no single-group shortcut, the in-place one instead."""
+
+    specs = (window_spec(5),)
+
+
+class LocalShortcutsMachine(ShortcutsMachine):
+    """Every kind that skips blocks beside full attention, so each answers is_step_in_place."""
+
+    specs = (full_spec(), window_spec(5), chunked_local_spec(4), rswa_spec(3))
+    num_blocks = 64
+
+
+class MambaMachine(KVCacheManagerModelMachine):
+    """One align-mode Mamba group, in planned steps whose requests may be dropped once planned."""
+
+    specs = (mamba_spec("align"),)
+    num_blocks = 12
+    max_model_len = 24
+    base_prompts = ([7] * 12, list(range(100, 112)))
+    max_suffix_len = 10
+    plans_batches = True
+    can_drop_planned = True
+
+
+class HybridMambaMachine(MambaMachine):
+    specs = (full_spec(), mamba_spec("align"))
+    can_drop_planned = False
+    num_blocks = 28
+
+
+class OneBlockMambaMachine(MambaMachine):
+    specs = (mamba_spec("none"),)
+    num_blocks = 6
+
+
+class HybridOneBlockMambaMachine(MambaMachine):
+    specs = (full_spec(), mamba_spec("none"))
+    can_drop_planned = False
+    num_blocks = 20
+
+
+class HybridAlignWithoutCachingMachine(MambaMachine):
+    specs = (full_spec(), mamba_spec("align"))
+    caching_choices = (False,)
+    num_blocks = 20
 
 
 class MixedBlockSizesMachine(KVCacheManagerModelMachine):
@@ -118,3 +194,21 @@ TestRSWAMachine = RSWAMachine.TestCase
 TestRSWAMachine.settings = STEP_SETTINGS
 TestHybridRSWAMachine = HybridRSWAMachine.TestCase
 TestHybridRSWAMachine.settings = STEP_SETTINGS
+TestKVCacheManagerMachine = ShortcutsMachine.TestCase
+TestKVCacheManagerMachine.settings = STEP_SETTINGS
+TestHybridKVCacheManagerMachine = HybridShortcutsMachine.TestCase
+TestHybridKVCacheManagerMachine.settings = STEP_SETTINGS
+TestWindowKVCacheManagerMachine = WindowShortcutsMachine.TestCase
+TestWindowKVCacheManagerMachine.settings = STEP_SETTINGS
+TestLocalKVCacheManagerMachine = LocalShortcutsMachine.TestCase
+TestLocalKVCacheManagerMachine.settings = STEP_SETTINGS
+TestMambaMachine = MambaMachine.TestCase
+TestMambaMachine.settings = MAMBA_STEP_SETTINGS
+TestHybridMambaMachine = HybridMambaMachine.TestCase
+TestHybridMambaMachine.settings = MAMBA_STEP_SETTINGS
+TestOneBlockMambaMachine = OneBlockMambaMachine.TestCase
+TestOneBlockMambaMachine.settings = MAMBA_STEP_SETTINGS
+TestHybridOneBlockMambaMachine = HybridOneBlockMambaMachine.TestCase
+TestHybridOneBlockMambaMachine.settings = MAMBA_STEP_SETTINGS
+TestHybridAlignWithoutCachingMachine = HybridAlignWithoutCachingMachine.TestCase
+TestHybridAlignWithoutCachingMachine.settings = MAMBA_STEP_SETTINGS

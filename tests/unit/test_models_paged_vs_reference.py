@@ -2,93 +2,92 @@
 
 The engine's own Scheduler drives one ModelRunner through chunked prefill, prefix hits (shared
 blocks, same-step sharing), sliding-window blocks freed and reused, and preemption with recompute.
-tiny-mla's latents and tiny-mamba-hybrid's states (align mode with a cache: block-aligned chunks
-leave checkpoints later prompts resume from; one state block without) take the same workloads;
-test_tiny_mla.py and test_tiny_mamba.py hold what only they have.
+tiny-mla's latents, tiny-mamba-hybrid's states (align mode with a cache: block-aligned chunks
+leave checkpoints later prompts resume from; one state block without), tiny-local's
+chunked-local and R-SWA layers (run through EngineNullsMirror) and tiny-encdec's encoder blocks
+take the same tests over their families' workloads (model_workloads.py), and so does
+tiny-llama-hybrid-2x, whose window group's blocks are twice the engine's block size (requests
+hash at --block-size, the gcd; its hits end on the larger size); test_tiny_*.py hold what only
+one model has.
 """
-
-import functools
-import random
 
 import pytest
 import torch
+from model_workloads import (
+    DEVICE,
+    PARAMS,
+    PROMPTS,
+    assert_matches_reference,
+    family,
+    reference,
+    run,
+    workload,
+)
 
-from bench.workload import RankResult, Workload, build_rank, run_to_completion, run_workload
+from bench.workload import Workload, build_rank, run_to_completion
 from engine_core.sched.request import RequestStatus
-from protocol.sampling import SamplingParams
-from tests.conftest import worker_test_device
 from worker.distributed import TPGroup, single_rank_group
 from worker.models.checksum import CHECKSUM, ChecksumModel
-from worker.models.reference import reference_generate
+from worker.models.registry import get_model_info
 from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
-DEVICE = torch.device(worker_test_device())
 MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
 STATE_MODELS = ["tiny-mla", "tiny-mamba-hybrid"]  # latents or Mamba states beside (or in) K/V
-PARAMS = [
-    SamplingParams(max_tokens=7, ignore_eos=True),
-    SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True),
-    SamplingParams(max_tokens=6, temperature=1.3, ignore_eos=True),  # unseeded: handle-derived
-    SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5, 77, 301]),
-]
-
+LOCAL_CHUNK = 32  # tiny-local's attention_chunk_size
+LOCAL_FULL_GROUP, LOCAL_CHUNKED_GROUP, LOCAL_RSWA_GROUP = 0, 1, 2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def make_prompts(seed: int, count: int) -> list[list[int]]:
-    """Prompts of 10..90 tokens; most share a 70-token prefix so prefix caching hits."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 500) for _ in range(70)]
-    prompts = []
-    for i in range(count):
-        head = shared[: rng.randrange(10, 70)] if i % 3 else []
-        prompts.append(head + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 25))])
-    return prompts
+def cases(
+    sizes: dict[str, tuple[int, ...]], caching: tuple[bool, ...] = (True, False)
+) -> list[tuple[str, int, bool]]:
+    return [
+        (m, size, on) for m, model_sizes in sizes.items() for size in model_sizes for on in caching
+    ]
 
 
-PROMPTS = make_prompts(seed=3, count=6)
-
-
-@functools.cache
-def reference(model: str, prompt_idx: int, params_idx: int) -> list[int]:
-    params = PARAMS[params_idx]
-    return reference_generate(model, PROMPTS[prompt_idx], params, handle=prompt_idx + 1)
-
-
-def workload(model: str, block_size: int, num_blocks: int, **options: object) -> Workload:
-    params = [PARAMS[i % len(PARAMS)] for i in range(len(PROMPTS))]
-    return Workload(
-        model, block_size, num_blocks, PROMPTS, params, check_invariants=True, **options
-    )
-
-
-def assert_matches_reference(model: str, result: RankResult) -> None:
-    for i in range(len(PROMPTS)):
-        assert result.outputs[i + 1] == reference(model, i, i % len(PARAMS)), f"request {i + 1}"
+# Room for several requests at once (tiny-local and tiny-encdec: for all six); every prompt
+# longer than the step's token budget is chunked (tiny-encdec's 12 tokens: the encoder runs in
+# the first chunk's step only, later chunks read its K/V from the blocks).
+ROOMY_TOKENS = {"tiny-local": 6 * 160, "tiny-encdec": 6 * 160}  # 4 x 128 for the others
+PAGED_MAX_NUM_BATCHED_TOKENS = {"tiny-encdec": 12}  # 24 for the others
 
 
 @pytest.mark.parametrize(
-    ("model", "block_size"),
-    [(m, size) for m in MODELS for size in (1, 16, 32)]
-    + [(m, size) for m in STATE_MODELS for size in (16, 32)],
+    ("model", "block_size", "enable_prefix_caching"),
+    cases({m: (1, 16, 32) for m in MODELS})
+    + cases({m: (16, 32) for m in STATE_MODELS})
+    + cases({"tiny-llama-hybrid-2x": (4, 16)})
+    + cases({"tiny-local": (4, 16, 32)})
+    + [("tiny-encdec", 4, True), ("tiny-encdec", 16, False), ("tiny-encdec", 32, True)],
 )
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_paged_tokens_equal_reference(
     model: str, block_size: int, enable_prefix_caching: bool
 ) -> None:
-    num_blocks = 1 + 4 * 128 // block_size  # room for several requests at once
+    num_blocks = 1 + ROOMY_TOKENS.get(model, 4 * 128) // block_size
+    max_num_batched_tokens = PAGED_MAX_NUM_BATCHED_TOKENS.get(model, 24)
     work = workload(
         model,
         block_size,
         num_blocks,
-        max_num_batched_tokens=24,  # every prompt longer than 24 tokens is chunked
+        max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
     )
-    result = run_workload(work, single_rank_group(), DEVICE)
-    assert_matches_reference(model, result)
+    result = run(work)
+    assert_matches_reference(model, result.outputs)
     assert (result.num_hit_tokens > 0) == enable_prefix_caching
-    assert max(len(p) for p in PROMPTS) > 24
+    assert max(len(p) for p in family(model).prompts) > max_num_batched_tokens
+    if result.mirror is not None:
+        # tiny-local: chunked prefill crosses chunk boundaries; decode frees earlier chunks and
+        # the R-SWA gap, which the mirror nulls, and prefix hits return earlier chunks as null.
+        mirror = result.mirror
+        assert mirror.num_nulled[LOCAL_FULL_GROUP] == 0
+        assert mirror.num_nulled[LOCAL_CHUNKED_GROUP] > 0, "no earlier chunk was freed"
+        assert mirror.num_nulled[LOCAL_RSWA_GROUP] > 0, "no R-SWA gap was freed while decoding"
+        assert (mirror.num_null_hits > 0) == enable_prefix_caching
+        # some prefill spans two step chunks past 32
+        assert max(len(p) for p in family(model).prompts) > 24 + LOCAL_CHUNK
 
 
 # Pools too small for the batch at each block size, yet holding the longest request alone (the
@@ -98,22 +97,37 @@ def test_paged_tokens_equal_reference(
 # one group at a time from tensors the groups share.
 # tiny-mla's latents fit the plain pools; tiny-mamba-hybrid also holds two state blocks, and
 # plans 48 tokens a step so that its chunks end on block boundaries past the shared prefixes.
+# tiny-local's chunked-local group holds only its current chunk; its R-SWA group, like full
+# attention, is planned for its whole sequence. tiny-encdec's preempted requests lose their
+# encoder blocks and resume with new ones, into which the worker encodes their input again.
+# tiny-llama-hybrid-2x in 36 blocks of 4: the longest request (86 tokens) holds 22
+# full-attention blocks of 4 and cdiv(47 + 24, 8) + 1 = 10 window blocks of 8 (the Scheduler
+# admits 33 and up), too few for the batch.
 TIGHT_NUM_BLOCKS = {1: 87, 4: 23, 16: 9, 32: 4}
 TIGHT_HYBRID_NUM_BLOCKS = {1: 167, 4: 44, 16: 17, 32: 7}
 TIGHT_MAMBA_NUM_BLOCKS = {16: 11, 32: 6}
 TIGHT_POOLS = {
     "tiny-llama-hybrid": TIGHT_HYBRID_NUM_BLOCKS,
     "tiny-mamba-hybrid": TIGHT_MAMBA_NUM_BLOCKS,
+    "tiny-local": {4: 100, 16: 26, 32: 14},
+    "tiny-encdec": {4: 40, 16: 12},
+    "tiny-llama-hybrid-2x": {4: 36},
 }
-MAX_NUM_BATCHED_TOKENS = {"tiny-mamba-hybrid": 48}  # 32 for the others
+MAX_NUM_BATCHED_TOKENS = {
+    "tiny-mamba-hybrid": 48,
+    "tiny-encdec": 16,
+    "tiny-llama-hybrid-2x": 24,
+}  # 32 for the others
 
 
 @pytest.mark.parametrize(
-    ("model", "block_size"),
-    [(m, size) for m in MODELS for size in (1, 4, 16, 32)]
-    + [(m, size) for m in STATE_MODELS for size in (16, 32)],
+    ("model", "block_size", "enable_prefix_caching"),
+    cases({m: (1, 4, 16, 32) for m in MODELS})
+    + cases({m: (16, 32) for m in STATE_MODELS})
+    + cases({"tiny-llama-hybrid-2x": (4,)})
+    + cases({"tiny-local": (4, 16, 32)})
+    + cases({"tiny-encdec": (4, 16)}, caching=(True,)),
 )
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_tokens_survive_preemption_and_recompute(
     model: str, block_size: int, enable_prefix_caching: bool
 ) -> None:
@@ -122,7 +136,8 @@ def test_tokens_survive_preemption_and_recompute(
     Guards the resumed path at every block size, not only at 4: a replacement table whose
     length or slot arithmetic depended on the block size would change the tokens. Resumed
     tiny-mla requests recompute their latents, tiny-mamba-hybrid ones their states from a hit or
-    from zero: a read from a block of the old table would change the tokens.
+    from zero, tiny-encdec ones their encoder K/V: a read from a block of the old table would
+    change the tokens.
     """
     pools = TIGHT_POOLS.get(model, TIGHT_NUM_BLOCKS)
     work = workload(
@@ -132,15 +147,26 @@ def test_tokens_survive_preemption_and_recompute(
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS.get(model, 32),
         enable_prefix_caching=enable_prefix_caching,
     )
-    result = run_workload(work, single_rank_group(), DEVICE)
+    result = run(work)
     assert result.num_preemptions > 0
-    assert_matches_reference(model, result)
+    if result.mirror is not None:
+        # tiny-local: the worker keeps each resumed request's prompt length across the
+        # preemption, so R-SWA reads the same prompt as before.
+        assert result.mirror.resumed_prompts, "no preempted request resumed on the worker"
+        for handle, num_prompt_tokens in result.mirror.resumed_prompts.items():
+            assert num_prompt_tokens == len(family(model).prompts[handle - 1]), handle
+    assert_matches_reference(model, result.outputs)
+
+
+def test_the_2x_window_group_uses_twice_the_block_size() -> None:
+    groups = get_model_info("tiny-llama-hybrid-2x", 4).kv_cache_groups
+    assert [group.spec.block_size for group in groups] == [4, 8]
 
 
 @pytest.mark.parametrize("model", ["tiny-llama-hybrid", *STATE_MODELS])
 def test_float64_kv_cache_gives_the_same_tokens(model: str) -> None:
-    result = run_workload(workload(model, 16, 40, dtype="float64"), single_rank_group(), DEVICE)
-    assert_matches_reference(model, result)
+    result = run(workload(model, 16, 40, dtype="float64"))
+    assert_matches_reference(model, result.outputs)
 
 
 def test_preemption_of_a_decoding_request_keeps_its_tokens() -> None:
@@ -200,7 +226,7 @@ def test_hybrid_block_ids_pass_between_groups_that_share_tensors(
                 ids.update(block.block_id for block in blocks if not block.is_null)
     assert len(ids_per_group[0] & ids_per_group[1]) > 10
     for i in range(len(PROMPTS)):
-        assert outputs[i + 1] == reference("tiny-llama-hybrid", i, i % len(PARAMS)), f"{i + 1}"
+        assert outputs[i + 1] == reference("tiny-llama-hybrid", i), f"{i + 1}"
 
 
 @pytest.mark.parametrize("model", [*MODELS, "tiny-mla"])

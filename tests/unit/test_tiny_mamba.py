@@ -8,26 +8,26 @@ models' in test_models_paged_vs_reference.py.
 """
 
 import random
-import threading
 
 import pytest
 import torch
-from test_models_paged_vs_reference import (
+from model_workloads import (
+    DEVICE,
     PARAMS,
     PROMPTS,
-    TIGHT_MAMBA_NUM_BLOCKS,
     assert_matches_reference,
+    run,
+    run_ranks_as_threads,
     workload,
 )
-from test_tiny_mla import BARRIER_TIMEOUT_S, ThreadedTPGroup
+from test_models_paged_vs_reference import TIGHT_MAMBA_NUM_BLOCKS
 
-from bench.workload import Workload, build_rank, run_to_completion, run_workload
+from bench.workload import Workload, build_rank, run_to_completion
 from engine_client.request import make_request
 from protocol.kv_cache_spec import FullAttentionSpec, MambaSpec, cdiv
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
-from tests.conftest import worker_test_device
-from worker.distributed import single_rank_group
+from worker.distributed import TPGroup, single_rank_group
 from worker.mamba_state import DenseMambaState
 from worker.model_runner import ModelRunner, StepTimings
 from worker.models.reference import ReferenceModel, reference_generate
@@ -35,7 +35,6 @@ from worker.models.registry import get_model_info
 from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
 from worker.models.tiny_mamba_reference import DenseCausalKV
 
-DEVICE = torch.device(worker_test_device())
 MODEL = TINY_MAMBA_HYBRID.name
 MAMBA_GROUP = 1
 
@@ -61,10 +60,10 @@ def test_asynchronous_scheduling_gives_the_same_tokens(enable_prefix_caching: bo
         enable_prefix_caching=enable_prefix_caching,
         async_scheduling=True,
     )
-    result = run_workload(work, single_rank_group(), DEVICE)
+    result = run(work)
     assert result.num_preemptions > 0
     assert (result.num_hit_tokens > 0) == enable_prefix_caching
-    assert_matches_reference(MODEL, result)
+    assert_matches_reference(MODEL, result.outputs)
 
 
 class CheckpointWatch:
@@ -152,24 +151,15 @@ def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(tp_size: int) -> None:
     full = TinyMambaHybrid(config, single_rank_group(), 0, DEVICE)
     whole = DenseMambaState(num_tokens, (config.num_channels, config.state_dim), DEVICE)
     expected = full.forward_with_states(tokens, positions, every, DenseCausalKV(num_tokens), whole)
-    slots: list = [None] * tp_size
-    barrier = threading.Barrier(tp_size, timeout=BARRIER_TIMEOUT_S)
-    results: list = [None] * tp_size
 
-    def run_rank(rank: int) -> None:
-        group = ThreadedTPGroup(rank, tp_size, slots, barrier)
+    def run_rank(group: TPGroup) -> tuple[torch.Tensor, DenseMambaState]:
         model = TinyMambaHybrid(config, group, 0, DEVICE)
         shape = (config.num_channels // tp_size, config.state_dim)
         states = DenseMambaState(num_tokens, shape, DEVICE)
         kv = DenseCausalKV(num_tokens)
-        results[rank] = (model.forward_with_states(tokens, positions, every, kv, states), states)
+        return model.forward_with_states(tokens, positions, every, kv, states), states
 
-    threads = [threading.Thread(target=run_rank, args=(r,)) for r in range(tp_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(BARRIER_TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads)
+    results = run_ranks_as_threads(tp_size, run_rank)
     for logits, _ in results:
         assert torch.equal(logits, expected)
     for name, state in whole.store.items():

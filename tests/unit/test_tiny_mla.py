@@ -5,19 +5,14 @@ float64, a corrupted table entry) are checked with the other models' in
 test_models_paged_vs_reference.py.
 """
 
-import threading
-
 import pytest
 import torch
-from test_models_paged_vs_reference import PROMPTS
+from model_workloads import DEVICE, PROMPTS, run_ranks_as_threads
 
-from tests.conftest import worker_test_device
 from worker.distributed import TPGroup, single_rank_group
 from worker.latent_attention import DenseLatentKV
 from worker.models.tiny_mla import TINY_MLA, TinyMLA
 
-DEVICE = torch.device(worker_test_device())
-BARRIER_TIMEOUT_S = 60.0  # the longest one simulated rank waits for the other at an all-reduce
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -45,22 +40,6 @@ def test_rank_shards_partition_the_heads_and_replicate_the_latent(tp_size: int) 
                 assert torch.equal(getattr(part, name), getattr(layer, name)), name
 
 
-class ThreadedTPGroup(TPGroup):
-    """Ranks as threads of one process: all_reduce sums every rank's tensor at a barrier."""
-
-    def __init__(self, rank: int, tp_size: int, slots: list, barrier: threading.Barrier) -> None:
-        super().__init__(rank, tp_size, process_group=object())
-        self.slots = slots
-        self.barrier = barrier
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[self.rank] = tensor
-        self.barrier.wait()
-        total = sum(self.slots[1:], self.slots[0])
-        self.barrier.wait()  # nobody overwrites a slot before every rank has summed
-        return total
-
-
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(tp_size: int) -> None:
     """Every rank computes the same latent and its own heads; the all-reduced logits of every
@@ -71,22 +50,13 @@ def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(tp_size: int) -> None:
     every = torch.arange(len(sequence))
     full = TinyMLA(TINY_MLA, single_rank_group(), 0, DEVICE)
     expected = full.forward_latent(tokens, positions, every, DenseLatentKV(len(sequence)))
-    slots: list = [None] * tp_size
-    barrier = threading.Barrier(tp_size, timeout=BARRIER_TIMEOUT_S)
-    results: list = [None] * tp_size
 
-    def run_rank(rank: int) -> None:
-        group = ThreadedTPGroup(rank, tp_size, slots, barrier)
+    def run_rank(group: TPGroup) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model = TinyMLA(TINY_MLA, group, 0, DEVICE)
         kv = DenseLatentKV(len(sequence))
-        results[rank] = (model.forward_latent(tokens, positions, every, kv), kv.store)
+        return model.forward_latent(tokens, positions, every, kv), kv.store
 
-    threads = [threading.Thread(target=run_rank, args=(r,)) for r in range(tp_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(BARRIER_TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads)
+    results = run_ranks_as_threads(tp_size, run_rank)
     for logits, latents in results:
         assert torch.equal(logits, expected)
         assert all(torch.equal(latents[name], results[0][1][name]) for name in latents)
