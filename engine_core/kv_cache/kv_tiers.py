@@ -139,6 +139,11 @@ class KVTiers:
         self._awaited_slots: dict[str, set[int]] = {}
         self._has_waited: set[str] = set()
         self._promoted_keys: dict[str, set[BlockHashWithGroupId]] = {}
+        # The views of every lookup, without and with the disk tier: they hold no lookup's state.
+        self._views = (
+            TierHitView(pool, self.host, self.disk, include_disk=False),
+            TierHitView(pool, self.host, self.disk, include_disk=True),
+        )
 
     # ---- the pool evicts ------------------------------------------------------------------
 
@@ -169,7 +174,7 @@ class KVTiers:
 
     def view(self, include_disk: bool) -> TierHitView:
         """The pool's lookups extended into the host tier, and the disk tier if asked."""
-        return TierHitView(self.pool, self.host, self.disk, include_disk and self.disk is not None)
+        return self._views[include_disk and self.disk is not None]
 
     def is_awaiting_disk(self, req_id: str) -> bool:
         """Whether the request's disk hits are still on their way up (their copies unconfirmed).
