@@ -122,6 +122,20 @@ def test_each_hit_counts_once_in_the_tier_it_came_from(make_harness: MakeHarness
     assert (stats.blocks_from_disk, stats.blocks_from_host) == (1, 2)
 
 
+def test_a_block_the_host_still_holds_is_not_copied_down_again(make_harness: MakeHarness) -> None:
+    """A and B take turns in a pool that holds one of them: each comes back from the host tier
+    and is evicted again, and only its first eviction costs a copy (the hierarchy is inclusive)."""
+    harness = make_harness(num_host_slots=16, **TINY_POOL)
+    for idx in range(6):
+        prompt = PROMPT_A if idx % 2 == 0 else PROMPT_B
+        harness.add(f"r{idx}", [*prompt, 60 + idx], max_tokens=1)
+        harness.run()
+    stats = harness.scheduler.kv_cache_manager.make_prefix_cache_stats()
+    tiers = harness.scheduler.kv_cache_manager.tiers
+    assert tiers is not None and len(tiers.host) == 6
+    assert (stats.blocks_to_host, stats.blocks_from_host) == (6, 6)
+
+
 def test_a_disk_slot_that_fails_its_checksum_is_a_miss(make_harness: MakeHarness) -> None:
     """Guards against a corrupt disk slot reaching attention: the request recomputes it."""
     harness = make_harness(num_host_slots=2, num_disk_slots=8, **TINY_POOL)
