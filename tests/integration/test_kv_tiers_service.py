@@ -260,7 +260,7 @@ def test_a_checkpoint_serves_the_same_tokens_with_tiers_on_and_off(
         with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
             wait_serving(processes, client)
             expected = None if tiers == "off" else lambda idx, *_: served["off"][idx]
-            served[tiers] = serve_rounds(client, expected, num_rounds=2, seed=tp_size)
+            served[tiers] = serve_rounds(client, expected, num_rounds=3, seed=tp_size)
             stats = client.get_stats()
         stop_launch(processes)
         processes.procs.pop("launch")
