@@ -3,6 +3,10 @@
 Starts kvserve-core and a kvserve-worker per rank (fixed-time model, CPU), keeps 64, 256 and 1,024
 decodes running, and reads get_stats over --repeats slices of a window (medians reported);
 ratio_model_bound = steps/s x model step time, 1.0 when the engine costs nothing.
+
+With --kv-offload-host-bytes it runs bench/engine_loop_tiers.py's turnover workload instead, blocks
+moving between the pool and a host tier every step, with the tier on and off in alternate
+deployments over --rounds rounds (medians over rounds; each round's window read in slices).
 """
 
 import argparse
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import engine_loop_tiers
 from bench.http import stop_processes
 from bench.report import base_parser, report
 from engine_client.request import make_request
@@ -33,6 +38,7 @@ MODEL = "fixed-time"
 MODES = ("sync", "async")  # the step loop's: --no-async-scheduling, --async-scheduling
 ASYNC_FIELD = "async_scheduling"
 HEADLINE_KEY = "ratio_model_bound_async_tp2_256"
+TIER_HEADLINE_KEY = "ratio_model_bound_async_tp2_256_host"  # with --kv-offload-host-bytes
 PHASES = ("schedule", "encode", "transport", "update")  # get_stats' step_<phase>_s totals
 DEFAULT_SIZES = (64, 256, 1024)
 DEFAULT_TP_SIZES = (1, 2)
@@ -94,7 +100,21 @@ def parse_args(argv: list[str] | None, modes_available: list[str]) -> argparse.N
         help="milliseconds each forward of the fixed-time model lasts at least",
     )
     parser.add_argument("--log-level", default="WARNING", help="of the engine and the workers")
+    parser.add_argument(
+        "--kv-offload-host-bytes",
+        type=int,
+        default=0,
+        help="a host tier of this many bytes (all ranks), under a turnover workload that moves "
+        "blocks every step, against the same workload with no tier; 0: the decode workload",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="--kv-offload-host-bytes: tier off/on rounds"
+    )
     args = parser.parse_args(argv)
+    if args.kv_offload_host_bytes < 0:
+        parser.error(f"--kv-offload-host-bytes {args.kv_offload_host_bytes}: expected >= 0")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected >= 1")
     requested = args.modes or modes_available
     missing = [mode for mode in requested if mode not in modes_available]
     if missing:
@@ -210,7 +230,9 @@ class Sizing:
     model_step_ms: float
 
 
-def commands(folder: Path, sizing: Sizing, loop: list[str], master_port: int) -> list[list[str]]:
+def commands(
+    folder: Path, sizing: Sizing, loop: list[str], master_port: int, tier: tuple[str, ...] = ()
+) -> list[list[str]]:
     """Each rank's kvserve-worker, then kvserve-core (stop_processes stops the last first, and
     the engine stops its ranks itself)."""
     scripts = Path(sys.executable).parent
@@ -220,7 +242,7 @@ def commands(folder: Path, sizing: Sizing, loop: list[str], master_port: int) ->
     worker = [str(scripts / "kvserve-worker"), *shared, "--model", MODEL, "--device", "cpu"]
     worker += ["--model-step-ms", str(sizing.model_step_ms), "--master-port", str(master_port)]
     worker += ["--engine-address", f"ipc://{folder}/worker.sock"]
-    engine = [str(scripts / "kvserve-core"), *shared, *loop]
+    engine = [str(scripts / "kvserve-core"), *shared, *loop, *tier]
     engine += ["--max-num-seqs", str(sizing.max_num_seqs)]
     engine += ["--client-address", f"ipc://{folder}/client.sock"]
     engine += ["--worker-address", f"ipc://{folder}/worker.sock"]
@@ -231,14 +253,14 @@ def commands(folder: Path, sizing: Sizing, loop: list[str], master_port: int) ->
 
 
 def start_deployment(
-    folder: Path, sizing: Sizing, loop: list[str], log_level: str
+    folder: Path, sizing: Sizing, loop: list[str], log_level: str, tier: tuple[str, ...] = ()
 ) -> list[subprocess.Popen]:
     (master_port,) = free_tcp_ports(1)
     # each rank takes its share of the cores, as `kvserve launch` gives it
     env = os.environ | WORKER_ENV | {"LOCAL_WORLD_SIZE": str(sizing.tp_size)}
     processes: list[subprocess.Popen] = []
     try:
-        for command in commands(folder, sizing, loop, master_port):
+        for command in commands(folder, sizing, loop, master_port, tier):
             processes.append(subprocess.Popen([*command, "--log-level", log_level], env=env))
     except OSError:
         stop_processes(processes)
@@ -361,12 +383,96 @@ def run_deployment(
     return figures
 
 
+TIER_SIDES = ("no_tier", "host")
+
+
+def measure_turnover(
+    client: EngineClient, size: int, window_s: float, num_slices: int
+) -> tuple[list[Reading], dict[str, float]]:
+    """Keep `size` turns running, warm up until the batch and the cache have turned over, read
+    the counters at each slice of the window, abort; also the blocks moved per step."""
+    turns = engine_loop_tiers.Turns(client, MODEL, BLOCK_SIZE, size)
+    turns.fill()
+    warm_steps = WARMUP_STEPS + 4 * engine_loop_tiers.TURN_TOKENS
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while int(get_stats(client)["num_engine_steps"]) < warm_steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{size} turns not warmed up in {SETTLE_TIMEOUT_S} s")
+        turns.drain_until(time.monotonic() + POLL_S, POLL_S)
+    first = get_stats(client)
+    readings = [Reading.of(first, time.monotonic())]
+    for slice_idx in range(1, num_slices + 1):
+        turns.drain_until(readings[0].time_s + window_s * slice_idx / num_slices, POLL_S)
+        last = get_stats(client)
+        readings.append(Reading.of(last, time.monotonic()))
+    turns.abort()
+    settle(client, has_running(0), f"aborting {size} turns", frozenset())
+    return readings, engine_loop_tiers.moved_per_step(first, last)
+
+
+def run_turnover(
+    mode: str, tp_size: int, size: int, side: str, args: argparse.Namespace, modes: list[str]
+) -> dict[str, float]:
+    """One deployment of `size` turning-over requests, with the host tier on or off."""
+    kv_bytes = engine_loop_tiers.kv_cache_memory_bytes(MODEL, BLOCK_SIZE, size, tp_size)
+    sizing = Sizing(tp_size, size, max(MAX_NUM_BATCHED_TOKENS, size), kv_bytes, args.model_step_ms)
+    tier = ("--kv-offload-host-bytes", str(args.kv_offload_host_bytes)) if side == "host" else ()
+    with tempfile.TemporaryDirectory(prefix="kvs-loop-", dir="/tmp") as folder:
+        processes = start_deployment(
+            Path(folder), sizing, loop_flags(mode, modes), args.log_level, tier
+        )
+        try:
+            with EngineClient(f"ipc://{folder}/client.sock", CLIENT_TIMEOUT_S) as client:
+                wait_ready(client, processes)
+                readings, moved = measure_turnover(client, size, args.window_s, args.repeats)
+        finally:
+            stop_processes(processes)
+    figures = window_figures(readings, args.model_step_ms / 1000) | moved
+    if mode == "sync":
+        check_model_held(figures, args.model_step_ms, f"sync TP={tp_size} {size} {side}")
+    return figures
+
+
+def run_tier_rounds(args: argparse.Namespace, modes: list[str]) -> dict[str, float]:
+    """Each mode, TP size and size: the tier off and on in alternate deployments, --rounds
+    times; the medians over rounds, and the median of each round's on/off ratio."""
+    measured: dict[str, float] = {}
+    for mode in args.modes:
+        for tp_size in args.tp:
+            for size in args.sizes:
+                rounds: list[dict[str, dict[str, float]]] = []
+                for _ in range(args.rounds):
+                    rounds.append(
+                        {
+                            side: run_turnover(mode, tp_size, size, side, args, modes)
+                            for side in TIER_SIDES
+                        }
+                    )
+                run = f"{mode}_tp{tp_size}_{size}"
+                for side in TIER_SIDES:
+                    for name in rounds[0][side]:
+                        value = statistics.median(r[side][name] for r in rounds)
+                        key = (
+                            f"ratio_model_bound_{run}_{side}"
+                            if name == "ratio_model_bound"
+                            else f"{run}_{side}_{name}"
+                        )
+                        measured[key] = value
+                per_round = [
+                    r["host"]["ratio_model_bound"] / r["no_tier"]["ratio_model_bound"]
+                    for r in rounds
+                ]
+                measured[f"ratio_host_over_no_tier_{run}"] = statistics.median(per_round)
+                measured[f"{run}_min_round_host_over_no_tier"] = min(per_round)
+    return measured
+
+
 def summary(
     measured: dict[str, float], args: argparse.Namespace, modes_available: list[str]
 ) -> dict[str, float | int | str]:
     """The headline first, then every ratio, the run's settings, and every figure."""
     ratios = {key: value for key, value in measured.items() if key.startswith("ratio_")}
-    headline = {HEADLINE_KEY: ratios.pop(HEADLINE_KEY)} if HEADLINE_KEY in ratios else {}
+    headline = {key: ratios.pop(key) for key in (HEADLINE_KEY, TIER_HEADLINE_KEY) if key in ratios}
     settings: dict[str, float | int | str] = {
         "modes_run": ",".join(args.modes),
         "modes_available": ",".join(modes_available),
@@ -377,6 +483,7 @@ def summary(
         "prompt_len": PROMPT_LEN,
         "max_tokens": max_tokens_for(args.window_s, args.model_step_ms / 1000),
         "num_cpus": len(os.sched_getaffinity(0)),
+        "kv_offload_host_bytes": args.kv_offload_host_bytes,
     }
     others = {key: value for key, value in measured.items() if not key.startswith("ratio_")}
     return headline | ratios | settings | others
@@ -386,6 +493,14 @@ def main(argv: list[str] | None = None) -> None:
     modes_available = available_modes()
     args = parse_args(argv, modes_available)
     measured: dict[str, float] = {}
+    if args.kv_offload_host_bytes:
+        measured = run_tier_rounds(args, modes_available)
+        title = (
+            f"engine loop with a host tier of {args.kv_offload_host_bytes} bytes, blocks moving "
+            f"every step, against no tier ({args.rounds} rounds, a {args.model_step_ms} ms step)"
+        )
+        report(title, summary(measured, args, modes_available), args.json)
+        return
     for mode in args.modes:
         for tp_size in args.tp:
             measured |= run_deployment(mode, tp_size, args, modes_available)

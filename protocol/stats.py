@@ -25,8 +25,9 @@ class PrefixCacheStats(msgspec.Struct):
     preempted_hits: int = 0  # of those, tokens found in the cache
     resets: int = 0  # times the prefix cache was cleared
     # The tiers below the pool (DESIGN.md §3.5), over every admission, preempted ones included:
-    host_hits: int = 0  # tokens of the hits above copied in from the host tier
-    disk_hits: int = 0  # of those, tokens the host tier first fetched from disk for the request
+    # Each tier hit counts once, in the tier it came from (`hits` counts every tier's):
+    host_hits: int = 0  # tokens of the hits above found in the host tier
+    disk_hits: int = 0  # tokens of the hits above found on disk (fetched up through the host)
     blocks_to_host: int = 0  # blocks copied device -> host (the pool evicted them)
     blocks_to_disk: int = 0  # blocks copied host -> disk (the host tier evicted them)
     blocks_from_disk: int = 0  # blocks copied disk -> host (a disk hit promoted)

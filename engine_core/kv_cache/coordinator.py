@@ -24,7 +24,7 @@ from engine_core.kv_cache.retention import (
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheConfig
 from engine_core.kv_cache.spec_managers import make_single_type_manager
-from engine_core.kv_cache.tier_hits import TierHitView
+from engine_core.kv_cache.tier_hits import HitSource
 
 __all__ = [
     "BlocksPerGroup",
@@ -221,7 +221,7 @@ class KVCacheCoordinator(ABC):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         """The hit blocks per group and the hit length in tokens, touching nothing.
 
@@ -233,7 +233,7 @@ class KVCacheCoordinator(ABC):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         """Each group's own longest hit within `max_cache_hit_length`, as if it were alone.
 
@@ -279,7 +279,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         return self._no_hit, 0
 
@@ -346,7 +346,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         manager = self._manager
         hits = manager.find_longest_cache_hit(
@@ -418,7 +418,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         return self.hit_search.find_longest_cache_hit(
             block_hashes, max_cache_hit_length, hit_source
@@ -428,7 +428,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         return self.hit_search.find_longest_cache_hit_per_group(
             block_hashes, max_cache_hit_length, hit_source

@@ -12,6 +12,7 @@ from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import CrossAttentionSpec, KVCacheSpec
+from engine_core.kv_cache.tier_hits import HitSource
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):
@@ -71,7 +72,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
+        block_pool: HitSource,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Never a hit. A hybrid coordinator does not ask this group at all, so that it never

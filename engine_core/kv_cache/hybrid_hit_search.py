@@ -18,7 +18,7 @@ from engine_core.kv_cache.spec import (
     KVCacheSpec,
 )
 from engine_core.kv_cache.spec_managers import spec_manager_class
-from engine_core.kv_cache.tier_hits import TierHitView
+from engine_core.kv_cache.tier_hits import HitSource
 
 BlocksPerGroup = tuple[Sequence[KVCacheBlock], ...]  # one block list per KV-cache group
 HitLengths = tuple[int, ...]  # one hit length in tokens per KV-cache group
@@ -53,7 +53,7 @@ class HybridHitSearch:
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, int]:
         """Shrink the hit length until every group hits at least that far (a fixed point).
 
@@ -95,7 +95,7 @@ class HybridHitSearch:
         self,
         block_hashes: Sequence[BlockHash],
         max_cache_hit_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[BlocksPerGroup, HitLengths]:
         """One aligned search per spec group (groups of one spec hit together), none bounding
         another."""
@@ -130,7 +130,7 @@ class HybridHitSearch:
         group_ids: list[int],
         block_hashes: Sequence[BlockHash],
         max_length: int,
-        hit_source: BlockPool | TierHitView | None = None,
+        hit_source: HitSource | None = None,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The spec group's longest hit within `max_length` that ends on `alignment_tokens`.
 

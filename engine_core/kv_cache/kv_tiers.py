@@ -139,6 +139,11 @@ class KVTiers:
         self._awaited_slots: dict[str, set[int]] = {}
         self._has_waited: set[str] = set()
         self._promoted_keys: dict[str, set[BlockHashWithGroupId]] = {}
+        # The views of every lookup, without and with the disk tier: they hold no lookup's state.
+        self._views = (
+            TierHitView(pool, self.host, self.disk, include_disk=False),
+            TierHitView(pool, self.host, self.disk, include_disk=True),
+        )
 
     # ---- the pool evicts ------------------------------------------------------------------
 
@@ -169,7 +174,7 @@ class KVTiers:
 
     def view(self, include_disk: bool) -> TierHitView:
         """The pool's lookups extended into the host tier, and the disk tier if asked."""
-        return TierHitView(self.pool, self.host, self.disk, include_disk and self.disk is not None)
+        return self._views[include_disk and self.disk is not None]
 
     def is_awaiting_disk(self, req_id: str) -> bool:
         """Whether the request's disk hits are still on their way up (their copies unconfirmed).
@@ -208,6 +213,7 @@ class KVTiers:
             if host_slot is not None:  # already on its way up, for another request
                 if host_slot in host.pending:
                     awaited.add(host_slot)
+                    promoted.add(key)  # it reaches this request from disk too
                 continue
             disk_slot = disk.lookup(key)
             if disk_slot is None:
@@ -246,15 +252,17 @@ class KVTiers:
     def count_admitted_hits(
         self, req_id: str, computed: Sequence[Sequence[KVCacheBlock]]
     ) -> tuple[int, int]:
-        """An admitted lookup's tier hits in tokens, and those of them fetched from disk for
-        it, in the group that took most (each group holds its own copy of the same tokens).
-        The request's admission is over: its disk wait is forgotten."""
+        """An admitted lookup's tier hits in tokens, each counted once in the tier it came
+        from: the host tier's own, and those fetched up from disk for the request (which the
+        host tier then hands in); per tier in the group that took most (each group holds its
+        own copy of the same tokens). The request's admission is over: its disk wait is
+        forgotten."""
         promoted = self._promoted_keys.get(req_id, set())
         num_host_tokens = num_disk_tokens = 0
         for blocks, block_size in zip(computed, self.block_sizes, strict=True):
             keys = [block.block_hash for block in blocks if isinstance(block, TierHit)]
             num_disk_blocks = sum(1 for key in keys if key in promoted)
-            num_host_tokens = max(num_host_tokens, len(keys) * block_size)
+            num_host_tokens = max(num_host_tokens, (len(keys) - num_disk_blocks) * block_size)
             num_disk_tokens = max(num_disk_tokens, num_disk_blocks * block_size)
         self.forget_request(req_id)
         return num_host_tokens, num_disk_tokens

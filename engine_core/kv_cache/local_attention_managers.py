@@ -16,6 +16,7 @@ from engine_core.kv_cache.single_type_manager import (
     SingleTypeKVCacheManager,
 )
 from engine_core.kv_cache.spec import ChunkedLocalAttentionSpec, KVCacheSpec, RSWASpec, cdiv
+from engine_core.kv_cache.tier_hits import HitSource
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
@@ -52,7 +53,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
+        block_pool: HitSource,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Null blocks up to the chunk of token `max_length`, then the cached run from there.

@@ -13,6 +13,7 @@ from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 from engine_core.kv_cache.spec import KVCacheSpec, MambaSpec, cdiv
+from engine_core.kv_cache.tier_hits import HitSource
 
 # What vLLM 0.33.0 does (MambaManager, MambaSpec, Scheduler._mamba_block_aligned_split), and
 # where kvserve differs on purpose:
@@ -88,7 +89,7 @@ class MambaManager(SingleTypeKVCacheManager):
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
+        block_pool: HitSource,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """The last cached state within `max_length` tokens, after null blocks; none in mode none.

@@ -16,6 +16,7 @@ from engine_core.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
+from engine_core.kv_cache.tier_hits import HitSource
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -240,7 +241,7 @@ class SingleTypeKVCacheManager(ABC):
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
+        block_pool: HitSource,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """The cached blocks of the longest usable prefix of at most `max_length` tokens.
@@ -293,7 +294,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
+        block_pool: HitSource,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Scan left to right and stop at the first block that misses in any group."""
@@ -350,7 +351,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         block_hashes: Sequence[BlockHash],
         max_length: int,
         kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
+        block_pool: HitSource,
         kv_cache_spec: KVCacheSpec,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Scan right to left for a run of cached blocks long enough to cover the window.

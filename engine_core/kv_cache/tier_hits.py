@@ -8,6 +8,7 @@ never touched, tabled or freed: admission replaces it by a fresh device block.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
@@ -20,6 +21,20 @@ from engine_core.kv_cache.kv_request import KVCacheRequest
 from engine_core.kv_cache.tier_index import TierIndex
 
 NO_BLOCK_ID = -1  # a TierHit has no device block until admission gives it one
+
+
+class HitSource(Protocol):
+    """The lookups a hit scan reads: the BlockPool's own, or a TierHitView's past them."""
+
+    null_block: KVCacheBlock
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None: ...
+
+    def get_cached_prefix(
+        self, block_hashes: Sequence[BlockHash], num_blocks: int, kv_cache_group_id: int
+    ) -> list[KVCacheBlock]: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -78,7 +78,7 @@ class EngineMetrics:
         )
         disk_hits = Counter(
             "kvserve:prefix_cache_disk_hits",
-            "prompt tokens of the host-tier hits first fetched from the disk tier",
+            "prompt tokens of the hits found in the disk tier (not counted as host hits)",
             registry=r,
         )
         moved = Counter(

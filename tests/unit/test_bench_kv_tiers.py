@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import engine_loop
+from bench import engine_loop_tiers as loop_tiers
+from bench.engine_loop_tiers import DOCUMENT_TOKENS, NUM_DOCUMENTS, SPARE_BLOCKS, turn_blocks
 from bench.kv_tiers import Chat, TurnResult, side_figures, side_flags, summarize
 
 CHAT = Chat(8, 3, 512, 32, 16, 2)
@@ -56,3 +59,26 @@ def test_the_goals_are_medians_of_per_round_ratios() -> None:
     assert summary["ratio_ttft_p50_no_tier_over_host"] == pytest.approx(4.0)  # of 10, 3, 4
     assert summary["host_hit_rate_points_below_pool_4x"] == pytest.approx(2.0)
     assert summary["host_disk_hit_rate_points_below_pool_4x"] == pytest.approx(7.0)
+
+
+def test_the_engine_loop_turnover_moves_documents_through_the_host_tier() -> None:
+    """bench.engine_loop --kv-offload-host-bytes: the documents do not fit in the pool's spare
+    blocks, the turns do, and the host tier's bytes cover every rank."""
+    assert turn_blocks(16) == 6  # 64 + 8 + 24 tokens
+    assert NUM_DOCUMENTS * DOCUMENT_TOKENS // 16 == 16 * SPARE_BLOCKS
+    # 256 turns drawn at random hold about 162 documents: the ~94 others' blocks exceed the spare
+    held = NUM_DOCUMENTS * (1 - (1 - 1 / NUM_DOCUMENTS) ** 256)
+    assert round(held) == 162
+    assert (NUM_DOCUMENTS - held) * DOCUMENT_TOKENS // 16 > SPARE_BLOCKS
+    one_block = loop_tiers.kv_cache_memory_bytes("fixed-time", 16, 1, 2) // (6 + SPARE_BLOCKS)
+    assert loop_tiers.kv_cache_memory_bytes("fixed-time", 16, 256, 2) == one_block * (
+        256 * 6 + SPARE_BLOCKS
+    )
+    assert loop_tiers.host_tier_bytes("fixed-time", 16, 8192, 2) == 8192 * one_block * 2
+
+
+@pytest.mark.parametrize("flag", [["--kv-offload-host-bytes", "-1"], ["--rounds", "0"]])
+def test_the_engine_loop_refuses_bad_tier_flags(flag: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        engine_loop.parse_args(flag, ["sync", "async"])
+    assert exit_info.value.code == 2

@@ -99,7 +99,41 @@ def test_a_disk_hit_waits_one_step_for_its_confirmed_copy(make_harness: MakeHarn
     assert harness.num_cached_tokens["a2"] == 8
     assert harness.tokens["a2"] == reference_tokens([*PROMPT_A, 60], 3, harness.vocab_size)
     stats = harness.scheduler.kv_cache_manager.make_prefix_cache_stats()
-    assert (stats.host_hits, stats.disk_hits, stats.blocks_from_disk) == (8, 4, 1)
+    # Each hit counts once, in the tier it was found in: A's first block was still on the host
+    # tier, its second came up from disk (and then in through the host tier, as a disk hit).
+    assert (stats.hits, stats.host_hits, stats.disk_hits) == (8, 4, 4)
+    assert (stats.blocks_from_disk, stats.blocks_from_host) == (1, 2)
+
+
+def test_each_hit_counts_once_in_the_tier_it_came_from(make_harness: MakeHarness) -> None:
+    """A disk hit goes up through the host tier, and a second request of the prefix then hits
+    the device pool: every hit counts once, in its own tier, and `hits` counts all of them."""
+    harness = make_harness(num_host_slots=2, num_disk_slots=8, **TINY_POOL)
+    for req_id, prompt in (("a", PROMPT_A), ("b", PROMPT_B), ("c", PROMPT_C)):
+        harness.add(req_id, prompt, max_tokens=1)
+        harness.run()
+    harness.add("a2", [*PROMPT_A, 60], max_tokens=3)
+    harness.add("a3", [*PROMPT_A, 61], max_tokens=3)
+    harness.run()
+    assert (harness.num_cached_tokens["a2"], harness.num_cached_tokens["a3"]) == (8, 12)
+    stats = harness.scheduler.kv_cache_manager.make_prefix_cache_stats()
+    # a2: one block from the host tier, one from disk; a3: A's three blocks, all on device.
+    assert (stats.hits, stats.host_hits, stats.disk_hits) == (20, 4, 4)
+    assert (stats.blocks_from_disk, stats.blocks_from_host) == (1, 2)
+
+
+def test_a_block_the_host_still_holds_is_not_copied_down_again(make_harness: MakeHarness) -> None:
+    """A and B take turns in a pool that holds one of them: each comes back from the host tier
+    and is evicted again, and only its first eviction costs a copy (the hierarchy is inclusive)."""
+    harness = make_harness(num_host_slots=16, **TINY_POOL)
+    for idx in range(6):
+        prompt = PROMPT_A if idx % 2 == 0 else PROMPT_B
+        harness.add(f"r{idx}", [*prompt, 60 + idx], max_tokens=1)
+        harness.run()
+    stats = harness.scheduler.kv_cache_manager.make_prefix_cache_stats()
+    tiers = harness.scheduler.kv_cache_manager.tiers
+    assert tiers is not None and len(tiers.host) == 6
+    assert (stats.blocks_to_host, stats.blocks_from_host) == (6, 6)
 
 
 def test_a_disk_slot_that_fails_its_checksum_is_a_miss(make_harness: MakeHarness) -> None:
