@@ -54,12 +54,14 @@ class EngineHandle:
         self.routing_info: dict[str, object] | None = None  # get_routing_info, per connection
         self.hash_params: HashParams | None = None  # announced in routing_info
         self.hash_mismatch: str | None = None  # why its hashes differ from the pool's: not routed
+        self.reports_load = True  # until it answers get_load as an unknown call (per connection)
 
     async def reconnect(self) -> None:
         """A fresh client: a client that saw its engine disconnect stays dead."""
         fresh = AsyncEngineClient(self.address, timeout_s=self.timeout_s, curve=self.curve)
         old, self.client = self.client, fresh
         self.routing_info = None  # asked again of whatever engine answers next
+        self.reports_load = True
         await old.close()
 
     @property
@@ -85,6 +87,28 @@ class EngineHandle:
                 self.hash_params = None
                 self.hash_mismatch = str(exc)
         return self.routing_info or None
+
+    async def fetch_load(self) -> dict[str, int] | None:
+        """The engine's get_load (its waiting prefill tokens and running decodes), or None when
+        it did not answer in time or does not know the call (it is then scored by this front
+        end's own count alone)."""
+        if not self.reports_load:
+            return None
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                load = await self.client.call_utility("get_load")
+        except UtilityCallError as exc:
+            logger.warning("engine at %s reports no load: %s", self.address, exc)
+            self.reports_load = False
+            return None
+        except (TimeoutError, EngineConnectionLost, EngineDeadError):
+            return None  # the health check judges the engine
+        keys = ("waiting_prefill_tokens", "running_decodes")
+        if not (isinstance(load, dict) and all(isinstance(load.get(key), int) for key in keys)):
+            logger.warning("engine at %s: get_load answered %r: not used", self.address, load)
+            self.reports_load = False
+            return None
+        return load
 
     def mark_down(self, reason: str) -> None:
         if self.is_healthy:
@@ -172,7 +196,8 @@ class EnginePool:
 
     async def check_health(self) -> list[bool]:
         """Ask every engine now; whether each answered. Then follow what they announced."""
-        answers = list(await asyncio.gather(*(handle.check_health() for handle in self.handles)))
+        checks = (self._check_engine(idx, handle) for idx, handle in enumerate(self.handles))
+        answers = list(await asyncio.gather(*checks))
         announced = [handle.hash_params for handle in self.handles if handle.hash_params]
         if announced and announced[0] != self.hash_params:  # the first engine, by flag order
             self.hash_params = announced[0]
@@ -183,6 +208,23 @@ class EnginePool:
             if handle.is_healthy and handle.routing_info is not None:
                 self._adopt_routing_info(engine_idx, handle)
         return answers
+
+    async def _check_engine(self, engine_idx: int, handle: EngineHandle) -> bool:
+        """One engine's health check, then its load report: the router's own share of that
+        engine is noted as the call is sent, so that its requests are never counted twice."""
+        load = self.router.load
+        if not await handle.check_health():
+            if not handle.is_healthy:
+                load.forget_report(engine_idx)
+            return False
+        own_when_asked = load.own_snapshot(engine_idx)
+        report = await handle.fetch_load()
+        if report is not None:
+            waiting, running = report["waiting_prefill_tokens"], report["running_decodes"]
+            load.on_report(engine_idx, waiting, running, own_when_asked)
+        elif not handle.reports_load:
+            load.forget_report(engine_idx)
+        return True
 
     def _adopt_routing_info(self, engine_idx: int, handle: EngineHandle) -> None:
         """Check an engine's hash parameters against the fleet's and follow its KV events."""
@@ -238,6 +280,8 @@ class EnginePool:
                 "actual_hit_tokens": router.actual_hit_tokens[idx],
                 "waiting_prefill_tokens": router.load.waiting_prefill_tokens[idx],
                 "running_decodes": router.load.num_running[idx],
+                "other_waiting_prefill_tokens": router.load.others_waiting_prefill_tokens[idx],
+                "other_running_decodes": router.load.others_running_decodes[idx],
             }
             if subscriber is not None:
                 engine |= {

@@ -38,6 +38,7 @@ class Decision:
     predicted_hit_tokens: int | None  # None when no index of that engine was usable
     num_prefill_tokens: int  # prompt tokens the load counts as waiting until the first output
     num_tokens: int  # prompt plus the most tokens the request may generate
+    num_prompt_tokens: int
     is_first_block: bool = False  # chosen (and counted) by the first-block router
 
 
@@ -123,9 +124,10 @@ class RequestRouter:
             num_prompt = len(prompt_token_ids)
             predicted = predicted_hit_tokens(weighted[engine_idx], self.block_size, num_prompt)
         num_prefill = len(prompt_token_ids) - (predicted or 0)
-        self.load.add(engine_idx, num_prefill, num_tokens)
+        num_prompt = len(prompt_token_ids)
+        self.load.add(engine_idx, num_prefill, num_prompt, num_tokens)
         self.decisions[engine_idx] += 1
-        return Decision(engine_idx, predicted, num_prefill, num_tokens, is_first_block)
+        return Decision(engine_idx, predicted, num_prefill, num_tokens, num_prompt, is_first_block)
 
     def _pick(
         self,
@@ -152,7 +154,9 @@ class RequestRouter:
 
     def on_first_output(self, decision: Decision, num_cached_tokens: int) -> None:
         """The request's prefill ended; the engine served `num_cached_tokens` from its cache."""
-        self.load.start_decoding(decision.engine_idx, decision.num_prefill_tokens)
+        self.load.start_decoding(
+            decision.engine_idx, decision.num_prefill_tokens, decision.num_prompt_tokens
+        )
         if decision.predicted_hit_tokens is not None:
             self.num_predicted[decision.engine_idx] += 1
             self.predicted_hit_tokens[decision.engine_idx] += decision.predicted_hit_tokens
@@ -163,7 +167,11 @@ class RequestRouter:
         if decision.is_first_block:
             self.first_block.release(decision.engine_idx, decision.num_tokens)
         self.load.remove(
-            decision.engine_idx, decision.num_prefill_tokens, decision.num_tokens, is_decoding
+            decision.engine_idx,
+            decision.num_prefill_tokens,
+            decision.num_prompt_tokens,
+            decision.num_tokens,
+            is_decoding,
         )
 
     def check_invariants(self) -> None:

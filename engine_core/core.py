@@ -231,6 +231,9 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def make_load(self) -> dict[str, int]:
+        return self.scheduler.make_load()
+
     def get_stats(self) -> dict[str, StatValue]:
         """`make_stats` flattened, for callers that read figures by key (`"num_steps"`)."""
         return stat_values(self.scheduler.make_stats())

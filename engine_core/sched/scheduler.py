@@ -463,6 +463,22 @@ class Scheduler:
             return False, "cannot reset the prefix cache: blocks are still in use"
         return True, None
 
+    def make_load(self) -> dict[str, int]:
+        """The outstanding work a front end weighs when it routes: prompt tokens still to compute
+        (a waiting request's whole sequence less what is computed, a running one's prompt less
+        what is computed) and the running requests past their prompt. Cheap: no cache lookups."""
+        waiting_prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        running_decodes = 0
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                waiting_prefill_tokens += request.num_prompt_tokens - request.num_computed_tokens
+            else:
+                running_decodes += 1
+        return {
+            "waiting_prefill_tokens": waiting_prefill_tokens,
+            "running_decodes": running_decodes,
+        }
+
     def make_stats(self) -> SchedulerStats:
         """Current counts and totals since start; the KV-cache manager owns the prefix-cache
         totals, so this only reads and may be called any number of times."""

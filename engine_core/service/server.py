@@ -294,6 +294,7 @@ class EngineServer:
             "get_model_info": lambda: (True, self._model_info(), None),
             "get_cached_block_hashes": lambda: (True, self.core.cached_block_counts(), None),
             "get_routing_info": lambda: (True, self._routing_info(), None),
+            "get_load": lambda: (True, self.core.make_load(), None),
         }
         method = methods.get(call.method)
         if method is None:

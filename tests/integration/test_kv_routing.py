@@ -28,6 +28,7 @@ from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_l
 pytestmark = pytest.mark.integration
 
 MODEL = "checksum"
+SLOW = "fixed-time"  # checksum's tokens, each forward lasting --model-step-ms
 ENGINE_FLAGS = ("--num-gpu-blocks-override", "24", "--max-model-len", "256")
 STARTUP_TIMEOUT_S = 120.0
 SYNC_TIMEOUT_S = 20.0  # the index must catch up with an idle engine's map within this
@@ -45,17 +46,21 @@ def events_flags(ports: tuple[int, int]) -> list[str]:
     return ["--kv-events-config", json.dumps(config)]
 
 
-def launch_engine(processes: Processes, folder: Path, name: str, *extra: str) -> str:
+def launch_engine(
+    processes: Processes, folder: Path, name: str, *extra: str, model: str = MODEL
+) -> str:
     client = f"ipc://{folder}/client-{name}.sock"
-    args = ["launch", "-tp", "1", "--model", MODEL, "--device", "cpu", "--client-address", client]
+    args = ["launch", "-tp", "1", "--model", model, "--device", "cpu", "--client-address", client]
     args += ["--worker-address", f"ipc://{folder}/worker-{name}.sock", "--log-level", "INFO"]
     args += ["--master-port", str(free_tcp_ports(1)[0]), "--kv-cache-memory-bytes", "4000000"]
     processes.start(f"launch-{name}", "kvserve_main", [*args, *ENGINE_FLAGS, *extra])
     return client
 
 
-def start_front_end(processes: Processes, name: str, engines: list[str], port: int) -> str:
-    args = ["serve", "--model", MODEL, "--port", str(port), "--log-level", "INFO"]
+def start_front_end(
+    processes: Processes, name: str, engines: list[str], port: int, *extra: str, model: str = MODEL
+) -> str:
+    args = ["serve", "--model", model, "--port", str(port), "--log-level", "INFO", *extra]
     args += ["--router-policy", "kv", "--router-silent-limit-s", str(SILENT_LIMIT_S)]
     for address in engines:
         args += ["--engine-address", address]
@@ -123,8 +128,8 @@ def conversation_prompts(seed: int, num_prompts: int) -> list[list[int]]:
     ]
 
 
-def complete(url: str, prompt: list[int]) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+def complete(url: str, prompt: list[int], model: str = MODEL) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
     assert answer.status_code == 200, answer.text
     return answer.json()["usage"]
@@ -221,6 +226,64 @@ def test_the_index_equals_the_engines_maps_through_eviction_reset_restart_and_ch
     stats = assert_index_matches(url, engines, "after engine b restarted")
     assert stats["engines"][1]["restarts"] == 1 and stats["engines"][1]["index_blocks"] > 0
     stop_process(processes, "api-again")
+    stop_process(processes, "launch-a")
+    stop_process(processes, "launch-b")
+
+
+@pytest.mark.timeout(240)
+def test_the_kv_policy_weighs_work_another_client_sent_the_engine_directly(
+    processes: Processes, ipc_folder: Path
+) -> None:
+    """A client talking to engine a directly keeps two requests decoding there: the front end
+    learns it from engine a's load report, and sends a request whose prefix a holds to engine b
+    while they run (a decode weighs 100 prompt tokens here), then one whose prefix a holds
+    longer to engine a once they ended. On the front end's own count, a would have won both."""
+    slow = ("--model-step-ms", "100")  # the direct requests decode for about 10 s
+    ports = free_tcp_ports(5)
+    engines = [
+        launch_engine(processes, ipc_folder, name, *events_flags(pair), *slow, model=SLOW)
+        for name, pair in (("a", (ports[0], ports[1])), ("b", (ports[2], ports[3])))
+    ]
+    weight = ("--router-decode-weight", "100")
+    url = start_front_end(processes, "api", engines, ports[4], *weight, model=SLOW)
+    prompt = [random.Random(11).randrange(3, 250) for _ in range(48)]  # 3 blocks of 16
+
+    def serve_directly() -> None:
+        async def run() -> None:
+            client = AsyncEngineClient(engines[0], timeout_s=HTTP_TIMEOUT_S)
+            try:
+                params = SamplingParams(max_tokens=100, ignore_eos=True)
+                requests = [make_request(f"direct-{idx}", prompt, params) for idx in range(2)]
+
+                async def one(request) -> None:  # type: ignore[no-untyped-def]
+                    async for output in client.generate(request):
+                        assert output.error is None, output.error
+
+                await asyncio.gather(*(one(request) for request in requests))
+            finally:
+                await client.close()
+
+        asyncio.run(run())
+
+    def others(want: list[int]) -> dict | None:
+        stats = router_stats(url)
+        found = [engine["other_running_decodes"] for engine in stats["engines"]]
+        return stats if found == want else None
+
+    with ThreadPoolExecutor(1) as pool:
+        direct = pool.submit(serve_directly)
+        stats = wait_for(lambda: others([2, 0]), SYNC_TIMEOUT_S, "engine a reporting 2 decodes")
+        assert stats["engines"][0]["index_blocks"] >= 3, stats  # a holds the prompt's blocks
+        assert stats["engines"][0]["decisions"] == 0, stats
+        complete(url, prompt[:32] + [7] * 24, model=SLOW)  # a holds its first 2 blocks
+        decisions = [engine["decisions"] for engine in router_stats(url)["engines"]]
+        assert decisions == [0, 1], decisions  # a's cached prefix lost to its other client
+        direct.result(timeout=HTTP_TIMEOUT_S)
+    wait_for(lambda: others([0, 0]), SYNC_TIMEOUT_S, "engine a reporting its decodes ended")
+    complete(url, prompt + [9] * 8, model=SLOW)  # a holds 3 blocks of it, b 2
+    decisions = [engine["decisions"] for engine in router_stats(url)["engines"]]
+    assert decisions == [1, 1], decisions  # idle again, a's cached prefix wins
+    stop_process(processes, "api")
     stop_process(processes, "launch-a")
     stop_process(processes, "launch-b")
 

@@ -6,11 +6,12 @@ on their hash parameters."""
 import random
 
 import pytest
+from fake_executor import MakeHarness
 
 from api_server.kv_event_subscriber import subscribable_endpoint
 from api_server.kv_index import KVBlockIndex, Offer, index_key
 from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
-from api_server.request_router import RequestHasher, RequestRouter, RouterPolicy
+from api_server.request_router import Decision, RequestHasher, RequestRouter, RouterPolicy
 from kv_hashing.block_hasher import BlockHasher, first_block_extra_keys
 from kv_hashing.hash_params import (
     HashParams,
@@ -121,12 +122,12 @@ def test_the_scorer_weighs_the_cached_prefix_against_waiting_prefill_and_decodes
     # engine 0 holds 8 blocks (32 tokens): cost 41 - 32 = 9, engine 1 costs 41
     assert scorer.costs([8.0, 0.0], prompt_len, load) == [9.0, 41.0]
     assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 0
-    load.add(0, 20, 60)  # 20 prompt tokens waiting on engine 0: 29 still beats 41
+    load.add(0, 20, 20, 60)  # 20 prompt tokens waiting on engine 0: 29 still beats 41
     assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 0
-    load.start_decoding(0, 20)
+    load.start_decoding(0, 20, 20)
     for _ in range(4):
-        load.add(0, 0, 10)
-        load.start_decoding(0, 0)
+        load.add(0, 0, 4, 10)
+        load.start_decoding(0, 0, 4)
     assert scorer.costs([8.0, 0.0], prompt_len, load) == [9.0 + 5 * 8.0, 41.0]
     assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 1  # too busy now
     assert scorer.choose([8.0, 0.0], prompt_len, load, [0], [8, 0]) == 0  # the only candidate
@@ -137,12 +138,60 @@ def test_the_scorer_weighs_the_cached_prefix_against_waiting_prefill_and_decodes
         KVScoreWeights(decode_weight=-1.0)
 
 
+def test_the_engines_reports_add_other_clients_work_to_the_front_ends_own() -> None:
+    """A report counts the front end's own requests too (waiting ones by their whole prompts):
+    only the rest is added, and what the front end sends or finishes after asking counts at once."""
+    load = EngineLoad(2)
+    load.add(0, 8, 40, 60)  # waits on engine 0: 40-token prompt, 32 of them predicted cached
+    asked = load.own_snapshot(0)
+    assert asked == (40, 0)
+    # engine 0 holds the request (40) and another client's 100 tokens waiting and 3 decodes
+    load.on_report(0, 140, 3, asked)
+    assert (load.others_waiting_prefill_tokens[0], load.others_running_decodes[0]) == (100, 3)
+    assert (load.scored_waiting_prefill_tokens(0), load.scored_running_decodes(0)) == (108, 3)
+    load.add(0, 30, 30, 40)  # a burst after the report counts before the next one
+    assert load.scored_waiting_prefill_tokens(0) == 138
+    load.start_decoding(0, 8, 40)
+    assert (load.scored_waiting_prefill_tokens(0), load.scored_running_decodes(0)) == (130, 4)
+    # A report that already missed a request the front end still counts never goes negative.
+    load.on_report(1, 0, 0, (50, 2))
+    assert (load.others_waiting_prefill_tokens[1], load.others_running_decodes[1]) == (0, 0)
+    load.forget_report(0)
+    assert (load.scored_waiting_prefill_tokens(0), load.scored_running_decodes(0)) == (30, 1)
+    load.check_invariants()
+
+
+def test_the_kv_policy_avoids_an_engine_busy_with_another_clients_work() -> None:
+    """Two routers given the same events and reports decide alike; the engine another client
+    keeps busy loses a request it would win on its cached prefix alone."""
+    index = KVBlockIndex(2)
+    prompt = list(range(3, 3 + 21))  # five blocks before the last token
+    index.offer(0, 0, batch(stored(prompt_hashes(prompt[:20]))))
+    routers = [RequestRouter(2, BLOCK_SIZE, RouterPolicy.KV) for _ in range(3)]
+    for router in routers:
+        router.hasher = RequestHasher(PARAMS)
+
+    def choose(router: RequestRouter) -> Decision:
+        return router.choose(prompt, 30, None, [True, True], index, [True, True])
+
+    assert choose(routers[0]).engine_idx == 0  # no report: its cached prefix wins
+    for router in routers[1:]:
+        asked = router.load.own_snapshot(0)
+        router.load.on_report(0, 16, 2, asked)  # another client's work: 16 + 2 * 8 > 20 saved
+        router.load.on_report(1, 0, 0, router.load.own_snapshot(1))
+    decisions = [choose(router) for router in routers[1:]]
+    assert [d.engine_idx for d in decisions] == [1, 1]
+    assert decisions[0] == decisions[1]
+    for router in routers:
+        router.check_invariants()
+
+
 def test_ties_go_to_the_longer_hit_then_less_load_then_the_emptier_cache() -> None:
     load = EngineLoad(3)
     scorer = KVScorer(KVScoreWeights(prefill_weight=0.0, decode_weight=0.0), BLOCK_SIZE)
     assert scorer.choose([1.0, 2.0, 0.0], 20, load, [0, 1, 2], [5, 5, 5]) == 1
     assert scorer.choose([0.0, 0.0, 0.0], 20, load, [0, 1, 2], [5, 2, 3]) == 1
-    load.add(1, 4, 4)
+    load.add(1, 4, 4, 4)
     assert scorer.choose([0.0, 0.0, 0.0], 20, load, [0, 1, 2], [5, 2, 3]) == 2
 
 
@@ -299,3 +348,25 @@ def test_a_wildcard_events_endpoint_takes_the_engines_host() -> None:
         "tcp://10.0.0.9:5557"
     )
     assert subscribable_endpoint("ipc:///tmp/kv.sock", "tcp://10.0.0.7:1") == "ipc:///tmp/kv.sock"
+
+
+def test_an_engines_load_report_counts_prefill_still_to_compute_and_decodes(
+    make_harness: MakeHarness,
+) -> None:
+    """get_load's figures: waiting requests by their whole prompt, a chunked prefill by what is
+    left of it, and a request past its prompt as one decode."""
+    harness = make_harness(max_num_batched_tokens=8, max_num_seqs=2, enable_chunked_prefill=True)
+    assert harness.core.make_load() == {"waiting_prefill_tokens": 0, "running_decodes": 0}
+    harness.add("a", list(range(1, 21)), max_tokens=20)  # 20 tokens: three chunks of 8
+    harness.add("b", list(range(30, 42)), max_tokens=20)
+    harness.add("c", list(range(50, 56)), max_tokens=20)  # waits: max_num_seqs is 2
+    assert harness.core.make_load() == {"waiting_prefill_tokens": 38, "running_decodes": 0}
+    harness.step()  # a: 8 of 20 computed
+    assert harness.core.make_load() == {"waiting_prefill_tokens": 30, "running_decodes": 0}
+    for _ in range(100):
+        if harness.core.make_load()["running_decodes"] == 2:
+            break
+        harness.step()
+    assert harness.core.make_load() == {"waiting_prefill_tokens": 6, "running_decodes": 2}
+    harness.run()
+    assert harness.core.make_load() == {"waiting_prefill_tokens": 0, "running_decodes": 0}
