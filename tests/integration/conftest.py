@@ -136,6 +136,19 @@ class Processes:
                 proc.wait(10)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The references these tests compute in this process use tiny matrices: a second intra-op
+    thread only spins against the deployment's processes for the same cores (on a loaded 2-core
+    host the async-scheduling references took 104 s with two threads, 7 s with one)."""
+    import torch  # the tests' references load it anyway
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @contextlib.contextmanager
 def checked_processes(log_folder: Path) -> Iterator[Processes]:
     """Processes started in the body, logging under `log_folder`; on leaving, asserts that none
