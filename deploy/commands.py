@@ -87,7 +87,7 @@ def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> Worker
     exits 2 before any process starts."""
     from worker.models.hf.checkpoint import check_checkpoint
     from worker.models.hf.config import CheckpointError, is_checkpoint
-    from worker.models.registry import MODEL_NAMES
+    from worker.models.names import MODEL_NAMES
 
     if is_checkpoint(config.model):
         try:
@@ -332,7 +332,7 @@ def _api_settings(
 def demo_command(args: argparse.Namespace) -> int:
     from deploy.demo import DemoSettings, run_demo
     from deploy.logs import setup_logging
-    from worker.models.registry import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
+    from worker.models.names import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
 
     if not 1 <= args.tensor_parallel_size <= 8:
         raise UsageError(f"-tp {args.tensor_parallel_size}: expected a rank count in [1, 8]")

@@ -136,12 +136,26 @@ class Processes:
                 proc.wait(10)
 
 
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    """Started processes; after the test, asserts that none of them (nor any orphan) lives on.
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The references these tests compute in this process use tiny matrices: a second intra-op
+    thread only spins against the deployment's processes for the same cores (on a loaded 2-core
+    host the async-scheduling references took 104 s with two threads, 7 s with one)."""
+    import torch  # the tests' references load it anyway
 
-    Children this process had before the test (multiprocessing's resource tracker, started by an
-    earlier test) are not the test's and are left alone.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def checked_processes(log_folder: Path) -> Iterator[Processes]:
+    """Processes started in the body, logging under `log_folder`; on leaving, asserts that none
+    of them (nor any orphan) lives on.
+
+    Children this process had before (multiprocessing's resource tracker, started by an earlier
+    test, or a deployment a whole module shares) are not the body's and are left alone.
     """
     _become_subreaper()
     earlier = set(live_children())
@@ -149,7 +163,7 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
     def new_children() -> list[int]:
         return [pid for pid in live_children() if pid not in earlier]
 
-    procs = Processes(tmp_path)
+    procs = Processes(log_folder)
     yield procs
     leftovers = [name for name, proc in procs.procs.items() if proc.poll() is None]
     procs.kill_all()
@@ -164,23 +178,56 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
 
 
 @pytest.fixture
-def ipc_folder(tmp_path: Path) -> Iterator[Path]:
-    """A folder for ipc:// socket files: tmp_path, or a short one when tmp_path is so long that a
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """Started processes; after the test, asserts that none of them (nor any orphan) lives on."""
+    with checked_processes(tmp_path) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def module_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
+    """Processes that the tests of one module share (one deployment serving tests that need no
+    fresh engine); after the module's last test, asserts that none of them lives on."""
+    with checked_processes(tmp_path_factory.mktemp("module")) as procs:
+        yield procs
+
+
+@contextlib.contextmanager
+def short_folder(folder: Path) -> Iterator[Path]:
+    """A folder for ipc:// socket files: `folder`, or a short one when `folder` is so long that a
     socket path would pass the 107 bytes a Unix socket address holds (a deep $TMPDIR)."""
-    if len(str(tmp_path)) <= MAX_IPC_FOLDER_LEN:
-        yield tmp_path
+    if len(str(folder)) <= MAX_IPC_FOLDER_LEN:
+        yield folder
         return
-    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as folder:
-        yield Path(folder)
+    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as short:
+        yield Path(short)
 
 
-@pytest.fixture
-def addresses(ipc_folder: Path) -> dict[str, str]:
+def deployment_addresses(ipc_folder: Path) -> dict[str, str]:
+    """The client and worker sockets of one deployment under `ipc_folder`, and a free port."""
     return {
         "client": f"ipc://{ipc_folder}/client.sock",
         "worker": f"ipc://{ipc_folder}/worker.sock",
         "master_port": str(free_tcp_port()),
     }
+
+
+@pytest.fixture
+def ipc_folder(tmp_path: Path) -> Iterator[Path]:
+    with short_folder(tmp_path) as folder:
+        yield folder
+
+
+@pytest.fixture
+def addresses(ipc_folder: Path) -> dict[str, str]:
+    return deployment_addresses(ipc_folder)
+
+
+@pytest.fixture(scope="module")
+def module_addresses(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """`addresses` for a deployment that the tests of one module share."""
+    with short_folder(tmp_path_factory.mktemp("ipc")) as folder:
+        yield deployment_addresses(folder)
 
 
 KV_CACHE_MEMORY_BYTES = 1 << 22  # per rank; small models need far less

@@ -82,9 +82,12 @@ def wait_blocks_freed(address: str) -> dict:
     return wait_for(idle, FREED_TIMEOUT_S, "the engine freeing every block")  # type: ignore[return-value]
 
 
-@pytest.fixture
-def served(processes: Processes, addresses: dict) -> Iterator[str]:
-    """One engine (tiny-llama, TP 1) and a front end with an API key; both stopped cleanly."""
+@pytest.fixture(scope="module")
+def served(module_processes: Processes, module_addresses: dict) -> Iterator[str]:
+    """One engine (tiny-llama, TP 1) and a front end with an API key, shared by the module's
+    tests (none needs a fresh one: each leaves the engine idle, and the one counter a test reads
+    exactly, the 401s of POST /v1/completions, only that test makes); both stopped cleanly."""
+    processes, addresses = module_processes, module_addresses
     launch(processes, addresses, 1, MODEL, *LAUNCH_FLAGS)
     (port,) = free_tcp_ports(1)
     url = start_api(processes, "api", [addresses["client"]], port, "--api-key", API_KEY)

@@ -21,7 +21,14 @@ from bench.make_checkpoint import CheckpointSpec, make_checkpoint
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
+from tests.integration.conftest import (
+    Processes,
+    checked_processes,
+    free_tcp_ports,
+    launch,
+    stop_launch,
+    wait_for,
+)
 from tests.unit.hf_checkpoints import hf_greedy
 
 pytestmark = pytest.mark.integration
@@ -89,15 +96,21 @@ def serve(processes: Processes, tmp_path: Path, checkpoint: Path, tp_size: int) 
     return url
 
 
-@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def served(
-    request: pytest.FixtureRequest, processes: Processes, tmp_path: Path, checkpoint: Path
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
 ) -> Iterator[openai.OpenAI]:
-    url = serve(processes, tmp_path, checkpoint, request.param)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S)
-    processes.procs["serve"].send_signal(signal.SIGTERM)
-    code = processes.wait_exit("serve", 60)
-    assert code == 0, f"serve exited {code}:\n{processes.log('serve')[-3000:]}"
+    """One deployment of each TP size, shared by the tests that read replies only (greedy text,
+    sampled text with a seed): neither needs a fresh engine."""
+    folder = tmp_path_factory.mktemp(f"tp{request.param}")
+    with checked_processes(folder) as processes:
+        url = serve(processes, folder, checkpoint, request.param)
+        yield openai.OpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S
+        )
+        processes.procs["serve"].send_signal(signal.SIGTERM)
+        code = processes.wait_exit("serve", 60)
+        assert code == 0, f"serve exited {code}:\n{processes.log('serve')[-3000:]}"
 
 
 @pytest.mark.timeout(420)

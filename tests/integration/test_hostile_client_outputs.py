@@ -32,6 +32,8 @@ LONG = SamplingParams(max_tokens=450, ignore_eos=True)
 # queues (a high-water mark of 1,000 frames each side) and then the engine's backlog.
 SLOW = SamplingParams(max_tokens=8000, ignore_eos=True)
 LONGER_MODEL_LEN = ("--max-model-len", "8192")
+# Small beside the queues: the bound acts a few hundred steps after they fill, not thousands
+MAX_BACKLOG_BYTES = "20000"
 
 
 def _stats(address: str) -> dict:
@@ -52,7 +54,9 @@ def test_a_slow_reader_gets_its_outputs_in_order_or_a_reason_never_a_silent_gap(
 ) -> None:
     """Defect 5: past the high-water mark outputs (final ones too) vanished without a log, and
     the stock client with ZMQ heartbeats died on a libzmq assertion under backpressure."""
-    pid = serve(processes, addresses, "--max-client-backlog-bytes", "200000", *LONGER_MODEL_LEN)
+    pid = serve(
+        processes, addresses, "--max-client-backlog-bytes", MAX_BACKLOG_BYTES, *LONGER_MODEL_LEN
+    )
     before = rss_bytes(pid)
     prompts = {f"slow-{i}": [5 + i, 9, 13] for i in range(8)}
     with EngineClient(addresses["client"], 60.0) as slow:
@@ -83,7 +87,7 @@ def test_a_slow_reader_gets_its_outputs_in_order_or_a_reason_never_a_silent_gap(
             assert len(result.token_ids) == SLOW.max_tokens and result.finish_reason == "length"
         else:
             assert result.finish_reason == "abort", result
-            assert "max_client_backlog_bytes=200000" in result.error, result.error
+            assert f"max_client_backlog_bytes={MAX_BACKLOG_BYTES}" in result.error, result.error
     assert any(result.error for result in results.values()), "the backlog bound never acted"
     wait_for(lambda: _idle(addresses["client"]), 30, "the slow reader's requests to be freed")
     assert_served_exactly(addresses["client"], "after-slow")

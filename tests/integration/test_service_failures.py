@@ -204,6 +204,8 @@ def test_a_hung_worker_misses_the_step_deadline_and_the_launcher_tears_down(
         "checksum",
         "--step-timeout-s",
         "2",
+        "--shutdown-timeout-s",
+        "1",  # the launcher's grace for the stopped rank: this, its 5 s join, then SIGTERM
         "--max-model-len",
         "8192",
         "--max-worker-restarts",

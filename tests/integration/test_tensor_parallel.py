@@ -6,7 +6,6 @@ import random
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from bench.workload import Workload, run_tensor_parallel
 from protocol.sampling import SamplingParams
@@ -15,14 +14,6 @@ from worker.models.reference import reference_generate
 pytestmark = pytest.mark.integration
 
 RANKS_TIMEOUT_S = 150.0
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ from worker.models.hf.checkpoint import check_checkpoint
 from worker.models.hf.config import is_checkpoint, read_hf_config
 from worker.models.hf.decoder import HFDecoder
 from worker.models.hf.kv_groups import hf_model_info
+from worker.models.names import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.tiny_llama import (
     TINY_LLAMA,
@@ -45,8 +46,12 @@ TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LOCAL.name: TINY_LOCAL,
 }
 CHECKSUMS: dict[str, ChecksumConfig] = {CHECKSUM.name: CHECKSUM, FIXED_TIME.name: FIXED_TIME}
-MODEL_NAMES = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name, TINY_MAMBA_HYBRID.name)
-ENCODER_DECODER_MODEL_NAMES = (TINY_ENCDEC.name,)  # each request must bring encoder_token_ids
+_BUILT = (*CHECKSUMS, *TINY_LLAMAS, TINY_MLA.name, TINY_ENCDEC.name, TINY_MAMBA_HYBRID.name)
+if _BUILT != MODEL_NAMES or (TINY_ENCDEC.name,) != ENCODER_DECODER_MODEL_NAMES:
+    raise ImportError(
+        f"worker/models/names.py lists {MODEL_NAMES} (encoder-decoder "
+        f"{ENCODER_DECODER_MODEL_NAMES}): expected the registry's {_BUILT} ({TINY_ENCDEC.name!r})"
+    )
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 FAKE_MODEL_DTYPE = "float32"  # what "auto" means for the built-in models
 
