@@ -10,8 +10,12 @@ tier slot read before it was written, or a copy-in into the wrong block fails th
 import random
 
 import pytest
-from fake_executor import reference_tokens
-from test_mamba_engine_fuzz import BLOCK_SIZE, MambaHarness, MambaStateExecutor
+from test_mamba_engine_fuzz import (
+    BLOCK_SIZE,
+    MambaHarness,
+    MambaStateExecutor,
+    run_random_workload,
+)
 
 from engine_core.core import EngineCore
 from protocol.buffers import unpack_int32
@@ -107,21 +111,7 @@ def test_mamba_states_come_back_from_the_tiers_as_they_were_stored(
         long_prefill_token_threshold=10,
         async_scheduling=async_scheduling,
     )
-    bases = [[rng.randrange(64) for _ in range(20)] for _ in range(6)]
-    prompts: dict[str, list[int]] = {}
-    for _ in range(NUM_STEPS):
-        if rng.random() < 0.3 and len(harness.scheduler.requests) < 16:
-            req_id = f"r{len(prompts)}"
-            base = rng.choice(bases)[: rng.randrange(0, 20)]
-            prompts[req_id] = base + [rng.randrange(64) for _ in range(rng.randrange(1, 10))]
-            assert harness.add(req_id, prompts[req_id], max_tokens=rng.randrange(1, 20)) is None
-        if rng.random() < 0.02 and harness.scheduler.requests:
-            harness.abort([rng.choice(list(harness.scheduler.requests))])
-        harness.step()
-    harness.check_no_leaks()
-    for req_id, prompt in prompts.items():
-        produced = harness.tokens[req_id]
-        assert produced == reference_tokens(prompt, len(produced), harness.vocab_size), req_id
+    run_random_workload(harness, rng, NUM_STEPS, 6)
     stats = harness.scheduler.kv_cache_manager.make_prefix_cache_stats()
     assert stats.host_hits > 0 and stats.blocks_to_disk > 0
     assert harness.state_tiers.num_states_in > 0, "no Mamba state came back from a tier"

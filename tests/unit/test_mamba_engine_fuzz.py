@@ -9,6 +9,7 @@ or overwritten checkpoint, or a checkpoint read in the step that writes it fails
 """
 
 import random
+from collections.abc import Callable
 
 import pytest
 from fake_executor import FakeExecutor, Harness, next_token, reference_tokens
@@ -137,9 +138,28 @@ def test_random_workload_reads_every_state_where_it_was_stored(
         long_prefill_token_threshold=10,
         async_scheduling=async_scheduling,
     )
-    bases = [[rng.randrange(64) for _ in range(20)] for _ in range(3)]
+    run_random_workload(harness, rng, NUM_STEPS, 3, after_step=_check_state_blocks)
+    assert harness.scheduler.num_preemptions > 10, "the pool should force preemption"
+    assert harness.executor.num_resumed_states > 100
+    num_hit_tokens = sum(harness.num_cached_tokens.values())
+    if mode == "align" and enable_prefix_caching:
+        assert num_hit_tokens > 0, "shared prefixes should resume from cached states"
+    else:
+        assert num_hit_tokens == 0, "a one-block state group never hits"
+
+
+def run_random_workload(
+    harness: MambaHarness,
+    rng: random.Random,
+    num_steps: int,
+    num_bases: int,
+    after_step: Callable[[MambaHarness], None] | None = None,
+) -> None:
+    """Random arrivals over `num_bases` shared 20-token prefixes, rare aborts, one step at a time
+    (then `after_step`); at the end no block leaks and every request's tokens are the reference."""
+    bases = [[rng.randrange(64) for _ in range(20)] for _ in range(num_bases)]
     prompts: dict[str, list[int]] = {}
-    for _ in range(NUM_STEPS):
+    for _ in range(num_steps):
         if rng.random() < 0.3 and len(harness.scheduler.requests) < 16:
             req_id = f"r{len(prompts)}"
             base = rng.choice(bases)[: rng.randrange(0, 20)]
@@ -148,15 +168,9 @@ def test_random_workload_reads_every_state_where_it_was_stored(
         if rng.random() < 0.02 and harness.scheduler.requests:
             harness.abort([rng.choice(list(harness.scheduler.requests))])
         harness.step()
-        _check_state_blocks(harness)
+        if after_step is not None:
+            after_step(harness)
     harness.check_no_leaks()
     for req_id, prompt in prompts.items():
         produced = harness.tokens[req_id]
         assert produced == reference_tokens(prompt, len(produced), harness.vocab_size), req_id
-    assert harness.scheduler.num_preemptions > 10, "the pool should force preemption"
-    assert harness.executor.num_resumed_states > 100
-    num_hit_tokens = sum(harness.num_cached_tokens.values())
-    if mode == "align" and enable_prefix_caching:
-        assert num_hit_tokens > 0, "shared prefixes should resume from cached states"
-    else:
-        assert num_hit_tokens == 0, "a one-block state group never hits"
