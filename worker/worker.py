@@ -49,6 +49,9 @@ FAILED_LINGER_MS = 1000  # how long a closing socket may still deliver WorkerFai
 EXIT_OK, EXIT_FAILED = 0, 1
 GIL_SWITCH_INTERVAL_S = 0.0005
 STREAM_CLOSE_TIMEOUT_S = 1.0  # a step stuck past this (a peer gone mid-collective) is abandoned
+# libzmq can announce a disconnect on the monitor a moment before the DEALER shows the last frames
+# the engine sent (its Shutdown); a disconnect waits this long for such a frame before it counts
+DISCONNECT_DRAIN_MS = 200
 
 
 class EngineGoneError(RuntimeError):
@@ -302,6 +305,8 @@ class Worker:
                 return self.decoder.decode(self.sock.recv())
             if self.monitor in events:
                 event = parse_monitor_message(self.monitor.recv_multipart())
+                if self.sock.poll(DISCONNECT_DRAIN_MS, zmq.POLLIN):  # sent before it closed
+                    return self.decoder.decode(self.sock.recv())
                 raise EngineGoneError(f"the engine at {event['endpoint']!r} disconnected")
             if self.stream is not None and self.stream.fileno() in events:
                 return None  # a step finished: its reply may be due already

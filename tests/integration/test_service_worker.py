@@ -1,13 +1,18 @@
 """A real kvserve-worker facing a scripted engine socket: after the handshake, a step out of order
-or an undecodable frame makes it say WorkerFailed and exit 1; a Shutdown makes it exit 0.
+or an undecodable frame makes it say WorkerFailed and exit 1; a Shutdown makes it exit 0, even when
+the engine's disconnect is announced before the Shutdown can be read.
 """
 
+import struct
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
 from protocol.codec import make_encoder, worker_to_engine_decoder
+from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import (
     CachedRequestData,
@@ -19,6 +24,7 @@ from protocol.worker_messages import (
     WorkerToEngine,
 )
 from tests.integration.conftest import Processes, start_worker
+from worker.worker import DISCONNECT_DRAIN_MS, EngineGoneError, Worker
 
 pytestmark = pytest.mark.integration
 
@@ -98,3 +104,44 @@ def test_steps_in_order_then_shutdown_exit_0(
         assert reply.step_id == step_id and reply.rank == 0, reply
     engine.send(make_encoder().encode(Shutdown(reason="test done")))
     assert processes.wait_exit("worker-0", 30) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_shutdown_read_after_the_disconnect_event_still_stops_the_worker(
+    addresses: dict, engine: ScriptedEngine
+) -> None:
+    """libzmq may post the DEALER's disconnect event a moment before the engine's last frame,
+    its Shutdown, is readable. Staged here: the event waits on the monitor when the Shutdown is
+    sent. The worker must read the Shutdown (exit 0), and call the engine gone only when no frame
+    follows the event."""
+    ctx = engine.sock.context
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addresses["worker"])
+    monitor, event_source = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    monitor.bind("inproc://worker-monitor")
+    event_source.connect("inproc://worker-monitor")
+    worker = Worker(WorkerConfig(engine_address=addresses["worker"]), sock, monitor)
+    sock.send(b"hello")
+    engine.identity, _ = engine.sock.recv_multipart()
+
+    def post_disconnect() -> None:
+        endpoint = addresses["worker"].encode()
+        event_source.send_multipart((struct.pack("=hi", zmq.EVENT_DISCONNECTED, 0), endpoint))
+
+    post_disconnect()
+    shutdown = Shutdown(reason="engine stopping")
+    sender = threading.Timer(0.05, engine.send, (make_encoder().encode(shutdown),))
+    sender.start()
+    try:
+        assert worker.recv(time.monotonic() + 10, "a step") == shutdown
+    finally:
+        sender.join()
+
+    post_disconnect()  # an engine that died: nothing follows the event
+    started = time.monotonic()
+    with pytest.raises(EngineGoneError, match="disconnected"):
+        worker.recv(time.monotonic() + 10, "a step")
+    assert time.monotonic() - started < DISCONNECT_DRAIN_MS / 1000 + 2
+    for socket in (sock, monitor, event_source):
+        socket.close(linger=0)
