@@ -68,7 +68,9 @@ class CheckTimeoutError(TimeoutError):
 
 def check_worker_unit_tests(timeout_s: float) -> CheckResult:
     """The worker unit tests under `pytest --device cuda`, in a process of their own."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", "cuda"]
+    # one process (the ini's `-n auto` dropped), so this runs where pytest-xdist is not installed
+    command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider"]
+    command += ["--device", "cuda"]
     done = subprocess.run(
         [*command, *WORKER_TEST_FILES],
         cwd=ROOT,
