@@ -6,6 +6,7 @@ itself (tiny-local's through EngineNullsMirror). Also ranks as threads for the T
 import functools
 import random
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -136,6 +137,21 @@ def workload(model: str, block_size: int, num_blocks: int, **options: object) ->
         encoder_prompts=work.encoders,
         **options,  # type: ignore[arg-type]
     )
+
+
+def step_collecting_tokens(core: EngineCore, tokens: dict[str, list[int]]) -> None:
+    """One engine step; each request's new tokens are appended to tokens[req_id]."""
+    for client_outputs in core.step().values():
+        for output in client_outputs.outputs:
+            tokens[output.req_id].extend(output.new_token_ids)
+
+
+def first_step_tokens(core: EngineCore, req_id: str = "1") -> list[int]:
+    """The engine's first step (every prefill that fits, each with its first token): the tokens
+    it gave req_id."""
+    tokens: defaultdict[str, list[int]] = defaultdict(list)
+    step_collecting_tokens(core, tokens)
+    return tokens[req_id]
 
 
 def assert_matches_reference(model: str, outputs: dict[int, list[int]]) -> None:

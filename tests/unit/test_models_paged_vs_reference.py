@@ -8,28 +8,27 @@ chunked-local and R-SWA layers (run through EngineNullsMirror) and tiny-encdec's
 take the same tests over their families' workloads (model_workloads.py), and so does
 tiny-llama-hybrid-2x, whose window group's blocks are twice the engine's block size (requests
 hash at --block-size, the gcd; its hits end on the larger size); test_tiny_*.py hold what only
-one model has.
+one model has, test_models_tp_shards.py the TP shards.
 """
 
 import pytest
-import torch
 from model_workloads import (
     DEVICE,
     PARAMS,
     PROMPTS,
     assert_matches_reference,
     family,
+    first_step_tokens,
     reference,
     run,
+    step_collecting_tokens,
     workload,
 )
 
 from bench.workload import Workload, build_rank, run_to_completion
 from engine_core.sched.request import RequestStatus
-from worker.distributed import TPGroup, single_rank_group
-from worker.models.checksum import CHECKSUM, ChecksumModel
+from worker.distributed import single_rank_group
 from worker.models.registry import get_model_info
-from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
 
 MODELS = ["checksum", "tiny-llama", "tiny-llama-hybrid"]
 STATE_MODELS = ["tiny-mla", "tiny-mamba-hybrid"]  # latents or Mamba states beside (or in) K/V
@@ -181,9 +180,7 @@ def test_preemption_of_a_decoding_request_keeps_its_tokens() -> None:
     for _ in range(100):
         if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
             break
-        for client_outputs in core.step().values():
-            for output in client_outputs.outputs:
-                tokens[output.req_id].extend(output.new_token_ids)
+        step_collecting_tokens(core, tokens)
         preempted_while_decoding |= {
             request.req_id
             for request in scheduler.waiting
@@ -211,22 +208,19 @@ def test_hybrid_block_ids_pass_between_groups_that_share_tensors(
     core, _ = build_rank(work, single_rank_group(), DEVICE)
     scheduler = core.scheduler
     coordinator = scheduler.kv_cache_manager.coordinator
-    handles = {req_id: request.handle for req_id, request in scheduler.requests.items()}
-    outputs: dict[int, list[int]] = {handle: [] for handle in handles.values()}
+    tokens: dict[str, list[int]] = {req_id: [] for req_id in scheduler.requests}
     ids_per_group: tuple[set[int], set[int]] = (set(), set())
     for _ in range(500):
         if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
             break
-        for client_outputs in core.step().values():
-            for output in client_outputs.outputs:
-                outputs[handles[output.req_id]].extend(output.new_token_ids)
+        step_collecting_tokens(core, tokens)
         for request in scheduler.running:
             blocks_per_group = coordinator.get_blocks(request.req_id)
             for ids, blocks in zip(ids_per_group, blocks_per_group, strict=True):
                 ids.update(block.block_id for block in blocks if not block.is_null)
     assert len(ids_per_group[0] & ids_per_group[1]) > 10
     for i in range(len(PROMPTS)):
-        assert outputs[i + 1] == reference("tiny-llama-hybrid", i), f"{i + 1}"
+        assert tokens[str(i + 1)] == reference("tiny-llama-hybrid", i), f"{i + 1}"
 
 
 @pytest.mark.parametrize("model", [*MODELS, "tiny-mla"])
@@ -236,14 +230,7 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     prompts = [PROMPTS[0], PROMPTS[3]]  # 8 tokens (blocks 0 and 1 of 4 tokens), then 9 tokens
     work = Workload(model, 4, 80, prompts, [PARAMS[0]] * 2, 200, check_invariants=True)
     core, executor = build_rank(work, single_rank_group(), DEVICE)
-    first_step = core.step()  # both prefills, each with its first token
-    tokens = [
-        token_id
-        for client_outputs in first_step.values()
-        for output in client_outputs.outputs
-        if output.req_id == "1"
-        for token_id in output.new_token_ids
-    ]
+    tokens = first_step_tokens(core)  # both prefills, each with its first token
     input_batch = executor.runner.input_batch
     table = input_batch.block_table[0]
     row, other = input_batch.handle_to_row[1], input_batch.handle_to_row[2]
@@ -251,28 +238,3 @@ def test_a_corrupted_block_table_entry_changes_the_tokens(model: str) -> None:
     outputs = run_to_completion(core)
     expected = reference(model, 0, 0)
     assert tokens == expected[:1] and tokens + outputs[1] != expected
-
-
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
-    """Each rank draws the full weights from the seed and keeps its slice; the slices tile them."""
-    full = TinyLlama(TINY_LLAMA, single_rank_group(), 0, DEVICE)
-    placeholder = object()  # a process group is never used: no forward runs here
-    shards = [
-        TinyLlama(TINY_LLAMA, TPGroup(r, tp_size, placeholder), 0, DEVICE) for r in range(tp_size)
-    ]
-    for shard in shards:
-        shard.check_invariants()
-    for layer_idx, layer in enumerate(full.layers):
-        parts = [shard.layers[layer_idx] for shard in shards]
-        assert torch.equal(torch.cat([p.wq for p in parts], dim=1), layer.wq)
-        assert torch.equal(torch.cat([p.wk for p in parts], dim=1), layer.wk)
-        assert torch.equal(torch.cat([p.wo for p in parts], dim=0), layer.wo)
-        assert torch.equal(torch.cat([p.w_gate for p in parts], dim=1), layer.w_gate)
-        assert torch.equal(torch.cat([p.w_down for p in parts], dim=0), layer.w_down)
-    heads = [
-        ChecksumModel(CHECKSUM, TPGroup(r, tp_size, placeholder), DEVICE) for r in range(tp_size)
-    ]
-    for model in heads:
-        model.check_invariants()
-    assert torch.cat([m.heads for m in heads]).tolist() == list(range(CHECKSUM.num_kv_heads))

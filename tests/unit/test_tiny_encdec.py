@@ -1,30 +1,29 @@
 """What only tiny-encdec (an encoder whose K/V live in cross-attention blocks, and a decoder) has:
-its groups, the encoder input's effect, corrupted and short cross-attention tables, TP shards,
-the profiling step and the runner's refusals of bad encoder input.
+its groups, the encoder input's effect, corrupted and short cross-attention tables, the
+profiling step and the runner's refusals of bad encoder input.
 
 Its paged tokens (chunked prefill with prefix caching on and off, preemption with re-encoding
-into new blocks) are checked with the other models' in test_models_paged_vs_reference.py.
+into new blocks) are checked with the other models' in test_models_paged_vs_reference.py, its
+TP shards in test_models_tp_shards.py.
 """
 
 import pytest
-import torch
 from model_workloads import (
     DEVICE,
     ENCDEC,
     encdec_reference_model,
+    first_step_tokens,
     reference,
-    run_ranks_as_threads,
     workload,
 )
 
 from bench.workload import Workload, build_rank, run_to_completion
 from protocol.buffers import pack_int32
 from protocol.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig
-from worker.distributed import TPGroup, single_rank_group
+from worker.distributed import single_rank_group
 from worker.encoder_inputs import EncoderInputs
 from worker.models.registry import get_model_info
 from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
-from worker.models.tiny_encdec_reference import DenseCrossKV
 from worker.profiling import profile_step_output, run_profile_step
 
 MODEL = TINY_ENCDEC.name
@@ -64,13 +63,7 @@ def _first_step_then_corrupt(entry: int | None) -> tuple[list[int], dict[int, li
         encoder_prompts=[ENCODERS[0], ENCODERS[2]],
     )
     core, executor = build_rank(work, single_rank_group(), DEVICE)
-    first = [
-        token_id
-        for client_outputs in core.step().values()
-        for output in client_outputs.outputs
-        if output.req_id == "1"
-        for token_id in output.new_token_ids
-    ]
+    first = first_step_tokens(core)
     batch = executor.runner.input_batch
     table = batch.block_table[CROSS_GROUP]
     row, other_row = batch.handle_to_row[1], batch.handle_to_row[2]
@@ -88,24 +81,6 @@ def test_a_corrupted_cross_attention_table_changes_the_tokens() -> None:
 def test_a_cross_attention_table_into_the_null_block_is_refused() -> None:
     with pytest.raises(ValueError, match="maps its encoder tokens into the null block"):
         _first_step_then_corrupt(0)
-
-
-def test_tp2_shards_all_reduce_to_exactly_the_tp1_logits() -> None:
-    """Every rank runs the whole encoder and keeps its own cross-attention heads; the
-    all-reduced logits of every position are bit-identical to one rank's."""
-    tp_size, sequence, encoder = 2, PROMPTS[2], ENCODERS[2]
-    tokens = torch.tensor(sequence, dtype=torch.int64)
-    positions = torch.arange(len(sequence), dtype=torch.int64)
-    every = torch.arange(len(sequence))
-    full = TinyEncDec(TINY_ENCDEC, single_rank_group(), 0, DEVICE)
-    expected = full.forward(tokens, positions, every, DenseCrossKV(len(sequence), encoder))
-
-    def run_rank(group: TPGroup) -> torch.Tensor:
-        model = TinyEncDec(TINY_ENCDEC, group, 0, DEVICE)
-        return model.forward(tokens, positions, every, DenseCrossKV(len(sequence), encoder))
-
-    for logits in run_ranks_as_threads(tp_size, run_rank):
-        assert torch.equal(logits, expected)
 
 
 def test_the_profiling_step_brings_encoder_input_within_its_cross_blocks() -> None:

@@ -15,7 +15,9 @@ from model_workloads import (
     LOCAL,
     assert_matches_reference,
     build_mirrored,
+    first_step_tokens,
     run,
+    step_collecting_tokens,
     workload,
 )
 
@@ -110,9 +112,7 @@ def test_a_request_preempted_past_its_window_resumes_with_its_prompt() -> None:
     for _ in range(1000):
         if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests()):
             break
-        for client_outputs in core.step().values():
-            for output in client_outputs.outputs:
-                tokens[output.req_id].extend(output.new_token_ids)
+        step_collecting_tokens(core, tokens)
         preempted_past_window |= {
             request.req_id
             for request in scheduler.waiting
@@ -142,14 +142,7 @@ def test_a_corrupted_local_table_entry_changes_the_tokens(group_idx: int, block_
     expected = reference_generate(MODEL, prompt, params[0], handle=1)
     work = Workload(MODEL, 16, 40, [prompt, other], params, 200, check_invariants=True)
     core, executor = build_rank(work, single_rank_group(), DEVICE)
-    first_step = core.step()  # both prefills, each with its first token
-    tokens = [
-        token_id
-        for client_outputs in first_step.values()
-        for output in client_outputs.outputs
-        if output.req_id == "1"
-        for token_id in output.new_token_ids
-    ]
+    tokens = first_step_tokens(core)  # both prefills, each with its first token
     batch = executor.runner.input_batch
     table = batch.block_table[group_idx]
     row, other_row = batch.handle_to_row[1], batch.handle_to_row[2]

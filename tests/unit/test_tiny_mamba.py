@@ -1,23 +1,23 @@
 """tiny-mamba-hybrid's states are read and written through the Mamba group's block table, so a
 wrong block id or a lost checkpoint changes the tokens; asynchronous scheduling and random
-arrivals and aborts keep the reference tokens; its TP shards all-reduce to the TP=1 logits.
+arrivals and aborts keep the reference tokens.
 
 Its paged tokens at block sizes 16 and 32, prefix caching on (align mode: checkpoints, hits) and
 off (one state block), with chunked prefill, preemption and float64, are checked with the other
-models' in test_models_paged_vs_reference.py.
+models' in test_models_paged_vs_reference.py, its TP shards in test_models_tp_shards.py.
 """
 
 import random
 
 import pytest
-import torch
 from model_workloads import (
     DEVICE,
     PARAMS,
     PROMPTS,
     assert_matches_reference,
+    first_step_tokens,
     run,
-    run_ranks_as_threads,
+    step_collecting_tokens,
     workload,
 )
 from test_models_paged_vs_reference import TIGHT_MAMBA_NUM_BLOCKS
@@ -27,13 +27,11 @@ from engine_client.request import make_request
 from protocol.kv_cache_spec import FullAttentionSpec, MambaSpec, cdiv
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
-from worker.distributed import TPGroup, single_rank_group
-from worker.mamba_state import DenseMambaState
+from worker.distributed import single_rank_group
 from worker.model_runner import ModelRunner, StepTimings
 from worker.models.reference import ReferenceModel, reference_generate
 from worker.models.registry import get_model_info
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
-from worker.models.tiny_mamba_reference import DenseCausalKV
+from worker.models.tiny_mamba import TINY_MAMBA_HYBRID
 
 MODEL = TINY_MAMBA_HYBRID.name
 MAMBA_GROUP = 1
@@ -120,14 +118,7 @@ def test_a_corrupted_state_block_id_changes_the_tokens() -> None:
     prompts = [PROMPTS[0], PROMPTS[3]]
     work = Workload(MODEL, 4, 80, prompts, [PARAMS[0]] * 2, 200, enable_prefix_caching=False)
     core, executor = build_rank(work, single_rank_group(), DEVICE)
-    first_step = core.step()  # both prefills, each with its first token
-    tokens = [
-        token_id
-        for client_outputs in first_step.values()
-        for output in client_outputs.outputs
-        if output.req_id == "1"
-        for token_id in output.new_token_ids
-    ]
+    tokens = first_step_tokens(core)  # both prefills, each with its first token
     input_batch = executor.runner.input_batch
     table = input_batch.block_table[MAMBA_GROUP]
     row = input_batch.handle_to_row[1]
@@ -136,35 +127,6 @@ def test_a_corrupted_state_block_id_changes_the_tokens() -> None:
     outputs = run_to_completion(core)
     expected = reference_generate(MODEL, prompts[0], PARAMS[0], handle=1)
     assert tokens == expected[:1] and tokens + outputs[1] != expected
-
-
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(tp_size: int) -> None:
-    """Each rank carries its own channels' states; the all-reduced logits of every position are
-    bit-identical to one rank's, and the ranks' final states tile the whole model's."""
-    sequence = PROMPTS[1]
-    num_tokens = len(sequence)
-    tokens = torch.tensor(sequence, dtype=torch.int64)
-    positions = torch.arange(num_tokens, dtype=torch.int64)
-    every = torch.arange(num_tokens)
-    config = TINY_MAMBA_HYBRID
-    full = TinyMambaHybrid(config, single_rank_group(), 0, DEVICE)
-    whole = DenseMambaState(num_tokens, (config.num_channels, config.state_dim), DEVICE)
-    expected = full.forward_with_states(tokens, positions, every, DenseCausalKV(num_tokens), whole)
-
-    def run_rank(group: TPGroup) -> tuple[torch.Tensor, DenseMambaState]:
-        model = TinyMambaHybrid(config, group, 0, DEVICE)
-        shape = (config.num_channels // tp_size, config.state_dim)
-        states = DenseMambaState(num_tokens, shape, DEVICE)
-        kv = DenseCausalKV(num_tokens)
-        return model.forward_with_states(tokens, positions, every, kv, states), states
-
-    results = run_ranks_as_threads(tp_size, run_rank)
-    for logits, _ in results:
-        assert torch.equal(logits, expected)
-    for name, state in whole.store.items():
-        tiled = torch.cat([states.store[name] for _, states in results], dim=1)
-        assert torch.equal(tiled, state), name
 
 
 FUZZ_STEPS = 200
@@ -215,9 +177,7 @@ def test_random_arrivals_and_aborts_serve_the_reference_tokens(
             victim = rng.choice(list(core.scheduler.requests.values())).req_id
             aborted.add(victim)
             core.abort_requests([victim])
-        for client_outputs in core.step().values():
-            for output in client_outputs.outputs:
-                outputs[output.req_id].extend(output.new_token_ids)
+        step_collecting_tokens(core, outputs)
     assert not core.has_work(), "every request should have finished"
     assert core.kv_cache_usage == 0.0 and core.get_stats()["num_preemptions"] > 0
     assert (core.get_stats()["prefix_cache_hits"] > 0) == enable_prefix_caching
