@@ -1,12 +1,10 @@
 """find_longest_cache_hit_per_group: each group's own longest hit, against a brute-force search."""
 
-from types import SimpleNamespace
-
+from cached_blocks import block_hashes, cache_then_free
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_specs import BLOCK_SIZE, full_spec, window_spec
+from kv_specs import BLOCK_SIZE, chunked_local_spec, full_spec, rswa_spec, window_spec
 
-from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
 from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.spec import (
@@ -21,10 +19,8 @@ from engine_core.kv_cache.spec import (
 )
 
 NUM_HASHES = 12
-CHUNKED = ChunkedLocalAttentionSpec(
-    block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", attention_chunk_size=4
-)
-RSWA = RSWASpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", rswa_window=2)
+CHUNKED = chunked_local_spec(4)
+RSWA = rswa_spec(2)
 LAYOUTS = [
     (full_spec(),),
     (window_spec(5),),
@@ -39,16 +35,6 @@ LAYOUTS = [
 def _config(specs: tuple[KVCacheSpec, ...]) -> KVCacheConfig:
     groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
     return KVCacheConfig(num_blocks=len(specs) * NUM_HASHES + 1, kv_cache_groups=groups)
-
-
-def _cache(pool: BlockPool, hashes: list[BlockHash], group_id: int, cached: list[bool]) -> None:
-    """Cache fresh blocks under `hashes[i]` in group `group_id` where `cached[i]`, then free."""
-    blocks = pool.get_new_blocks(len(hashes))
-    stand_in = SimpleNamespace(req_id="setup", block_hashes=hashes)
-    for idx, is_cached in enumerate(cached):
-        if is_cached:
-            pool.cache_full_blocks(stand_in, blocks, idx, idx + 1, BLOCK_SIZE, group_id)
-    pool.free_blocks(blocks[::-1])
 
 
 def _brute_force_hit_blocks(spec: KVCacheSpec, cached: list[bool], max_length: int) -> int:
@@ -84,12 +70,12 @@ def test_each_group_hits_as_far_as_its_own_cached_blocks_allow(
 ) -> None:
     coordinator = get_kv_cache_coordinator(_config(layout), enable_caching=True)
     pool = coordinator.block_pool
-    hashes = [BlockHash(bytes([idx]) * 8) for idx in range(NUM_HASHES)]
+    hashes = block_hashes(NUM_HASHES)
     patterns = [
         data.draw(st.lists(st.booleans(), min_size=NUM_HASHES, max_size=NUM_HASHES)) for _ in layout
     ]
     for group_id, pattern in enumerate(patterns):
-        _cache(pool, hashes, group_id, pattern)
+        cache_then_free(pool, hashes, pattern, BLOCK_SIZE, group_id)
 
     hits, hit_lengths = coordinator.find_longest_cache_hit_per_group(hashes, max_length)
 
@@ -114,9 +100,10 @@ def test_per_group_hit_shows_a_window_group_that_outlives_full_attention() -> No
     """Full attention lost its tail; the window group still holds it, and the per-group answer
     says so while the agreed hit stops where full attention does."""
     coordinator = get_kv_cache_coordinator(_config((full_spec(), window_spec(3))), True)
-    hashes = [BlockHash(bytes([idx]) * 8) for idx in range(6)]
-    _cache(coordinator.block_pool, hashes, 0, [True, True, False, False, False, False])
-    _cache(coordinator.block_pool, hashes, 1, [True] * 6)
+    hashes = block_hashes(6)
+    pool = coordinator.block_pool
+    cache_then_free(pool, hashes, [True, True, False, False, False, False], BLOCK_SIZE, 0)
+    cache_then_free(pool, hashes, [True] * 6, BLOCK_SIZE, 1)
     _, hit_lengths = coordinator.find_longest_cache_hit_per_group(hashes, 11)
     assert hit_lengths == (4, 10)
     assert coordinator.find_longest_cache_hit(hashes, 11)[1] == 4

@@ -5,30 +5,12 @@ state groups in planned batched steps (alone and beside full attention, both mod
 
 from hypothesis import settings
 from kv_manager_machine import KVCacheManagerModelMachine
-from kv_specs import full_spec, window_spec
+from kv_specs import chunked_local_spec, full_spec, rswa_spec, window_spec
 
 from engine_core.kv_cache.spec import (
-    ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     MambaSpec,
-    RSWASpec,
 )
-
-
-def chunked_local_spec(attention_chunk_size: int) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(
-        block_size=2,
-        num_kv_heads=1,
-        head_dim=4,
-        dtype="float32",
-        attention_chunk_size=attention_chunk_size,
-    )
-
-
-def rswa_spec(rswa_window: int) -> RSWASpec:
-    return RSWASpec(
-        block_size=2, num_kv_heads=1, head_dim=4, dtype="float32", rswa_window=rswa_window
-    )
 
 
 def mamba_spec(mode: str) -> MambaSpec:

@@ -4,56 +4,20 @@ earlier chunks and the R-SWA gap with exact block ids, prompt-only caching, capa
 from types import SimpleNamespace
 
 import pytest
+from cached_blocks import block_hashes, pool_with_cached
+from kv_specs import BLOCK_SIZE, chunked_local_spec, rswa_spec
 
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
-from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.local_attention_managers import ChunkedLocalAttentionManager, RSWAManager
 from engine_core.kv_cache.spec import (
-    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    RSWASpec,
     num_chunk_blocks,
     num_group_blocks_per_request,
 )
 from engine_core.kv_cache.spec_managers import make_single_type_manager
-
-BLOCK_SIZE = 2
-
-
-def chunked_spec(attention_chunk_size: int) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=1,
-        head_dim=4,
-        dtype="float32",
-        attention_chunk_size=attention_chunk_size,
-    )
-
-
-def rswa_spec(rswa_window: int) -> RSWASpec:
-    return RSWASpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", rswa_window=rswa_window
-    )
-
-
-def _hashes(num_blocks: int) -> list[BlockHash]:
-    return [BlockHash(bytes([idx]) * 8) for idx in range(num_blocks)]
-
-
-def _pool_with_cached(pattern: str) -> tuple[BlockPool, list[BlockHash]]:
-    """A pool where block i + 1 is cached under hash i wherever `pattern[i]` is '1', then freed."""
-    pool = BlockPool(num_gpu_blocks=len(pattern) + 4, enable_caching=True)
-    hashes = _hashes(len(pattern))
-    blocks = pool.get_new_blocks(len(pattern))
-    stand_in = SimpleNamespace(req_id="setup", block_hashes=hashes)
-    for idx, is_cached in enumerate(pattern):
-        if is_cached == "1":
-            pool.cache_full_blocks(stand_in, blocks, idx, idx + 1, BLOCK_SIZE, 0)
-    pool.free_blocks(blocks[::-1])
-    return pool, hashes
 
 
 def _free_ids(pool: BlockPool) -> list[int]:
@@ -76,9 +40,9 @@ def _free_ids(pool: BlockPool) -> list[int]:
 def test_chunked_local_hit_is_null_before_the_chunk_then_the_cached_run(
     attention_chunk_size: int, pattern: str, max_length: int, hit_ids: list[int]
 ) -> None:
-    pool, hashes = _pool_with_cached(pattern)
+    pool, hashes = pool_with_cached(pattern, BLOCK_SIZE)
     (hits,) = ChunkedLocalAttentionManager.find_longest_cache_hit(
-        hashes, max_length, [0], pool, chunked_spec(attention_chunk_size)
+        hashes, max_length, [0], pool, chunked_local_spec(attention_chunk_size)
     )
     assert [block.block_id for block in hits] == hit_ids
     assert all(block is pool.null_block for block in hits if block.block_id == 0)
@@ -91,14 +55,14 @@ def test_chunked_local_hit_is_null_before_the_chunk_then_the_cached_run(
 def test_rswa_hit_is_the_cached_run_from_block_zero(
     pattern: str, max_length: int, num_hit_blocks: int
 ) -> None:
-    pool, hashes = _pool_with_cached(pattern)
+    pool, hashes = pool_with_cached(pattern, BLOCK_SIZE)
     (hits,) = RSWAManager.find_longest_cache_hit(hashes, max_length, [0], pool, rswa_spec(2))
     assert [block.block_id for block in hits] == list(range(1, num_hit_blocks + 1))
 
 
 def test_chunked_local_frees_blocks_of_earlier_chunks_tail_first() -> None:
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True)
-    manager = make_single_type_manager(chunked_spec(4), pool, 0)
+    manager = make_single_type_manager(chunked_local_spec(4), pool, 0)
     manager.save_new_computed_blocks("r", [])
     manager.allocate_new_blocks("r", 7)
     assert manager.get_skipped_blocks("r", 3) == []
@@ -139,7 +103,7 @@ def test_rswa_without_a_prompt_length_keeps_every_block_and_caches_nothing() -> 
     manager.allocate_new_blocks("r", 10)
     manager.remove_skipped_blocks("r", 10)
     assert [block.block_id for block in manager.req_to_blocks["r"]] == [1, 2, 3, 4, 5]
-    manager.cache_blocks(SimpleNamespace(req_id="r", block_hashes=_hashes(5)), 10)
+    manager.cache_blocks(SimpleNamespace(req_id="r", block_hashes=block_hashes(5)), 10)
     assert all(block.block_hash is None for block in pool.blocks)
 
 
@@ -151,7 +115,7 @@ def test_rswa_caches_only_blocks_wholly_in_the_prompt() -> None:
     manager.remove_skipped_blocks("r", 0, num_prompt_tokens=5)  # not held yet: not recorded
     manager.allocate_new_blocks("r", 8)
     manager.remove_skipped_blocks("r", 0, num_prompt_tokens=5)
-    manager.cache_blocks(SimpleNamespace(req_id="r", block_hashes=_hashes(4)), 8)
+    manager.cache_blocks(SimpleNamespace(req_id="r", block_hashes=block_hashes(4)), 8)
     assert [block.block_hash is not None for block in manager.req_to_blocks["r"]] == [
         True,
         True,
@@ -167,7 +131,7 @@ def test_rswa_caches_only_blocks_wholly_in_the_prompt() -> None:
 def test_managers_refuse_a_spec_of_another_kind() -> None:
     pool = BlockPool(num_gpu_blocks=4, enable_caching=True)
     with pytest.raises(TypeError, match="needs an RSWASpec"):
-        RSWAManager(chunked_spec(4), pool, 0)
+        RSWAManager(chunked_local_spec(4), pool, 0)
     with pytest.raises(TypeError, match="needs a ChunkedLocalAttentionSpec"):
         ChunkedLocalAttentionManager(rswa_spec(2), pool, 0)
 
@@ -177,21 +141,21 @@ def test_chunked_local_refuses_a_chunk_that_starts_mid_block() -> None:
     token 4 to be computed with its own chunk (tokens 0-4) already in the null block."""
     pool = BlockPool(num_gpu_blocks=4, enable_caching=True)
     with pytest.raises(ValueError, match="attention_chunk_size=5 is not a multiple of"):
-        make_single_type_manager(chunked_spec(5), pool, 0)
+        make_single_type_manager(chunked_local_spec(5), pool, 0)
 
 
 def test_hybrid_coordinator_agrees_with_full_attention_on_a_chunked_hit() -> None:
     full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32")
     groups = [
         KVCacheGroupSpec(layer_names=["full"], spec=full),
-        KVCacheGroupSpec(layer_names=["local"], spec=chunked_spec(4)),
+        KVCacheGroupSpec(layer_names=["local"], spec=chunked_local_spec(4)),
     ]
     coordinator = get_kv_cache_coordinator(
         KVCacheConfig(num_blocks=12, kv_cache_groups=groups), True
     )
     assert isinstance(coordinator.single_type_managers[1], ChunkedLocalAttentionManager)
     assert coordinator.can_skip_blocks
-    hashes = _hashes(3)
+    hashes = block_hashes(3)
     stand_in = SimpleNamespace(req_id="setup", block_hashes=hashes)
     coordinator.save_new_computed_blocks("setup", ((), ()))
     coordinator.allocate_new_blocks("setup", 6)  # full: 1-3, local: 4-6
@@ -204,9 +168,9 @@ def test_hybrid_coordinator_agrees_with_full_attention_on_a_chunked_hit() -> Non
 
 
 def test_capacity_counts_one_chunk_for_chunked_local_and_the_sequence_for_rswa() -> None:
-    assert num_chunk_blocks(chunked_spec(4), 3) == 3  # cdiv(3 + 3, 2)
-    assert num_chunk_blocks(chunked_spec(4), 4) == 4  # cdiv(3 + 4, 2)
-    assert num_group_blocks_per_request(chunked_spec(4), 32, 3) == 3
-    assert num_group_blocks_per_request(chunked_spec(4), 32, None) == 16
-    assert num_group_blocks_per_request(chunked_spec(64), 32, 3) == 16
+    assert num_chunk_blocks(chunked_local_spec(4), 3) == 3  # cdiv(3 + 3, 2)
+    assert num_chunk_blocks(chunked_local_spec(4), 4) == 4  # cdiv(3 + 4, 2)
+    assert num_group_blocks_per_request(chunked_local_spec(4), 32, 3) == 3
+    assert num_group_blocks_per_request(chunked_local_spec(4), 32, None) == 16
+    assert num_group_blocks_per_request(chunked_local_spec(64), 32, 3) == 16
     assert num_group_blocks_per_request(rswa_spec(2), 32, 3) == 16

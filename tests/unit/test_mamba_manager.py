@@ -2,12 +2,11 @@
 block boundaries in align mode (null elsewhere, returned once passed), the right-to-left hit scan,
 same-step hits deferred a step, and the hybrid search beside full attention."""
 
-from types import SimpleNamespace
-
 import pytest
+from cached_blocks import pool_with_cached
 
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHash, BlockHasher
+from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.mamba_manager import MambaManager
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.spec import (
@@ -126,14 +125,7 @@ def test_a_chunk_ending_mid_block_caches_nothing_past_its_last_boundary() -> Non
 def test_align_hit_is_the_last_cached_state_found_right_to_left(
     pattern: str, max_length: int, hit_ids: list[int]
 ) -> None:
-    pool = BlockPool(num_gpu_blocks=len(pattern) + 2, enable_caching=True)
-    hashes = [BlockHash(bytes([idx]) * 8) for idx in range(len(pattern))]
-    blocks = pool.get_new_blocks(len(pattern))
-    stand_in = SimpleNamespace(req_id="setup", block_hashes=hashes)
-    for idx, is_cached in enumerate(pattern):
-        if is_cached == "1":
-            pool.cache_full_blocks(stand_in, blocks, idx, idx + 1, BLOCK_SIZE, 0)
-    pool.free_blocks(blocks[::-1])
+    pool, hashes = pool_with_cached(pattern, BLOCK_SIZE, num_spare_blocks=2)
     (hits,) = MambaManager.find_longest_cache_hit(hashes, max_length, [0], pool, ALIGN)
     assert [block.block_id for block in hits] == hit_ids
     assert MambaManager.find_longest_cache_hit(hashes, max_length, [0], pool, NONE) == ([],)

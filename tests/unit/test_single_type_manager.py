@@ -1,13 +1,12 @@
 """Per-group managers: hit scans as tables of cached blocks, capacity, skipping, tail-first free."""
 
 import functools
-from types import SimpleNamespace
 
 import pytest
+from cached_blocks import pool_with_cached
 from kv_specs import BLOCK_SIZE, full_spec, window_spec
 
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHash
 from engine_core.kv_cache.single_type_manager import (
     FullAttentionManager,
     SlidingWindowManager,
@@ -16,23 +15,6 @@ from engine_core.kv_cache.spec_managers import make_single_type_manager
 
 FULL = full_spec(BLOCK_SIZE)
 _window = functools.partial(window_spec, block_size=BLOCK_SIZE)
-
-
-def _hashes(num_blocks: int) -> list[BlockHash]:
-    return [BlockHash(bytes([idx]) * 8) for idx in range(num_blocks)]
-
-
-def _pool_with_cached(pattern: str) -> tuple[BlockPool, list[BlockHash]]:
-    """A pool where block i + 1 is cached under hash i wherever `pattern[i]` is '1', then freed."""
-    pool = BlockPool(num_gpu_blocks=len(pattern) + 4, enable_caching=True)
-    hashes = _hashes(len(pattern))
-    blocks = pool.get_new_blocks(len(pattern))
-    stand_in = SimpleNamespace(req_id="setup", block_hashes=hashes)
-    for idx, is_cached in enumerate(pattern):
-        if is_cached == "1":
-            pool.cache_full_blocks(stand_in, blocks, idx, idx + 1, BLOCK_SIZE, 0)
-    pool.free_blocks(blocks[::-1])
-    return pool, hashes
 
 
 @pytest.mark.parametrize(
@@ -48,7 +30,7 @@ def _pool_with_cached(pattern: str) -> tuple[BlockPool, list[BlockHash]]:
 def test_full_attention_hit_is_the_cached_run_from_block_zero(
     pattern: str, max_length: int, num_hit_blocks: int
 ) -> None:
-    pool, hashes = _pool_with_cached(pattern)
+    pool, hashes = pool_with_cached(pattern, BLOCK_SIZE)
     (hits,) = FullAttentionManager.find_longest_cache_hit(hashes, max_length, [0], pool, FULL)
     assert [block.block_id for block in hits] == list(range(1, num_hit_blocks + 1))
 
@@ -72,7 +54,7 @@ def test_full_attention_hit_is_the_cached_run_from_block_zero(
 def test_sliding_window_hit_needs_a_run_covering_the_window(
     sliding_window: int, pattern: str, max_length: int, hit_ids: list[int]
 ) -> None:
-    pool, hashes = _pool_with_cached(pattern)
+    pool, hashes = pool_with_cached(pattern, BLOCK_SIZE)
     (hits,) = SlidingWindowManager.find_longest_cache_hit(
         hashes, max_length, [0], pool, _window(sliding_window)
     )
@@ -81,7 +63,7 @@ def test_sliding_window_hit_needs_a_run_covering_the_window(
 
 
 def test_capacity_counts_evictable_hit_blocks_as_consumed() -> None:
-    pool, hashes = _pool_with_cached("111")  # blocks 1-3 cached and free
+    pool, hashes = pool_with_cached("111", BLOCK_SIZE)  # blocks 1-3 cached and free
     manager = FullAttentionManager(FULL, pool, 0)
     (hits,) = FullAttentionManager.find_longest_cache_hit(hashes, 6, [0], pool, FULL)
     # 10 tokens need 5 blocks: 3 hits (each still in the free queue) + 2 new.
