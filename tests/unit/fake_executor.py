@@ -380,6 +380,12 @@ class Harness:
         kv_cache_config = KVCacheConfig(
             num_blocks, groups, num_host_slots=num_host_slots, num_disk_slots=num_disk_slots
         )
+        self.start_engine(config, kv_cache_config, model_info)
+
+    def start_engine(
+        self, config: EngineConfig, kv_cache_config: KVCacheConfig, model_info: ModelInfo
+    ) -> None:
+        """The EngineCore over self.executor, and empty records of its outputs."""
         self.core = EngineCore(config, kv_cache_config, model_info, self.executor)
         self.scheduler = self.core.scheduler
         self.tokens: dict[str, list[int]] = {}

@@ -11,23 +11,12 @@ import random
 
 import pytest
 from test_mamba_engine_fuzz import (
-    BLOCK_SIZE,
     MambaHarness,
-    MambaStateExecutor,
     run_random_workload,
 )
 
-from engine_core.core import EngineCore
 from protocol.buffers import unpack_int32
-from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
-from protocol.kv_cache_spec import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MambaSpec,
-)
-from protocol.worker_messages import KVTransfers, ModelInfo
+from protocol.worker_messages import KVTransfers
 
 NUM_STEPS = 1200
 
@@ -72,32 +61,9 @@ class MambaTierHarness(MambaHarness):
     """MambaHarness with a host tier of 6 slots and a disk tier of 16 under its 24 blocks."""
 
     def __init__(self, **scheduler_fields: object) -> None:
-        mamba = MambaSpec(BLOCK_SIZE, ((2, 3),), "float32", mamba_cache_mode="align")
-        specs: list[KVCacheSpec] = [FullAttentionSpec(BLOCK_SIZE, 1, 8, "float32"), mamba]
-        groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
-        model_info = ModelInfo("fake-mamba", 64, [0], 64, groups)
-        config = EngineConfig(
-            check_invariants=True,
-            cache=CacheConfig(block_size=BLOCK_SIZE),
-            scheduler=SchedulerConfig(**scheduler_fields),
-        ).checked()
-        self.num_blocks = 24
-        self.vocab_size = 64
-        self.executor = MambaStateExecutor(specs, True, config.scheduler.max_num_batched_tokens)
+        super().__init__("align", True, num_host_slots=6, num_disk_slots=16, **scheduler_fields)
         self.state_tiers = StateTierMemory(self.executor.memory)
         self.executor.tier_memory = self.state_tiers  # type: ignore[assignment]
-        kv_cache_config = KVCacheConfig(
-            self.num_blocks, groups, num_host_slots=6, num_disk_slots=16
-        )
-        self.core = EngineCore(config, kv_cache_config, model_info, self.executor)
-        self.scheduler = self.core.scheduler
-        self.tokens = {}
-        self.finish_reasons = {}
-        self.errors = {}
-        self.num_cached_tokens = {}
-        self.scheduler_outputs = []
-        self.client_ids = {}
-        self.executor.on_step = self.scheduler_outputs.append
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

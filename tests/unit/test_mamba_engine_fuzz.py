@@ -14,7 +14,6 @@ from collections.abc import Callable
 import pytest
 from fake_executor import FakeExecutor, Harness, next_token, reference_tokens
 
-from engine_core.core import EngineCore
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import (
     FullAttentionSpec,
@@ -84,7 +83,14 @@ class MambaStateExecutor(FakeExecutor):
 class MambaHarness(Harness):
     """Harness over full attention and one Mamba group, with MambaStateExecutor as workers."""
 
-    def __init__(self, mode: str, enable_prefix_caching: bool, **scheduler_fields: object) -> None:
+    def __init__(
+        self,
+        mode: str,
+        enable_prefix_caching: bool,
+        num_host_slots: int = 0,
+        num_disk_slots: int = 0,
+        **scheduler_fields: object,
+    ) -> None:
         mamba = MambaSpec(BLOCK_SIZE, ((2, 3),), "float32", mamba_cache_mode=mode)
         specs: list[KVCacheSpec] = [FullAttentionSpec(BLOCK_SIZE, 1, 8, "float32"), mamba]
         groups = [KVCacheGroupSpec([f"layer.{idx}"], spec) for idx, spec in enumerate(specs)]
@@ -98,16 +104,10 @@ class MambaHarness(Harness):
         self.vocab_size = 64
         is_align = mode == "align" and enable_prefix_caching
         self.executor = MambaStateExecutor(specs, is_align, config.scheduler.max_num_batched_tokens)
-        kv_cache_config = KVCacheConfig(self.num_blocks, groups)
-        self.core = EngineCore(config, kv_cache_config, model_info, self.executor)
-        self.scheduler = self.core.scheduler
-        self.tokens = {}
-        self.finish_reasons = {}
-        self.errors = {}
-        self.num_cached_tokens = {}
-        self.scheduler_outputs = []
-        self.client_ids = {}
-        self.executor.on_step = self.scheduler_outputs.append
+        kv_cache_config = KVCacheConfig(
+            self.num_blocks, groups, num_host_slots=num_host_slots, num_disk_slots=num_disk_slots
+        )
+        self.start_engine(config, kv_cache_config, model_info)
 
 
 def _check_state_blocks(harness: MambaHarness) -> None:
