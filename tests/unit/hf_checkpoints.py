@@ -1,25 +1,19 @@
 """Tiny random-weight Hugging Face checkpoints for the checkpoint tests, written with transformers
 (a test-only dependency), and the references the tests compare with: transformers' own logits
-and greedy generate(), and an in-process TP group whose ranks are threads.
+and greedy generate().
 """
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import transformers
 
 from protocol.worker_messages import ModelInfo
 from worker.attention import ContextChunk
-from worker.distributed import TPGroup
 from worker.models.reference import DenseKV
 from worker.models.registry import Model
 
 INITIALIZER_RANGE = 0.3  # large enough that the context, not only the last token, sets the logits
-BARRIER_TIMEOUT_S = 30.0
-R = TypeVar("R")
 BASE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -80,60 +74,6 @@ def hf_greedy(
         top2 = step_logits[0].float().topk(2).values
         margins.append(float(top2[0] - top2[1]))
     return tokens, margins
-
-
-class ThreadTPGroup(TPGroup):
-    """One rank of a TP group whose ranks are threads of this process: the all-reduce sums every
-    rank's tensor in rank order behind a barrier, so each rank gets the same bytes."""
-
-    def __init__(
-        self, rank: int, slots: list[torch.Tensor | None], barrier: threading.Barrier
-    ) -> None:
-        self.rank, self.tp_size = rank, len(slots)
-        self.process_group, self.num_ranks_on_device, self.shm = None, 1, None
-        self.slots, self.barrier = slots, barrier
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[self.rank] = tensor.clone()
-        self.barrier.wait(BARRIER_TIMEOUT_S)
-        total = self.slots[0].clone()
-        for part in self.slots[1:]:
-            total += part
-        self.barrier.wait(BARRIER_TIMEOUT_S)  # nobody overwrites a slot before all have read
-        return tensor.copy_(total)
-
-    def check_invariants(self) -> None:
-        assert 0 <= self.rank < self.tp_size, f"rank {self.rank} outside [0, {self.tp_size})"
-
-
-def thread_groups(tp_size: int) -> list[ThreadTPGroup]:
-    slots: list[torch.Tensor | None] = [None] * tp_size
-    barrier = threading.Barrier(tp_size)
-    return [ThreadTPGroup(rank, slots, barrier) for rank in range(tp_size)]
-
-
-def run_ranks(tp_size: int, work: Callable[[ThreadTPGroup], R]) -> list[R]:
-    """Run work(group) on tp_size threads, one per rank; results in rank order; re-raises."""
-    groups = thread_groups(tp_size)
-    results: list = [None] * tp_size  # each rank's, in rank order
-    errors: list[BaseException] = []
-
-    def main(group: ThreadTPGroup) -> None:
-        try:
-            results[group.rank] = work(group)
-        except BaseException as exc:
-            errors.append(exc)
-            group.barrier.abort()  # the other ranks stop waiting in their all-reduce
-
-    threads = [threading.Thread(target=main, args=(g,), name=f"rank-{g.rank}") for g in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(BARRIER_TIMEOUT_S * 4)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank thread is still running"
-    return results
 
 
 class EveryQueryKV(DenseKV):

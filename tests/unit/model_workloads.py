@@ -1,15 +1,12 @@
 """The per-model unit tests' workloads: each model family's prompts, sampling params (and encoder
 inputs), their unpaged reference tokens, the Workload that runs them on one rank, and the run
-itself (tiny-local's through EngineNullsMirror). Also ranks as threads for the TP shard tests.
+itself (tiny-local's through EngineNullsMirror).
 """
 
 import functools
 import random
-import threading
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -20,14 +17,12 @@ from protocol.kv_cache_spec import NULL_BLOCK_ID
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from tests.conftest import worker_test_device
-from worker.distributed import TPGroup, single_rank_group
+from worker.distributed import single_rank_group
 from worker.model_runner import ModelRunner, StepTimings
 from worker.models.reference import reference_generate
 from worker.models.tiny_encdec_reference import TinyEncDecReference
 
 DEVICE = torch.device(worker_test_device())
-BARRIER_TIMEOUT_S = 60.0  # the longest one simulated rank waits for the other at an all-reduce
-RankResult = TypeVar("RankResult")
 
 
 def make_prompts(seed: int, count: int, shared_len: int, min_suffix: int) -> list[list[int]]:
@@ -237,40 +232,3 @@ def run(work: Workload) -> Run:
     stats = core.get_stats()
     num_preemptions, num_hit_tokens = stats["num_preemptions"], stats["prefix_cache_hits"]
     return Run(outputs, int(num_preemptions), int(num_hit_tokens), mirror)
-
-
-class ThreadedTPGroup(TPGroup):
-    """Ranks as threads of one process: all_reduce sums every rank's tensor at a barrier."""
-
-    def __init__(self, rank: int, tp_size: int, slots: list, barrier: threading.Barrier) -> None:
-        super().__init__(rank, tp_size, process_group=object())
-        self.slots = slots
-        self.barrier = barrier
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[self.rank] = tensor
-        self.barrier.wait()
-        total = sum(self.slots[1:], self.slots[0])
-        self.barrier.wait()  # nobody overwrites a slot before every rank has summed
-        return total
-
-
-def run_ranks_as_threads(
-    tp_size: int, run_rank: Callable[[TPGroup], RankResult]
-) -> list[RankResult]:
-    """run_rank(group) on tp_size threads whose groups all-reduce with each other; results in
-    rank order. Every thread must end within the barrier's deadline."""
-    slots: list = [None] * tp_size
-    barrier = threading.Barrier(tp_size, timeout=BARRIER_TIMEOUT_S)
-    results: list = [None] * tp_size
-
-    def target(rank: int) -> None:
-        results[rank] = run_rank(ThreadedTPGroup(rank, tp_size, slots, barrier))
-
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(tp_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(BARRIER_TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads)
-    return results

@@ -17,7 +17,8 @@ import torch
 
 from bench.workload import RankResult, Workload, run_workload
 from protocol.sampling import SamplingParams
-from tests.unit.hf_checkpoints import hf_greedy, run_ranks, write_checkpoint
+from tests.unit.hf_checkpoints import hf_greedy, write_checkpoint
+from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import single_rank_group
 
 MARGIN_TOL = 1e-3  # float32 logits differ by ~1e-5 from transformers', so only a near-tie flips

@@ -16,12 +16,8 @@ import torch
 
 from protocol.kv_cache_spec import SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
-from tests.unit.hf_checkpoints import (
-    hf_logits,
-    our_logits,
-    run_ranks,
-    write_checkpoint,
-)
+from tests.unit.hf_checkpoints import hf_logits, our_logits, write_checkpoint
+from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import TPGroup, single_rank_group
 from worker.models.registry import build_model, get_model_info
 

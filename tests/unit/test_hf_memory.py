@@ -15,7 +15,8 @@ from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
-from tests.unit.hf_checkpoints import run_ranks, write_checkpoint
+from tests.unit.hf_checkpoints import write_checkpoint
+from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import single_rank_group
 from worker.model_runner import build_model_runner
 from worker.models.registry import build_model, get_model_info, resolve_dtypes

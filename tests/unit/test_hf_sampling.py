@@ -16,8 +16,9 @@ from bench.workload import Workload, build_rank
 from engine_core.core import EngineCore
 from protocol.client_messages import TokenLogprobs
 from protocol.sampling import SamplingParams
-from tests.unit.hf_checkpoints import hf_logits, run_ranks, write_checkpoint
+from tests.unit.hf_checkpoints import hf_logits, write_checkpoint
 from tests.unit.test_hf_generate import make_prompts
+from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import TPGroup, single_rank_group
 
 CPU = torch.device("cpu")

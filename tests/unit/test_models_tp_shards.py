@@ -1,5 +1,5 @@
 """Tensor parallelism without processes: each model's rank shards tile its full weights, and ranks
-run as threads (model_workloads.run_ranks_as_threads) all-reduce to exactly the TP=1 logits.
+run as threads (thread_tp_group.run_ranks) all-reduce to exactly the TP=1 logits.
 
 tiny-mla caches the same latent on every rank, tiny-mamba-hybrid each rank's own channels'
 states, tiny-encdec runs the whole encoder on every rank and keeps its own cross-attention heads.
@@ -7,8 +7,9 @@ states, tiny-encdec runs the whole encoder on every rank and keeps its own cross
 
 import pytest
 import torch
-from model_workloads import DEVICE, ENCDEC, PROMPTS, run_ranks_as_threads
+from model_workloads import DEVICE, ENCDEC, PROMPTS
 
+from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import TPGroup, single_rank_group
 from worker.latent_attention import DenseLatentKV
 from worker.mamba_state import DenseMambaState
@@ -105,7 +106,7 @@ def test_tp_shards_all_reduce_to_exactly_the_tp1_logits(model: str, tp_size: int
     """The all-reduced logits of every position are bit-identical to one rank's; every rank
     caches tiny-mla's whole latent, and the ranks' final Mamba states tile the whole model's."""
     expected, whole_cache = _dense_forward(model, single_rank_group())
-    results = run_ranks_as_threads(tp_size, lambda group: _dense_forward(model, group))
+    results = run_ranks(tp_size, lambda group: _dense_forward(model, group))
     for logits, _ in results:
         assert torch.equal(logits, expected)
     assert whole_cache or model == TINY_ENCDEC.name
