@@ -3,7 +3,14 @@
 from cached_blocks import block_hashes, cache_then_free
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_specs import BLOCK_SIZE, chunked_local_spec, full_spec, rswa_spec, window_spec
+from kv_specs import (
+    BLOCK_SIZE,
+    chunked_local_spec,
+    full_spec,
+    kv_cache_config,
+    rswa_spec,
+    window_spec,
+)
 
 from engine_core.kv_cache.coordinator import get_kv_cache_coordinator
 from engine_core.kv_cache.hashing import BlockHash
@@ -11,7 +18,6 @@ from engine_core.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
     RSWASpec,
     SlidingWindowSpec,
@@ -33,8 +39,7 @@ LAYOUTS = [
 
 
 def _config(specs: tuple[KVCacheSpec, ...]) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
-    return KVCacheConfig(num_blocks=len(specs) * NUM_HASHES + 1, kv_cache_groups=groups)
+    return kv_cache_config(len(specs) * NUM_HASHES + 1, *specs)
 
 
 def _brute_force_hit_blocks(spec: KVCacheSpec, cached: list[bool], max_length: int) -> int:

@@ -3,44 +3,43 @@ brute-force count over the running requests' block tables."""
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
+from kv_specs import (
+    chunked_local_spec,
+    full_spec,
+    hashed_request,
+    kv_cache_config,
+    rswa_spec,
+    window_spec,
+)
 
-from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import (
-    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
-    RSWASpec,
-    SlidingWindowSpec,
 )
 from engine_core.sched.request import Request
 from protocol.sampling import SamplingParams
 
-BLOCK_SIZE = 2
 MAX_MODEL_LEN = 64
 NUM_BLOCKS = 256  # room for every request, so no allocation is refused
-ATTENTION = {"block_size": BLOCK_SIZE, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"}
-FULL = FullAttentionSpec(**ATTENTION)
+FULL = full_spec()
 SPEC_SETS: tuple[tuple[KVCacheSpec, ...], ...] = (
     (FULL,),
     (FULL, FULL),
-    (FULL, SlidingWindowSpec(**ATTENTION, sliding_window=3)),
-    (FULL, RSWASpec(**ATTENTION, rswa_window=3)),
-    (FULL, ChunkedLocalAttentionSpec(**ATTENTION, attention_chunk_size=4)),
+    (FULL, window_spec(3)),
+    (FULL, rswa_spec(3)),
+    (FULL, chunked_local_spec(4)),
 )
 BASE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 
 
 def _manager(specs: tuple[KVCacheSpec, ...], enable_caching: bool = True) -> KVCacheManager:
-    groups = [KVCacheGroupSpec(layer_names=[f"g{i}"], spec=s) for i, s in enumerate(specs)]
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_groups=groups)
+    config = kv_cache_config(NUM_BLOCKS, *specs)
     return KVCacheManager(config, MAX_MODEL_LEN, enable_caching=enable_caching)
 
 
 def _admit(manager: KVCacheManager, req_id: str, tokens: list[int]) -> Request:
-    request = Request(req_id, tokens, SamplingParams(), block_hasher=BlockHasher(BLOCK_SIZE))
+    request = hashed_request(req_id, tokens)
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     num_new = request.num_tokens - num_hit_tokens
     assert manager.allocate_slots(request, num_new, num_hit_tokens, hits) is not None

@@ -4,7 +4,7 @@ request, and never a limit on the decoder groups' prefix hit."""
 from array import array
 
 import pytest
-from kv_specs import BLOCK_SIZE, full_spec
+from kv_specs import BLOCK_SIZE, full_spec, kv_cache_config
 
 from engine_core.kv_cache.coordinator import (
     HybridKVCacheCoordinator,
@@ -16,9 +16,7 @@ from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import (
     CrossAttentionSpec,
-    KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheSpec,
     num_blocks_per_request,
     num_group_blocks_per_request,
 )
@@ -38,14 +36,9 @@ def cross_spec(block_size: int = BLOCK_SIZE) -> CrossAttentionSpec:
     )
 
 
-def _config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-
-
 def _manager(num_blocks: int = 20, enable_caching: bool = True) -> KVCacheManager:
     return KVCacheManager(
-        _config(num_blocks, full_spec(), cross_spec()),
+        kv_cache_config(num_blocks, full_spec(), cross_spec()),
         max_model_len=32,
         enable_caching=enable_caching,
     )
@@ -78,7 +71,7 @@ def _admit(manager: KVCacheManager, request: Request) -> int:
 
 
 def test_factory_gives_the_hybrid_coordinator_a_cross_attention_manager() -> None:
-    config = _config(8, full_spec(), cross_spec())
+    config = kv_cache_config(8, full_spec(), cross_spec())
     coordinator = get_kv_cache_coordinator(config, True)
     assert type(coordinator) is HybridKVCacheCoordinator
     assert type(coordinator.single_type_managers[1]) is CrossAttentionManager
@@ -88,7 +81,7 @@ def test_factory_gives_the_hybrid_coordinator_a_cross_attention_manager() -> Non
 
 def test_a_model_of_cross_attention_alone_is_refused() -> None:
     with pytest.raises(ValueError, match="only KV-cache group is cross-attention"):
-        get_kv_cache_coordinator(_config(8, cross_spec()), True)
+        get_kv_cache_coordinator(kv_cache_config(8, cross_spec()), True)
 
 
 def test_admission_takes_every_encoder_block_and_decode_never_grows_them() -> None:

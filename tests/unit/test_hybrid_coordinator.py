@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_specs import BLOCK_SIZE, full_spec, window_spec
+from kv_specs import BLOCK_SIZE, full_spec, hashed_request, kv_cache_config, window_spec
 
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import (
@@ -14,30 +14,18 @@ from engine_core.kv_cache.coordinator import (
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from engine_core.kv_cache.hashing import BlockHash, BlockHasher, get_block_hash, get_group_id
+from engine_core.kv_cache.hashing import BlockHash, get_block_hash, get_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.spec import (
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
     cdiv,
 )
 from engine_core.sched.request import Request
-from protocol.sampling import SamplingParams
 
 FULL = full_spec(BLOCK_SIZE)
 _window = functools.partial(window_spec, block_size=BLOCK_SIZE)
-
-
-def _config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-
-
-def _request(req_id: str, token_ids: list[int]) -> Request:
-    return Request(req_id, token_ids, SamplingParams(), block_hasher=BlockHasher(BLOCK_SIZE))
 
 
 def _admit(manager: KVCacheManager, request: Request) -> None:
@@ -58,19 +46,19 @@ def _cache(pool: BlockPool, hashes: list[BlockHash], group_id: int, cached_idxs:
 
 
 def test_factory_picks_the_coordinator_by_caching_and_group_count() -> None:
-    one, two = _config(8, FULL), _config(8, FULL, _window(4))
+    one, two = kv_cache_config(8, FULL), kv_cache_config(8, FULL, _window(4))
     assert type(get_kv_cache_coordinator(one, True)) is UnitaryKVCacheCoordinator
     assert type(get_kv_cache_coordinator(two, True)) is HybridKVCacheCoordinator
     assert type(get_kv_cache_coordinator(two, False)) is KVCacheCoordinatorNoPrefixCache
     other = FullAttentionSpec(block_size=4, num_kv_heads=1, head_dim=4, dtype="float32")
-    mixed = get_kv_cache_coordinator(_config(8, FULL, other), True)
+    mixed = get_kv_cache_coordinator(kv_cache_config(8, FULL, other), True)
     assert isinstance(mixed, HybridKVCacheCoordinator)  # groups may differ in block size
     assert (mixed.hash_block_size, mixed.alignment_tokens) == (2, 4)
 
 
 def test_same_tokens_give_different_keys_per_group() -> None:
-    manager = KVCacheManager(_config(20, FULL, _window(4)), max_model_len=64)
-    request = _request("a", list(range(9)))
+    manager = KVCacheManager(kv_cache_config(20, FULL, _window(4)), max_model_len=64)
+    request = hashed_request("a", list(range(9)))
     _admit(manager, request)
     full_ids, window_ids = manager.get_block_ids("a")
     assert (full_ids, window_ids) == ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
@@ -84,11 +72,11 @@ def test_same_tokens_give_different_keys_per_group() -> None:
 
 
 def test_evicting_window_blocks_keeps_the_hit_but_evicting_the_first_full_block_drops_it() -> None:
-    manager = KVCacheManager(_config(20, FULL, _window(4)), max_model_len=64)
-    first = _request("a", list(range(9)))
+    manager = KVCacheManager(kv_cache_config(20, FULL, _window(4)), max_model_len=64)
+    first = hashed_request("a", list(range(9)))
     _admit(manager, first)
     manager.free(first)
-    again = _request("b", list(range(9)))
+    again = hashed_request("b", list(range(9)))
     hits, num_hit_tokens = manager.get_computed_blocks(again)
     assert num_hit_tokens == 8
     assert hits.get_block_ids() == ([1, 2, 3, 4], [0, 0, 8, 9])
@@ -103,7 +91,7 @@ def test_evicting_window_blocks_keeps_the_hit_but_evicting_the_first_full_block_
 
 def test_inconsistent_hits_converge_to_the_longest_length_every_group_agrees_on() -> None:
     # Group 0 full attention, group 1 needs 1 cached block at the end, group 2 needs 2.
-    coordinator = get_kv_cache_coordinator(_config(40, FULL, _window(3), _window(4)), True)
+    coordinator = get_kv_cache_coordinator(kv_cache_config(40, FULL, _window(3), _window(4)), True)
     pool, hashes = coordinator.block_pool, [BlockHash(bytes([i]) * 8) for i in range(5)]
     _cache(pool, hashes, 0, {0, 1, 2, 3, 4})
     _cache(pool, hashes, 1, {0, 1, 2, 4})
@@ -119,7 +107,7 @@ def test_inconsistent_hits_converge_to_the_longest_length_every_group_agrees_on(
 
 
 def test_window_miss_truncates_the_full_attention_hit() -> None:
-    coordinator = get_kv_cache_coordinator(_config(40, FULL, _window(4)), True)
+    coordinator = get_kv_cache_coordinator(kv_cache_config(40, FULL, _window(4)), True)
     pool, hashes = coordinator.block_pool, [BlockHash(bytes([i]) * 8) for i in range(4)]
     _cache(pool, hashes, 0, {0, 1, 2, 3})
     _cache(pool, hashes, 1, {0, 1, 3})
@@ -129,13 +117,13 @@ def test_window_miss_truncates_the_full_attention_hit() -> None:
 
 
 def test_every_groups_hits_are_touched_before_any_new_block_is_allocated() -> None:
-    manager = KVCacheManager(_config(9, FULL, _window(4)), max_model_len=64)  # 8 usable
-    first = _request("a", list(range(8)))
+    manager = KVCacheManager(kv_cache_config(9, FULL, _window(4)), max_model_len=64)  # 8 usable
+    first = hashed_request("a", list(range(8)))
     _admit(manager, first)
     manager.free(first)
     free_ids = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
     assert free_ids == [4, 3, 2, 1, 8, 7, 6, 5]
-    second = _request("b", [*range(8), 50, 51])
+    second = hashed_request("b", [*range(8), 50, 51])
     hits, num_hit_tokens = manager.get_computed_blocks(second)
     assert (num_hit_tokens, hits.get_block_ids()) == (8, ([1, 2, 3, 4], [0, 0, 7, 8]))
     # Allocating group 0's block before touching group 1's hits would pop block 8.
@@ -146,11 +134,11 @@ def test_every_groups_hits_are_touched_before_any_new_block_is_allocated() -> No
 
 
 def test_hybrid_allocation_that_does_not_fit_changes_nothing() -> None:
-    manager = KVCacheManager(_config(9, FULL, _window(4)), max_model_len=64)
-    first = _request("a", list(range(8)))
+    manager = KVCacheManager(kv_cache_config(9, FULL, _window(4)), max_model_len=64)
+    first = hashed_request("a", list(range(8)))
     _admit(manager, first)
     manager.free(first)
-    second = _request("b", [*range(8), *range(50, 56)])  # 7 blocks per group: 14 > 8
+    second = hashed_request("b", [*range(8), *range(50, 56)])  # 7 blocks per group: 14 > 8
     hits, num_hit_tokens = manager.get_computed_blocks(second)
     ref_cnts = [b.ref_cnt for b in manager.block_pool.blocks]
     assert manager.allocate_slots(second, 6, num_hit_tokens, hits) is None
@@ -160,8 +148,8 @@ def test_hybrid_allocation_that_does_not_fit_changes_nothing() -> None:
 
 
 def test_hybrid_decode_frees_only_the_window_groups_old_blocks() -> None:
-    manager = KVCacheManager(_config(30, FULL, _window(4)), max_model_len=64)
-    request = _request("a", list(range(10)))
+    manager = KVCacheManager(kv_cache_config(30, FULL, _window(4)), max_model_len=64)
+    request = hashed_request("a", list(range(10)))
     _admit(manager, request)
     request.append_output_token_ids(77)
     assert manager.allocate_slots(request, 1).get_block_ids() == ([11], [12])
@@ -192,7 +180,7 @@ def test_hit_length_is_the_longest_every_group_can_serve(
 ) -> None:
     """Guards against a fixed point that stops short of, or overshoots, the best common length."""
     specs = [FULL if window is None else _window(window) for window in windows]
-    coordinator = get_kv_cache_coordinator(_config(1 + 6 * len(specs), *specs), True)
+    coordinator = get_kv_cache_coordinator(kv_cache_config(1 + 6 * len(specs), *specs), True)
     hashes = [BlockHash(bytes([i]) * 8) for i in range(6)]
     for group_id, cached in enumerate(patterns[: len(specs)]):
         _cache(coordinator.block_pool, hashes, group_id, {i for i, c in enumerate(cached) if c})

@@ -7,7 +7,7 @@ BlockHashListWithBlockSize, and every hit ends on the lcm of the block sizes.
 import math
 
 import pytest
-from kv_specs import full_spec, window_spec
+from kv_specs import full_spec, kv_cache_config, window_spec
 
 from engine_core.kv_cache.coordinator import HybridKVCacheCoordinator, UnitaryKVCacheCoordinator
 from engine_core.kv_cache.hashing import (
@@ -18,7 +18,6 @@ from engine_core.kv_cache.hashing import (
     make_block_hash_with_group_id,
 )
 from engine_core.kv_cache.manager import KVCacheManager
-from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from engine_core.sched.limits import resolve_limits
 from engine_core.sched.request import Request
 from protocol.config import CacheConfig, SchedulerConfig
@@ -26,11 +25,6 @@ from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelInfo
 
 HASH_BLOCK_SIZE = 2
-
-
-def _config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
 
 
 def _request(req_id: str, token_ids: list[int]) -> Request:
@@ -85,14 +79,14 @@ def test_view_hash_covers_the_whole_larger_block() -> None:
 
 
 def test_one_group_keeps_the_unitary_coordinator() -> None:
-    manager = KVCacheManager(_config(8, full_spec(4)), max_model_len=64)
+    manager = KVCacheManager(kv_cache_config(8, full_spec(4)), max_model_len=64)
     assert type(manager.coordinator) is UnitaryKVCacheCoordinator
 
 
 def test_hit_ends_on_the_lcm_of_the_block_sizes() -> None:
     """Full attention (blocks of 2) could hit 6 tokens, but the window group (blocks of 4)
     only ends blocks at multiples of 4, so both agree on 4."""
-    manager = KVCacheManager(_config(30, full_spec(2), window_spec(5, 4)), max_model_len=64)
+    manager = KVCacheManager(kv_cache_config(30, full_spec(2), window_spec(5, 4)), max_model_len=64)
     coordinator = manager.coordinator
     assert isinstance(coordinator, HybridKVCacheCoordinator)
     assert (coordinator.hash_block_size, coordinator.alignment_tokens) == (2, 4)
@@ -114,7 +108,7 @@ def test_hit_ends_on_the_lcm_of_the_block_sizes() -> None:
 def test_mixed_sizes_cache_only_up_to_the_lcm() -> None:
     """A 6-token prompt fills 3 full-attention blocks of 2, but hits end on multiples of 4, so
     only the first 4 tokens' blocks enter the prefix cache (vLLM 0.33.0 does the same)."""
-    manager = KVCacheManager(_config(30, full_spec(2), window_spec(5, 4)), max_model_len=64)
+    manager = KVCacheManager(kv_cache_config(30, full_spec(2), window_spec(5, 4)), max_model_len=64)
     request = _request("a", list(range(7)))
     _admit(manager, request)
     blocks = manager.block_pool.blocks
@@ -128,7 +122,7 @@ def test_mixed_sizes_cache_only_up_to_the_lcm() -> None:
 def test_full_attention_may_use_the_larger_blocks() -> None:
     """Full attention in blocks of 4 beside a window in blocks of 2: the full group reads the
     view, the window group the request's own hashes."""
-    manager = KVCacheManager(_config(30, full_spec(4), window_spec(3, 2)), max_model_len=64)
+    manager = KVCacheManager(kv_cache_config(30, full_spec(4), window_spec(3, 2)), max_model_len=64)
     assert _admit(manager, _request("a", list(range(10)))) == 0
     assert _admit(manager, _request("b", [*range(9), 77])) == 8
     assert _admit(manager, _request("c", [*range(5), 77, 78, 79, 80])) == 4
@@ -137,7 +131,7 @@ def test_full_attention_may_use_the_larger_blocks() -> None:
 @pytest.mark.parametrize("sizes", [(2, 4), (4, 2), (2, 6)])
 def test_capacity_counts_each_group_at_its_own_block_size(sizes: tuple[int, int]) -> None:
     full_size, window_size = sizes
-    config = _config(40, full_spec(full_size), window_spec(5, window_size))
+    config = kv_cache_config(40, full_spec(full_size), window_spec(5, window_size))
     manager = KVCacheManager(config, max_model_len=64)
     request = _request("a", list(range(13)))
     _admit(manager, request)
@@ -149,14 +143,14 @@ def test_capacity_counts_each_group_at_its_own_block_size(sizes: tuple[int, int]
 
 
 def test_the_manager_takes_the_gcd_as_hash_block_size() -> None:
-    config = _config(30, full_spec(2), window_spec(5, 4))
+    config = kv_cache_config(30, full_spec(2), window_spec(5, 4))
     KVCacheManager(config, max_model_len=64, hash_block_size=2)
     with pytest.raises(ValueError, match=r"hash_block_size=4 differs from 2, the gcd .* \[2, 4\]"):
         KVCacheManager(config, max_model_len=64, hash_block_size=4)
 
 
 def test_scheduler_limits_hash_at_the_gcd_named_by_the_cache_config() -> None:
-    config = _config(60, full_spec(2), window_spec(5, 4))
+    config = kv_cache_config(60, full_spec(2), window_spec(5, 4))
     model = ModelInfo("m", 16, [], 64, config.kv_cache_groups)
     limits = resolve_limits(SchedulerConfig(), CacheConfig(block_size=2), config, model)
     # 32 blocks of 2 and 16 of 4 for 64 tokens: one step may schedule them all, window too.

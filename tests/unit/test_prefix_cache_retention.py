@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_specs import BLOCK_SIZE, full_spec, window_spec
+from kv_specs import BLOCK_SIZE, full_spec, hashed_request, kv_cache_config, window_spec
 
 from deploy.cli import core_main, core_parser, engine_config_from
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHash, BlockHasher, get_group_id
+from engine_core.kv_cache.hashing import BlockHash, get_group_id
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_cache.retention import validate_retention_interval, window_block_mask
 from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MLAAttentionSpec
@@ -18,20 +18,10 @@ from engine_core.sched.request import Request
 from engine_core.sched.scheduler import Scheduler
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_events import BlockStored
-from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelInfo
 
 WINDOW = window_spec(5)  # a hit reads cdiv(4, 2) = 2 blocks
 INTERVAL = 8  # tokens: 4 blocks per segment, of which a window hit reads the last 2
-
-
-def _config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(layer_names=[f"g{idx}"], spec=s) for idx, s in enumerate(specs)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-
-
-def _request(req_id: str, token_ids: list[int]) -> Request:
-    return Request(req_id, token_ids, SamplingParams(), block_hasher=BlockHasher(BLOCK_SIZE))
 
 
 def _admit_and_free(manager: KVCacheManager, request: Request) -> int:
@@ -113,23 +103,25 @@ def test_retention_interval_is_validated_as_the_reference_does(
     interval: int, specs: tuple[KVCacheSpec, ...], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        validate_retention_interval(interval, _config(8, *specs))
+        validate_retention_interval(interval, kv_cache_config(8, *specs))
     with pytest.raises(ValueError, match=message):
-        KVCacheManager(_config(8, *specs), 64, prefix_cache_retention_interval=interval)
+        KVCacheManager(kv_cache_config(8, *specs), 64, prefix_cache_retention_interval=interval)
 
 
 def test_a_valid_interval_and_none_pass() -> None:
-    validate_retention_interval(None, _config(8, full_spec()))
-    validate_retention_interval(16, _config(8, full_spec(), WINDOW))
+    validate_retention_interval(None, kv_cache_config(8, full_spec()))
+    validate_retention_interval(16, kv_cache_config(8, full_spec(), WINDOW))
 
 
 def test_resends_hit_as_far_with_fewer_window_blocks_indexed() -> None:
     prompt = list(range(100, 133))  # 33 tokens: 16 full blocks, replay boundary at token 32
-    dense = KVCacheManager(_config(80, full_spec(), WINDOW), 64)
-    sparse = KVCacheManager(_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8)
+    dense = KVCacheManager(kv_cache_config(80, full_spec(), WINDOW), 64)
+    sparse = KVCacheManager(
+        kv_cache_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8
+    )
     for manager in (dense, sparse):
-        assert _admit_and_free(manager, _request("a", prompt)) == 0
-        assert _admit_and_free(manager, _request("b", prompt)) == 32
+        assert _admit_and_free(manager, hashed_request("a", prompt)) == 0
+        assert _admit_and_free(manager, hashed_request("b", prompt)) == 32
     assert _num_indexed(dense.block_pool, 0) == _num_indexed(sparse.block_pool, 0) == 16
     assert _num_indexed(dense.block_pool, 1) == 16
     # Segment tails 2-3, 6-7, 10-11 and 14-15 (the last also the replay tail).
@@ -141,12 +133,14 @@ def test_a_sibling_between_kept_boundaries_falls_back_to_the_one_before() -> Non
     only to 16, the last segment end, because the window blocks before 20 were not indexed."""
     prompt = list(range(100, 133))
     sibling = prompt[:20] + [7] * 13
-    dense = KVCacheManager(_config(80, full_spec(), WINDOW), 64)
-    sparse = KVCacheManager(_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8)
+    dense = KVCacheManager(kv_cache_config(80, full_spec(), WINDOW), 64)
+    sparse = KVCacheManager(
+        kv_cache_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8
+    )
     for manager in (dense, sparse):
-        _admit_and_free(manager, _request("a", prompt))
-    assert _admit_and_free(dense, _request("s", sibling)) == 20
-    assert _admit_and_free(sparse, _request("s", sibling)) == 16
+        _admit_and_free(manager, hashed_request("a", prompt))
+    assert _admit_and_free(dense, hashed_request("s", sibling)) == 20
+    assert _admit_and_free(sparse, hashed_request("s", sibling)) == 16
 
 
 @settings(max_examples=60, deadline=None)
@@ -161,14 +155,14 @@ def test_replays_hit_the_same_under_any_interval(
     """Requests that replay earlier prompts hit exactly as far with the interval as without,
     and the window group never indexes more blocks."""
     prompts = [[idx * 1000 + pos for pos in range(n)] for idx, n in enumerate(prompt_lens)]
-    dense = KVCacheManager(_config(200, full_spec(), WINDOW), 64)
+    dense = KVCacheManager(kv_cache_config(200, full_spec(), WINDOW), 64)
     sparse = KVCacheManager(
-        _config(200, full_spec(), WINDOW), 64, prefix_cache_retention_interval=interval
+        kv_cache_config(200, full_spec(), WINDOW), 64, prefix_cache_retention_interval=interval
     )
     for step, prompt_idx in enumerate(order):
         prompt = prompts[prompt_idx % len(prompts)]
-        num_dense = _admit_and_free(dense, _request(f"r{step}", prompt))
-        num_sparse = _admit_and_free(sparse, _request(f"r{step}", prompt))
+        num_dense = _admit_and_free(dense, hashed_request(f"r{step}", prompt))
+        num_sparse = _admit_and_free(sparse, hashed_request(f"r{step}", prompt))
         assert num_sparse == num_dense
     assert _num_indexed(sparse.block_pool, 1) <= _num_indexed(dense.block_pool, 1)
     assert _num_indexed(sparse.block_pool, 0) == _num_indexed(dense.block_pool, 0)
@@ -220,12 +214,12 @@ def test_the_scheduler_hands_the_interval_to_its_kv_cache_manager() -> None:
 def test_block_stored_names_only_the_window_blocks_kept_in_the_index() -> None:
     """A router learns of exactly the window blocks a hit can use; full attention of all 16."""
     manager = KVCacheManager(
-        _config(80, full_spec(), WINDOW),
+        kv_cache_config(80, full_spec(), WINDOW),
         64,
         enable_kv_cache_events=True,
         prefix_cache_retention_interval=8,
     )
-    request = _request("a", list(range(100, 133)))
+    request = hashed_request("a", list(range(100, 133)))
     _admit_and_free(manager, request)
     stored = [event for event in manager.take_events() if isinstance(event, BlockStored)]
     hashes = [bytes(block_hash) for block_hash in request.block_hashes]
@@ -241,25 +235,27 @@ def test_a_sibling_keeps_the_junction_so_the_next_sibling_hits_all_of_the_shared
     leaves A's prompt at token 20 hits only to 16, but keeps its window tail at 20 (the junction
     full attention reached), so the next sibling hits the whole shared 20."""
     prompt = list(range(100, 133))
-    sparse = KVCacheManager(_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8)
-    _admit_and_free(sparse, _request("a", prompt))
-    first = _request("s1", prompt[:20] + [7] * 13)
+    sparse = KVCacheManager(
+        kv_cache_config(80, full_spec(), WINDOW), 64, prefix_cache_retention_interval=8
+    )
+    _admit_and_free(sparse, hashed_request("a", prompt))
+    first = hashed_request("s1", prompt[:20] + [7] * 13)
     hits, num_hit_tokens = sparse.get_computed_blocks(first)
     assert (num_hit_tokens, hits.shared_prefix_boundary) == (16, 20)
     assert _admit_and_free(sparse, first) == 16
-    assert _admit_and_free(sparse, _request("s2", prompt[:20] + [9] * 13)) == 20
+    assert _admit_and_free(sparse, hashed_request("s2", prompt[:20] + [9] * 13)) == 20
 
 
 def test_no_junction_without_a_retention_interval() -> None:
-    dense = KVCacheManager(_config(80, full_spec(), WINDOW), 64)
-    _admit_and_free(dense, _request("a", list(range(100, 133))))
-    hits, num_hit_tokens = dense.get_computed_blocks(_request("s", [*range(100, 120), 7]))
+    dense = KVCacheManager(kv_cache_config(80, full_spec(), WINDOW), 64)
+    _admit_and_free(dense, hashed_request("a", list(range(100, 133))))
+    hits, num_hit_tokens = dense.get_computed_blocks(hashed_request("s", [*range(100, 120), 7]))
     assert (num_hit_tokens, hits.shared_prefix_boundary) == (20, 0)
 
 
 def _mixed_manager(is_masked: bool = True) -> KVCacheManager:
     """Full attention in blocks of 4 beside a 3-token window in blocks of 2: hits end on 4."""
-    manager = KVCacheManager(_config(400, full_spec(4), window_spec(3)), 128)
+    manager = KVCacheManager(kv_cache_config(400, full_spec(4), window_spec(3)), 128)
     if not is_masked:  # the index as it would be if every window block were entered
         manager.coordinator._window_group_ids = frozenset()
     return manager
@@ -268,10 +264,10 @@ def _mixed_manager(is_masked: bool = True) -> KVCacheManager:
 def test_mixed_block_sizes_index_only_window_blocks_that_end_on_the_lcm() -> None:
     manager = _mixed_manager()
     prompt = list(range(100, 117))  # 17 tokens: 8 window blocks, 4 full-attention blocks
-    assert _admit_and_free(manager, _request("a", prompt)) == 0
+    assert _admit_and_free(manager, hashed_request("a", prompt)) == 0
     # Window blocks 1, 3, 5 and 7 (each ends a 4-token boundary) of 8; all 4 of full attention.
     assert (_num_indexed(manager.block_pool, 0), _num_indexed(manager.block_pool, 1)) == (4, 4)
-    assert _admit_and_free(manager, _request("b", prompt)) == 16
+    assert _admit_and_free(manager, hashed_request("b", prompt)) == 16
 
 
 @settings(max_examples=60, deadline=None)
@@ -289,8 +285,8 @@ def test_mixed_block_sizes_hit_as_far_with_the_window_mask(
     for step, (prompt_idx, num_shared) in enumerate(steps):
         base = prompts[prompt_idx % len(prompts)]
         prompt = base[:num_shared] + [7, 8, 9][: max(1, len(base) - num_shared)]
-        num_masked = _admit_and_free(masked, _request(f"r{step}", prompt))
-        assert num_masked == _admit_and_free(unmasked, _request(f"r{step}", prompt))
+        num_masked = _admit_and_free(masked, hashed_request(f"r{step}", prompt))
+        assert num_masked == _admit_and_free(unmasked, hashed_request(f"r{step}", prompt))
     num_window_masked = _num_indexed(masked.block_pool, 1)
     assert num_window_masked <= _num_indexed(unmasked.block_pool, 1)
     assert _num_indexed(masked.block_pool, 0) == _num_indexed(unmasked.block_pool, 0)
@@ -312,14 +308,14 @@ def test_an_mla_group_listed_after_a_window_acts_as_full_attention(
     base = [[idx * 1000 + pos for pos in range(n)] for idx, n in enumerate(prompt_lens)]
     prompts = [*base, base[0][:cut] + [7] * 9]  # a sibling that leaves prompt 0 at `cut`
     managers = [
-        KVCacheManager(_config(200, WINDOW, spec), 64, prefix_cache_retention_interval=8)
+        KVCacheManager(kv_cache_config(200, WINDOW, spec), 64, prefix_cache_retention_interval=8)
         for spec in (full_spec(), mla)
     ]
     for step, prompt_idx in enumerate([*order, len(prompts) - 1]):
         prompt = prompts[prompt_idx % len(prompts)]
         found = []
         for manager in managers:
-            request = _request(f"r{step}", prompt)
+            request = hashed_request(f"r{step}", prompt)
             hits, num_hit_tokens = manager.get_computed_blocks(request)
             found.append((num_hit_tokens, hits.shared_prefix_boundary))
             assert manager.allocate_slots(

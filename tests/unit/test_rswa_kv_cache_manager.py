@@ -2,25 +2,14 @@
 an R-SWA group, alone and beside full attention, is in test_kv_manager_machines.py.
 """
 
-from engine_core.kv_cache.hashing import BlockHasher
-from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from engine_core.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, RSWASpec
-from engine_core.sched.request import Request, RequestStatus
-from protocol.sampling import SamplingParams
+from kv_specs import hashed_request, kv_cache_config, rswa_spec
 
-BLOCK_SIZE = 2
+from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from engine_core.sched.request import Request, RequestStatus
 
 
 def _manager(num_blocks: int = 10, rswa_window: int = 2) -> KVCacheManager:
-    spec = RSWASpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4, dtype="float32", rswa_window=rswa_window
-    )
-    group = KVCacheGroupSpec(layer_names=["layers.0"], spec=spec)
-    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[group]), 64)
-
-
-def _request(req_id: str, token_ids: list[int]) -> Request:
-    return Request(req_id, token_ids, SamplingParams(), block_hasher=BlockHasher(BLOCK_SIZE))
+    return KVCacheManager(kv_cache_config(num_blocks, rswa_spec(rswa_window)), 64)
 
 
 def _run(manager: KVCacheManager, request: Request, num_new_tokens: int) -> None:
@@ -39,7 +28,7 @@ def _free_ids(manager: KVCacheManager) -> list[int]:
 
 def test_decode_nulls_and_frees_the_gap_after_the_prompt() -> None:
     manager = _manager(rswa_window=2)
-    request = _request("a", [1, 2, 3, 4, 5])
+    request = hashed_request("a", [1, 2, 3, 4, 5])
     _run(manager, request, 5)
     assert manager.get_block_ids("a") == ([1, 2, 3],)
     for token in range(6):  # positions 5..10: each decode reads the prompt and 2 tokens before
@@ -54,7 +43,7 @@ def test_decode_nulls_and_frees_the_gap_after_the_prompt() -> None:
 
 def test_first_allocation_caches_the_prompt_so_a_twin_in_the_same_step_shares_it() -> None:
     manager = _manager()
-    first, twin = _request("a", [1, 2, 3, 4, 5]), _request("b", [1, 2, 3, 4, 5])
+    first, twin = hashed_request("a", [1, 2, 3, 4, 5]), hashed_request("b", [1, 2, 3, 4, 5])
     _run(manager, first, 5)
     _run(manager, twin, 5)
     # Blocks 1-2 hold prompt positions 0-3; block 3 holds position 4 alone and is never cached.
@@ -65,7 +54,7 @@ def test_first_allocation_caches_the_prompt_so_a_twin_in_the_same_step_shares_it
 
 def test_blocks_past_the_prompt_are_never_cached() -> None:
     manager = _manager(rswa_window=8)
-    request = _request("a", [1, 2, 3, 4])
+    request = hashed_request("a", [1, 2, 3, 4])
     _run(manager, request, 4)
     for token in (5, 6, 7, 8):
         request.append_output_token_ids(token)
@@ -76,8 +65,8 @@ def test_blocks_past_the_prompt_are_never_cached() -> None:
 
 def test_a_resumed_request_hits_only_its_own_prompt() -> None:
     manager = _manager(num_blocks=16)
-    _run(manager, _request("long", [1, 2, 3, 4, 5, 6, 7, 8]), 8)  # caches 4 prompt blocks
-    resumed = _request("r", [1, 2, 3, 4])
+    _run(manager, hashed_request("long", [1, 2, 3, 4, 5, 6, 7, 8]), 8)  # caches 4 prompt blocks
+    resumed = hashed_request("r", [1, 2, 3, 4])
     _run(manager, resumed, 4)
     for token in (5, 6, 7):  # the same tokens "long" had as its prompt, but generated here
         resumed.append_output_token_ids(token)
