@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from in_process_engine import engine_config, model_runner
 
 import worker.cascade as cascade_module
 import worker.models.tiny_mla as tiny_mla_module
 from engine_core.core import EngineCore
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreRequest
-from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import (
@@ -29,12 +29,10 @@ from protocol.worker_messages import (
 from tests.conftest import worker_test_device
 from worker.attention import ContextChunk
 from worker.cascade import attend_with_shared_prefix
-from worker.distributed import single_rank_group
-from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import ModelRunner
 from worker.models.fixed_point import attend, exp_table, quantize
 from worker.models.reference import reference_generate
-from worker.models.registry import build_model, get_model_info
+from worker.models.registry import get_model_info
 
 DEVICE = torch.device(worker_test_device())
 MAX_MODEL_LEN = 96
@@ -52,14 +50,11 @@ def make_runner(
     model: str, kv_cache_config: KVCacheConfig, enable_cascade_attention: bool
 ) -> ModelRunner:
     info = get_model_info(model, kv_cache_config.kv_cache_groups[0].spec.block_size)
-    return ModelRunner(
-        build_model(model, single_rank_group(), DEVICE),
+    return model_runner(
+        model,
         kv_cache_config,
-        allocate_kv_caches(kv_cache_config, 1, DEVICE),
-        0,
-        info.max_model_len,
         DEVICE,
-        check_each_step=True,
+        info.max_model_len,
         enable_cascade_attention=enable_cascade_attention,
     )
 
@@ -132,15 +127,12 @@ def test_cascade_gives_the_tokens_and_logits_of_the_plain_path_and_the_reference
     executor = TwoRunners(
         make_runner(model, kv_cache_config, True), make_runner(model, kv_cache_config, False)
     )
-    config = EngineConfig(
-        check_invariants=True,
-        cache=CacheConfig(block_size=block_size),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=64,
-            max_model_len=MAX_MODEL_LEN,
-            async_scheduling=async_scheduling,
-        ),
-    ).checked()
+    config = engine_config(
+        block_size,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_MODEL_LEN,
+        async_scheduling=async_scheduling,
+    )
     core = EngineCore(config, kv_cache_config, info, executor)
     tokens = run(core, prompts(10))
     assert executor.cascade.num_cascade_steps > 0 and calls, "the cascade path never ran"

@@ -9,18 +9,16 @@ import random
 
 import pytest
 import torch
+from in_process_engine import engine_config, model_runner
 
 from engine_core.core import EngineCore
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
-from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
-from worker.distributed import single_rank_group
-from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import ModelRunner
 from worker.models.reference import ReferenceModel, reference_generate
-from worker.models.registry import build_model, get_model_info
+from worker.models.registry import get_model_info
 
 CPU = torch.device("cpu")
 MAX_MODEL_LEN = 96
@@ -50,25 +48,19 @@ def _engine(
 ) -> tuple[EngineCore, ModelRunner]:
     info = get_model_info(model, block_size)
     kv_cache_config = KVCacheConfig(num_blocks, info.kv_cache_groups)
-    runner = ModelRunner(
-        build_model(model, single_rank_group(), CPU),
+    runner = model_runner(
+        model,
         kv_cache_config,
-        allocate_kv_caches(kv_cache_config, 1, CPU),
-        0,
-        info.max_model_len,
         CPU,
-        check_each_step=True,
+        info.max_model_len,
         eos_token_ids=info.eos_token_ids,  # held back under min_tokens, as the reference does
     )
-    config = EngineConfig(
-        check_invariants=True,
-        cache=CacheConfig(block_size=block_size),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=32,
-            max_model_len=MAX_MODEL_LEN,
-            async_scheduling=async_scheduling,
-        ),
-    ).checked()
+    config = engine_config(
+        block_size,
+        max_num_batched_tokens=32,
+        max_model_len=MAX_MODEL_LEN,
+        async_scheduling=async_scheduling,
+    )
     return EngineCore(config, kv_cache_config, info, runner), runner
 
 

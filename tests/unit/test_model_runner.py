@@ -6,6 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from in_process_engine import model_runner
 
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.config import WorkerConfig
@@ -15,10 +16,9 @@ from protocol.worker_messages import CachedRequestData, NewRequestData, Schedule
 from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
 from worker.input_batch import InputBatch, ParkedRequest
-from worker.kv_cache import allocate_kv_caches
 from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner, build_model_runner
 from worker.models.reference import reference_generate
-from worker.models.registry import build_model, get_model_info
+from worker.models.registry import get_model_info
 from worker.sampler import SampleBatch, Sampler, greedy_tokens, uniform_draw
 
 DEVICE = torch.device(worker_test_device())
@@ -34,9 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def make_runner(model_name: str = "checksum", num_blocks: int = 16) -> ModelRunner:
     info = get_model_info(model_name, BLOCK_SIZE)
     config = KVCacheConfig(num_blocks, info.kv_cache_groups)
-    model = build_model(model_name, single_rank_group(), DEVICE)
-    caches = allocate_kv_caches(config, 1, DEVICE)
-    return ModelRunner(model, config, caches, 0, info.max_model_len, DEVICE, check_each_step=True)
+    return model_runner(model_name, config, DEVICE, info.max_model_len)
 
 
 def new_req(

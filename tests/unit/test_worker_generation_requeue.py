@@ -10,19 +10,16 @@ import random
 import msgspec
 import pytest
 import torch
+from in_process_engine import engine_config, model_runner
 
 from engine_core.core import EngineCore
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
-from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
-from worker.distributed import single_rank_group
-from worker.kv_cache import allocate_kv_caches
-from worker.model_runner import ModelRunner
 from worker.models.reference import reference_generate
-from worker.models.registry import build_model, get_model_info
+from worker.models.registry import get_model_info
 
 CPU = torch.device("cpu")
 MAX_MODEL_LEN = 96
@@ -47,15 +44,8 @@ class LosableGeneration:
 
     def replace(self, first_step_id: int) -> None:
         config = msgspec.structs.replace(self.kv_cache_config, first_step_id=first_step_id)
-        self.runner = ModelRunner(
-            build_model(self.model, single_rank_group(), CPU),
-            config,
-            allocate_kv_caches(self.kv_cache_config, 1, CPU),  # a new generation's cache is empty
-            0,
-            MAX_MODEL_LEN,
-            CPU,
-            check_each_step=True,
-        )
+        # a new generation's cache is empty: the runner gets freshly allocated caches
+        self.runner = model_runner(self.model, config, CPU, MAX_MODEL_LEN)
         self.first_step_ids.append(0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -85,15 +75,12 @@ def test_a_new_generation_finishes_every_request_with_the_reference_tokens(
     info = get_model_info(model, block_size)
     kv_cache_config = KVCacheConfig(48 if block_size == 4 else 12, info.kv_cache_groups)
     executor = LosableGeneration(model, kv_cache_config, fault_steps={3, 9, 10})
-    config = EngineConfig(
-        check_invariants=True,
-        cache=CacheConfig(block_size=block_size),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=32,
-            max_model_len=MAX_MODEL_LEN,
-            async_scheduling=async_scheduling,
-        ),
-    ).checked()
+    config = engine_config(
+        block_size,
+        max_num_batched_tokens=32,
+        max_model_len=MAX_MODEL_LEN,
+        async_scheduling=async_scheduling,
+    )
     core = EngineCore(config, kv_cache_config, info, executor)
     prompts = _prompts(8)
     tokens: dict[str, list[int]] = {}
@@ -137,10 +124,9 @@ def test_requeue_keeps_the_running_order_and_forgets_what_the_workers_were_told(
     info = get_model_info("checksum", 4)
     kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
     executor = LosableGeneration("checksum", kv_cache_config, fault_steps=set())
-    config = EngineConfig(
-        cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, async_scheduling=False),
-    ).checked()
+    config = engine_config(
+        4, check_invariants=False, max_model_len=MAX_MODEL_LEN, async_scheduling=False
+    )
     core = EngineCore(config, kv_cache_config, info, executor)
     for idx in range(3):
         params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -167,12 +153,13 @@ def test_a_requeue_counts_one_preemption_per_running_request() -> None:
     info = get_model_info("checksum", 4)
     kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
     executor = LosableGeneration("checksum", kv_cache_config, fault_steps=set())
-    config = EngineConfig(
-        cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(
-            max_num_seqs=2, max_model_len=MAX_MODEL_LEN, async_scheduling=False
-        ),
-    ).checked()
+    config = engine_config(
+        4,
+        check_invariants=False,
+        max_num_seqs=2,
+        max_model_len=MAX_MODEL_LEN,
+        async_scheduling=False,
+    )
     core = EngineCore(config, kv_cache_config, info, executor)
     for idx in range(3):
         params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -197,15 +184,9 @@ def test_a_new_generation_keeps_the_prompt_of_a_request_sent_again_whole(
     info = get_model_info("tiny-local", 4)
     kv_cache_config = KVCacheConfig(200, info.kv_cache_groups)
     executor = LosableGeneration("tiny-local", kv_cache_config, fault_steps={45})
-    config = EngineConfig(
-        check_invariants=True,
-        cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=16,
-            max_model_len=MAX_MODEL_LEN,
-            async_scheduling=async_scheduling,
-        ),
-    ).checked()
+    config = engine_config(
+        4, max_num_batched_tokens=16, max_model_len=MAX_MODEL_LEN, async_scheduling=async_scheduling
+    )
     core = EngineCore(config, kv_cache_config, info, executor)
     prompt = list(range(3, 13))
     params = SamplingParams(max_tokens=60, ignore_eos=True)
