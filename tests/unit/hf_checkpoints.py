@@ -3,8 +3,10 @@
 and greedy generate().
 """
 
+import copy
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -32,6 +34,20 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+QWEN3_MIXED_LAYERS = dict(  # a sliding-window layer between two full-attention layers
+    num_hidden_layers=3,
+    layer_types=["full_attention", "sliding_attention", "full_attention"],
+    use_sliding_window=True,
+    sliding_window=6,
+)
+Cases = dict[str, tuple[str, dict]]  # case name -> (arch, the fields BASE is overridden by)
 
 
 def write_checkpoint(
@@ -46,6 +62,17 @@ def write_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **kwargs)
     return model
+
+
+def write_checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, cases: Cases, seed: int = 0
+) -> dict[str, tuple[Path, transformers.PreTrainedModel]]:
+    """Each case's checkpoint in a folder of its own: the folder and the model, by case name."""
+    made = {}
+    for name, (arch, fields) in cases.items():
+        folder = tmp_path_factory.mktemp(name)
+        made[name] = (folder, write_checkpoint(folder, arch, seed, **copy.deepcopy(fields)))
+    return made
 
 
 def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:

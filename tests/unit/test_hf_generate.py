@@ -8,7 +8,6 @@ and seeds 1 step of the 240 is such a near-tie (margin 8.7e-4), and the served t
 anyway; `test_near_ties_are_rare` keeps count.
 """
 
-import copy
 import random
 from pathlib import Path
 
@@ -17,7 +16,12 @@ import torch
 
 from bench.workload import RankResult, Workload, run_workload
 from protocol.sampling import SamplingParams
-from tests.unit.hf_checkpoints import hf_greedy, write_checkpoint
+from tests.unit.hf_checkpoints import (
+    LLAMA3_ROPE,
+    QWEN3_MIXED_LAYERS,
+    hf_greedy,
+    write_checkpoints,
+)
 from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import single_rank_group
 
@@ -25,29 +29,9 @@ MARGIN_TOL = 1e-3  # float32 logits differ by ~1e-5 from transformers', so only 
 MAX_TOKENS = 10
 CPU = torch.device("cpu")
 CASES = {
-    "qwen3-mixed-layers": (
-        "qwen3",
-        dict(
-            num_hidden_layers=3,
-            layer_types=["full_attention", "sliding_attention", "full_attention"],
-            use_sliding_window=True,
-            sliding_window=6,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "qwen3-mixed-layers": ("qwen3", dict(QWEN3_MIXED_LAYERS, tie_word_embeddings=True)),
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
-    "llama-llama3": (
-        "llama",
-        dict(
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            }
-        ),
-    ),
+    "llama-llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2-biases": ("qwen2", {}),
 }
 
@@ -73,12 +57,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list]]:
     """Each case's folder and transformers' greedy (tokens, margins) of every prompt."""
-    made = {}
-    for name, (arch, fields) in CASES.items():
-        folder = tmp_path_factory.mktemp(name)
-        model = write_checkpoint(folder, arch, seed=1, **copy.deepcopy(fields))
-        made[name] = (folder, [hf_greedy(model, prompt, MAX_TOKENS) for prompt in PROMPTS])
-    return made
+    return {
+        name: (folder, [hf_greedy(model, prompt, MAX_TOKENS) for prompt in PROMPTS])
+        for name, (folder, model) in write_checkpoints(tmp_path_factory, CASES, seed=1).items()
+    }
 
 
 def workload(folder: Path, num_blocks: int = 200, **options: object) -> Workload:

@@ -16,7 +16,14 @@ import torch
 
 from protocol.kv_cache_spec import SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
-from tests.unit.hf_checkpoints import hf_logits, our_logits, write_checkpoint
+from tests.unit.hf_checkpoints import (
+    LLAMA3_ROPE,
+    QWEN3_MIXED_LAYERS,
+    hf_logits,
+    our_logits,
+    write_checkpoint,
+    write_checkpoints,
+)
 from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import TPGroup, single_rank_group
 from worker.models.registry import build_model, get_model_info
@@ -26,15 +33,8 @@ BFLOAT16_ATOL = 1.0
 BFLOAT16_DRIFT_RATIO = 1.25  # our bf16 error against float32 over transformers' bf16 error
 CONTEXT_EFFECT_MIN = 0.1  # a changed earlier token moves the last position's logits at least this
 CPU = torch.device("cpu")
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
 CASES = {
-    "llama-llama3": ("llama", dict(rope_scaling=LLAMA3)),
+    "llama-llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE)),
     "llama-yarn": (
         "llama",
         dict(
@@ -54,15 +54,7 @@ CASES = {
     "qwen2-biases": ("qwen2", {}),
     "qwen3-tied-qk-norm": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
-    "qwen3-mixed-layers": (
-        "qwen3",
-        dict(
-            num_hidden_layers=3,
-            layer_types=["full_attention", "sliding_attention", "full_attention"],
-            use_sliding_window=True,
-            sliding_window=6,
-        ),
-    ),
+    "qwen3-mixed-layers": ("qwen3", QWEN3_MIXED_LAYERS),
     "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),  # TP=2 replicates it
 }
 TOKENS = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -73,11 +65,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """Each case's folder and its transformers model (float32)."""
-    made = {}
-    for name, (arch, fields) in CASES.items():
-        folder = tmp_path_factory.mktemp(name)
-        made[name] = (folder, write_checkpoint(folder, arch, **copy.deepcopy(fields)))
-    return made
+    return write_checkpoints(tmp_path_factory, CASES)
 
 
 def rank_logits(folder: Path, group: TPGroup, dtype: str = "float32") -> torch.Tensor:
