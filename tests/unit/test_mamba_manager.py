@@ -4,21 +4,18 @@ same-step hits deferred a step, and the hybrid search beside full attention."""
 
 import pytest
 from cached_blocks import pool_with_cached
+from kv_specs import hashed_request, kv_cache_config
 
 from engine_core.kv_cache.block_pool import BlockPool
-from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.kv_cache.mamba_manager import MambaManager
 from engine_core.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from engine_core.kv_cache.spec import (
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
 )
 from engine_core.kv_cache.spec_managers import make_single_type_manager
 from engine_core.sched.request import Request
-from protocol.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 ALIGN = MambaSpec(BLOCK_SIZE, ((2, 3),), "float32", mamba_cache_mode="align")
@@ -28,13 +25,12 @@ PROMPT = list(range(100, 110))  # 10 tokens: blocks end at 4 and 8, then a parti
 
 
 def _manager(*specs: KVCacheSpec, num_blocks: int = 10, caching: bool = True) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layers.{idx}"], spec) for idx, spec in enumerate(specs)]
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+    config = kv_cache_config(num_blocks, *specs)
     return KVCacheManager(config, max_model_len=64, enable_caching=caching)
 
 
 def _request(req_id: str, token_ids: list[int]) -> Request:
-    return Request(req_id, token_ids, SamplingParams(), block_hasher=BlockHasher(BLOCK_SIZE))
+    return hashed_request(req_id, token_ids, BLOCK_SIZE)
 
 
 def _step(manager: KVCacheManager, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
