@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine_core.net.endpoints import free_tcp_ports
@@ -287,8 +288,40 @@ def start_worker(
     processes.start(f"worker-{rank}", "worker_main", args)
 
 
+def stop_process(processes: Processes, name: str, timeout_s: float = 30) -> None:
+    """SIGTERM the process `name`, as Ctrl-C would, and require a clean exit."""
+    processes.procs[name].send_signal(signal.SIGTERM)
+    code = processes.wait_exit(name, timeout_s)
+    assert code == 0, f"{name} exited {code}:\n{processes.log(name)[-3000:]}"
+
+
 def stop_launch(processes: Processes) -> None:
     """SIGTERM the launcher, as Ctrl-C would, and require a clean exit."""
-    processes.procs["launch"].send_signal(signal.SIGTERM)
-    code = processes.wait_exit("launch", 30)
-    assert code == 0, f"launcher exited {code}:\n{processes.log('launch')[-3000:]}"
+    stop_process(processes, "launch")
+
+
+def wait_while_running(
+    processes: Processes, name: str, predicate: Callable[[], object], timeout_s: float, what: str
+) -> object:
+    """`wait_for(predicate)`, failing at once with its log when the process `name` exits first
+    (a refused flag, a port in use) instead of waiting out the deadline."""
+
+    def running_and_ready() -> object:
+        if processes.procs[name].poll() is not None:
+            raise AssertionError(f"{name} exited:\n{processes.log(name)[-3000:]}")
+        return predicate()
+
+    return wait_for(running_and_ready, timeout_s, what)
+
+
+def wait_http_healthy(processes: Processes, name: str, url: str, timeout_s: float) -> None:
+    """Until the HTTP server `name` at `url` answers /health with 200 (a refused connection
+    means not yet), failing at once when it exits."""
+
+    def is_healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_while_running(processes, name, is_healthy, timeout_s, f"{name} answering /health")

@@ -86,16 +86,16 @@ def launch_checked(
     caching_flag: str,
     block_size: int,
     max_model_len: int,
-    *,
+    *extra: str,
     max_num_batched_tokens: int | None = None,
     num_gpu_blocks: int | None = None,
 ) -> None:
     """`kvserve launch` of `model` with the engine and the workers checking their invariants
-    every step (block tables, null runs, each group's tensors), and the step and pool limits
-    given; the defaults otherwise."""
+    every step (block tables, null runs, each group's tensors), the step and pool limits given,
+    and the `extra` flags; the defaults otherwise."""
     argv = [caching_flag, "--block-size", str(block_size), "--max-model-len", str(max_model_len)]
     if max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if num_gpu_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
-    launch(processes, addresses, tp_size, model, *argv, "--check-invariants")
+    launch(processes, addresses, tp_size, model, *argv, "--check-invariants", *extra)

@@ -12,8 +12,8 @@ import pytest
 from api_server.checkpoint_tokenizer import CheckpointTokenizer
 from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokenizer
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, free_tcp_ports
-from tests.integration.test_api_server import LAUNCH_FLAGS, MODEL, start_api, stop_api
+from tests.integration.conftest import Processes, free_tcp_ports, stop_process
+from tests.integration.test_api_server import LAUNCH_FLAGS, MODEL, start_api
 from worker.models.reference import reference_generate
 
 transformers = pytest.importorskip("transformers")
@@ -122,4 +122,4 @@ def test_a_streamed_chat_through_a_checkpoint_tokenizer(
     assert {(m.model_extra or {}).get("root") for m in models} == {MODEL}
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, **body)  # type: ignore[arg-type]
-    stop_api(processes, "api")
+    stop_process(processes, "api")

@@ -18,8 +18,8 @@ from engine_client.errors import EngineConnectionLost, FrameTooLargeError
 from engine_client.request import make_request
 from protocol.codec import make_encoder
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch
-from tests.integration.test_api_server import API_KEY, LAUNCH_FLAGS, MODEL, start_api, stop_api
+from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, stop_process
+from tests.integration.test_api_server import API_KEY, LAUNCH_FLAGS, MODEL, start_api
 from worker.models.reference import reference_generate
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,7 @@ def test_an_oversized_prompt_is_a_400_and_its_neighbours_are_served(
     assert {text for _, text in neighbour_results} == {expected}
     assert "disconnected" not in processes.log("api")
     assert httpx.get(f"{url}/health").status_code == 200
-    stop_api(processes, "api")
+    stop_process(processes, "api")
     stop_launch(processes)
 
 

@@ -4,7 +4,6 @@ blocks, an engine that is down, and one front end over two engines sharing a pre
 """
 
 import json
-import signal
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -25,7 +24,9 @@ from tests.integration.conftest import (
     free_tcp_ports,
     launch,
     stop_launch,
+    stop_process,
     wait_for,
+    wait_http_healthy,
 )
 from worker.models.reference import reference_generate
 
@@ -49,23 +50,8 @@ def start_api(
         args += ["--engine-address", address]
     processes.start(name, "kvserve_main", args)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if processes.procs[name].poll() is not None:
-            raise AssertionError(f"{name} exited:\n{processes.log(name)[-3000:]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(healthy, STARTUP_TIMEOUT_S, f"{name} answering /health with 200")
+    wait_http_healthy(processes, name, url, STARTUP_TIMEOUT_S)
     return url
-
-
-def stop_api(processes: Processes, name: str) -> None:
-    processes.procs[name].send_signal(signal.SIGTERM)
-    code = processes.wait_exit(name, 30)
-    assert code == 0, f"{name} exited {code}:\n{processes.log(name)[-3000:]}"
 
 
 def engine_stats(address: str) -> dict:
@@ -92,7 +78,7 @@ def served(module_processes: Processes, module_addresses: dict) -> Iterator[str]
     (port,) = free_tcp_ports(1)
     url = start_api(processes, "api", [addresses["client"]], port, "--api-key", API_KEY)
     yield url
-    stop_api(processes, "api")
+    stop_process(processes, "api")
     stop_launch(processes)
 
 
@@ -277,7 +263,7 @@ def test_an_engine_that_is_down_is_a_503(processes: Processes, tmp_path: Path) -
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10)
     assert response.status_code == 503
     assert response.json()["error"]["type"] == "service_unavailable_error"
-    stop_api(processes, "api")
+    stop_process(processes, "api")
 
 
 def _launch_second(processes: Processes, folder: Path) -> tuple[str, subprocess.Popen]:
@@ -337,10 +323,9 @@ def test_two_engines_share_a_prefix_workload_like_one(
     rate_one, rate_two = _hit_rate(before, middle), _hit_rate(middle, after)
     assert rate_one > 0.5, rate_one
     assert abs(rate_one - rate_two) <= 0.05, (rate_one, rate_two)
-    stop_api(processes, "api-one")
-    stop_api(processes, "api-two")
-    processes.procs["launch-b"].send_signal(signal.SIGTERM)
-    assert processes.wait_exit("launch-b", 30) == 0
+    stop_process(processes, "api-one")
+    stop_process(processes, "api-two")
+    stop_process(processes, "launch-b")
     stop_launch(processes)
 
 
@@ -385,4 +370,4 @@ def test_a_front_end_with_keys_launches_a_curve_engine_and_serves_through_it(
         pytest.raises((TimeoutError, EngineDeadError)),  # its handshake fails or goes unanswered
     ):
         keyless.get_stats()
-    stop_api(processes, "api")
+    stop_process(processes, "api")

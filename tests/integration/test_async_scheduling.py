@@ -12,7 +12,8 @@ import torch
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, launch, stop_launch, wait_for
+from tests.integration.conftest import Processes, stop_launch, wait_for
+from tests.integration.served_requests import launch_checked
 from worker.models.reference import ReferenceModel, reference_generate
 
 pytestmark = pytest.mark.integration
@@ -56,22 +57,17 @@ def test_async_scheduling_serves_the_synchronous_tokens(
     caching: str,
     num_gpu_blocks: int,
 ) -> None:
-    launch(
+    launch_checked(
         processes,
         addresses,
         tp_size,
         model,
-        "--async-scheduling",
         caching,
-        "--block-size",
-        "4" if model == "tiny-llama-hybrid" else "16",
-        "--num-gpu-blocks-override",
-        str(num_gpu_blocks),  # small: requests preempt each other
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-batched-tokens",
-        "64",
-        "--check-invariants",
+        4 if model == "tiny-llama-hybrid" else 16,
+        MAX_MODEL_LEN,
+        "--async-scheduling",
+        max_num_batched_tokens=64,
+        num_gpu_blocks=num_gpu_blocks,  # small: requests preempt each other
     )
     workload = _workload(tp_size)
     req_ids = [f"r{idx}" for idx in range(NUM_REQUESTS)]
@@ -116,21 +112,17 @@ def test_logprobs_travel_with_their_tokens_from_tp2_ranks(
     """Filters, penalties and logprobs through the real service: TP=2 ranks over the shared-
     memory ring, asynchronous steps, preemption; each client output's logprobs are the raw
     log_softmax at that token, and the tokens are the reference's."""
-    launch(
+    launch_checked(
         processes,
         addresses,
         2,
         "tiny-llama",
+        "--enable-prefix-caching",  # the default
+        16,
+        MAX_MODEL_LEN,
         "--async-scheduling",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks-override",
-        "12",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-batched-tokens",
-        "64",
-        "--check-invariants",
+        max_num_batched_tokens=64,
+        num_gpu_blocks=12,
     )
     workload = [(prompt, LOGPROB_PARAMS[idx % 4]) for idx, (prompt, _) in enumerate(_workload(5))]
     req_ids = [f"r{idx}" for idx in range(NUM_REQUESTS)]

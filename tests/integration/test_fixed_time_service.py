@@ -8,9 +8,10 @@ import pytest
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, launch, stop_launch, wait_for
+from tests.integration.conftest import Processes, stop_launch, wait_for
 from tests.integration.served_requests import (
     assert_cache_use,
+    launch_checked,
     mixed_params,
     reference_tokens,
     serve_and_check,
@@ -29,24 +30,18 @@ def test_held_replies_serve_checksums_tokens_under_preemption(
     processes: Processes, addresses: dict, loop_flag: str
 ) -> None:
     caching_flag = "--enable-prefix-caching"
-    launch(
+    launch_checked(
         processes,
         addresses,
         2,
         "fixed-time",
-        loop_flag,
         caching_flag,
-        "--model-step-ms",
-        "20",  # long enough that the next step arrives while a reply is held
-        "--block-size",
-        "4",
-        "--num-gpu-blocks-override",
-        "40",  # too few for the batch: preempted and recomputed
-        "--max-num-batched-tokens",
-        "24",
-        "--max-model-len",
-        "128",
-        "--check-invariants",
+        4,
+        128,
+        loop_flag,
+        *("--model-step-ms", "20"),  # long enough that the next step arrives while a reply is held
+        max_num_batched_tokens=24,
+        num_gpu_blocks=40,  # too few for the batch: preempted and recomputed
     )
     prompts = shared_prefix_prompts(8, 12, 9, seed=3)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:

@@ -12,7 +12,6 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -27,7 +26,9 @@ from tests.integration.conftest import (
     free_tcp_ports,
     launch,
     stop_launch,
+    stop_process,
     wait_for,
+    wait_http_healthy,
 )
 from tests.unit.hf_checkpoints import hf_greedy
 
@@ -83,16 +84,7 @@ def serve(processes: Processes, tmp_path: Path, checkpoint: Path, tp_size: int) 
     args += ["--worker-address", f"ipc://{tmp_path}/worker.sock"]
     processes.start("serve", "kvserve_main", args)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if processes.procs["serve"].poll() is not None:
-            raise AssertionError(f"serve exited:\n{processes.log('serve')[-3000:]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(healthy, STARTUP_TIMEOUT_S, "kvserve serve answering /health")
+    wait_http_healthy(processes, "serve", url, STARTUP_TIMEOUT_S)
     return url
 
 
@@ -108,9 +100,7 @@ def served(
         yield openai.OpenAI(
             base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S
         )
-        processes.procs["serve"].send_signal(signal.SIGTERM)
-        code = processes.wait_exit("serve", 60)
-        assert code == 0, f"serve exited {code}:\n{processes.log('serve')[-3000:]}"
+        stop_process(processes, "serve", timeout_s=60)
 
 
 @pytest.mark.timeout(420)

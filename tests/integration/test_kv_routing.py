@@ -10,7 +10,6 @@ import json
 import os
 import random
 import re
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +22,15 @@ from engine_client.async_client import AsyncEngineClient
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
+from tests.integration.conftest import (
+    Processes,
+    free_tcp_ports,
+    launch,
+    stop_launch,
+    stop_process,
+    wait_for,
+    wait_while_running,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +75,6 @@ def start_front_end(
     url = f"http://127.0.0.1:{port}"
 
     def following() -> bool:
-        if processes.procs[name].poll() is not None:
-            raise AssertionError(f"{name} exited:\n{processes.log(name)[-3000:]}")
         try:
             stats = httpx.get(f"{url}/router", timeout=2).json()
         except (httpx.TransportError, json.JSONDecodeError):
@@ -79,14 +84,9 @@ def start_front_end(
             e["is_following_kv_events"] and not e["is_kv_events_silent"] for e in engines_stats
         )
 
-    wait_for(following, STARTUP_TIMEOUT_S, f"{name} following every engine's KV events")
+    what = f"{name} following every engine's KV events"
+    wait_while_running(processes, name, following, STARTUP_TIMEOUT_S, what)
     return url
-
-
-def stop_process(processes: Processes, name: str) -> None:
-    processes.procs[name].send_signal(signal.SIGTERM)
-    code = processes.wait_exit(name, 30)
-    assert code == 0, f"{name} exited {code}:\n{processes.log(name)[-3000:]}"
 
 
 def engine_keys(address: str) -> set[str]:
@@ -364,15 +364,14 @@ def test_a_curve_engines_events_are_followed_with_the_client_keys(
     url = f"http://127.0.0.1:{http_port}"
 
     def following() -> bool:
-        if processes.procs["api"].poll() is not None:
-            raise AssertionError(f"api exited:\n{processes.log('api')[-3000:]}")
         try:
             engine = httpx.get(f"{url}/router", timeout=2).json()["engines"][0]
         except (httpx.TransportError, json.JSONDecodeError, KeyError):
             return False
         return engine["is_following_kv_events"] and not engine["is_kv_events_silent"]
 
-    wait_for(following, STARTUP_TIMEOUT_S, "the front end following the CURVE engine's events")
+    what = "the front end following the CURVE engine's events"
+    wait_while_running(processes, "api", following, STARTUP_TIMEOUT_S, what)
     drive(url, conversation_prompts(seed=7, num_prompts=6))
     curve = load_curve_keys(keys_dir, "client")
     with EngineClient(client_address, timeout_s=10, curve=curve) as client:
@@ -404,8 +403,6 @@ def test_an_engine_that_hashes_differently_is_named_and_never_routed_to(
     url = f"http://127.0.0.1:{ports[4]}"
 
     def b_refused() -> dict | None:
-        if processes.procs["api"].poll() is not None:
-            raise AssertionError(f"api exited:\n{processes.log('api')[-3000:]}")
         try:
             stats = httpx.get(f"{url}/router", timeout=2).json()
         except (httpx.TransportError, json.JSONDecodeError):
@@ -413,7 +410,8 @@ def test_an_engine_that_hashes_differently_is_named_and_never_routed_to(
         a, b = stats["engines"]
         return stats if a["is_routable"] and b["hash_mismatch"] is not None else None
 
-    stats = wait_for(b_refused, STARTUP_TIMEOUT_S, "engine b refused for its hash seed")
+    what = "engine b refused for its hash seed"
+    stats = wait_while_running(processes, "api", b_refused, STARTUP_TIMEOUT_S, what)
     assert stats["router_policy"] == "kv"  # the default
     assert stats["engines"][1]["hash_mismatch"] == "hash_seed: 'kvserve' != 'other'"
     assert not stats["engines"][1]["is_routable"]

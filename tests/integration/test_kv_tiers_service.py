@@ -18,7 +18,7 @@ from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.kv_cache_spec import bytes_per_block
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, launch, stop_launch, wait_for
+from tests.integration.conftest import Processes, launch, stop_launch, wait_for, wait_while_running
 from tests.integration.served_requests import (
     Expected,
     mixed_params,
@@ -86,14 +86,13 @@ def wait_serving(processes: Processes, client: EngineClient) -> None:
     """Until the engine answers, failing at once when the launcher exits (a refused flag)."""
 
     def is_serving() -> bool:
-        if processes.procs["launch"].poll() is not None:
-            raise AssertionError(f"launch exited:\n{processes.log('launch')[-3000:]}")
         try:
             return client.call_utility("check_health", timeout_s=HEALTH_TIMEOUT_S) is True
         except TimeoutError:
             return False
 
-    wait_for(is_serving, CLIENT_TIMEOUT_S, "the engine answering check_health")
+    what = "the engine answering check_health"
+    wait_while_running(processes, "launch", is_serving, CLIENT_TIMEOUT_S, what)
 
 
 def group_prompts(seed: int) -> list[list[list[int]]]:

@@ -5,7 +5,6 @@ hybrid sliding-window model, and ranks whose capacities differ.
 
 import json
 import pathlib
-import random
 import re
 import urllib.error
 import urllib.request
@@ -14,7 +13,6 @@ from collections.abc import Callable
 import pytest
 import zmq
 
-from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.codec import kv_event_decoder
 from protocol.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
@@ -28,7 +26,12 @@ from tests.integration.conftest import (
     stop_launch,
     wait_for,
 )
-from worker.models.reference import reference_generate
+from tests.integration.served_requests import (
+    assert_cache_use,
+    reference_tokens,
+    serve_and_check,
+    shared_prefix_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -36,30 +39,12 @@ CLIENT_TIMEOUT_S = 90.0
 EVENT_WAIT_MS = 30_000  # the longest wait for one KV event batch
 
 
-def chat_prompts(num_prompts: int, prefix_len: int, tail_len: int, seed: int) -> list[list[int]]:
-    """Prompts that share one prefix (so prefix caching has something to hit), with own tails."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
-    return [
-        prefix + [rng.randrange(3, 500) for _ in range(tail_len + i)] for i in range(num_prompts)
-    ]
-
-
-def serve_and_check(
+def serve_same_params_and_check(
     client: EngineClient, model: str, prompts: list[list[int]], params: SamplingParams
 ) -> None:
-    """Submit every prompt at once; each output must equal the reference model's."""
-    req_ids = [f"req-{i}" for i in range(len(prompts))]
-    for req_id, prompt in zip(req_ids, prompts, strict=True):
-        client.add_request(make_request(req_id, prompt, params))
-    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
-    for req_id, prompt in zip(req_ids, prompts, strict=True):
-        result = results[req_id]
-        assert result.error is None, f"{req_id} failed: {result.error}"
-        expected = reference_generate(model, prompt, params)
-        assert result.token_ids == expected, (
-            f"{req_id}: served {result.token_ids}, expected {expected}"
-        )
+    """Submit every prompt at once, all with `params`; each output must equal the reference's."""
+    expected = reference_tokens(model)
+    serve_and_check(client, prompts, [params] * len(prompts), expected, CLIENT_TIMEOUT_S)
 
 
 @pytest.mark.timeout(120)
@@ -83,13 +68,10 @@ def test_concurrent_requests_equal_the_reference(
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         assert client.check_health() is True
-        serve_and_check(client, model, chat_prompts(6, 40, 9, seed=tp_size), params)
+        prompts = shared_prefix_prompts(6, 40, 9, seed=tp_size)
+        serve_same_params_and_check(client, model, prompts, params)
         stats = client.get_stats()
-    if caching_flag == "--enable-prefix-caching":
-        assert stats["prefix_cache_hits"] > 0, stats
-    else:
-        assert stats["prefix_cache_hits"] == 0, stats
-    assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
+    assert_cache_use(stats, caching_flag)
     stop_launch(processes)
 
 
@@ -124,9 +106,9 @@ def test_small_pool_forces_preemption_and_outputs_still_match(
         "--check-invariants",  # the engine walks its pool, scheduler and rank maps every step
     )
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
-    prompts = chat_prompts(3 if model != "checksum" else 6, 16, 14, seed=7)
+    prompts = shared_prefix_prompts(3 if model != "checksum" else 6, 16, 14, seed=7)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_and_check(client, model, prompts, params)
+        serve_same_params_and_check(client, model, prompts, params)
         stats = client.get_stats()
     assert stats["num_preemptions"] > 0, f"expected preemption with {num_blocks} blocks: {stats}"
     assert stats["kv_cache_usage"] == 0.0, f"blocks leaked: {stats}"
@@ -150,9 +132,8 @@ def test_ranks_with_different_capacities_agree_on_the_minimum(
     for rank, budget in budgets.items():
         start_worker(processes, addresses, rank, 2, "checksum", kv_cache_memory_bytes=budget)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_and_check(
-            client, "checksum", chat_prompts(3, 20, 5, seed=3), SamplingParams(max_tokens=8)
-        )
+        prompts = shared_prefix_prompts(3, 20, 5, seed=3)
+        serve_same_params_and_check(client, "checksum", prompts, SamplingParams(max_tokens=8))
     held = re.search(r"ranks hold \[(\d+), (\d+)\] blocks; using (\d+)", processes.log("core"))
     assert held, processes.log("core")
     rank0_blocks, rank1_blocks, used = map(int, held.groups())
@@ -171,9 +152,8 @@ def test_metrics_and_health_endpoints(processes: Processes, addresses: dict) -> 
     launch(processes, addresses, 1, "checksum", "--metrics-port", str(port))
     base = f"http://127.0.0.1:{port}"
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        serve_and_check(
-            client, "checksum", chat_prompts(4, 32, 3, seed=5), SamplingParams(max_tokens=5)
-        )
+        prompts = shared_prefix_prompts(4, 32, 3, seed=5)
+        serve_same_params_and_check(client, "checksum", prompts, SamplingParams(max_tokens=5))
         assert http_get(f"{base}/health") == (200, "ok\n")
         wait_for(
             lambda: (
@@ -276,9 +256,8 @@ def test_kv_events_are_published_in_order_and_replayed(
     sub.connect(endpoint)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         assert client.check_health() is True  # the engine is up, so the subscription reached it
-        serve_and_check(
-            client, "checksum", chat_prompts(2, 32, 8, seed=9), SamplingParams(max_tokens=4)
-        )
+        prompts = shared_prefix_prompts(2, 32, 8, seed=9)
+        serve_same_params_and_check(client, "checksum", prompts, SamplingParams(max_tokens=4))
         assert client.reset_prefix_cache() is True
     live = receive_batches(sub, until=lambda events: isinstance(events[-1], AllBlocksCleared))
     seqs = [seq for seq, _ in live]

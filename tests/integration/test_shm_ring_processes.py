@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -51,6 +51,28 @@ def ring_segments() -> set[str]:
     return {name for name in os.listdir(SHM_FOLDER) if name.startswith(SEGMENT_PREFIX)}
 
 
+def raised_when_peer_killed(
+    blocked_call: Callable[[], object], peer: subprocess.Popen
+) -> BaseException:
+    """Run `blocked_call` in a thread, SIGKILL `peer`, and return what the call raised: the
+    kill must end its wait (the thread must be done within WAIT_S)."""
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            blocked_call()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    peer.send_signal(signal.SIGKILL)
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert outcome, "the blocked call returned when its peer was killed"
+    return outcome[0]
+
+
 @pytest.mark.timeout(240)
 def test_two_reader_processes_get_every_frame_in_order(processes: Processes) -> None:
     ring = ShmRingWriter(2, num_slots=8, slot_bytes=256)
@@ -77,22 +99,14 @@ def test_a_killed_reader_ends_the_writer_wait_before_its_deadline(processes: Pro
             START_TIMEOUT_S,
             "the reader attaching",
         )
-        outcome: list[BaseException] = []
 
         def fill() -> None:
-            try:
-                for _ in range(5):
-                    ring.write(b"step", WAIT_S)
-            except BaseException as exc:
-                outcome.append(exc)
+            for _ in range(5):
+                ring.write(b"step", WAIT_S)
 
-        writer_thread = threading.Thread(target=fill, daemon=True)
-        writer_thread.start()
-        reader.send_signal(signal.SIGKILL)
-        writer_thread.join(WAIT_S)
-        assert not writer_thread.is_alive()
-        assert isinstance(outcome[0], RingReaderGoneError), outcome
-        assert f"reader 0 (pid {reader.pid}, attached) exited" in str(outcome[0])
+        error = raised_when_peer_killed(fill, reader)
+        assert isinstance(error, RingReaderGoneError), error
+        assert f"reader 0 (pid {reader.pid}, attached) exited" in str(error)
     finally:
         ring.close()
     assert processes.wait_exit("reader", WAIT_S) == -signal.SIGKILL
@@ -108,21 +122,9 @@ def test_a_killed_writer_wakes_a_blocked_reader_and_its_segment_goes(
     name = wait_for(lambda: name_file.exists() and name_file.read_text(), START_TIMEOUT_S, "a ring")
     with ShmRingReader(str(name), 0, spin_s=0.0) as reader:
         assert reader.read(WAIT_S) == b"first step"
-        outcome: list[BaseException] = []
-
-        def read() -> None:
-            try:
-                reader.read(WAIT_S)
-            except BaseException as exc:
-                outcome.append(exc)
-
-        reader_thread = threading.Thread(target=read, daemon=True)
-        reader_thread.start()
-        writer.send_signal(signal.SIGKILL)
-        reader_thread.join(WAIT_S)
-        assert not reader_thread.is_alive()
-    assert isinstance(outcome[0], RingClosedError), outcome
-    assert f"(pid {writer.pid}) died" in str(outcome[0])
+        error = raised_when_peer_killed(lambda: reader.read(WAIT_S), writer)
+    assert isinstance(error, RingClosedError), error
+    assert f"(pid {writer.pid}) died" in str(error)
     assert processes.wait_exit("writer", WAIT_S) == -signal.SIGKILL
     # the writer's resource tracker unlinks what the writer left when the writer dies
     wait_for(lambda: name not in ring_segments(), WAIT_S, f"{name} leaving {SHM_FOLDER}")

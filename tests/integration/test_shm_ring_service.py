@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from protocol.shm_ring import SEGMENT_PREFIX
@@ -27,7 +26,7 @@ from tests.integration.conftest import (
     stop_launch,
     wait_for,
 )
-from worker.models.reference import reference_generate
+from tests.integration.served_requests import reference_tokens, serve_and_check
 
 pytestmark = pytest.mark.integration
 
@@ -36,22 +35,17 @@ CLIENT_TIMEOUT_S = 120.0
 SHM_FOLDER = "/dev/shm"
 
 
-def _serve_and_check(client: EngineClient, tag: str, seed: int) -> None:
-    """Twelve concurrent requests, greedy and seeded; each must equal the reference exactly."""
+def _serve_and_check(client: EngineClient, seed: int, first_idx: int = 0) -> None:
+    """Twelve concurrent requests (`req-<first_idx>` on), greedy and seeded; each must equal the
+    reference exactly."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
     params = [
         SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0.8 * (i % 2), seed=i)
         for i in range(len(prompts))
     ]
-    req_ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for req_id, prompt, param in zip(req_ids, prompts, params, strict=True):
-        client.add_request(make_request(req_id, prompt, param))
-    results = client.run_until_finished(req_ids, CLIENT_TIMEOUT_S)
-    for req_id, prompt, param in zip(req_ids, prompts, params, strict=True):
-        assert results[req_id].error is None, f"{req_id} failed: {results[req_id].error}"
-        expected = reference_generate(MODEL, prompt, param)
-        assert results[req_id].token_ids == expected, f"{req_id} differs from the reference"
+    expected = reference_tokens(MODEL)
+    serve_and_check(client, prompts, params, expected, CLIENT_TIMEOUT_S, first_idx=first_idx)
 
 
 def _engine_segments(engine_pid: int) -> list[str]:
@@ -76,7 +70,7 @@ def test_tp2_over_the_ring_serves_the_reference_and_a_new_generation_gets_a_fres
         engine_pid = int(re.search(r"engine-core \(pid (\d+)\)", log)[1])
         assert _rings(log) == [("[0, 1]", _rings(log)[0][1])], _rings(log)
         assert log.count("steps come over ring") == 2
-        _serve_and_check(client, "first", seed=1)
+        _serve_and_check(client, seed=1)
         first_ring = _rings(log)[0][1]
         assert _engine_segments(engine_pid) == [first_ring]
 
@@ -91,7 +85,7 @@ def test_tp2_over_the_ring_serves_the_reference_and_a_new_generation_gets_a_fres
         assert len(rings) == 2 and rings[1][0] == "[0, 1]", rings
         assert rings[1][1] != first_ring, "a new generation must get a ring of its own"
         assert _engine_segments(engine_pid) == [rings[1][1]], "the retired ring was not unlinked"
-        _serve_and_check(client, "second", seed=2)
+        _serve_and_check(client, seed=2, first_idx=12)
     stop_launch(processes)
     assert _engine_segments(engine_pid) == [], "a ring outlived its engine"
 
@@ -132,7 +126,7 @@ def test_a_rank_that_cannot_map_the_ring_takes_its_steps_over_zmq_beside_a_ring_
     _start_worker_with_own_dev_shm(processes, addresses, 1)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         wait_for(lambda: client.check_health(), 90, "the deployment to serve")
-        _serve_and_check(client, "mixed", seed=3)
+        _serve_and_check(client, seed=3)
         core_log = processes.log("core")
     assert _rings(core_log)[0][0] == "[0, 1]", "both ranks share the engine's boot id"
     assert "rank 1 could not attach to ring" in core_log

@@ -1,18 +1,22 @@
-"""tiny-mla, tiny-mamba-hybrid and tiny-local through the real service (launcher, engine, workers):
-served tokens equal the dense reference at TP=1 and TP=2, prefix caching on and off, block sizes
-16 and 32, chunked prefill, and pools small enough to force preemption.
+"""tiny-mla, tiny-mamba-hybrid, tiny-local and tiny-encdec through the real service (launcher,
+engine, workers): served tokens equal the dense reference at TP=1 and TP=2, prefix caching on and
+off, block sizes 16 and 32, chunked prefill, and pools small enough to force preemption.
+tiny-encdec's requests bring encoder input, and one without it is refused by name.
 
 Each launch costs seconds on a loaded machine, so each model's cases cover every axis at least once
-rather than their product. tiny-encdec, whose requests carry encoder inputs, has its own module.
+rather than their product.
 """
 
+import random
 from dataclasses import dataclass
 
 import pytest
 
+from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from tests.integration.conftest import Processes, stop_launch
 from tests.integration.served_requests import (
+    Expected,
     assert_cache_use,
     launch_checked,
     mixed_params,
@@ -20,11 +24,13 @@ from tests.integration.served_requests import (
     serve_and_check,
     shared_prefix_prompts,
 )
+from worker.models.tiny_encdec_reference import TinyEncDecReference
 
 pytestmark = pytest.mark.integration
 
 CLIENT_TIMEOUT_S = 180.0
 CACHED, UNCACHED = "--enable-prefix-caching", "--no-enable-prefix-caching"
+ENCDEC_MODEL = "tiny-encdec"  # its requests carry encoder inputs
 
 
 @dataclass(frozen=True)
@@ -61,40 +67,20 @@ CHUNKED_CASES = [
     # The same prompts; with a cache the chunks end on block boundaries, and the first prompt runs
     # alone, so the others resume from its checkpoint at 32 tokens of the shared 48. The state
     # channels are split over the ranks.
-    ServedCase(
-        "tiny-mamba-hybrid",
-        1,
-        16,
-        CACHED,
-        256,
-        6,
-        48,
-        9,
-        1,
-        8,
-        max_num_batched_tokens=24,
-        is_first_alone=True,
-    ),
-    ServedCase(
-        "tiny-mamba-hybrid",
-        2,
-        32,
-        UNCACHED,
-        256,
-        6,
-        48,
-        9,
-        2,
-        8,
-        max_num_batched_tokens=24,
-        is_first_alone=True,
-    ),
+    ServedCase("tiny-mamba-hybrid", 1, 16, CACHED, 256, 6, 48, 9, 1, 8,
+               max_num_batched_tokens=24, is_first_alone=True),
+    ServedCase("tiny-mamba-hybrid", 2, 32, UNCACHED, 256, 6, 48, 9, 2, 8,
+               max_num_batched_tokens=24, is_first_alone=True),
     # Prompts of 49 to 54 tokens cross the 32-token chunk boundary mid-prefill, later requests hit
     # the shared 40-token prefix, and 56 generated tokens each take the R-SWA window past the
     # prompt's blocks, so the engine frees gap blocks and earlier chunks while the workers still
     # read the prompt and the current chunk.
     ServedCase("tiny-local", 1, 16, CACHED, 128, 6, 40, 9, 1, 56, max_num_batched_tokens=24),
-]
+    # Prompts of 57 to 62 tokens in steps of at most 24: every prefill runs in three chunks, the
+    # encoder only in the first.
+    ServedCase(ENCDEC_MODEL, 1, 16, CACHED, 256, 6, 48, 9, 1, 6, max_num_batched_tokens=24),
+    ServedCase(ENCDEC_MODEL, 2, 32, UNCACHED, 256, 6, 48, 9, 2, 6, max_num_batched_tokens=24),
+]  # fmt: skip
 
 PREEMPTION_CASES = [
     # Three requests grow to 60 tokens in a pool of fewer blocks than they need together (at
@@ -107,53 +93,50 @@ PREEMPTION_CASES = [
     # Four requests grow to about 60 tokens in a pool of 12 blocks (11 usable; each request needs
     # four attention blocks and up to two state blocks), so some are preempted, resume from a
     # checkpoint or from zero, and recompute their states.
-    ServedCase(
-        "tiny-mamba-hybrid",
-        2,
-        16,
-        CACHED,
-        80,
-        4,
-        16,
-        14,
-        7,
-        30,
-        max_num_batched_tokens=32,
-        num_gpu_blocks=12,
-    ),
+    ServedCase("tiny-mamba-hybrid", 2, 16, CACHED, 80, 4, 16, 14, 7, 30,
+               max_num_batched_tokens=32, num_gpu_blocks=12),
     # Four requests decode 60 to 70 tokens in a pool that holds fewer of them at once (the
     # chunked-local group keeps only its current chunk; full and R-SWA their whole sequence).
     # Preempted requests resume and recompute with the prompt they came with, so R-SWA reads the
     # same positions as before.
-    ServedCase(
-        "tiny-local",
-        2,
-        32,
-        UNCACHED,
-        96,
-        4,
-        12,
-        10,
-        7,
-        70,
-        max_num_batched_tokens=32,
-        num_gpu_blocks=12,
-    ),
-    ServedCase(
-        "tiny-local",
-        2,
-        16,
-        CACHED,
-        112,
-        4,
-        30,
-        10,
-        7,
-        60,
-        max_num_batched_tokens=32,
-        num_gpu_blocks=24,
-    ),
-]
+    ServedCase("tiny-local", 2, 32, UNCACHED, 96, 4, 12, 10, 7, 70,
+               max_num_batched_tokens=32, num_gpu_blocks=12),
+    ServedCase("tiny-local", 2, 16, CACHED, 112, 4, 30, 10, 7, 60,
+               max_num_batched_tokens=32, num_gpu_blocks=24),
+    # Three requests grow to 50-52 decoder tokens beside encoder inputs of up to 30 tokens, in 10
+    # blocks of 16 (9 usable; one request needs 6 at most): some are preempted, lose their encoder
+    # blocks, and re-encode into new cross-attention blocks when they resume.
+    ServedCase(ENCDEC_MODEL, 2, 16, CACHED, 64, 3, 16, 14, 7, 20, num_gpu_blocks=10),
+]  # fmt: skip
+
+
+def encoder_inputs(num_requests: int, seed: int) -> list[list[int]]:
+    """Encoder inputs of 5 to 30 tokens that pairs of requests share (so prefix caching has
+    something to hit under one encoder input)."""
+    rng = random.Random(seed)
+    encoders = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 31))] for _ in range(3)]
+    return [encoders[i // 2 % len(encoders)] for i in range(num_requests)]
+
+
+def case_requests(case: ServedCase) -> tuple[list[list[int]], list[list[int]] | None, Expected]:
+    """The case's prompts, their encoder inputs (tiny-encdec only), and the reference's tokens."""
+    prompts = shared_prefix_prompts(case.num_requests, case.prefix_len, case.tail_len, case.seed)
+    if case.model != ENCDEC_MODEL:
+        return prompts, None, reference_tokens(case.model)
+    encoders = encoder_inputs(case.num_requests, case.seed)
+    reference = TinyEncDecReference()
+    return (
+        prompts,
+        encoders,
+        lambda idx, prompt, params: reference.generate(prompt, encoders[idx], params),
+    )
+
+
+def assert_refused_without_encoder(client: EngineClient, prompt: list[int]) -> None:
+    """A tiny-encdec request that brings no encoder input is refused, naming what it lacks."""
+    refused = client.add_request(make_request("no-encoder", prompt))
+    client.run_until_finished(["no-encoder"], CLIENT_TIMEOUT_S)
+    assert "brings no encoder_token_ids" in (refused.error or ""), refused.error
 
 
 def serve_case(processes: Processes, addresses: dict, case: ServedCase) -> dict:
@@ -169,18 +152,28 @@ def serve_case(processes: Processes, addresses: dict, case: ServedCase) -> dict:
         max_num_batched_tokens=case.max_num_batched_tokens,
         num_gpu_blocks=case.num_gpu_blocks,
     )
-    prompts = shared_prefix_prompts(case.num_requests, case.prefix_len, case.tail_len, case.seed)
-    expected = reference_tokens(case.model)
+    prompts, encoders, expected = case_requests(case)
+
+    def serve_requests(client: EngineClient, first_idx: int, end_idx: int) -> None:
+        params = mixed_params(end_idx - first_idx, case.num_tokens, first_idx=first_idx)
+        serve_and_check(
+            client,
+            prompts[first_idx:end_idx],
+            params,
+            expected,
+            CLIENT_TIMEOUT_S,
+            first_idx=first_idx,
+            encoders=None if encoders is None else encoders[first_idx:end_idx],
+        )
+
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
         assert client.check_health() is True
         first_idx = 1 if case.is_first_alone else 0
         if case.is_first_alone:
-            params = mixed_params(1, case.num_tokens)
-            serve_and_check(client, prompts[:1], params, expected, CLIENT_TIMEOUT_S)
-        params = mixed_params(len(prompts) - first_idx, case.num_tokens, first_idx=first_idx)
-        serve_and_check(
-            client, prompts[first_idx:], params, expected, CLIENT_TIMEOUT_S, first_idx=first_idx
-        )
+            serve_requests(client, 0, 1)
+        serve_requests(client, first_idx, len(prompts))
+        if case.model == ENCDEC_MODEL:
+            assert_refused_without_encoder(client, prompts[0])
         stats = client.get_stats()
     stop_launch(processes)
     return stats
