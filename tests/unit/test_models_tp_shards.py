@@ -22,18 +22,25 @@ from worker.models.tiny_mamba_reference import DenseCausalKV
 from worker.models.tiny_mla import TINY_MLA, TinyMLA
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PLACEHOLDER_GROUP = object()  # a process group is never used: no forward runs in these shards
+
+
+def full_and_shards(model_class: type, config: object, tp_size: int) -> tuple:
+    """The TP=1 model and its `tp_size` rank shards, each checked, all drawn from seed 0."""
+    full = model_class(config, single_rank_group(), 0, DEVICE)
+    shards = [
+        model_class(config, TPGroup(rank, tp_size, PLACEHOLDER_GROUP), 0, DEVICE)
+        for rank in range(tp_size)
+    ]
+    for shard in shards:
+        shard.check_invariants()
+    return full, shards
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
     """Each rank draws the full weights from the seed and keeps its slice; the slices tile them."""
-    full = TinyLlama(TINY_LLAMA, single_rank_group(), 0, DEVICE)
-    placeholder = object()  # a process group is never used: no forward runs here
-    shards = [
-        TinyLlama(TINY_LLAMA, TPGroup(r, tp_size, placeholder), 0, DEVICE) for r in range(tp_size)
-    ]
-    for shard in shards:
-        shard.check_invariants()
+    full, shards = full_and_shards(TinyLlama, TINY_LLAMA, tp_size)
     for layer_idx, layer in enumerate(full.layers):
         parts = [shard.layers[layer_idx] for shard in shards]
         assert torch.equal(torch.cat([p.wq for p in parts], dim=1), layer.wq)
@@ -42,7 +49,8 @@ def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
         assert torch.equal(torch.cat([p.w_gate for p in parts], dim=1), layer.w_gate)
         assert torch.equal(torch.cat([p.w_down for p in parts], dim=0), layer.w_down)
     heads = [
-        ChecksumModel(CHECKSUM, TPGroup(r, tp_size, placeholder), DEVICE) for r in range(tp_size)
+        ChecksumModel(CHECKSUM, TPGroup(rank, tp_size, PLACEHOLDER_GROUP), DEVICE)
+        for rank in range(tp_size)
     ]
     for model in heads:
         model.check_invariants()
@@ -53,13 +61,7 @@ def test_rank_shards_partition_the_full_weights(tp_size: int) -> None:
 def test_rank_shards_partition_the_heads_and_replicate_the_latent(tp_size: int) -> None:
     """Each rank keeps its heads' query, up-projection and output slices; the projections that
     make the latent are whole on every rank, so every rank caches the same latent."""
-    full = TinyMLA(TINY_MLA, single_rank_group(), 0, DEVICE)
-    placeholder = object()  # a process group is never used: no forward runs here
-    shards = [
-        TinyMLA(TINY_MLA, TPGroup(r, tp_size, placeholder), 0, DEVICE) for r in range(tp_size)
-    ]
-    for shard in shards:
-        shard.check_invariants()
+    full, shards = full_and_shards(TinyMLA, TINY_MLA, tp_size)
     for layer_idx, layer in enumerate(full.layers):
         parts = [shard.layers[layer_idx] for shard in shards]
         for name in ("wq", "w_k_up", "w_v_up", "w_gate", "w_up"):
