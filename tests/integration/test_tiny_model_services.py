@@ -83,18 +83,23 @@ CHUNKED_CASES = [
 ]  # fmt: skip
 
 PREEMPTION_CASES = [
-    # Three requests grow to 60 tokens in a pool of fewer blocks than they need together (at
-    # block size 16 they share the prefix's block when cached: 10 blocks of 9 usable): some are
-    # preempted, resumed and recompute their latents. Each holds its last block for its last 11
-    # tokens, so requests that arrive a few steps apart on a loaded host still overlap there
-    # (at 20 output tokens a CI run once staggered them enough to finish without preempting).
-    ServedCase("tiny-mla", 2, 16, CACHED, 64, 3, 16, 14, 7, 30, num_gpu_blocks=10),
-    ServedCase("tiny-mla", 1, 32, UNCACHED, 64, 3, 16, 14, 7, 30, num_gpu_blocks=5),
-    # Four requests grow to about 60 tokens in a pool of 12 blocks (11 usable; each request needs
+    # Each pool is at or near the smallest the engine accepts at max_model_len, so that a
+    # preemption does not depend on the requests reaching the engine in the same step. A CI run once
+    # read the first request a step or two before the others and finished without one. These
+    # cases still preempt when the client sends its requests 100 ms apart, most of a request's
+    # lifetime at these sizes.
+    #
+    # Three requests grow to 60-62 tokens, four blocks of 16 each (the first shares the prefix's
+    # block with the others when cached), in a pool of 5 (4 usable): a second request fits beside
+    # a first only until one of them needs its third block. The preempted ones resume and
+    # recompute their latents. At block size 32 each needs two blocks, in 3 usable.
+    ServedCase("tiny-mla", 2, 16, CACHED, 64, 3, 16, 14, 7, 30, num_gpu_blocks=5),
+    ServedCase("tiny-mla", 1, 32, UNCACHED, 64, 3, 16, 14, 7, 30, num_gpu_blocks=4),
+    # Four requests grow to about 60 tokens in a pool of 9 blocks (8 usable; each request needs
     # four attention blocks and up to two state blocks), so some are preempted, resume from a
     # checkpoint or from zero, and recompute their states.
     ServedCase("tiny-mamba-hybrid", 2, 16, CACHED, 80, 4, 16, 14, 7, 30,
-               max_num_batched_tokens=32, num_gpu_blocks=12),
+               max_num_batched_tokens=32, num_gpu_blocks=9),
     # Four requests decode 60 to 70 tokens in a pool that holds fewer of them at once (the
     # chunked-local group keeps only its current chunk; full and R-SWA their whole sequence).
     # Preempted requests resume and recompute with the prompt they came with, so R-SWA reads the
@@ -103,10 +108,10 @@ PREEMPTION_CASES = [
                max_num_batched_tokens=32, num_gpu_blocks=12),
     ServedCase("tiny-local", 2, 16, CACHED, 112, 4, 30, 10, 7, 60,
                max_num_batched_tokens=32, num_gpu_blocks=24),
-    # Three requests grow to 50-52 decoder tokens beside encoder inputs of up to 30 tokens, in 10
-    # blocks of 16 (9 usable; one request needs 6 at most): some are preempted, lose their encoder
+    # Three requests grow to 60-62 decoder tokens beside encoder inputs of up to 30 tokens, in 9
+    # blocks of 16 (8 usable; one request needs 6 at most): some are preempted, lose their encoder
     # blocks, and re-encode into new cross-attention blocks when they resume.
-    ServedCase(ENCDEC_MODEL, 2, 16, CACHED, 64, 3, 16, 14, 7, 20, num_gpu_blocks=10),
+    ServedCase(ENCDEC_MODEL, 2, 16, CACHED, 64, 3, 16, 14, 7, 30, num_gpu_blocks=9),
 ]  # fmt: skip
 
 
