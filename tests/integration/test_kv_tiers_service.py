@@ -166,9 +166,11 @@ def test_hits_through_the_tiers_serve_the_reference_tokens(
 def test_preemption_with_tiers_serves_the_reference_tokens(
     processes: Processes, addresses: dict, tmp_path: Path
 ) -> None:
-    """Six requests at once in a pool that holds two: preempted requests resume on prefixes
-    that went down to the tiers meanwhile."""
-    case = TierCase("tiny-llama", 2, 20, 8, 64)
+    """Six requests at once in a pool of 12 usable blocks, where one request grows to 11 and a
+    second of its group to 5 more: preempted requests resume on prefixes that went down to the
+    tiers meanwhile. A pool this small preempts even when the client's requests reach the
+    engine 50 ms apart (at 20 blocks, requests sent 50 ms apart finished without one)."""
+    case = TierCase("tiny-llama", 2, 13, 8, 64)
     (tmp_path / "disk").mkdir()
     launch_tiered(processes, addresses, case, tmp_path / "disk", "--max-num-batched-tokens", "32")
     expected = reference_tokens(case.model)
