@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
 
 __all__ = ["free_tcp_ports"]  # the tests import it from here, with the other helpers
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PR_SET_CHILD_SUBREAPER = 36
 ORPHAN_WAIT_S = 15.0  # children get this long to exit by themselves after a test
 POLL_S = 0.05
+HEALTH_POLL_S = 1.0  # one check_health try while an engine starts
 MAX_IPC_FOLDER_LEN = 80  # leaves room for "/replay.sock" within a Unix socket's 107 bytes
 
 
@@ -312,6 +314,22 @@ def wait_while_running(
         return predicate()
 
     return wait_for(running_and_ready, timeout_s, what)
+
+
+def wait_engine_serving(
+    processes: Processes, client: EngineClient, timeout_s: float, name: str = "launch"
+) -> None:
+    """Until the engine answers `client`'s check_health, failing at once with the log when the
+    process `name` exits first (a refused flag, a pool too small for max_model_len) instead of
+    waiting out the client's deadline."""
+
+    def is_serving() -> bool:
+        try:
+            return client.call_utility("check_health", timeout_s=HEALTH_POLL_S) is True
+        except TimeoutError:
+            return False
+
+    wait_while_running(processes, name, is_serving, timeout_s, "the engine answering check_health")
 
 
 def wait_http_healthy(processes: Processes, name: str, url: str, timeout_s: float) -> None:

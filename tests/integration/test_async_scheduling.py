@@ -12,7 +12,7 @@ import torch
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, stop_launch, wait_for
+from tests.integration.conftest import Processes, stop_launch, wait_engine_serving, wait_for
 from tests.integration.served_requests import launch_checked
 from worker.models.reference import ReferenceModel, reference_generate
 
@@ -73,6 +73,7 @@ def test_async_scheduling_serves_the_synchronous_tokens(
     req_ids = [f"r{idx}" for idx in range(NUM_REQUESTS)]
     aborted = {"r4", "r11", "r19"}
     with EngineClient(addresses["client"], 120.0) as client:
+        wait_engine_serving(processes, client, 120.0)
         for req_id, (prompt, params) in zip(req_ids, workload, strict=True):
             client.add_request(make_request(req_id, prompt, params))
         wait_for(
@@ -128,6 +129,7 @@ def test_logprobs_travel_with_their_tokens_from_tp2_ranks(
     req_ids = [f"r{idx}" for idx in range(NUM_REQUESTS)]
     entries: dict[str, list] = {req_id: [] for req_id in req_ids}
     with EngineClient(addresses["client"], 120.0) as client:
+        wait_engine_serving(processes, client, 120.0)
         for req_id, (prompt, params) in zip(req_ids, workload, strict=True):
             client.add_request(make_request(req_id, prompt, params))
 

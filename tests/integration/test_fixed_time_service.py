@@ -8,7 +8,7 @@ import pytest
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, stop_launch, wait_for
+from tests.integration.conftest import Processes, stop_launch, wait_engine_serving, wait_for
 from tests.integration.served_requests import (
     assert_cache_use,
     launch_checked,
@@ -45,6 +45,7 @@ def test_held_replies_serve_checksums_tokens_under_preemption(
     )
     prompts = shared_prefix_prompts(8, 12, 9, seed=3)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
+        wait_engine_serving(processes, client, CLIENT_TIMEOUT_S)
         params = mixed_params(len(prompts), 14)
         serve_and_check(client, prompts, params, reference_tokens("checksum"), CLIENT_TIMEOUT_S)
         stats = client.get_stats()

@@ -18,7 +18,13 @@ from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.kv_cache_spec import bytes_per_block
 from protocol.sampling import SamplingParams
-from tests.integration.conftest import Processes, launch, stop_launch, wait_for, wait_while_running
+from tests.integration.conftest import (
+    Processes,
+    launch,
+    stop_launch,
+    wait_engine_serving,
+    wait_for,
+)
 from tests.integration.served_requests import (
     Expected,
     mixed_params,
@@ -30,7 +36,6 @@ from worker.models.registry import get_model_info
 pytestmark = pytest.mark.integration
 
 CLIENT_TIMEOUT_S = 180.0
-HEALTH_TIMEOUT_S = 1.0
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 48  # 12 blocks: a request fits the 15 usable ones
 PREFIX_LEN = 24  # tokens each group's prompts share: 6 blocks
@@ -80,19 +85,6 @@ def launch_tiered(
     argv = ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)]
     argv += ["--num-gpu-blocks-override", str(case.num_gpu_blocks), *tier_flags(case, disk_dir)]
     launch(processes, addresses, case.tp_size, case.model, *argv, "--check-invariants", *extra)
-
-
-def wait_serving(processes: Processes, client: EngineClient) -> None:
-    """Until the engine answers, failing at once when the launcher exits (a refused flag)."""
-
-    def is_serving() -> bool:
-        try:
-            return client.call_utility("check_health", timeout_s=HEALTH_TIMEOUT_S) is True
-        except TimeoutError:
-            return False
-
-    what = "the engine answering check_health"
-    wait_while_running(processes, "launch", is_serving, CLIENT_TIMEOUT_S, what)
 
 
 def group_prompts(seed: int) -> list[list[list[int]]]:
@@ -150,7 +142,7 @@ def test_hits_through_the_tiers_serve_the_reference_tokens(
     disk_dir.mkdir()
     launch_tiered(processes, addresses, case, disk_dir)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        wait_serving(processes, client)
+        wait_engine_serving(processes, client, CLIENT_TIMEOUT_S)
         serve_rounds(client, reference_tokens(case.model), num_rounds=2, seed=case.tp_size)
         stats = client.get_stats()
         if case.num_disk_slots:  # one file per rank while the ranks run
@@ -176,7 +168,7 @@ def test_preemption_with_tiers_serves_the_reference_tokens(
     expected = reference_tokens(case.model)
     prompts = [prompt for group in group_prompts(seed=5) for prompt in group]
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        wait_serving(processes, client)
+        wait_engine_serving(processes, client, CLIENT_TIMEOUT_S)
         for wave in range(2):
             first_idx = wave * len(prompts)
             params = mixed_params(len(prompts), 12, first_idx=first_idx)
@@ -202,7 +194,7 @@ def test_a_killed_rank_costs_the_tiers_and_no_token(
     launch_tiered(processes, addresses, case, disk_dir)
     expected = reference_tokens(case.model)
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        wait_serving(processes, client)
+        wait_engine_serving(processes, client, CLIENT_TIMEOUT_S)
         serve_rounds(client, expected, num_rounds=2, seed=9)
         log = processes.log("launch")
         pid = int(re.findall(r"rank 0 joined: pid (\d+)", log)[-1])
@@ -259,7 +251,7 @@ def test_a_checkpoint_serves_the_same_tokens_with_tiers_on_and_off(
             argv += tier_flags(case, disk_dir)
         launch(processes, addresses, tp_size, str(checkpoint), *argv)
         with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-            wait_serving(processes, client)
+            wait_engine_serving(processes, client, CLIENT_TIMEOUT_S)
             expected = None if tiers == "off" else lambda idx, *_: served["off"][idx]
             served[tiers] = serve_rounds(client, expected, num_rounds=3, seed=tp_size)
             stats = client.get_stats()

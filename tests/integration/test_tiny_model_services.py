@@ -14,7 +14,7 @@ import pytest
 
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
-from tests.integration.conftest import Processes, stop_launch
+from tests.integration.conftest import Processes, stop_launch, wait_engine_serving
 from tests.integration.served_requests import (
     Expected,
     assert_cache_use,
@@ -172,7 +172,7 @@ def serve_case(processes: Processes, addresses: dict, case: ServedCase) -> dict:
         )
 
     with EngineClient(addresses["client"], CLIENT_TIMEOUT_S) as client:
-        assert client.check_health() is True
+        wait_engine_serving(processes, client, CLIENT_TIMEOUT_S)
         first_idx = 1 if case.is_first_alone else 0
         if case.is_first_alone:
             serve_requests(client, 0, 1)
