@@ -58,6 +58,8 @@ SHAPES = {
     # the serving benchmark: about 30M parameters, a few hundred tokens/s on a 2-core CPU
     "bench": Shape(512, 8, 8, 4, 64, 1536, 8192, 4096),
     "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, 40960),  # Qwen3-0.6B's shape
+    # SmolLM2-135M's shape (llama, tied embeddings): the CPU serving benchmark against vLLM
+    "smollm2-135m": Shape(576, 30, 9, 3, 64, 1536, 49152, 8192),
 }
 
 
