@@ -236,6 +236,12 @@ WORKER_FLAGS = [
         "dtype of the KV cache (auto: the compute dtype)",
     ),
     Flag(("--device",), ("device",), "device; auto takes cuda when available"),
+    Flag(
+        ("--attention-backend",),
+        ("attention_backend",),
+        "how a checkpoint's attention reads the paged KV cache: blocks (auto) gathers whole "
+        "blocks, reference one row per token, triton (CUDA) reads the block table in place",
+    ),
     Flag(("--block-size",), ("block_size",), "tokens per KV-cache block (must equal the engine's)"),
     Flag(
         ("--gpu-memory-utilization",), ("gpu_memory_utilization",), "share of device memory, 0..1"

@@ -167,3 +167,7 @@ class WorkerConfig(_Config, frozen=True):
     # the fixed-time model's extra device time per prompt token a forward computes, in us: a
     # prefill's cost grows with its tokens, as on a GPU; decodes are charged the step alone
     model_prefill_token_us: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # how a checkpoint's layers read the paged cache (worker/attention_backends/backend.py):
+    # auto and blocks gather whole blocks; reference one row per token; triton (CUDA) reads
+    # the block table in place
+    attention_backend: Literal["auto", "reference", "blocks", "triton"] = "auto"

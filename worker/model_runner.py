@@ -408,6 +408,7 @@ def build_model_runner(
             config.model_step_ms,
             dtype,
             config.model_prefill_token_us,
+            config.attention_backend,
         )
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)
@@ -420,7 +421,7 @@ def build_model_runner(
         info.max_model_len,
         device,
         check_each_step=kv_cache_config.check_invariants,  # the engine's --check-invariants
-        # a checkpoint's attention reads whole contexts (worker/models/hf/attention.py), which
+        # a checkpoint's attention reads whole contexts (worker/attention_backends/), which
         # is right for any schedule: planning a shared prefix for it would be wasted work
         enable_cascade_attention=not is_checkpoint(config.model),
         eos_token_ids=info.eos_token_ids,

@@ -131,6 +131,7 @@ class Worker:
             config.model_step_ms,
             dtype,
             config.model_prefill_token_us,
+            config.attention_backend,
         )
         num_blocks = measure_num_blocks(
             config, model_info, device, start, self.model, self.tp_group

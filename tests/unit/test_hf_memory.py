@@ -51,8 +51,15 @@ def test_each_rank_reads_only_its_slices(checkpoint: Path) -> None:
         model.check_invariants()
         # everything but the replicated embedding, head and norms is split in half
         assert model.weights_bytes() - replicated < (whole.weights_bytes() - replicated) * 0.55
-    q0, q1 = (model.weights.layers[0].q_proj for model in ranks)
-    assert torch.equal(torch.cat((q0, q1)), whole.weights.layers[0].q_proj)
+    # each rank's merged q/k/v starts with its own query heads: together they are the model's
+    # (a weight packed for the CPU's GEMM unpacks exactly)
+    q_rows = [model.shard.num_heads_per_rank * model.config.head_dim for model in ranks]
+    q0, q1 = (
+        model.weights.layers[0].qkv_proj.to_dense()[:rows]
+        for model, rows in zip(ranks, q_rows, strict=True)
+    )
+    whole_qkv = whole.weights.layers[0].qkv_proj.to_dense()
+    assert torch.equal(torch.cat((q0, q1)), whole_qkv[: sum(q_rows)])
 
 
 def test_auto_dtypes_resolve_per_device(checkpoint: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 from protocol.config import WorkerConfig
 from protocol.worker_messages import ModelInfo
 from worker.attention import KVContext
+from worker.attention_backends.backend import resolve_attention_backend
 from worker.distributed import TPGroup
 from worker.kv_cache import torch_dtype
 from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
@@ -134,13 +135,15 @@ def build_model(
     model_step_ms: float = DEFAULT_MODEL_STEP_MS,  # fixed-time's device time per forward
     dtype: str = FAKE_MODEL_DTYPE,  # a checkpoint's compute dtype (resolve_dtypes)
     model_prefill_token_us: float = 0.0,  # fixed-time's extra device time per prompt token
+    attention_backend: str = "auto",  # a checkpoint's (worker/attention_backends/backend.py)
 ) -> Model:
     """The model `name` on this rank; every rank of a group must pass the same seed. A
     checkpoint is checked (CheckpointError) before this rank reads its slices of the weights."""
     _check_name(name)
     if is_checkpoint(name):
         config = check_checkpoint(name, tp_group.tp_size)
-        return HFDecoder(config, tp_group, device, torch_dtype(dtype))
+        backend = resolve_attention_backend(attention_backend, device)
+        return HFDecoder(config, tp_group, device, torch_dtype(dtype), backend)
     if name == CHECKSUM.name:
         return ChecksumModel(CHECKSUM, tp_group, device)
     if name == FIXED_TIME.name:

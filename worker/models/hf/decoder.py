@@ -1,19 +1,23 @@
 """HFDecoder: a Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral) on one TP rank, over the
 paged KV cache: RMSNorm, rotary, grouped-query attention, SiLU-gated MLP.
 
-q/k/v and gate/up are column-parallel (this rank's heads and MLP rows); o and down are
-row-parallel with one all-reduce each, their biases added once after it. Norms and rotary run in
-float32 and cast back, as transformers does, so logits match it in float32 and stay close in bf16.
+q/k/v and gate/up are column-parallel (this rank's heads and MLP rows, each pair merged into one
+GEMM); o and down are row-parallel with one all-reduce each, their biases added once after it.
+Norms and rotary run in float32 and cast back, as transformers does, so logits match it in
+float32 and stay close in bf16. Attention goes through the step's attention backend
+(worker/attention_backends/).
 """
 
 import torch
 import torch.nn.functional as F
 
-from worker.attention import KVContext
+from worker.attention import KVContext, PagedKV
+from worker.attention_backends.backend import AttentionBackend, StepAttention
+from worker.attention_backends.reference import ReferenceAttention
 from worker.distributed import TPGroup
-from worker.models.hf.attention import paged_attention
 from worker.models.hf.config import HFConfig
 from worker.models.hf.kv_groups import layer_name
+from worker.models.hf.linear import linear
 from worker.models.hf.rope import Rotary, rotate
 from worker.models.hf.weights import LayerWeights, RankShard, load_rank_weights
 
@@ -38,9 +42,15 @@ class HFDecoder:
     """
 
     def __init__(
-        self, config: HFConfig, tp_group: TPGroup, device: torch.device, dtype: torch.dtype
+        self,
+        config: HFConfig,
+        tp_group: TPGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: AttentionBackend = ReferenceAttention,
     ) -> None:
         self.config = config
+        self.attention_backend = attention_backend
         self.tp_group = tp_group
         self.device = device
         self.dtype = dtype
@@ -59,13 +69,11 @@ class HFDecoder:
         q_rows, kv_rows = shard.num_heads_per_rank * hd, shard.num_kv_heads_per_rank * hd
         for idx, layer in enumerate(self.weights.layers):
             shapes = {
-                "q_proj": (layer.q_proj.shape, (q_rows, cfg.hidden_size)),
-                "k_proj": (layer.k_proj.shape, (kv_rows, cfg.hidden_size)),
-                "v_proj": (layer.v_proj.shape, (kv_rows, cfg.hidden_size)),
+                "qkv_proj": (layer.qkv_proj.shape, (q_rows + 2 * kv_rows, cfg.hidden_size)),
                 "o_proj": (layer.o_proj.shape, (cfg.hidden_size, q_rows)),
-                "gate_proj": (
-                    layer.gate_proj.shape,
-                    (shard.num_intermediate_per_rank, cfg.hidden_size),
+                "gate_up_proj": (
+                    layer.gate_up_proj.shape,
+                    (2 * shard.num_intermediate_per_rank, cfg.hidden_size),
                 ),
                 "down_proj": (
                     layer.down_proj.shape,
@@ -96,20 +104,23 @@ class HFDecoder:
             logits_idx: [S] indices into T of the tokens to produce logits for.
         """
         weights, eps = self.weights, self.config.rms_norm_eps
+        # a dense store (the non-paged reference model's) has no blocks: the reference reads it
+        attention = (
+            self.attention_backend(kv) if isinstance(kv, PagedKV) else ReferenceAttention(kv)
+        )
         x = F.embedding(token_ids, weights.embed_tokens)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # each [T, head_dim]
         last = len(weights.layers) - 1
         for idx, layer in enumerate(weights.layers):
-            attn = self._attention(idx, layer, x, cos, sin, kv, idx == last)
+            attn = self._attention(idx, layer, x, cos, sin, attention, idx == last)
             if idx == last:  # past the last K/V write only the sampled tokens matter
                 x, attn = x[logits_idx], attn[logits_idx]
             x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
             h = rms_norm(x, layer.post_attention_norm, eps)
-            gate = F.silu(F.linear(h, layer.gate_proj, layer.gate_bias))
-            up = F.linear(h, layer.up_proj, layer.up_bias)
-            x = x + self._row_parallel(gate * up, layer.down_proj, layer.down_bias)
+            gate, up = linear(h, layer.gate_up_proj, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + self._row_parallel(F.silu(gate) * up, layer.down_proj, layer.down_bias)
         x = rms_norm(x, weights.final_norm, eps)
-        return F.linear(x, weights.lm_head).to(torch.float32)
+        return linear(x, weights.lm_head).to(torch.float32)
 
     def _attention(
         self,
@@ -118,32 +129,29 @@ class HFDecoder:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: KVContext,
+        attention: StepAttention,
         logits_only: bool,
     ) -> torch.Tensor:
         """This rank's heads: write K/V of every token, then attend; [T, H_r * head_dim]."""
         num_tokens, hd, eps = x.shape[0], self.config.head_dim, self.config.rms_norm_eps
-        shard = self.shard
+        num_heads, num_kv_heads = self.shard.num_heads_per_rank, self.shard.num_kv_heads_per_rank
         h = rms_norm(x, layer.input_norm, eps)
-        q = F.linear(h, layer.q_proj, layer.q_bias).view(num_tokens, shard.num_heads_per_rank, hd)
-        k = F.linear(h, layer.k_proj, layer.k_bias).view(
-            num_tokens, shard.num_kv_heads_per_rank, hd
-        )
-        v = F.linear(h, layer.v_proj, layer.v_bias).view(
-            num_tokens, shard.num_kv_heads_per_rank, hd
-        )
+        qkv = linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (H_r + 2 * KV_r) * head_dim]
+        q, k, v = qkv.split([num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], dim=-1)
+        q = q.view(num_tokens, num_heads, hd)
+        k, v = k.view(num_tokens, num_kv_heads, hd), v.view(num_tokens, num_kv_heads, hd)
         if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per head, pre-rotary
             q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         name = layer_name(idx)
-        kv.write(name, k, v)  # before any read: a same-step neighbour may share these blocks
-        return paged_attention(kv, name, q, self.scale, logits_only)
+        attention.write(name, k, v)  # before any read: a same-step neighbour may share blocks
+        return attention.attend(name, q, self.scale, logits_only)
 
     def _row_parallel(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [T, in_r] @ this rank's input columns, summed over the ranks, plus the bias once."""
-        partial = F.linear(x, weight)  # [T, D]
+        partial = linear(x, weight)  # [T, D]
         if self.tp_group.tp_size > 1:
             if partial.dtype in HALF_DTYPES and partial.device.type == "cpu":
                 partial = self.tp_group.all_reduce(partial.to(torch.float32)).to(partial.dtype)

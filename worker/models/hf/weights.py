@@ -3,8 +3,9 @@
 A rank reads only its shard of every sharded tensor (its query heads, its KV heads, its MLP
 columns), so no rank ever holds the whole model; embeddings, norms and lm_head are replicated.
 Each weight is cast once to the compute dtype and moved to the rank's device; on the CPU a whole
-tensor already in that dtype stays a view of the mapped file (no copy: Qwen3-0.6B's 1.1 GiB of
-bf16 weights "load" in 0.02 s and page in on first use, shared by the host's ranks).
+tensor already in that dtype stays a view of the mapped file (the embedding and norms page in on
+first use, shared by the host's ranks). q/k/v and gate/up are merged into new tensors of this
+rank's rows, and on the CPU every matrix is packed for the GEMM (linear.py).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ from safetensors import safe_open
 
 from worker.models.hf.checkpoint import TensorEntry, tensor_entries
 from worker.models.hf.config import HFConfig
+from worker.models.hf.linear import pack
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,23 +64,21 @@ class RankShard:
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer on one rank; linear weights are [out, in] as the checkpoint stores them."""
+    """One decoder layer on one rank; linear weights are [out, in] as the checkpoint stores them.
+
+    q/k/v and gate/up are merged at load, this rank's rows of each side by side, so that a layer
+    runs one GEMM for each pair instead of five (small GEMMs cost more per byte, on any device).
+    """
 
     input_norm: torch.Tensor  # [D]
-    q_proj: torch.Tensor  # [H_r * head_dim, D]
-    k_proj: torch.Tensor  # [KV_r * head_dim, D]
-    v_proj: torch.Tensor  # [KV_r * head_dim, D]
+    qkv_proj: torch.Tensor  # [(H_r + 2 * KV_r) * head_dim, D]: this rank's q, then k, then v rows
     o_proj: torch.Tensor  # [D, H_r * head_dim]: this rank's input columns
     post_attention_norm: torch.Tensor  # [D]
-    gate_proj: torch.Tensor  # [I_r, D]
-    up_proj: torch.Tensor  # [I_r, D]
+    gate_up_proj: torch.Tensor  # [2 * I_r, D]: this rank's gate rows, then its up rows
     down_proj: torch.Tensor  # [D, I_r]
-    q_bias: torch.Tensor | None = None  # [H_r * head_dim]
-    k_bias: torch.Tensor | None = None  # [KV_r * head_dim]
-    v_bias: torch.Tensor | None = None  # [KV_r * head_dim]
+    qkv_bias: torch.Tensor | None = None  # [(H_r + 2 * KV_r) * head_dim], as qkv_proj's rows
     o_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
-    gate_bias: torch.Tensor | None = None  # [I_r]
-    up_bias: torch.Tensor | None = None  # [I_r]
+    gate_up_bias: torch.Tensor | None = None  # [2 * I_r], as gate_up_proj's rows
     down_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
@@ -138,6 +138,15 @@ class TensorReader:
     ) -> torch.Tensor | None:
         return self.read(name, rows) if is_present else None
 
+    def read_merged(self, parts: list[tuple[str, slice]]) -> torch.Tensor:
+        """The row ranges `parts` of several tensors, stacked in that order (one new tensor)."""
+        return torch.cat([self.read(name, rows) for name, rows in parts])
+
+    def read_merged_if(
+        self, is_present: bool, parts: list[tuple[str, slice]]
+    ) -> torch.Tensor | None:
+        return self.read_merged(parts) if is_present else None
+
 
 def load_rank_weights(
     config: HFConfig, shard: RankShard, device: torch.device, dtype: torch.dtype
@@ -148,7 +157,8 @@ def load_rank_weights(
         reader = TensorReader(entries, stack, device, dtype)
         layers = [_layer(config, shard, reader, i) for i in range(config.num_layers)]
         embed = reader.read("model.embed_tokens.weight")
-        lm_head = embed if config.tie_word_embeddings else reader.read("lm_head.weight")
+        # tied, the packed head is a second copy of the embedding where packing applies
+        lm_head = pack(embed if config.tie_word_embeddings else reader.read("lm_head.weight"))
         return DecoderWeights(embed, layers, reader.read("model.norm.weight"), lm_head)
 
 
@@ -157,22 +167,24 @@ def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -
     q_rows, kv_rows, mlp_rows = shard.q_rows(hd), shard.kv_rows(hd), shard.mlp_rows()
     attn, mlp = f"model.layers.{idx}.self_attn.", f"model.layers.{idx}.mlp."
     has_qkv_bias, has_mlp_bias = config.has_qkv_bias, config.has_mlp_bias
+    qkv = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
+    gate_up = [("gate_proj", mlp_rows), ("up_proj", mlp_rows)]
     return LayerWeights(
         input_norm=reader.read(f"model.layers.{idx}.input_layernorm.weight"),
-        q_proj=reader.read(attn + "q_proj.weight", q_rows),
-        k_proj=reader.read(attn + "k_proj.weight", kv_rows),
-        v_proj=reader.read(attn + "v_proj.weight", kv_rows),
-        o_proj=reader.read(attn + "o_proj.weight", cols=q_rows),
+        qkv_proj=pack(reader.read_merged([(f"{attn}{name}.weight", rows) for name, rows in qkv])),
+        o_proj=pack(reader.read(attn + "o_proj.weight", cols=q_rows)),
         post_attention_norm=reader.read(f"model.layers.{idx}.post_attention_layernorm.weight"),
-        gate_proj=reader.read(mlp + "gate_proj.weight", mlp_rows),
-        up_proj=reader.read(mlp + "up_proj.weight", mlp_rows),
-        down_proj=reader.read(mlp + "down_proj.weight", cols=mlp_rows),
-        q_bias=reader.read_if(has_qkv_bias, attn + "q_proj.bias", q_rows),
-        k_bias=reader.read_if(has_qkv_bias, attn + "k_proj.bias", kv_rows),
-        v_bias=reader.read_if(has_qkv_bias, attn + "v_proj.bias", kv_rows),
+        gate_up_proj=pack(
+            reader.read_merged([(f"{mlp}{name}.weight", rows) for name, rows in gate_up])
+        ),
+        down_proj=pack(reader.read(mlp + "down_proj.weight", cols=mlp_rows)),
+        qkv_bias=reader.read_merged_if(
+            has_qkv_bias, [(f"{attn}{name}.bias", rows) for name, rows in qkv]
+        ),
         o_bias=reader.read_if(config.has_o_bias, attn + "o_proj.bias"),
-        gate_bias=reader.read_if(has_mlp_bias, mlp + "gate_proj.bias", mlp_rows),
-        up_bias=reader.read_if(has_mlp_bias, mlp + "up_proj.bias", mlp_rows),
+        gate_up_bias=reader.read_merged_if(
+            has_mlp_bias, [(f"{mlp}{name}.bias", rows) for name, rows in gate_up]
+        ),
         down_bias=reader.read_if(has_mlp_bias, mlp + "down_proj.bias"),
         q_norm=reader.read_if(config.has_qk_norm, attn + "q_norm.weight"),
         k_norm=reader.read_if(config.has_qk_norm, attn + "k_norm.weight"),

@@ -1,8 +1,7 @@
-"""Attention of a checkpoint's layer over the paged KV cache: the one seam where a paged kernel
-(FlashAttention, FlashInfer) can replace the gather below.
+"""The reference attention backend: each context token's K/V gathered through the block table
+(PagedKV.gather), then torch's scaled_dot_product_attention under the chunk's mask, on CPU and
+CUDA. Every faster backend is checked against it.
 
-Today each context chunk's K/V are gathered through the block table (PagedKV.gather) and
-attended with torch's scaled_dot_product_attention under the chunk's mask, on CPU and CUDA.
 Whole contexts are read (never cascade), which is correct for any schedule.
 """
 
@@ -20,8 +19,33 @@ from worker.attention import KVContext
 CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+class ReferenceAttention:
+    """StepAttention over one step's PagedKV (or a dense store): token-by-token gathers, SDPA."""
+
+    def __init__(self, kv: KVContext) -> None:
+        self.kv = kv
+
+    def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv.write(layer_name, k, v)
+
+    def attend(
+        self,
+        layer_name: str,
+        q: torch.Tensor,
+        scale: float,
+        logits_only: bool,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        return paged_attention(self.kv, layer_name, q, scale, logits_only, softcap)
+
+
 def paged_attention(
-    kv: KVContext, layer_name: str, q: torch.Tensor, scale: float, logits_only: bool
+    kv: KVContext,
+    layer_name: str,
+    q: torch.Tensor,
+    scale: float,
+    logits_only: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Each query's attention over the context its layer's spec lets it read.
 
@@ -43,6 +67,7 @@ def paged_attention(
             chunk.mask[:, None],  # [S, 1, n, L]: True where the query reads the entry
             scale,
             expand_kv_heads,
+            softcap,
         )  # [S, H_r, n, head_dim]
         rows = result.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [S * n, H_r * hd]
         out[chunk.query_idx.reshape(-1)] = rows
@@ -56,13 +81,17 @@ def attend(
     mask: torch.Tensor,
     scale: float,
     expand_kv_heads: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Masked grouped-query attention [S, H, n, head_dim]: query head h reads KV head
     h // (H / KV), in order, as transformers' GQA.
 
     With `expand_kv_heads` (CUDA) each KV head is repeated for its query heads and the call is
     kept off cuDNN (CUDA_BACKENDS); otherwise torch's own GQA reads the shared heads in place.
+    A `softcap` (Gemma 2) takes the explicit path: SDPA has no soft-capping.
     """
+    if softcap is not None:
+        return _softcapped(queries, keys, values, mask, scale, softcap)
     if not expand_kv_heads:
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
@@ -72,3 +101,21 @@ def attend(
     values = values.repeat_interleave(group, dim=1)
     with sdpa_kernel(CUDA_BACKENDS):
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+
+
+def _softcapped(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """softmax(softcap * tanh(q k^T * scale / softcap), masked) v, in float32."""
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1).float()  # [S, H, L, head_dim]
+    values = values.repeat_interleave(group, dim=1).float()
+    scores = queries.float() @ keys.transpose(-1, -2) * scale  # [S, H, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.masked_fill(~mask, -torch.inf), dim=-1)
+    return (weights @ values).to(queries.dtype)

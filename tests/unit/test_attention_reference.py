@@ -2,7 +2,7 @@
 
 import torch
 
-from worker.models.hf.attention import attend
+from worker.attention_backends.reference import attend
 
 
 def test_expanded_kv_heads_attend_as_grouped_query_attention() -> None:

@@ -1,0 +1,1 @@
+"""Attention backends: the ways a model's layer reads and writes the paged KV cache."""
