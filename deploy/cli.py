@@ -114,7 +114,9 @@ def worker_main(argv: list[str] | None = None) -> None:
     choose_gloo_interface(config.master_addr, config.tp_size, os.environ)
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
     if local_world_size is not None and local_world_size.isdigit() and int(local_world_size) > 0:
-        share_cpu_threads(int(local_world_size))
+        share_cpu_threads(int(local_world_size), config.cpu_threads)
+    elif config.cpu_threads is not None:
+        share_cpu_threads(1, config.cpu_threads)
     from worker.worker_process import run
 
     exit_with(run(config))

@@ -237,6 +237,11 @@ WORKER_FLAGS = [
     ),
     Flag(("--device",), ("device",), "device; auto takes cuda when available"),
     Flag(
+        ("--cpu-threads",),
+        ("cpu_threads",),
+        "torch threads of each CPU rank (default: the host's cores over its local ranks)",
+    ),
+    Flag(
         ("--attention-backend",),
         ("attention_backend",),
         "how a checkpoint's attention reads the paged KV cache: blocks (auto) gathers whole "

@@ -82,18 +82,20 @@ def worker_entry(config: WorkerConfig, log_level: str) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
     setup_logging(f"worker-{config.rank}", log_level)
-    share_cpu_threads(config.tp_size)
+    share_cpu_threads(config.tp_size, config.cpu_threads)
     enable_nccl_async_errors()
     from worker.worker_process import run
 
     sys.exit(run(config))
 
 
-def share_cpu_threads(num_local_ranks: int) -> None:
-    """Give each local rank its share of the cores: N ranks with N threads each would thrash."""
+def share_cpu_threads(num_local_ranks: int, cpu_threads: int | None = None) -> None:
+    """Give each local rank its share of the cores (N ranks with N threads each would thrash),
+    or the `cpu_threads` its config asks for."""
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
+    share = max(1, (os.cpu_count() or 1) // num_local_ranks)
+    torch.set_num_threads(share if cpu_threads is None else cpu_threads)
 
 
 def worker_configs(engine_config: EngineConfig, base: WorkerConfig) -> list[WorkerConfig]:
