@@ -30,9 +30,9 @@ from tests.conftest import worker_test_device
 from worker.attention import ContextChunk
 from worker.cascade import attend_with_shared_prefix
 from worker.model_runner import ModelRunner
-from worker.models.fixed_point import attend, exp_table, quantize
 from worker.models.reference import reference_generate
 from worker.models.registry import get_model_info
+from worker.numerics.fixed_point import attend, exp_table, quantize
 
 DEVICE = torch.device(worker_test_device())
 MAX_MODEL_LEN = 96
