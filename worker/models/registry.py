@@ -20,15 +20,10 @@ from protocol.worker_messages import ModelInfo
 from worker.attention import KVContext
 from worker.distributed import TPGroup
 from worker.kv_cache import torch_dtype
-from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
-from worker.models.fixed_time import FIXED_TIME, build_fixed_time
-from worker.models.hf.checkpoint import check_checkpoint
-from worker.models.hf.config import is_checkpoint, read_hf_config
-from worker.models.hf.decoder import HFDecoder
-from worker.models.hf.kv_groups import hf_model_info
-from worker.models.names import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
-from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
-from worker.models.tiny_llama import (
+from worker.models.fake.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
+from worker.models.fake.fixed_time import FIXED_TIME, build_fixed_time
+from worker.models.fake.tiny_encdec import TINY_ENCDEC, TinyEncDec
+from worker.models.fake.tiny_llama import (
     TINY_LLAMA,
     TINY_LLAMA_HYBRID,
     TINY_LLAMA_HYBRID_2X,
@@ -36,8 +31,13 @@ from worker.models.tiny_llama import (
     TinyLlama,
     TinyLlamaConfig,
 )
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
-from worker.models.tiny_mla import TINY_MLA, TinyMLA
+from worker.models.fake.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
+from worker.models.fake.tiny_mla import TINY_MLA, TinyMLA
+from worker.models.hf.checkpoint import check_checkpoint
+from worker.models.hf.config import is_checkpoint, read_hf_config
+from worker.models.hf.decoder import HFDecoder
+from worker.models.hf.kv_groups import hf_model_info
+from worker.models.names import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
 
 TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LLAMA.name: TINY_LLAMA,

@@ -14,7 +14,7 @@ import torch
 from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheGroupSpec
 from worker.cross_attention import CrossKVContext
 from worker.distributed import TPGroup
-from worker.models.tiny_llama import LayerWeights, TinyLlama, TinyLlamaConfig
+from worker.models.fake.tiny_llama import LayerWeights, TinyLlama, TinyLlamaConfig
 from worker.numerics.fixed_point import (
     WEIGHT_FRAC_BITS,
     WEIGHT_INT_BITS,

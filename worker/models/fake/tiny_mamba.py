@@ -17,7 +17,7 @@ from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, MambaSpe
 from worker.attention import KVContext, PagedKV
 from worker.distributed import TPGroup
 from worker.mamba_state import MambaStateContext, PagedMambaState
-from worker.models.tiny_llama import TinyLlama, TinyLlamaConfig
+from worker.models.fake.tiny_llama import TinyLlama, TinyLlamaConfig
 from worker.numerics.fixed_point import WEIGHT_FRAC_BITS, WEIGHT_INT_BITS, quantize, rms_norm
 
 MAMBA_SEED_OFFSET = 7919  # the recurrent weights' generator seed, apart from tiny-llama's draws
