@@ -36,7 +36,7 @@ from worker.kv_cache import (
     num_blocks_in_budget,
     profile_capacity,
 )
-from worker.models.reference import ReferenceModel
+from worker.models.fake.reference import ReferenceModel
 from worker.models.registry import build_model, get_model_info
 from worker.profiling import run_profile_step
 

@@ -21,7 +21,7 @@ from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig, WorkerConfig
 from protocol.sampling import SamplingParams
-from worker.models.reference import ReferenceModel
+from worker.models.fake.reference import ReferenceModel
 
 PROGRESS_POLL_S = 0.25  # longest wait for outputs between progress bar updates
 

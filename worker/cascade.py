@@ -19,7 +19,7 @@ from protocol.kv_cache_spec import (
 )
 from worker.attention import ContextChunk, PagedKV, StepLayout
 from worker.block_table import MultiGroupBlockTable
-from worker.models.fixed_point import (
+from worker.numerics.fixed_point import (
     grouped_values,
     masked_scores,
     quantize,

@@ -1,8 +1,9 @@
 """The workers' tensor-parallel group: device and backend choice, setup, teardown, and all-reduce.
 
 Why a plain all-reduce gives TP=1's exact bits: the models keep every partial sum on a fixed-point
-grid held in float64 (worker/models/fixed_point.py; checksum uses int64), so each rank's partial sum
-and their total are exact: the reduction order, the ring and the kernel cannot change the result.
+grid held in float64 (worker/numerics/fixed_point.py; checksum uses int64), so each rank's partial
+sum and their total are exact: the reduction order, the ring and the kernel cannot change the
+result.
 """
 
 import contextlib

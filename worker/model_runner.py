@@ -33,7 +33,8 @@ from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
 from worker.kv_tiers import KVTiers, build_kv_tiers
 from worker.models.hf.config import is_checkpoint
-from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
+from worker.models.model import Model
+from worker.models.registry import build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 from worker.sampling.penalties import TokenHistory

@@ -32,7 +32,7 @@ from worker.kv_cache import (
 )
 from worker.model_runner import ModelRunner
 from worker.models.hf.decoder import HFDecoder
-from worker.models.registry import Model
+from worker.models.model import Model
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from protocol.worker_messages import (
 from worker.distributed import TPGroup, init_tp_group, resolve_device
 from worker.kv_cache import CudaMemory, memory_at_start
 from worker.model_runner import ModelRunner, build_model_runner
-from worker.models.registry import Model, build_model, get_model_info, resolve_dtypes
+from worker.models.model import Model
+from worker.models.registry import build_model, get_model_info, resolve_dtypes
 from worker.profiling import measure_num_blocks
 from worker.reply_queue import POLL_RESOLUTION_S, ReplyQueue, sleep_until
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader

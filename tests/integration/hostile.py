@@ -15,7 +15,7 @@ from protocol.client_messages import EngineCoreOutputs
 from protocol.codec import engine_to_client_decoder
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, start_core, start_worker
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 MODEL = "checksum"  # cheap and exact
 MAX_MODEL_LEN = 512

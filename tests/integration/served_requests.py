@@ -9,7 +9,7 @@ from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch
-from worker.models.reference import ReferenceModel
+from worker.models.fake.reference import ReferenceModel
 
 # The reference's tokens for (request index, prompt, sampling parameters).
 Expected = Callable[[int, list[int], SamplingParams], list[int]]

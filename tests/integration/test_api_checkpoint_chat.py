@@ -14,7 +14,7 @@ from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokeniz
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, stop_process
 from tests.integration.test_api_server import LAUNCH_FLAGS, MODEL, start_api
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from protocol.codec import make_encoder
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, stop_process
 from tests.integration.test_api_server import API_KEY, LAUNCH_FLAGS, MODEL, start_api
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from tests.integration.conftest import (
     wait_for,
     wait_http_healthy,
 )
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

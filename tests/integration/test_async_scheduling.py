@@ -14,7 +14,7 @@ from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, stop_launch, wait_engine_serving, wait_for
 from tests.integration.served_requests import launch_checked
-from worker.models.reference import ReferenceModel, reference_generate
+from worker.models.fake.reference import ReferenceModel, reference_generate
 
 pytestmark = pytest.mark.integration
 

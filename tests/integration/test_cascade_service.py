@@ -11,7 +11,7 @@ from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch
-from worker.models.reference import ReferenceModel
+from worker.models.fake.reference import ReferenceModel
 
 pytestmark = pytest.mark.integration
 

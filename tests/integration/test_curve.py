@@ -19,7 +19,7 @@ from protocol.codec import make_encoder
 from protocol.config import CurveKeys
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, wait_for
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

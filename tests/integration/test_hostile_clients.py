@@ -26,7 +26,7 @@ from tests.integration.hostile import (
     serve,
     stop,
 )
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from tests.integration.conftest import (
     wait_for,
 )
 from tests.integration.hostile import MODEL, assert_served_exactly, raw_dealer
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

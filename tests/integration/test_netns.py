@@ -27,7 +27,7 @@ from tests.integration.netns import (
     start_in,
     why_namespaces_cannot_be_made,
 )
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,7 @@ from tests.integration.conftest import (
     wait_for,
 )
 from tests.integration.fake_rank import FakeRank
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, launch, stop_launch, wait_for
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

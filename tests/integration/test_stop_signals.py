@@ -19,7 +19,7 @@ from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_port, launch, wait_for
 from tests.integration.fake_rank import FakeRank
 from tests.integration.hostile import MODEL
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench.workload import Workload, run_tensor_parallel
 from protocol.sampling import SamplingParams
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
 

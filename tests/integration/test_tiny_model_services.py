@@ -24,7 +24,7 @@ from tests.integration.served_requests import (
     serve_and_check,
     shared_prefix_prompts,
 )
-from worker.models.tiny_encdec_reference import TinyEncDecReference
+from worker.models.fake.tiny_encdec_reference import TinyEncDecReference
 
 pytestmark = pytest.mark.integration
 

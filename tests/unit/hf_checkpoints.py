@@ -12,8 +12,8 @@ import transformers
 
 from protocol.worker_messages import ModelInfo
 from worker.attention import ContextChunk
-from worker.models.reference import DenseKV
-from worker.models.registry import Model
+from worker.models.fake.reference import DenseKV
+from worker.models.model import Model
 
 INITIALIZER_RANGE = 0.3  # large enough that the context, not only the last token, sets the logits
 BASE = dict(

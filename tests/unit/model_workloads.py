@@ -19,8 +19,8 @@ from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
 from worker.model_runner import ModelRunner, StepTimings
-from worker.models.reference import reference_generate
-from worker.models.tiny_encdec_reference import TinyEncDecReference
+from worker.models.fake.reference import reference_generate
+from worker.models.fake.tiny_encdec_reference import TinyEncDecReference
 
 DEVICE = torch.device(worker_test_device())
 

@@ -6,7 +6,7 @@ import pytest
 from bench.model_runner import make_workload
 from bench.workload import RankResult, Workload, run_tensor_parallel
 from protocol.sampling import SamplingParams
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 
 MAX_TOKENS = 5
 PROMPTS = [

@@ -14,7 +14,7 @@ import torch
 from in_process_engine import engine_config, model_runner
 
 import worker.cascade as cascade_module
-import worker.models.tiny_mla as tiny_mla_module
+import worker.models.fake.tiny_mla as tiny_mla_module
 from engine_core.core import EngineCore
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import EngineCoreRequest
@@ -30,9 +30,9 @@ from tests.conftest import worker_test_device
 from worker.attention import ContextChunk
 from worker.cascade import attend_with_shared_prefix
 from worker.model_runner import ModelRunner
-from worker.models.fixed_point import attend, exp_table, quantize
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 from worker.models.registry import get_model_info
+from worker.numerics.fixed_point import attend, exp_table, quantize
 
 DEVICE = torch.device(worker_test_device())
 MAX_MODEL_LEN = 96

@@ -17,7 +17,7 @@ from protocol.client_messages import EngineCoreRequest
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from worker.model_runner import ModelRunner
-from worker.models.reference import ReferenceModel, reference_generate
+from worker.models.fake.reference import ReferenceModel, reference_generate
 from worker.models.registry import get_model_info
 
 CPU = torch.device("cpu")

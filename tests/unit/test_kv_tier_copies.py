@@ -23,7 +23,7 @@ from worker.distributed import single_rank_group
 from worker.kv_cache import allocate_kv_caches, shared_kv_tensors
 from worker.kv_tiers import KVTiers, Pairs, build_kv_tiers
 from worker.model_runner import ModelRunner
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 from worker.models.registry import build_model, get_model_info
 
 BLOCK_SIZE = 4

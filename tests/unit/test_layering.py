@@ -1,5 +1,6 @@
-"""The import rules of DESIGN.md §2 and the folder rules of engine_core, checked by parsing every
-module's imports under a root; and every module opens with a docstring of what it owns.
+"""The import rules of DESIGN.md §2 and the folder rules of engine_core and worker/models, checked
+by parsing every module's imports under a root; and every module opens with a docstring of what it
+owns.
 
 Each checking function takes the root directory, so the tests below also run it on planted trees.
 """
@@ -63,18 +64,50 @@ ENGINE_CORE_FOLDERS = {
     ),
 }
 
+# The parts of worker/models, each with the parts it may import besides its own, as above: the
+# built-in models and the checkpoint decoder never import each other, and meet only in the
+# registry and the Model protocol. Every module of worker/models lies in one of them.
+WORKER_MODELS_FOLDERS = {
+    # the one protocol both kinds of model satisfy: it imports no model
+    "worker.models.model": (),
+    # the built-in names, which deploy/ reads without torch
+    "worker.models.names": (),
+    # Hugging Face checkpoints know nothing of the built-in models
+    "worker.models.hf": ("worker.models.model",),
+    # the built-in models; their references ask the registry for a model's ModelInfo
+    "worker.models.fake": ("worker.models.model", "worker.models.registry"),
+    # the registry builds either kind by name
+    "worker.models.registry": (
+        *("worker.models.model", "worker.models.names"),
+        *("worker.models.hf", "worker.models.fake"),
+    ),
+}
+# each package, with the folders (or modules) every one of its modules must lie in
+FOLDER_RULES = {"engine_core": ENGINE_CORE_FOLDERS, "worker.models": WORKER_MODELS_FOLDERS}
+
+
+def _folder_edges(folders: dict[str, tuple[str, ...]]) -> tuple[tuple[str, str], ...]:
+    """The edges between `folders` that their allowed lists leave out."""
+    return tuple(
+        (folder, other)
+        for folder, allowed in folders.items()
+        for other in folders
+        if other != folder and other not in allowed
+    )
+
+
 # (importer, imported): edges inside a package that must not exist; each side is a module or a
 # package, and a package stands for every module under it.
 FORBIDDEN_EDGES = (
-    *(
-        (folder, other)
-        for folder, allowed in ENGINE_CORE_FOLDERS.items()
-        for other in ENGINE_CORE_FOLDERS
-        if other != folder and other not in allowed
-    ),
+    *_folder_edges(ENGINE_CORE_FOLDERS),
     # the server reaches the scheduler and the pool only through EngineCore
     ("engine_core.service.server", "engine_core.sched"),
     ("engine_core.service.server", "engine_core.kv_cache"),
+    *_folder_edges(WORKER_MODELS_FOLDERS),
+    # the fixed-point grids, and the sampler that draws on them, need no model
+    ("worker.numerics", "worker.models"),
+    ("worker.sampling", "worker.models"),
+    ("worker.sampler", "worker.models"),
 )
 # Known violations of FORBIDDEN_EDGES; each entry goes when its import does.
 ALLOWED_EDGES: tuple[tuple[str, str], ...] = ()
@@ -221,13 +254,14 @@ def import_cycles(root: pathlib.Path, package: str) -> list[list[str]]:
     return sorted(cycles)
 
 
-def modules_outside_folders(root: pathlib.Path) -> list[str]:
-    """The modules of engine_core in none of ENGINE_CORE_FOLDERS, so that no rule covers them."""
+def modules_outside_folders(root: pathlib.Path, package: str) -> list[str]:
+    """The modules of `package` in none of its FOLDER_RULES, so that no rule covers them."""
+    folders = FOLDER_RULES[package]
     return [
         str(path.relative_to(root))
-        for path in _modules(root, "engine_core")
-        if _module_name(path, root) != "engine_core"
-        and not any(_is_within(_module_name(path, root), folder) for folder in ENGINE_CORE_FOLDERS)
+        for path in _modules(root, package)
+        if _module_name(path, root) != package
+        and not any(_is_within(_module_name(path, root), folder) for folder in folders)
     ]
 
 
@@ -276,14 +310,15 @@ def test_checker_reports_a_planted_kv_hashing_import_outside_its_importers(
 
 
 def test_packages_keep_their_inner_edges() -> None:
-    """Each folder of engine_core imports only the folders ENGINE_CORE_FOLDERS allows it, and
-    server.py reaches the scheduler only through EngineCore."""
+    """Each folder of engine_core and of worker/models imports only the folders its rules allow
+    it, server.py reaches the scheduler only through EngineCore, and sampling needs no model."""
     violations = forbidden_edges(ROOT)
     assert not violations, "\n".join(violations)
 
 
-def test_every_engine_core_module_lies_in_a_folder_with_rules() -> None:
-    outside = modules_outside_folders(ROOT)
+@pytest.mark.parametrize("package", FOLDER_RULES)
+def test_every_module_lies_in_a_folder_with_rules(package: str) -> None:
+    outside = modules_outside_folders(ROOT, package)
     assert not outside, outside
 
 
@@ -362,6 +397,37 @@ def test_checker_reports_a_worker_side_import_of_the_client_router(tmp_path: pat
     ]
 
 
+def test_checker_reports_a_planted_import_between_fake_and_hf_models(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The registry may import both kinds of model; neither kind imports the other, even lazily and
+    relatively, and neither the grids nor the sampler import a model."""
+    root = _plant(
+        tmp_path,
+        {
+            "worker/models/registry.py": (
+                "from worker.models.fake.checksum import ChecksumModel\n"
+                "from worker.models.hf.decoder import HFDecoder\n"
+            ),
+            "worker/models/fake/__init__.py": "",
+            "worker/models/fake/checksum.py": "",
+            "worker/models/fake/reference.py": "from worker.models import registry\n",
+            "worker/models/fake/tiny_llama.py": "from ..hf.rope import Rotary\n",
+            "worker/models/hf/__init__.py": "",
+            "worker/models/hf/rope.py": "",
+            "worker/models/hf/decoder.py": "def f() -> None:\n    from ..fake import checksum\n",
+            "worker/numerics/fixed_point.py": "from worker.models.fake import checksum\n",
+            "worker/sampler.py": "import worker.models.registry\n",
+        },
+    )
+    assert forbidden_edges(root) == [
+        "worker/models/hf/decoder.py imports worker.models.fake.checksum",
+        "worker/models/fake/tiny_llama.py imports worker.models.hf.rope",
+        "worker/numerics/fixed_point.py imports worker.models.fake.checksum",
+        "worker/sampler.py imports worker.models.registry",
+    ]
+
+
 def _planted_file(name: str, leaf: str) -> str:
     """Where a planted module within `name` goes: `name` itself when it is a module today, else a
     module `leaf` inside the package."""
@@ -419,10 +485,26 @@ def test_checker_reports_a_planted_module_outside_the_folders(tmp_path: pathlib.
             "engine_core/gadgets/__init__.py": "",
         },
     )
-    assert modules_outside_folders(root) == [
+    assert modules_outside_folders(root, "engine_core") == [
         "engine_core/gadgets/__init__.py",
         "engine_core/loose.py",
     ]
+
+
+def test_checker_reports_a_planted_model_outside_fake_and_hf(tmp_path: pathlib.Path) -> None:
+    """A new model goes into fake/ or hf/, never loose beside the registry."""
+    root = _plant(
+        tmp_path,
+        {
+            "worker/models/__init__.py": "",
+            "worker/models/model.py": "",
+            "worker/models/registry.py": "",
+            "worker/models/fake/tiny_llama.py": "",
+            "worker/models/hf/decoder.py": "",
+            "worker/models/tiny_gpt.py": "",
+        },
+    )
+    assert modules_outside_folders(root, "worker.models") == ["worker/models/tiny_gpt.py"]
 
 
 def test_checker_reports_a_planted_module_without_docstring(tmp_path: pathlib.Path) -> None:

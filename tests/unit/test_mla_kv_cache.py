@@ -25,8 +25,8 @@ from protocol.kv_cache_spec import page_stride_bytes
 from protocol.worker_messages import WorkerHello
 from tests.conftest import worker_test_device
 from worker.kv_cache import allocate_kv_caches, num_blocks_in_budget
+from worker.models.fake.tiny_mla import TINY_MLA
 from worker.models.registry import get_model_info
-from worker.models.tiny_mla import TINY_MLA
 
 DEVICE = torch.device(worker_test_device())
 ENCODER = codec.make_encoder()

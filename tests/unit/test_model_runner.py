@@ -17,7 +17,7 @@ from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.model_runner import UNSAMPLED_TOKEN_ID, ModelRunner, build_model_runner
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 from worker.models.registry import get_model_info
 from worker.sampler import SampleBatch, Sampler, greedy_tokens, uniform_draw
 

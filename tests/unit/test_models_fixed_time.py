@@ -15,9 +15,9 @@ from protocol.config import WorkerConfig
 from protocol.sampling import SamplingParams
 from tests.conftest import worker_test_device
 from worker.distributed import single_rank_group
-from worker.models.checksum import CHECKSUM, ChecksumModel, LogitMixer, mix_logits
-from worker.models.fixed_time import FIXED_TIME, FixedTimeModel
-from worker.models.reference import DenseKV, reference_generate
+from worker.models.fake.checksum import CHECKSUM, ChecksumModel, LogitMixer, mix_logits
+from worker.models.fake.fixed_time import FIXED_TIME, FixedTimeModel
+from worker.models.fake.reference import DenseKV, reference_generate
 from worker.models.registry import build_model, get_model_info
 from worker.sampler import splitmix64
 

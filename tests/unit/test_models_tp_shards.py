@@ -13,13 +13,13 @@ from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import TPGroup, single_rank_group
 from worker.latent_attention import DenseLatentKV
 from worker.mamba_state import DenseMambaState
-from worker.models.checksum import CHECKSUM, ChecksumModel
-from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
-from worker.models.tiny_encdec_reference import DenseCrossKV
-from worker.models.tiny_llama import TINY_LLAMA, TinyLlama
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
-from worker.models.tiny_mamba_reference import DenseCausalKV
-from worker.models.tiny_mla import TINY_MLA, TinyMLA
+from worker.models.fake.checksum import CHECKSUM, ChecksumModel
+from worker.models.fake.tiny_encdec import TINY_ENCDEC, TinyEncDec
+from worker.models.fake.tiny_encdec_reference import DenseCrossKV
+from worker.models.fake.tiny_llama import TINY_LLAMA, TinyLlama
+from worker.models.fake.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
+from worker.models.fake.tiny_mamba_reference import DenseCausalKV
+from worker.models.fake.tiny_mla import TINY_MLA, TinyMLA
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PLACEHOLDER_GROUP = object()  # a process group is never used: no forward runs in these shards

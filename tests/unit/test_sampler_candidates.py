@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.sampling import SamplingParams
-from worker.models.fixed_point import PROB_FRAC_BITS, quantize
+from worker.numerics.fixed_point import PROB_FRAC_BITS, quantize
 from worker.sampler import SampleBatch, Sampler, uniform_draw
 from worker.sampling.candidates import grid_candidates
 from worker.sampling.columns import SamplingColumns

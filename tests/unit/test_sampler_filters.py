@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from protocol.sampling import SamplingParams
 from worker.input_batch import InputBatch
-from worker.models.fixed_point import PROB_FRAC_BITS
+from worker.numerics.fixed_point import PROB_FRAC_BITS
 from worker.sampler import SampleBatch, Sampler, greedy_tokens
 from worker.sampling import filters, penalties
 from worker.sampling.columns import SamplingColumns

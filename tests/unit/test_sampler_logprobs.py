@@ -8,7 +8,7 @@ from protocol.buffers import pack_int32, unpack_float32, unpack_int32
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import NewRequestData
 from tests.unit.test_model_runner import cached, make_runner, step
-from worker.models.reference import ReferenceModel, reference_generate
+from worker.models.fake.reference import ReferenceModel, reference_generate
 from worker.sampling.columns import NO_LOGPROBS
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 

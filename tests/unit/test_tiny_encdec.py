@@ -22,8 +22,8 @@ from protocol.buffers import pack_int32
 from protocol.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig
 from worker.distributed import single_rank_group
 from worker.encoder_inputs import EncoderInputs
+from worker.models.fake.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.models.registry import get_model_info
-from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.profiling import profile_step_output, run_profile_step
 
 MODEL = TINY_ENCDEC.name

@@ -33,8 +33,8 @@ from protocol.kv_cache_spec import (
 from protocol.sampling import SamplingParams
 from worker.attention import read_bounds, read_mask
 from worker.distributed import single_rank_group
-from worker.models.reference import reference_generate
-from worker.models.tiny_llama import TINY_LOCAL
+from worker.models.fake.reference import reference_generate
+from worker.models.fake.tiny_llama import TINY_LOCAL
 
 MODEL = TINY_LOCAL.name
 CHUNK = 32  # TINY_LOCAL.attention_chunk_size

@@ -29,9 +29,9 @@ from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from worker.distributed import single_rank_group
 from worker.model_runner import ModelRunner, StepTimings
-from worker.models.reference import ReferenceModel, reference_generate
+from worker.models.fake.reference import ReferenceModel, reference_generate
+from worker.models.fake.tiny_mamba import TINY_MAMBA_HYBRID
 from worker.models.registry import get_model_info
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID
 
 MODEL = TINY_MAMBA_HYBRID.name
 MAMBA_GROUP = 1

@@ -18,7 +18,7 @@ from protocol.client_messages import EngineCoreRequest
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
-from worker.models.reference import reference_generate
+from worker.models.fake.reference import reference_generate
 from worker.models.registry import get_model_info
 
 CPU = torch.device("cpu")

@@ -1,1 +1,2 @@
-"""Fake models that read and write the real paged KV cache."""
+"""The models a rank runs: the built-in fake models (fake/), Hugging Face checkpoints (hf/), and
+the registry that builds either by name."""

@@ -1,4 +1,5 @@
-"""The model registry: a name gives the ModelInfo the engine plans with, and the model a rank runs.
+"""The model registry: a name gives the ModelInfo the engine plans with, and the Model (model.py)
+a rank runs.
 
 Names: `checksum`, `fixed-time` (checksum, each forward a set device time), `tiny-llama` and
 `tiny-llama-hybrid` (full and sliding-window layers: two KV-cache groups). kv_cache_groups report
@@ -11,25 +12,17 @@ and recurrent layers whose states live in a Mamba group (mode align). Any other 
 a folder holding config.json is a Hugging Face checkpoint (worker/models/hf/).
 """
 
-from typing import Protocol
-
 import torch
 
 from protocol.config import WorkerConfig
 from protocol.worker_messages import ModelInfo
-from worker.attention import KVContext
 from worker.attention_backends.backend import resolve_attention_backend
 from worker.distributed import TPGroup
 from worker.kv_cache import torch_dtype
-from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
-from worker.models.fixed_time import FIXED_TIME, build_fixed_time
-from worker.models.hf.checkpoint import check_checkpoint
-from worker.models.hf.config import is_checkpoint, read_hf_config
-from worker.models.hf.decoder import HFDecoder
-from worker.models.hf.kv_groups import hf_model_info
-from worker.models.names import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
-from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
-from worker.models.tiny_llama import (
+from worker.models.fake.checksum import CHECKSUM, ChecksumConfig, ChecksumModel
+from worker.models.fake.fixed_time import FIXED_TIME, build_fixed_time
+from worker.models.fake.tiny_encdec import TINY_ENCDEC, TinyEncDec
+from worker.models.fake.tiny_llama import (
     TINY_LLAMA,
     TINY_LLAMA_HYBRID,
     TINY_LLAMA_HYBRID_2X,
@@ -37,8 +30,14 @@ from worker.models.tiny_llama import (
     TinyLlama,
     TinyLlamaConfig,
 )
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
-from worker.models.tiny_mla import TINY_MLA, TinyMLA
+from worker.models.fake.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
+from worker.models.fake.tiny_mla import TINY_MLA, TinyMLA
+from worker.models.hf.checkpoint import check_checkpoint
+from worker.models.hf.config import is_checkpoint, read_hf_config
+from worker.models.hf.decoder import HFDecoder
+from worker.models.hf.kv_groups import hf_model_info
+from worker.models.model import Model
+from worker.models.names import ENCODER_DECODER_MODEL_NAMES, MODEL_NAMES
 
 TINY_LLAMAS: dict[str, TinyLlamaConfig] = {
     TINY_LLAMA.name: TINY_LLAMA,
@@ -55,20 +54,6 @@ if _BUILT != MODEL_NAMES or (TINY_ENCDEC.name,) != ENCODER_DECODER_MODEL_NAMES:
     )
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 FAKE_MODEL_DTYPE = "float32"  # what "auto" means for the built-in models
-
-
-class Model(Protocol):
-    """A model on one TP rank: writes every token's K/V, returns logits of the sampled tokens."""
-
-    vocab_size: int
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        logits_idx: torch.Tensor,
-        kv: KVContext,
-    ) -> torch.Tensor: ...
 
 
 def _check_name(name: str) -> None:

@@ -9,7 +9,7 @@ drawing over them gives the very tokens the whole row would, at a fraction of th
 
 import torch
 
-from worker.models.fixed_point import PROB_FRAC_BITS, quantize
+from worker.numerics.fixed_point import PROB_FRAC_BITS, quantize
 
 # exp(s) rounds to 0 on the grid for s < -17 ln 2 (about -11.78); the rough pass in the logits'
 # dtype keeps every id at or above -12, a margin far wider than its rounding error

@@ -1,9 +1,9 @@
 """tiny-llama: a small real decoder over the paged KV cache (RMSNorm, rotary, GQA, gated MLP).
 
 Seeded weights; heads and MLP columns sharded over TP ranks, all-reduced after attention and MLP.
-Fixed-point arithmetic (models/fixed_point.py) makes tokens bit-identical for any TP size, chunking,
-batch or block size. Optional sliding-window, chunked-local and R-SWA layers each add a KV-cache
-group (tiny-llama-hybrid, tiny-local).
+Fixed-point arithmetic (worker/numerics/fixed_point.py) makes tokens bit-identical for any TP
+size, chunking, batch or block size. Optional sliding-window, chunked-local and R-SWA layers each
+add a KV-cache group (tiny-llama-hybrid, tiny-local).
 """
 
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from protocol.kv_cache_spec import (
 from worker.attention import KVContext, PagedKV
 from worker.cascade import cascade_attention
 from worker.distributed import TPGroup
-from worker.models.fixed_point import (
+from worker.numerics.fixed_point import (
     MAX_CONTEXT_TOKENS,
     WEIGHT_FRAC_BITS,
     WEIGHT_INT_BITS,

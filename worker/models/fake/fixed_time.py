@@ -12,8 +12,8 @@ import torch
 
 from worker.attention import KVContext, PagedKV
 from worker.distributed import TPGroup
-from worker.models.block_sums import BlockSums
-from worker.models.checksum import CHECKSUM, ChecksumConfig, ChecksumModel, kv_values
+from worker.models.fake.block_sums import BlockSums
+from worker.models.fake.checksum import CHECKSUM, ChecksumConfig, ChecksumModel, kv_values
 
 # checksum's shapes and token rule under a name of its own, so a rank's ModelInfo says which runs
 FIXED_TIME: ChecksumConfig = dataclasses.replace(CHECKSUM, name="fixed-time")
@@ -24,8 +24,8 @@ class FixedTimeModel:
     prefill_token_s more per prompt token it computes (the tokens it does not sample from: a
     decode computes only the token it samples from, and a prefill all its prompt tokens).
 
-    Token rule: checksum's (worker/models/checksum.py), read back from the same paged cache; the
-    charge changes only when a reply is ready, never a token.
+    Token rule: checksum's (worker/models/fake/checksum.py), read back from the same paged cache;
+    the charge changes only when a reply is ready, never a token.
     Invariants: the wrapped checksum model's and the block sums'; step_s > 0; prefill_token_s
     >= 0; ready_at_s never decreases.
     """

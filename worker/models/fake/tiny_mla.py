@@ -5,7 +5,8 @@ Each layer down-projects the hidden state into a compressed K/V vector and a rot
 every head, caches both as the latent, and at attention time up-projects the gathered latents into
 each head's key and value. Query heads and MLP columns are sharded over TP ranks and all-reduced as
 tiny-llama does; the latent is computed and cached whole on every rank. Fixed-point arithmetic
-(models/fixed_point.py) keeps tokens bit-identical for any TP size, chunking, batch or block size.
+(worker/numerics/fixed_point.py) keeps tokens bit-identical for any TP size, chunking, batch or
+block size.
 """
 
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from worker.attention import ContextChunk, KVContext, PagedKV
 from worker.cascade import attend_with_shared_prefix, prefix_block_ids
 from worker.distributed import TPGroup
 from worker.latent_attention import LatentContext, PagedLatentKV
-from worker.models.fixed_point import (
+from worker.numerics.fixed_point import (
     MAX_CONTEXT_TOKENS,
     WEIGHT_FRAC_BITS,
     WEIGHT_INT_BITS,

@@ -14,7 +14,8 @@ import torch
 from protocol.kv_cache_spec import CrossAttentionSpec, KVCacheGroupSpec
 from worker.cross_attention import CrossKVContext
 from worker.distributed import TPGroup
-from worker.models.fixed_point import (
+from worker.models.fake.tiny_llama import LayerWeights, TinyLlama, TinyLlamaConfig
+from worker.numerics.fixed_point import (
     WEIGHT_FRAC_BITS,
     WEIGHT_INT_BITS,
     attend,
@@ -22,7 +23,6 @@ from worker.models.fixed_point import (
     rms_norm,
     rotate,
 )
-from worker.models.tiny_llama import LayerWeights, TinyLlama, TinyLlamaConfig
 
 ENCODER_SEED_OFFSET = 1_000_003  # the encoder and cross weights draw from their own generator
 

@@ -10,7 +10,7 @@ import torch
 from worker.attention import ContextChunk
 from worker.distributed import single_rank_group
 from worker.mamba_state import DenseMambaState
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
+from worker.models.fake.tiny_mamba import TINY_MAMBA_HYBRID, TinyMambaHybrid
 
 
 class DenseCausalKV:

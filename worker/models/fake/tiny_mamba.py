@@ -3,9 +3,9 @@ layers (as Jamba mixes attention and Mamba), the state of each kept in the pool'
 
 A recurrent layer runs an exact fixed-point linear recurrence per channel c and state index n:
 h_t[c, n] = q(a[c, n] * h_{t-1}[c, n] + b[c, n] * u_t[c]), y_t[c] = q(sum_n w_c[c, n] * h_t[c, n]),
-q the activation grid (models/fixed_point.py), so the state after a prefix is the same however the
-prefix was chunked. Channels are split over TP ranks and the output projection all-reduced, as
-tiny-llama splits its MLP, so tokens are bit-identical for any TP size.
+q the activation grid (worker/numerics/fixed_point.py), so the state after a prefix is the same
+however the prefix was chunked. Channels are split over TP ranks and the output projection
+all-reduced, as tiny-llama splits its MLP, so tokens are bit-identical for any TP size.
 """
 
 from dataclasses import dataclass
@@ -17,8 +17,8 @@ from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, MambaSpe
 from worker.attention import KVContext, PagedKV
 from worker.distributed import TPGroup
 from worker.mamba_state import MambaStateContext, PagedMambaState
-from worker.models.fixed_point import WEIGHT_FRAC_BITS, WEIGHT_INT_BITS, quantize, rms_norm
-from worker.models.tiny_llama import TinyLlama, TinyLlamaConfig
+from worker.models.fake.tiny_llama import TinyLlama, TinyLlamaConfig
+from worker.numerics.fixed_point import WEIGHT_FRAC_BITS, WEIGHT_INT_BITS, quantize, rms_norm
 
 MAMBA_SEED_OFFSET = 7919  # the recurrent weights' generator seed, apart from tiny-llama's draws
 MIN_DECAY = 0.6  # each state value keeps this share of itself per token, at least ...

@@ -8,8 +8,8 @@ import torch
 from protocol.sampling import SamplingParams
 from worker.attention import ContextChunk
 from worker.distributed import single_rank_group
-from worker.models.reference import DenseKV
-from worker.models.tiny_encdec import TINY_ENCDEC, TinyEncDec
+from worker.models.fake.reference import DenseKV
+from worker.models.fake.tiny_encdec import TINY_ENCDEC, TinyEncDec
 from worker.sampler import SampleBatch, Sampler
 from worker.sampling.penalties import TokenHistory
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from worker.attention import PagedKV
-from worker.models.checksum import POSITION_WEIGHT_MODULUS
+from worker.models.fake.checksum import POSITION_WEIGHT_MODULUS
 
 
 def entry_sums(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

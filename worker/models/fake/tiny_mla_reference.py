@@ -7,7 +7,7 @@ import torch
 
 from worker.distributed import single_rank_group
 from worker.latent_attention import DenseLatentKV
-from worker.models.tiny_mla import TINY_MLA, TinyMLA
+from worker.models.fake.tiny_mla import TINY_MLA, TinyMLA
 
 
 def tiny_mla_logits(seed: int) -> Callable[[list[int]], torch.Tensor]:

@@ -14,13 +14,13 @@ from protocol.kv_cache_spec import KVCacheSpec
 from protocol.sampling import SamplingParams
 from worker.attention import ContextChunk, read_mask
 from worker.distributed import single_rank_group
-from worker.models.checksum import CHECKSUM, context_sum, kv_values, mix_logits
+from worker.models.fake.checksum import CHECKSUM, context_sum, kv_values, mix_logits
+from worker.models.fake.tiny_llama import TinyLlama
+from worker.models.fake.tiny_mamba import TINY_MAMBA_HYBRID
+from worker.models.fake.tiny_mamba_reference import tiny_mamba_logits
+from worker.models.fake.tiny_mla import TINY_MLA
+from worker.models.fake.tiny_mla_reference import tiny_mla_logits
 from worker.models.registry import CHECKSUMS, TINY_LLAMAS, get_model_info
-from worker.models.tiny_llama import TinyLlama
-from worker.models.tiny_mamba import TINY_MAMBA_HYBRID
-from worker.models.tiny_mamba_reference import tiny_mamba_logits
-from worker.models.tiny_mla import TINY_MLA
-from worker.models.tiny_mla_reference import tiny_mla_logits
 from worker.sampler import SampleBatch, Sampler
 from worker.sampling.penalties import TokenHistory
 
