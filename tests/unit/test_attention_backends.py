@@ -168,3 +168,6 @@ def test_unknown_and_misplaced_backends_are_refused() -> None:
         resolve_attention_backend("triton", CPU)
     assert resolve_attention_backend("auto", CPU) is BlockGatherAttention
     assert resolve_attention_backend("reference", CPU) is ReferenceAttention
+    from worker.attention_backends.triton_backend import TritonBackend
+
+    assert resolve_attention_backend("triton", torch.device("cuda", 0)) is TritonBackend

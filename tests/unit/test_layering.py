@@ -40,6 +40,9 @@ KV_HASHING_ALLOWED_IMPORTS = {"msgspec", "xxhash", "protocol", "kv_hashing"}
 # The only modules that may import kv_hashing: the KV-cache layer keys its prefix cache with it,
 # the engine service announces its HashParams, and the front end hashes requests to route them.
 KV_HASHING_IMPORTERS = ("engine_core.kv_cache", "engine_core.service", "api_server")
+# The only modules that may import triton: its kernels compile for GPUs only, and a CPU-only
+# install (no triton there) must be able to import everything else.
+TRITON_IMPORTERS = ("worker.attention_backends",)
 
 # The folders of engine_core (and core.py), each with the folders of engine_core it may import
 # besides its own; every other import between them is a FORBIDDEN_EDGE. Every module of
@@ -191,6 +194,18 @@ def kv_hashing_importers_outside(root: pathlib.Path) -> list[str]:
     ]
 
 
+def triton_importers_outside(root: pathlib.Path) -> list[str]:
+    """Imports of triton by a module of PACKAGES outside TRITON_IMPORTERS."""
+    return [
+        f"{path.relative_to(root)} imports {name}"
+        for package in PACKAGES
+        for path in _modules(root, package)
+        if not any(_is_within(_module_name(path, root), ok) for ok in TRITON_IMPORTERS)
+        for name in sorted(_imported_modules(path, root))
+        if _is_within(name, "triton")
+    ]
+
+
 def edges(root: pathlib.Path, importer: str, imported: str) -> list[str]:
     """Each import by a module within `importer` of a module within `imported`, as text."""
     return [
@@ -307,6 +322,26 @@ def test_checker_reports_a_planted_kv_hashing_import_outside_its_importers(
     assert package_violations(root, "kv_hashing") == [
         "kv_hashing/planted.py imports yaml, outside its rule"
     ]
+
+
+def test_only_the_attention_backends_import_triton() -> None:
+    offenders = triton_importers_outside(ROOT)
+    assert not offenders, offenders
+
+
+def test_checker_reports_a_planted_triton_import_outside_the_backends(
+    tmp_path: pathlib.Path,
+) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "worker/__init__.py": "",
+            "worker/attention_backends/__init__.py": "",
+            "worker/attention_backends/kernels.py": "import triton.language as tl\n",
+            "worker/model_runner.py": "def f() -> None:\n    from triton import jit\n",
+        },
+    )
+    assert triton_importers_outside(root) == ["worker/model_runner.py imports triton"]
 
 
 def test_packages_keep_their_inner_edges() -> None:

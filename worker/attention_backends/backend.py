@@ -63,9 +63,9 @@ def resolve_attention_backend(name: str, device: torch.device) -> AttentionBacke
             raise ValueError(
                 f"attention backend 'triton' runs on CUDA devices only, not on {device.type}"
             )
-        from worker.attention_backends.triton_backend import TritonAttention
+        from worker.attention_backends.triton_backend import TritonBackend
 
-        return TritonAttention
+        return TritonBackend
     from worker.attention_backends.block_gather import BlockGatherAttention
 
     return BlockGatherAttention
