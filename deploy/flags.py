@@ -239,7 +239,8 @@ WORKER_FLAGS = [
     Flag(
         ("--cpu-threads",),
         ("cpu_threads",),
-        "torch threads of each CPU rank (default: the host's cores over its local ranks)",
+        "torch threads of each CPU rank (default: the host's cores over its local ranks; "
+        "launch and serve first leave one core to the engine and front end)",
     ),
     Flag(
         ("--attention-backend",),
