@@ -57,6 +57,9 @@ class BlockGatherAttention:
                 )
         self.kv = kv
         self._chunks: dict[tuple[int, bool], list[BlockChunk]] = {}
+        # Gathered K/V of one chunk, reused by every layer of the step: a fresh 2-8 MB tensor a
+        # layer costs its page faults again each time. Keyed by shape, dtype and K or V.
+        self._workspace: dict[tuple[torch.Size, torch.dtype, int], torch.Tensor] = {}
 
     def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv.write(layer_name, k, v)
@@ -79,12 +82,12 @@ class BlockGatherAttention:
         for chunk in self._group_chunks(self.kv.layer_to_group[layer_name], logits_only):
             num_seqs = chunk.query_idx.shape[0]
             shape = (num_seqs, -1, num_kv_heads, head_dim)
-            k_ctx = keys.index_select(0, chunk.block_ids).view(shape)  # [S, L, KV_r, head_dim]
-            v_ctx = values.index_select(0, chunk.block_ids).view(shape)
+            k_ctx = self._gather(keys, chunk.block_ids, 0, dtype).view(shape)  # [S, L, KV_r, hd]
+            v_ctx = self._gather(values, chunk.block_ids, 1, dtype).view(shape)
             result = attend(
                 q[chunk.query_idx].to(dtype).transpose(1, 2),  # [S, H_r, n, head_dim]
-                k_ctx.to(dtype).transpose(1, 2),  # [S, KV_r, L, head_dim]
-                v_ctx.to(dtype).transpose(1, 2),
+                k_ctx.transpose(1, 2),  # [S, KV_r, L, head_dim]
+                v_ctx.transpose(1, 2),
                 chunk.mask,
                 scale,
                 not on_cpu,
@@ -93,6 +96,25 @@ class BlockGatherAttention:
             rows = result.transpose(1, 2).reshape(-1, num_heads * head_dim)
             out[chunk.query_idx.reshape(-1)] = rows.to(out.dtype)
         return out
+
+    def _gather(
+        self, blocks: torch.Tensor, block_ids: torch.Tensor, kind: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Blocks `block_ids` of `blocks` [num_blocks, block_size, KV_r, head_dim] (K or V:
+        `kind`) in `dtype`, in a workspace tensor that the next layer overwrites."""
+        shape = torch.Size((len(block_ids), *blocks.shape[1:]))  # [S * nb, bs, KV_r, head_dim]
+        gathered = self._buffer(shape, blocks.dtype, kind)
+        torch.index_select(blocks, 0, block_ids, out=gathered)
+        if dtype == blocks.dtype:
+            return gathered
+        converted = self._buffer(shape, dtype, kind)
+        return converted.copy_(gathered)
+
+    def _buffer(self, shape: torch.Size, dtype: torch.dtype, kind: int) -> torch.Tensor:
+        key = (shape, dtype, kind)
+        if key not in self._workspace:
+            self._workspace[key] = torch.empty(shape, dtype=dtype, device=self.kv.device)
+        return self._workspace[key]
 
     def _group_chunks(self, group_idx: int, logits_only: bool) -> list[BlockChunk]:
         key = (group_idx, logits_only)
