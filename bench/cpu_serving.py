@@ -10,10 +10,10 @@ below 1 for the latencies). Run: `python -m bench.cpu_serving --peer-python DIR/
 Both servers stay up for a whole dtype and the client alternates between them, which saves a
 50-190 s vLLM start per round. That is sound because an idle server barely runs: measured on
 2 cores over 10 s (utime+stime of its whole session in /proc), kvserve took 0.3-0.6% of a core
-and vLLM 1.0-1.4% once settled (7% in the 10 s right after a run, while that run winds down).
+and vLLM 1.0-1.4% once settled (6-7% in the 10 s right after a run, while that run winds down).
 Each run measures it again: `*_other_server_cpu_share` is the idle server's CPU over the
 client's whole run (its ~10 s of imports included) divided by the run's duration, an upper bound
-(1.3-1.6% in the first runs); a warning says when it passes 2%.
+(0.6-1.7% in the first runs); a warning says when it passes 2%.
 """
 
 import argparse
@@ -273,7 +273,9 @@ def prepare(servers: Servers, args: argparse.Namespace, dtype: str, checkpoint: 
     input_len = args.workload.input_len
     warmup = Workload(input_len, WARMUP_OUTPUT_LEN, WARMUP_NUM_PROMPTS, WARMUP_NUM_PROMPTS)
     seed = args.seed + WARMUP_SEED_OFFSET
-    for server in servers.both:
+    # vLLM first: it keeps a few % of a core busy for ~10 s after a run, which then falls in
+    # kvserve's warm-up rather than in the idle window below
+    for server in reversed(servers.both):
         run_client(args.vllm_bin, server, checkpoint, warmup, seed, f"warmup-{server.name}-{dtype}")
     before_s = [server.cpu_s() for server in servers.both]
     time.sleep(IDLE_WINDOW_S)

@@ -31,6 +31,7 @@ class ServedProcess:
         self.name = name
         self.port = port
         self.log_path = log_path
+        self.start_s = time.monotonic()
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -46,9 +47,9 @@ class ServedProcess:
             return log.read().decode(errors="replace")
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Poll GET /health until it answers 200; the seconds that took. Raises if the server
-        exits first or stays unready past `timeout_s`."""
-        start = time.monotonic()
+        """Poll GET /health until it answers 200; the seconds since the server was started.
+        Raises if the server exits first or stays unready `timeout_s` after this call."""
+        deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -58,10 +59,10 @@ class ServedProcess:
             try:
                 answer = httpx.get(f"{self.base_url}/health", timeout=PROBE_TIMEOUT_S)
                 if answer.status_code == 200:
-                    return time.monotonic() - start
+                    return time.monotonic() - self.start_s
             except httpx.TransportError:
                 pass  # not listening yet
-            if time.monotonic() - start > timeout_s:
+            if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.name} on port {self.port} not healthy in {timeout_s:.0f} s; "
                     f"its log ends:\n{self.log_tail()}"
