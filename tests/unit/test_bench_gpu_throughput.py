@@ -1,15 +1,18 @@
 """The GPU throughput workloads (bench/gpu_throughput.py) and their figures' arithmetic
 (bench/step_records.py), on the CPU: the workloads drawn, the bandwidth floor, kernel counting,
 and a whole serve of a tiny checkpoint through the same path the GPU check takes, recorded step
-by step, with the fallback from an attention backend that fails.
+by step, with the fallback from an attention backend that fails; and bench.gpu_check's flags for
+them, and its SKIP lines where there is no CUDA.
 """
 
+import argparse
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench import gpu_check
 from bench.gpu_throughput import (
     NANO_VLLM_LENGTHS,
     ThroughputWorkload,
@@ -148,3 +151,21 @@ def test_a_serve_past_its_deadline_stops_with_a_timeout(tiny_qwen3: Path) -> Non
     workload = ThroughputWorkload("tiny", [[9] * 12], [3])
     with pytest.raises(TimeoutError, match="past the workload's budget"):
         serve_or_fall_back(tiny_qwen3, workload, "triton", time.perf_counter() - 1, CPU)
+
+
+def test_nano_vllm_sequences_is_a_count_of_the_benchmarks_sequences() -> None:
+    assert gpu_check.nano_vllm_sequences("64") == 64
+    for text in ("0", "257", "-3", "all"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a count from 1 to 256"):
+            gpu_check.nano_vllm_sequences(text)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it would run every check")
+def test_without_cuda_the_gpu_check_skips_the_workloads_too_and_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert gpu_check.main(["--nano-vllm-sequences", "8", "--attention-backend", "blocks"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "SKIP throughput-equal-qwen3-0.6b no CUDA device" in "\n".join(lines)
+    assert "SKIP throughput-nano-vllm-qwen3-0.6b no CUDA device" in "\n".join(lines)
+    assert all(line.startswith("SKIP ") for line in lines[:-1])
