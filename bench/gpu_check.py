@@ -1,14 +1,16 @@
 """The CUDA path proven on one GPU in a few minutes: the worker unit tests on cuda, the demo
 workload at TP=1 and at TP=2 with both ranks on the one GPU (gloo), a capacity report, every
 output compared with the CPU reference model; then real checkpoints (bench/gpu_checkpoint_checks.py)
-in float32 and bfloat16 against transformers, at TP=1 and TP=2 over gloo, and a throughput
-figure of Qwen3-0.6B's shape. One line per check: PASS, FAIL or SKIP, name, detail. Exit 0 only
-when every check passed. Without CUDA every check is SKIP and it exits 1: nothing was proven.
+in float32 and bfloat16 against transformers, at TP=1 and TP=2 over gloo, a throughput
+figure of Qwen3-0.6B's shape, and two throughput workloads in-process (bench/gpu_throughput.py).
+One line per check: PASS, FAIL or SKIP, name, detail. Exit 0 only when every check passed.
+Without CUDA every check is SKIP and it exits 1: nothing was proven.
 Run: `python -m bench.gpu_check [--skip CHECK] [--check-timeout-s S]`, or on a bare GPU
 machine `bash bench/gpu_run.sh` (which installs what that machine lacks from .whl/).
 """
 
 import argparse
+import gc
 import random
 import signal
 import subprocess
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench import gpu_checkpoint_checks
+from bench import gpu_checkpoint_checks, gpu_throughput
 from bench.gpu_checkpoint_checks import CheckResult, stop_launcher
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
@@ -28,6 +30,7 @@ from engine_core.net.endpoints import free_tcp_ports
 from engine_core.service.plan import POOL_HOST_BYTES_PER_BLOCK
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
+from worker.attention_backends.backend import ATTENTION_BACKENDS
 from worker.distributed import single_rank_group
 from worker.kv_cache import (
     CudaMemory,
@@ -46,6 +49,7 @@ WORKER_TEST_FILES = (
     "tests/unit/test_worker_profiling.py",
     "tests/unit/test_model_runner.py",
     "tests/unit/test_models_paged_vs_reference.py",
+    "tests/unit/test_fused_kernels.py",  # compiled here, against torch's ops on the device
 )
 CHECK_TIMEOUT_S = 150  # one check may take this long; the four take about a minute on an H200
 DEMO_UTILIZATION = 0.3  # of the device, for the demo deployments (split between ranks sharing it)
@@ -60,6 +64,11 @@ CAPACITY_MODEL = "tiny-llama"
 CAPACITY_UTILIZATION = 0.5  # the capacity check fills this share of the device with KV blocks
 CAPACITY_STEP_TOKENS = 2048  # the engine's default max_num_batched_tokens
 ALLOCATION_SLACK = 0.01  # share of the device the allocator may round up past the budget
+# The throughput workloads' own budgets (s), in place of --check-timeout-s: kvserve's warm-up and
+# run, then transformers' generate(), on a checkpoint the checks before them wrote (about 20 s
+# more when they were skipped). Guesses until a GPU run times them: the whole of gpu_run.sh
+# should stay within 8 minutes on an H100.
+THROUGHPUT_BUDGETS_S = {"throughput-equal-qwen3-0.6b": 90, "throughput-nano-vllm-qwen3-0.6b": 180}
 
 
 class CheckTimeoutError(TimeoutError):
@@ -204,6 +213,15 @@ def checks(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[], Che
             folder, 2, "float32"
         ),
         "checkpoint-throughput-qwen3-0.6b": lambda: gpu_checkpoint_checks.check_throughput(folder),
+        "throughput-equal-qwen3-0.6b": lambda: gpu_throughput.check_equal(
+            folder, args.attention_backend, THROUGHPUT_BUDGETS_S["throughput-equal-qwen3-0.6b"]
+        ),
+        "throughput-nano-vllm-qwen3-0.6b": lambda: gpu_throughput.check_nano_vllm(
+            folder,
+            args.attention_backend,
+            THROUGHPUT_BUDGETS_S["throughput-nano-vllm-qwen3-0.6b"],
+            args.nano_vllm_sequences,
+        ),
         "capacity": check_capacity,  # last: it fills half the device in this process
     }
 
@@ -224,9 +242,19 @@ def run_check(name: str, check: Callable[[], CheckResult], timeout_s: int) -> bo
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        gc.collect()  # what a check left on the device (a stopped one's too) is freed for the next
+        torch.cuda.empty_cache()
     word = "PASS" if result.is_passed else "FAIL"
     print(f"{word} {name} {result.detail} ({time.monotonic() - start:.1f} s)", flush=True)
     return result.is_passed
+
+
+def nano_vllm_sequences(text: str) -> int:
+    """--nano-vllm-sequences: a count from 1 to the benchmark's sequences."""
+    most = gpu_throughput.NANO_VLLM_NUM_SEQUENCES
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a count from 1 to {most}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         "--check-timeout-s", type=int, default=CHECK_TIMEOUT_S, help="seconds per check"
     )
     parser.add_argument("--log-folder", help="where the demo logs go; default a temporary folder")
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="triton",
+        help="of the throughput workloads; where it fails they fall back to blocks and say so",
+    )
+    parser.add_argument(
+        "--nano-vllm-sequences",
+        type=nano_vllm_sequences,
+        default=gpu_throughput.NANO_VLLM_NUM_SEQUENCES,
+        help="serve only the first N sequences of nano-vllm's benchmark (a count of sequences)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvserve-gpu-check-") as scratch:
         folder = Path(args.log_folder or scratch)
@@ -251,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
         results = [
-            run_check(name, check, args.check_timeout_s)
+            run_check(name, check, THROUGHPUT_BUDGETS_S.get(name, args.check_timeout_s))
             for name, check in named.items()
             if name not in args.skip
         ]

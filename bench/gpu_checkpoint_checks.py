@@ -8,6 +8,7 @@ each side's token must be among the other's top LOGPROBS_CLOSE_TOP alternatives.
 """
 
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ STOP_TIMEOUT_S = 30.0
 THROUGHPUT_REQUESTS = 64
 THROUGHPUT_PROMPT_TOKENS = 128
 THROUGHPUT_OUTPUT_TOKENS = 128
+QWEN3_CHECKPOINT = CheckpointSpec(arch="qwen3", shape=SHAPES["qwen3-0.6b"], dtype="bfloat16")
 # the cases the accuracy checks serve: a hybrid (two KV-cache groups), llama3 rope, a window
 CASES = {
     "qwen3-mixed": CheckpointSpec(arch="qwen3", layer_types=["full", "sliding"], sliding_window=32),
@@ -175,14 +177,26 @@ def check_accuracy(folder: Path, tp_size: int, dtype: str) -> CheckResult:
     return CheckResult(not failures, detail)
 
 
+def qwen3_checkpoint(folder: Path) -> Path:
+    """The random checkpoint of Qwen3-0.6B's shape in bfloat16 under `folder`, written once: the
+    throughput checks share it. It is written aside and renamed, so a check stopped while
+    writing leaves no half of one behind."""
+    done = folder / "qwen3-0.6b"
+    if not (done / "config.json").is_file():
+        partial = folder / "qwen3-0.6b.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        make_checkpoint(partial, QWEN3_CHECKPOINT)
+        partial.rename(done)
+    return done
+
+
 def check_throughput(folder: Path) -> CheckResult:
     """A random checkpoint of Qwen3-0.6B's shape in bfloat16: kvserve's output tokens per second
     over 64 requests beside transformers' batched generate() on the same prompts."""
     import transformers
 
-    spec = CheckpointSpec(arch="qwen3", shape=SHAPES["qwen3-0.6b"], dtype="bfloat16")
-    model_dir = make_checkpoint(folder / "qwen3-0.6b", spec)
-    shape = spec.shape
+    model_dir = qwen3_checkpoint(folder)
+    shape = QWEN3_CHECKPOINT.shape
     batch = prompts(shape.vocab_size, THROUGHPUT_REQUESTS, (THROUGHPUT_PROMPT_TOKENS,) * 2, 1)
     params = dict(max_tokens=THROUGHPUT_OUTPUT_TOKENS, ignore_eos=True)
     _, kvserve_s = serve(model_dir, 1, "bfloat16", folder / "throughput.log", batch, **params)

@@ -44,6 +44,7 @@ class Workload:
     reserve_full_prompt: bool = False  # admit chunk by chunk, so tight pools preempt prefills too
     async_scheduling: bool = False  # in-process ranks step in lockstep: the synchronous loop
     encoder_prompts: list[list[int]] | None = None  # each request's encoder input (tiny-encdec)
+    attention_backend: str = "auto"  # a checkpoint's (worker/attention_backends/backend.py)
 
 
 @dataclass
@@ -105,7 +106,10 @@ def engine_config(workload: Workload, model_max_len: int) -> EngineConfig:
 
 
 def build_rank(
-    workload: Workload, tp_group: TPGroup, device: torch.device
+    workload: Workload,
+    tp_group: TPGroup,
+    device: torch.device,
+    executor_type: type[TimedRunner] = TimedRunner,  # a subclass may record more of each step
 ) -> tuple[EngineCore, TimedRunner]:
     """This rank's ModelRunner and an EngineCore over it, with every request queued in order."""
     info = get_model_info(workload.model, workload.block_size, workload.dtype)
@@ -117,10 +121,11 @@ def build_rank(
         dtype=workload.dtype,
         block_size=workload.block_size,
         seed=workload.seed,
+        attention_backend=workload.attention_backend,
     )
     runner = build_model_runner(worker_config, kv_cache_config, tp_group, device)
     runner.check_each_step = workload.check_invariants
-    executor = TimedRunner(runner)
+    executor = executor_type(runner)
     config = engine_config(workload, info.max_model_len)
     core = EngineCore(config, kv_cache_config, info, executor)
     requests = zip(workload.prompts, workload.sampling_params, strict=True)

@@ -41,8 +41,9 @@ KV_HASHING_ALLOWED_IMPORTS = {"msgspec", "xxhash", "protocol", "kv_hashing"}
 # the engine service announces its HashParams, and the front end hashes requests to route them.
 KV_HASHING_IMPORTERS = ("engine_core.kv_cache", "engine_core.service", "api_server")
 # The only modules that may import triton: its kernels compile for GPUs only, and a CPU-only
-# install (no triton there) must be able to import everything else.
-TRITON_IMPORTERS = ("worker.attention_backends",)
+# install (no triton there) must be able to import everything else. The attention kernels, and
+# the decoder's fused norm, SiLU and rotary kernels (imported by layer_ops for CUDA only).
+TRITON_IMPORTERS = ("worker.attention_backends", "worker.models.hf.fused_kernels")
 
 # The folders of engine_core (and core.py), each with the folders of engine_core it may import
 # besides its own; every other import between them is a FORBIDDEN_EDGE. Every module of
@@ -324,12 +325,12 @@ def test_checker_reports_a_planted_kv_hashing_import_outside_its_importers(
     ]
 
 
-def test_only_the_attention_backends_import_triton() -> None:
+def test_only_the_attention_backends_and_fused_kernels_import_triton() -> None:
     offenders = triton_importers_outside(ROOT)
     assert not offenders, offenders
 
 
-def test_checker_reports_a_planted_triton_import_outside_the_backends(
+def test_checker_reports_a_planted_triton_import_outside_its_importers(
     tmp_path: pathlib.Path,
 ) -> None:
     root = _plant(
@@ -339,9 +340,17 @@ def test_checker_reports_a_planted_triton_import_outside_the_backends(
             "worker/attention_backends/__init__.py": "",
             "worker/attention_backends/kernels.py": "import triton.language as tl\n",
             "worker/model_runner.py": "def f() -> None:\n    from triton import jit\n",
+            "worker/models/hf/fused_kernels.py": "import triton\nimport triton.language as tl\n",
+            "worker/models/hf/layer_ops.py": (
+                "def f() -> None:\n    from worker.models.hf.fused_kernels import FusedLayerOps\n"
+            ),
+            "worker/models/hf/decoder.py": "import triton.language as tl\n",
         },
     )
-    assert triton_importers_outside(root) == ["worker/model_runner.py imports triton"]
+    assert triton_importers_outside(root) == [
+        "worker/model_runner.py imports triton",
+        "worker/models/hf/decoder.py imports triton.language",
+    ]
 
 
 def test_packages_keep_their_inner_edges() -> None:

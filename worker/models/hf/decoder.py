@@ -4,8 +4,9 @@ paged KV cache: RMSNorm, rotary, grouped-query attention, SiLU-gated MLP.
 q/k/v and gate/up are column-parallel (this rank's heads and MLP rows, each pair merged into one
 GEMM); o and down are row-parallel with one all-reduce each, their biases added once after it.
 Norms and rotary run in float32 and cast back, as transformers does, so logits match it in
-float32 and stay close in bf16. Attention goes through the step's attention backend
-(worker/attention_backends/).
+float32 and stay close in bf16. The steps between GEMMs go through LayerOps (layer_ops.py):
+torch's ops on the CPU, fused Triton kernels on CUDA. Attention goes through the step's attention
+backend (worker/attention_backends/).
 """
 
 import torch
@@ -17,20 +18,14 @@ from worker.attention_backends.reference import ReferenceAttention
 from worker.distributed import TPGroup
 from worker.models.hf.config import HFConfig
 from worker.models.hf.kv_groups import layer_name
+from worker.models.hf.layer_ops import LayerOps, layer_ops_for
 from worker.models.hf.linear import linear
-from worker.models.hf.rope import Rotary, rotate
+from worker.models.hf.rope import Rotary
 from worker.models.hf.weights import LayerWeights, RankShard, load_rank_weights
 
 # On the CPU a half-precision partial sum is all-reduced in float32: the shared-memory
 # all-reduce takes float32, and the rounding then happens once, after the sum.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) in float32, cast back to x's dtype, then scaled by the weight (in that dtype)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 class HFDecoder:
@@ -48,9 +43,11 @@ class HFDecoder:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: AttentionBackend = ReferenceAttention,
+        layer_ops: LayerOps | None = None,  # None: the device's (layer_ops_for)
     ) -> None:
         self.config = config
         self.attention_backend = attention_backend
+        self.layer_ops = layer_ops_for(device) if layer_ops is None else layer_ops
         self.tp_group = tp_group
         self.device = device
         self.dtype = dtype
@@ -108,41 +105,45 @@ class HFDecoder:
         attention = (
             self.attention_backend(kv) if isinstance(kv, PagedKV) else ReferenceAttention(kv)
         )
-        x = F.embedding(token_ids, weights.embed_tokens)  # [T, D]
+        ops, layers = self.layer_ops, weights.layers
+        # The residual stream: each sublayer's output is added to it as the next norm reads it,
+        # which the fused kernels do in one pass, in place.
+        residual = F.embedding(token_ids, weights.embed_tokens)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # each [T, head_dim]
-        last = len(weights.layers) - 1
-        for idx, layer in enumerate(weights.layers):
-            attn = self._attention(idx, layer, x, cos, sin, attention, idx == last)
+        h = ops.rms_norm(residual, layers[0].input_norm, eps)
+        last = len(layers) - 1
+        for idx, layer in enumerate(layers):
+            attn = self._attention(idx, layer, h, cos, sin, attention, idx == last)
             if idx == last:  # past the last K/V write only the sampled tokens matter
-                x, attn = x[logits_idx], attn[logits_idx]
-            x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
-            h = rms_norm(x, layer.post_attention_norm, eps)
-            gate, up = linear(h, layer.gate_up_proj, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + self._row_parallel(F.silu(gate) * up, layer.down_proj, layer.down_bias)
-        x = rms_norm(x, weights.final_norm, eps)
-        return linear(x, weights.lm_head).to(torch.float32)
+                residual, attn = residual[logits_idx], attn[logits_idx]
+            out = self._row_parallel(attn, layer.o_proj, layer.o_bias)
+            h, residual = ops.add_rms_norm(out, residual, layer.post_attention_norm, eps)
+            gate_up = linear(h, layer.gate_up_proj, layer.gate_up_bias)  # [T, 2 * I_r]
+            out = self._row_parallel(ops.silu_and_mul(gate_up), layer.down_proj, layer.down_bias)
+            next_norm = weights.final_norm if idx == last else layers[idx + 1].input_norm
+            h, residual = ops.add_rms_norm(out, residual, next_norm, eps)
+        return linear(h, weights.lm_head).to(torch.float32)
 
     def _attention(
         self,
         idx: int,
         layer: LayerWeights,
-        x: torch.Tensor,
+        h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: StepAttention,
         logits_only: bool,
     ) -> torch.Tensor:
-        """This rank's heads: write K/V of every token, then attend; [T, H_r * head_dim]."""
-        num_tokens, hd, eps = x.shape[0], self.config.head_dim, self.config.rms_norm_eps
+        """This rank's heads of the normed h [T, D]: write K/V of every token, then attend;
+        [T, H_r * head_dim]."""
+        num_tokens, hd, eps = h.shape[0], self.config.head_dim, self.config.rms_norm_eps
         num_heads, num_kv_heads = self.shard.num_heads_per_rank, self.shard.num_kv_heads_per_rank
-        h = rms_norm(x, layer.input_norm, eps)
         qkv = linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (H_r + 2 * KV_r) * head_dim]
         q, k, v = qkv.split([num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], dim=-1)
         q = q.view(num_tokens, num_heads, hd)
         k, v = k.view(num_tokens, num_kv_heads, hd), v.view(num_tokens, num_kv_heads, hd)
-        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per head, pre-rotary
-            q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # Qwen3 norms each head before rotary (q_norm and k_norm); the others only rotate
+        q, k = self.layer_ops.norm_and_rotate(q, k, layer.q_norm, layer.k_norm, eps, cos, sin)
         name = layer_name(idx)
         attention.write(name, k, v)  # before any read: a same-step neighbour may share blocks
         return attention.attend(name, q, self.scale, logits_only)
