@@ -239,8 +239,8 @@ WORKER_FLAGS = [
     Flag(
         ("--cpu-threads",),
         ("cpu_threads",),
-        "torch threads of each CPU rank (default: the host's cores over its local ranks; "
-        "launch and serve first leave one core to the engine and front end)",
+        "torch threads of each CPU rank (default: the host's cores over its local ranks; on a "
+        "host whose other processes stay busy, leave them their cores)",
     ),
     Flag(
         ("--attention-backend",),

@@ -171,6 +171,5 @@ class WorkerConfig(_Config, frozen=True):
     # auto and blocks gather whole blocks; reference one row per token; triton (CUDA) reads
     # the block table in place
     attention_backend: Literal["auto", "reference", "blocks", "triton"] = "auto"
-    # torch threads of a CPU rank; None: the host's cores shared out over its ranks (one core
-    # left to the engine and front end where they run on the same host)
+    # torch threads of a CPU rank; None: the host's cores shared out over its ranks
     cpu_threads: PositiveInt | None = None
