@@ -46,6 +46,7 @@ WORKER_TEST_FILES = (
     "tests/unit/test_worker_profiling.py",
     "tests/unit/test_model_runner.py",
     "tests/unit/test_models_paged_vs_reference.py",
+    "tests/unit/test_decode_graphs_cuda.py",
 )
 CHECK_TIMEOUT_S = 150  # one check may take this long; the four take about a minute on an H200
 DEMO_UTILIZATION = 0.3  # of the device, for the demo deployments (split between ranks sharing it)
