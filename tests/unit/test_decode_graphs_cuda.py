@@ -2,13 +2,12 @@
 batch fills its bucket, a graphed run gives exactly the eager run's tokens, logits and KV cache;
 where batches are padded, exactly the eager forward of the same padded steps, and the unpadded
 eager run's tokens. A graphed decode step launches at most MAX_LAUNCHES things, and the graphs'
-memory is counted before the KV cache is sized. Skipped without CUDA; bench/gpu_check.py runs it.
-
-Triton is imported only through the worker's own code, inside the tests: a module-level import
-here would fix @triton.jit's mode before the interpreted CPU tests set TRITON_INTERPRET.
+memory is counted before the KV cache is sized. Skipped without CUDA, and under `--device cpu`,
+where the Triton kernels run interpreted (tests/conftest.py); bench/gpu_check.py runs it.
 """
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
+from tests.conftest import TRITON_INTERPRET_ENV
 from tests.unit.hf_checkpoints import QWEN3_MIXED_LAYERS, write_checkpoint
 from worker.distributed import single_rank_group
 from worker.kv_cache import CudaMemory, memory_at_start
@@ -29,6 +29,10 @@ from worker.profiling import capture_graph_bytes, measure_num_blocks
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get(TRITON_INTERPRET_ENV) == "1",
+        reason="Triton kernels run interpreted in this session: run with --device cuda",
+    ),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
 
