@@ -45,6 +45,7 @@ LAUNCH_WORKER_FIELDS = (  # worker settings `kvserve launch` takes; the rest fol
     "kv_cache_dtype",
     "attention_backend",
     "cpu_threads",
+    "enforce_eager",
 )
 LAUNCH_WORKER_FLAGS = [flag for flag in WORKER_FLAGS if flag.path[0] in LAUNCH_WORKER_FIELDS]
 DEFAULT_HTTP_HOST = "127.0.0.1"

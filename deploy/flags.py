@@ -248,6 +248,12 @@ WORKER_FLAGS = [
         "how a checkpoint's attention reads the paged KV cache: blocks (auto) gathers whole "
         "blocks, reference one row per token, triton (CUDA) reads the block table in place",
     ),
+    Flag(
+        ("--enforce-eager",),
+        ("enforce_eager",),
+        "run every step eagerly: no CUDA graphs of decode steps (captured with "
+        "--attention-backend triton on CUDA otherwise)",
+    ),
     Flag(("--block-size",), ("block_size",), "tokens per KV-cache block (must equal the engine's)"),
     Flag(
         ("--gpu-memory-utilization",), ("gpu_memory_utilization",), "share of device memory, 0..1"

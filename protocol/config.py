@@ -173,3 +173,5 @@ class WorkerConfig(_Config, frozen=True):
     attention_backend: Literal["auto", "reference", "blocks", "triton"] = "auto"
     # torch threads of a CPU rank; None: the host's cores shared out over its ranks
     cpu_threads: PositiveInt | None = None
+    # run every step eagerly: no CUDA graphs of decode steps (worker/graph_runner.py), as vLLM's
+    enforce_eager: bool = False

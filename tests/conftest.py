@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, settings
 
 TEST_DEVICE_ENV = "KVSERVE_TEST_DEVICE"  # how --device reaches the test modules as they import
 TEST_DEVICES = ("cpu", "cuda")
+TRITON_INTERPRET_ENV = "TRITON_INTERPRET"  # 1: @triton.jit kernels run interpreted, on CPU tensors
 
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=100
@@ -34,6 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError("--device cuda: no CUDA device is visible to torch")
     # set before any test module is imported, so a module-level DEVICE sees it
     os.environ[TEST_DEVICE_ENV] = device
+    if device == "cpu":
+        # The Triton kernels' CPU tests run them under triton's interpreter, which every
+        # @triton.jit of the session must agree on, triton.language's own included: those are
+        # decorated when triton is first imported, and transformers imports it while the
+        # checkpoint tests are collected, before any kernel test could set this.
+        os.environ.setdefault(TRITON_INTERPRET_ENV, "1")
 
 
 def worker_test_device() -> str:

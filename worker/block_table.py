@@ -17,6 +17,8 @@ class BlockTable:
       [max_num_reqs] int32 with 0 <= num_blocks_per_row[r] <= max_num_blocks_per_req.
     - Entries at or past `num_blocks_per_row[r]` in row r are 0 and are never read.
     - No entry is negative (block ids index the paged cache; 0 is the null block).
+    - Once `track_changes` is called, every entry written since the last `take_changes` lies in
+      a recorded span, so a copy updated by those entries alone stays equal to the table.
     """
 
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int) -> None:
@@ -30,6 +32,9 @@ class BlockTable:
         # [max_num_reqs, max_num_blocks_per_req]
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
+        # (row, start, end): columns [start, end) of the row written since the last
+        # take_changes; None: nobody mirrors the table (worker/step_buffers.py does on CUDA)
+        self.changed_spans: list[tuple[int, int, int]] | None = None
 
     @property
     def max_num_reqs(self) -> int:
@@ -59,6 +64,7 @@ class BlockTable:
             )
         self.block_table[row_idx, start:end] = block_ids
         self.num_blocks_per_row[row_idx] = end
+        self._record(row_idx, start, end)
 
     def add_row(self, block_ids: list[int], row_idx: int) -> None:
         """Replace row `row_idx` with exactly `block_ids`."""
@@ -66,6 +72,7 @@ class BlockTable:
         self.append_row(block_ids, row_idx)
 
     def clear_row(self, row_idx: int) -> None:
+        self._record(row_idx, 0, int(self.num_blocks_per_row[row_idx]))
         self.block_table[row_idx, : self.num_blocks_per_row[row_idx]] = 0
         self.num_blocks_per_row[row_idx] = 0
 
@@ -77,7 +84,36 @@ class BlockTable:
         self.clear_row(tgt)
         self.block_table[tgt, :num_blocks] = self.block_table[src, :num_blocks]
         self.num_blocks_per_row[tgt] = num_blocks
+        self._record(tgt, 0, num_blocks)
         self.clear_row(src)
+
+    def track_changes(self) -> None:
+        """Record every entry written from now on, and every block the rows hold already: a
+        copy that starts as zeros catches up with the first `take_changes`."""
+        self.changed_spans = [
+            (row, 0, int(num_blocks))
+            for row, num_blocks in enumerate(self.num_blocks_per_row.tolist())
+            if num_blocks
+        ]
+
+    def take_changes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, columns) [N] int64 of the entries written since the last call, each once,
+        and a fresh record. The entries' values are the table's now."""
+        if self.changed_spans is None:
+            raise ValueError("take_changes on a block table whose changes are not tracked")
+        spans, self.changed_spans = self.changed_spans, []
+        if not spans:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        width = self.max_num_blocks_per_req
+        flat = np.concatenate(
+            [np.arange(row * width + start, row * width + end) for row, start, end in spans]
+        )
+        rows, columns = np.divmod(np.unique(flat), width)
+        return rows, columns
+
+    def _record(self, row_idx: int, start: int, end: int) -> None:
+        if self.changed_spans is not None and end > start:
+            self.changed_spans.append((row_idx, start, end))
 
     def row(self, row_idx: int) -> np.ndarray:
         """The block ids row `row_idx` holds (a view)."""

@@ -103,12 +103,14 @@ class CapacitySplit:
     weights_bytes: int
     activations_bytes: int  # peak of the profiling step above the weights
     kv_budget_bytes: int  # what is left for the KV cache
+    graph_bytes: int = 0  # held by the decode steps' CUDA graphs (worker/graph_runner.py)
 
     def describe(self) -> str:
         return (
             f"share {_gib(self.share_bytes)}: others {_gib(self.other_bytes)}, "
             f"weights {_gib(self.weights_bytes)}, activations peak "
-            f"{_gib(self.activations_bytes)}, KV cache {_gib(self.kv_budget_bytes)}"
+            f"{_gib(self.activations_bytes)}, CUDA graphs {_gib(self.graph_bytes)}, "
+            f"KV cache {_gib(self.kv_budget_bytes)}"
         )
 
 
@@ -122,17 +124,26 @@ def capacity_split(
     peak_bytes: int,
     profile_kv_bytes: int,
     utilization: float,
+    graph_bytes: int = 0,
 ) -> CapacitySplit:
-    """The KV budget: total x utilization - peak of a step - what others held at start.
+    """The KV budget: total x utilization - peak of a step - the graphs - what others held at
+    start.
 
     `peak_bytes` was measured with the profiling step's small KV cache in place; the real cache
-    replaces it, so it is taken off the peak.
+    replaces it, so it is taken off the peak. The graphs hold their memory beside any step's.
     """
     share_bytes = int(start.total_bytes * utilization)
     activations_bytes = max(0, peak_bytes - weights_bytes - profile_kv_bytes)
-    kv_budget_bytes = share_bytes - start.other_bytes - weights_bytes - activations_bytes
+    kv_budget_bytes = (
+        share_bytes - start.other_bytes - weights_bytes - activations_bytes - graph_bytes
+    )
     return CapacitySplit(
-        share_bytes, start.other_bytes, weights_bytes, activations_bytes, kv_budget_bytes
+        share_bytes,
+        start.other_bytes,
+        weights_bytes,
+        activations_bytes,
+        kv_budget_bytes,
+        graph_bytes,
     )
 
 
@@ -141,15 +152,24 @@ def profile_capacity(
     start: MemoryAtStart,
     run_profile_step: Callable[[], int],
     utilization: float,
+    capture_graphs: Callable[[], int] | None = None,
 ) -> CapacitySplit:
     """Run one profiling step (it returns the bytes of its own KV cache) with the peak reset
-    before it; the weights are what this process held just before."""
+    before it; the weights are what this process held just before. Then `capture_graphs`, when
+    given, captures the decode graphs once, to be counted before the KV cache is sized: it
+    returns the device bytes they held, and releases them."""
     weights_bytes = memory.memory_allocated()
     memory.reset_peak_memory_stats()
     profile_kv_bytes = run_profile_step()
     peak_bytes = memory.max_memory_allocated()
     memory.empty_cache()  # the profiling step's cache and activations go back to the device
-    return capacity_split(start, weights_bytes, peak_bytes, profile_kv_bytes, utilization)
+    graph_bytes = 0
+    if capture_graphs is not None:
+        graph_bytes = capture_graphs()
+        memory.empty_cache()
+    return capacity_split(
+        start, weights_bytes, peak_bytes, profile_kv_bytes, utilization, graph_bytes
+    )
 
 
 def num_blocks_in_budget(

@@ -3,6 +3,8 @@
 Order of one step: forget finished requests, park preempted ones (tokens and params kept), add new
 ones, update cached ones (append tokens; append block ids, or replace them for resumed requests),
 build the flattened batch and slot mappings, run the model over the paged cache, sample.
+A checkpoint on Triton's CUDA kernels prepares its steps into step buffers instead of a PagedKV,
+and replays its decode steps as CUDA graphs (worker/step_buffers.py, worker/graph_runner.py).
 """
 
 import logging
@@ -26,9 +28,10 @@ from protocol.worker_messages import (
 )
 from worker.attention import PagedKV, StepLayout
 from worker.cascade import plan_cascade
-from worker.cross_attention import EncoderDecoderKV, encoder_decoder_kv
+from worker.cross_attention import encoder_decoder_kv
 from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
+from worker.graph_runner import GraphRunner, decode_buckets, graph_refusal, uses_step_buffers
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches
 from worker.kv_tiers import KVTiers, build_kv_tiers
@@ -38,6 +41,7 @@ from worker.models.registry import build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 from worker.sampling.penalties import TokenHistory
+from worker.step_buffers import SampledIdsCopy, StepBuffers, StepLimits, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,16 @@ class StepTimings:
 
 
 @dataclass(frozen=True, slots=True)
+class HostStep:
+    """The step flattened on the host: every scheduled token, and where each request's sit."""
+
+    layout: StepLayout
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    logits_idx: np.ndarray  # [S] int64 token of each sampled request's last query
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledRequests:
     """The step's scheduled requests as columns, in the order of their token counts."""
 
@@ -77,7 +91,9 @@ class ModelRunner:
     max_model_len tokens; there is one block table per KV-cache group, and every block id in them
     is below num_blocks; every layer's cache is [num_blocks, 2, block_size, heads, head_dim], a
     view of the tensor it shares with the layers of its index in the other groups, and its null
-    block is all zeros. With `check_each_step` they are walked after every step.
+    block is all zeros; with step buffers, their device block tables equal the batch's but for
+    the entries written since the last step was staged. With `check_each_step` they are walked
+    after every step.
     """
 
     def __init__(
@@ -93,6 +109,9 @@ class ModelRunner:
         enable_cascade_attention: bool = True,
         eos_token_ids: Sequence[int] = (),  # the model's, held back under min_tokens
         kv_tiers: KVTiers | None = None,  # host and disk slots below the pages; None: no tiers
+        # a step's largest sizes: prepare each step into StepBuffers, for a model that reads
+        # them (a checkpoint on the Triton backend); None: a PagedKV per step
+        step_limits: StepLimits | None = None,
     ) -> None:
         self.model = model
         self.kv_tiers = kv_tiers
@@ -110,6 +129,15 @@ class ModelRunner:
         self.parked: dict[int, ParkedRequest] = {}
         self.encoder_inputs = EncoderInputs(kv_cache_config)  # held by encoder-decoder models only
         self.sampler = Sampler(sampling_seed, eos_token_ids)
+        self.sampled_ids_copy = SampledIdsCopy(device)
+        self.step_buffers = (
+            None
+            if step_limits is None
+            else StepBuffers(
+                self.input_batch.block_table, kv_cache_config, kv_caches, step_limits, device
+            )
+        )
+        self.graph_runner: GraphRunner | None = None  # set by enable_decode_graphs
         self.last_step_id = kv_cache_config.first_step_id - 1  # a later generation starts late
         self.timings = StepTimings()
         # time.perf_counter() when the last step's output is ready: a model standing for a device
@@ -141,32 +169,33 @@ class ModelRunner:
                 scheduler_output.generation,
                 failed_disk_slots=failed_disk_slots,
             )
-        token_ids, positions, logits_idx, kv, sample_reqs, logits_reqs = self._prepare(
-            scheduled, scheduler_output.num_common_prefix_blocks
-        )
+        host, sample_reqs, logits_reqs = self._prepare(scheduled)
         prepared = time.perf_counter()
-        logits = self.model.forward(token_ids, positions, logits_idx, kv)
+        logits, inputs_s = self._forward(
+            host, scheduled.handles, scheduler_output.num_common_prefix_blocks
+        )
         modelled = time.perf_counter()
         self.ready_at_s = getattr(self.model, "ready_at_s", modelled)
         sampled = np.full(len(scheduled.handles), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
         sampled_ids = self.sampler.sample(logits, sample_reqs)
-        sampled[logits_reqs] = sampled_ids.cpu().numpy()
-        if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
-            raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
+        self.sampled_ids_copy.start(sampled_ids)
         num_logprobs = sample_reqs.sampling_columns.num_logprobs
         logprobs = (  # of the raw logits: the sampler left them as the model gave them
             LogprobColumns()
             if num_logprobs is None
             else compute_logprobs(logits, sampled_ids, num_logprobs)
         )
+        sampled[logits_reqs] = self.sampled_ids_copy.wait()
+        if len(sampled) and not (sampled.min() >= 0 and sampled.max() < self.model.vocab_size):
+            raise AssertionError(f"sampled ids {sampled.tolist()} leave the vocabulary")
         # Each sampled token joins its sequence here, as the engine appends it: the engine never
         # sends it back, and with asynchronous scheduling the next step computes on it before
         # the engine has seen it.
         self.input_batch.append_sampled(scheduled.rows[logits_reqs], sampled[logits_reqs])
         done = time.perf_counter()
         self.timings = StepTimings(
-            prepare_s=prepared - start + kv.build_s,
-            model_s=modelled - prepared - kv.build_s,
+            prepare_s=prepared - start + inputs_s,
+            model_s=modelled - prepared - inputs_s,
             sample_s=done - modelled,
         )
         return ModelRunnerOutput(
@@ -294,17 +323,9 @@ class ModelRunner:
             batch.block_table.append_row(block_ids, row)
         return row
 
-    def _prepare(
-        self, scheduled: ScheduledRequests, num_common_prefix_blocks: list[int]
-    ) -> tuple[
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        PagedKV | EncoderDecoderKV,
-        SampleBatch,
-        np.ndarray,
-    ]:
-        """Flatten the step: token ids, positions, the sampled tokens, and the paged-cache view."""
+    def _prepare(self, scheduled: ScheduledRequests) -> tuple[HostStep, SampleBatch, np.ndarray]:
+        """Flatten the step on the host: token ids, positions, the sampled requests (and what the
+        sampler needs of them), and the indices of those among the scheduled ones."""
         batch = self.input_batch
         rows, first = scheduled.rows, scheduled.num_computed_tokens
         counts, handles = scheduled.num_scheduled_tokens, scheduled.handles
@@ -323,7 +344,18 @@ class ModelRunner:
         logits_idx = offsets[logits_reqs] + counts[logits_reqs] - 1
         num_prompt_tokens = batch.num_prompt_tokens[rows].astype(np.int64)
         layout = StepLayout(rows, first, counts, offsets, logits_reqs, num_prompt_tokens)
-        config, tables = self.kv_cache_config, batch.block_table
+        host = HostStep(layout, token_ids.astype(np.int64), positions, logits_idx)
+        sample_reqs = self._sample_requests(handles, rows[logits_reqs], known, logits_reqs)
+        return host, sample_reqs, logits_reqs
+
+    def _forward(
+        self, host: HostStep, handles: list[int], num_common_prefix_blocks: list[int]
+    ) -> tuple[torch.Tensor, float]:
+        """The step's logits [S, V], and the seconds of it spent preparing the model's inputs."""
+        if self.step_buffers is not None:
+            return self._forward_from_buffers(host, self.step_buffers)
+        start = time.perf_counter()
+        config, tables, layout = self.kv_cache_config, self.input_batch.block_table, host.layout
         cascade_tokens = plan_cascade(
             num_common_prefix_blocks, config, tables, layout, self.enable_cascade_attention
         )
@@ -333,16 +365,45 @@ class ModelRunner:
         kv = PagedKV(self.kv_caches, config, tables, layout, self.device, cascade_tokens)
         if self.encoder_inputs.is_required:  # its decoder also reads each request's encoder
             kv = encoder_decoder_kv(kv, self.encoder_inputs, handles)
-        sample_reqs = self._sample_requests(handles, rows[logits_reqs], known, logits_reqs)
         device = self.device
-        return (
-            torch.from_numpy(token_ids.astype(np.int64)).to(device),
-            torch.from_numpy(positions).to(device),
-            torch.from_numpy(logits_idx).to(device),
-            kv,
-            sample_reqs,
-            logits_reqs,
+        token_ids = torch.from_numpy(host.token_ids).to(device)
+        positions = torch.from_numpy(host.positions).to(device)
+        logits_idx = torch.from_numpy(host.logits_idx).to(device)
+        prepared = time.perf_counter()
+        logits = self.model.forward(token_ids, positions, logits_idx, kv)
+        return logits, prepared - start + kv.build_s
+
+    def _forward_from_buffers(
+        self, host: HostStep, buffers: StepBuffers
+    ) -> tuple[torch.Tensor, float]:
+        """The step staged in the step buffers, then its graph replayed where one fits (its
+        padded rows' logits dropped) or the forward run over the buffers eagerly."""
+        start = time.perf_counter()
+        graphs, num_reqs = self.graph_runner, len(host.layout.rows)
+        bucket = None if graphs is None else graphs.bucket_of(host.layout)
+        num_padded = 0 if bucket is None else bucket - num_reqs
+        shape = buffers.stage(host.layout, host.token_ids, host.positions, num_padded)
+        staged = time.perf_counter()
+        if graphs is None or bucket is None:
+            return self._forward_staged(shape), staged - start
+        return graphs.run(shape)[:num_reqs], staged - start
+
+    def _forward_staged(self, shape: StepShape) -> torch.Tensor:
+        """Logits of the step staged in the buffers with `shape`: what a decode graph captures."""
+        assert self.step_buffers is not None
+        step = self.step_buffers.device_step(shape)
+        return self.model.forward(step.token_ids, step.positions, step.logits_idx, step)
+
+    def enable_decode_graphs(self, buckets: list[int]) -> None:
+        """Run decode-only steps as `buckets` (padded), through graphs captured now on CUDA; on
+        the CPU the padded steps run eagerly (tests of the padding)."""
+        if self.step_buffers is None:
+            raise ValueError("decode graphs replay steps of the step buffers: the runner has none")
+        self.graph_runner = GraphRunner(
+            self.step_buffers, self._forward_staged, buckets, self.device
         )
+        if self.device.type == "cuda":
+            self.graph_runner.capture()
 
     def _sample_requests(
         self, handles: list[int], rows: np.ndarray, known: np.ndarray, logits_reqs: np.ndarray
@@ -389,6 +450,8 @@ class ModelRunner:
         check_kv_caches(self.kv_cache_config, self.kv_caches)
         if self.kv_tiers is not None:
             self.kv_tiers.check_invariants()
+        if self.step_buffers is not None:
+            self.step_buffers.check_invariants()
 
 
 def build_model_runner(
@@ -414,7 +477,8 @@ def build_model_runner(
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)
     info = get_model_info(config.model, config.block_size, kv_dtype, tp_group.tp_size)
-    return ModelRunner(
+    limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs)
+    runner = ModelRunner(
         model,
         kv_cache_config,
         kv_caches,
@@ -427,4 +491,11 @@ def build_model_runner(
         enable_cascade_attention=not is_checkpoint(config.model),
         eos_token_ids=info.eos_token_ids,
         kv_tiers=kv_tiers,
+        step_limits=limits if uses_step_buffers(config, device) else None,
     )
+    refusal = graph_refusal(config, device, tp_group)
+    if refusal is None:  # capture happens now, before the first step; its memory was counted
+        runner.enable_decode_graphs(decode_buckets(limits.max_decode_batch))
+    elif device.type == "cuda":
+        logger.info("decode steps run eagerly: %s", refusal)
+    return runner

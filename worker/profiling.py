@@ -1,8 +1,9 @@
 """The profiling step: before the real KV cache exists, the model runs one step of
 max_num_batched_tokens dummy tokens over a small throwaway cache, so the peak memory of the
-largest step the engine may schedule can be measured. No sockets; every rank of a group runs it.
-A checkpoint on the CPU needs no profiling step: its KV budget is a share of the host's
-available memory once the weights are loaded (`cpu_kv_budget_bytes`).
+largest step the engine may schedule can be measured; then the decode graphs, where a rank has
+them, are captured once on a throwaway runner, so that their memory is counted too. No sockets;
+every rank of a group runs it. A checkpoint on the CPU needs no profiling step: its KV budget is
+a share of the host's available memory once the weights are loaded (`cpu_kv_budget_bytes`).
 """
 
 import logging
@@ -22,9 +23,12 @@ from protocol.kv_cache_spec import (
 from protocol.sampling import SamplingParams
 from protocol.worker_messages import CachedRequestData, ModelInfo, NewRequestData, SchedulerOutput
 from worker.distributed import TPGroup
+from worker.graph_runner import decode_buckets, graph_refusal, uses_step_buffers
 from worker.kv_cache import (
     GIB,
+    MIN_NUM_BLOCKS,
     CudaMemory,
+    DeviceMemory,
     MemoryAtStart,
     allocate_kv_caches,
     num_blocks_in_budget,
@@ -33,6 +37,7 @@ from worker.kv_cache import (
 from worker.model_runner import ModelRunner
 from worker.models.hf.decoder import HFDecoder
 from worker.models.model import Model
+from worker.step_buffers import StepLimits
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +107,53 @@ def run_profile_step(
     tp_size: int,
     device: torch.device,
     max_num_batched_tokens: int,
+    step_limits: StepLimits | None = None,  # the runner's, when it prepares into step buffers
 ) -> int:
     """Run the step on a throwaway runner; the bytes of its KV cache (freed on return)."""
     step, num_blocks = profile_step_output(model_info, max_num_batched_tokens)
     kv_cache_config = KVCacheConfig(num_blocks, model_info.kv_cache_groups)
     kv_caches = allocate_kv_caches(kv_cache_config, tp_size, device)
-    runner = ModelRunner(model, kv_cache_config, kv_caches, rank, model_info.max_model_len, device)
+    if step_limits is not None:  # the dummy requests may outnumber the engine's max_num_seqs
+        num_reqs = max(step_limits.max_num_reqs, len(step.scheduled_new_reqs))
+        step_limits = StepLimits(step_limits.max_num_tokens, num_reqs)
+    runner = ModelRunner(
+        model,
+        kv_cache_config,
+        kv_caches,
+        rank,
+        model_info.max_model_len,
+        device,
+        step_limits=step_limits,
+    )
     runner.execute_model(step)
     return num_blocks * bytes_per_block(model_info.kv_cache_groups, tp_size)
+
+
+def capture_graph_bytes(
+    model: Model,
+    model_info: ModelInfo,
+    config: WorkerConfig,
+    device: torch.device,
+    memory: DeviceMemory,
+) -> int:
+    """Capture the decode graphs on a throwaway runner over a cache of MIN_NUM_BLOCKS blocks,
+    which their dummy steps never touch; the device bytes the graphs held (freed on return)."""
+    kv_cache_config = KVCacheConfig(MIN_NUM_BLOCKS, model_info.kv_cache_groups)
+    kv_caches = allocate_kv_caches(kv_cache_config, config.tp_size, device)
+    limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs)
+    runner = ModelRunner(
+        model,
+        kv_cache_config,
+        kv_caches,
+        config.rank,
+        model_info.max_model_len,
+        device,
+        step_limits=limits,
+    )
+    free_bytes, _ = memory.mem_get_info()
+    runner.enable_decode_graphs(decode_buckets(limits.max_decode_batch))
+    free_after_bytes, _ = memory.mem_get_info()
+    return max(0, free_bytes - free_after_bytes)
 
 
 def measure_num_blocks(
@@ -149,13 +193,25 @@ def measure_num_blocks(
         )
     # ranks that share a device share its utilization too
     utilization = config.gpu_memory_utilization / group.num_ranks_on_device
+    memory = CudaMemory(device)
+    limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs)
+    has_graphs = graph_refusal(config, device, group) is None
     split = profile_capacity(
-        CudaMemory(device),
+        memory,
         start,
         lambda: run_profile_step(
-            model, model_info, config.rank, config.tp_size, device, config.max_num_batched_tokens
+            model,
+            model_info,
+            config.rank,
+            config.tp_size,
+            device,
+            config.max_num_batched_tokens,
+            limits if uses_step_buffers(config, device) else None,
         ),
         utilization,
+        (lambda: capture_graph_bytes(model, model_info, config, device, memory))
+        if has_graphs
+        else None,
     )
     logger.info(
         "memory of %s for %d ranks on it, profiled at %d tokens: %s",

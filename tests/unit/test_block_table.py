@@ -24,12 +24,16 @@ def naive_slot_mapping(
 
 
 class BlockTableMachine(RuleBasedStateMachine):
-    """Random row operations applied to a BlockTable and to a plain list-of-lists reference."""
+    """Random row operations applied to a BlockTable and to a plain list-of-lists reference, and
+    a mirror of the table (as the device's copy in worker/step_buffers.py) that learns only the
+    entries `take_changes` names."""
 
     def __init__(self) -> None:
         super().__init__()
         self.table = BlockTable(MAX_ROWS, MAX_BLOCKS, BLOCK_SIZE)
         self.rows: list[list[int]] = [[] for _ in range(MAX_ROWS)]
+        self.table.track_changes()
+        self.mirror = np.zeros((MAX_ROWS, MAX_BLOCKS), dtype=np.int32)
 
     ids = st.lists(st.integers(1, 50), max_size=MAX_BLOCKS)
     row_idx = st.integers(0, MAX_ROWS - 1)
@@ -79,6 +83,14 @@ class BlockTableMachine(RuleBasedStateMachine):
         got = self.table.compute_slot_mapping(np.array(req_indices), np.array(positions))
         assert got.tolist() == naive_slot_mapping(self.rows, req_indices, positions)
 
+    @rule()
+    def mirror_takes_the_changes(self) -> None:
+        rows, columns = self.table.take_changes()
+        entries = list(zip(rows.tolist(), columns.tolist(), strict=True))
+        assert len(set(entries)) == len(entries), f"an entry named twice in {entries}"
+        self.mirror[rows, columns] = self.table.block_table[rows, columns]
+        assert np.array_equal(self.mirror, self.table.block_table)
+
     @invariant()
     def rows_match_reference(self) -> None:
         self.table.check_invariants()
@@ -95,6 +107,23 @@ def test_slot_mapping_rejects_a_position_past_the_row() -> None:
     assert table.compute_slot_mapping(np.array([0, 0]), np.array([0, 7])).tolist() == [28, 15]
     with pytest.raises(ValueError, match="needs block 2, but the row holds 2 blocks"):
         table.compute_slot_mapping(np.array([0]), np.array([8]))
+
+
+def _changed_entries(table: BlockTable) -> list[tuple[int, int]]:
+    rows, columns = table.take_changes()
+    return list(zip(rows.tolist(), columns.tolist(), strict=True))
+
+
+def test_tracking_started_late_names_the_blocks_rows_already_hold() -> None:
+    table = BlockTable(3, 4, BLOCK_SIZE)
+    table.add_row([7, 3], 1)
+    with pytest.raises(ValueError, match="not tracked"):
+        table.take_changes()
+    table.track_changes()
+    assert _changed_entries(table) == [(1, 0), (1, 1)]
+    table.move_row(1, 0)  # row 0 gets [7, 3]; row 1 is cleared
+    assert _changed_entries(table) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert _changed_entries(table) == []
 
 
 def test_grow_keeps_rows() -> None:

@@ -6,6 +6,7 @@ import logging
 import pytest
 
 from deploy.cli import core_parser, engine_config_from, worker_config_from, worker_parser
+from deploy.commands import LAUNCH_WORKER_FLAGS
 from deploy.flags import UsageError
 from deploy.launch import worker_configs
 from deploy.logs import setup_logging
@@ -120,6 +121,14 @@ def test_worker_reads_torchrun_environment_and_flags_win() -> None:
         29611,
     )
     assert worker_config("--rank", "3", environ=environ).rank == 3
+
+
+def test_enforce_eager_turns_graphs_off_on_a_worker_and_through_launch() -> None:
+    assert worker_config("--enforce-eager").enforce_eager
+    assert (
+        not worker_config().enforce_eager and not worker_config("--no-enforce-eager").enforce_eager
+    )
+    assert "--enforce-eager" in [name for flag in LAUNCH_WORKER_FLAGS for name in flag.names]
 
 
 def test_bad_torchrun_environment_is_a_usage_error() -> None:

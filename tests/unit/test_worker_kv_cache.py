@@ -196,6 +196,27 @@ def test_profiling_resets_the_peak_after_the_weights_and_reads_it_after_the_step
     assert split.kv_budget_bytes == (500 - 100 - 200 - 40) * MIB
 
 
+def test_graphs_captured_after_the_step_come_off_the_budget_and_not_the_activations() -> None:
+    memory = FakeMemory(total=1000 * MIB, others=100 * MIB)
+    start = memory_at_start(memory)
+    memory.allocate(200 * MIB)  # the weights
+
+    def step() -> int:
+        memory.allocate(50 * MIB)
+        memory.allocated -= 50 * MIB
+        return 10 * MIB
+
+    def capture_graphs() -> int:
+        memory.calls.append("capture")
+        return 30 * MIB  # what the graphs held, measured by the capture itself
+
+    split = profile_capacity(memory, start, step, 0.5, capture_graphs)
+    assert memory.calls == ["reset", "peak", "empty", "capture", "empty"]
+    assert (split.activations_bytes, split.graph_bytes) == (40 * MIB, 30 * MIB)
+    assert split.kv_budget_bytes == (500 - 100 - 200 - 40 - 30) * MIB
+    assert "CUDA graphs 0.029 GiB" in split.describe()
+
+
 def test_a_device_full_at_start_leaves_a_negative_budget_that_holds_no_blocks() -> None:
     start = MemoryAtStart(total_bytes=1000 * MIB, other_bytes=800 * MIB)
     split = capacity_split(start, 100 * MIB, 150 * MIB, 0, utilization=0.9)

@@ -5,7 +5,8 @@ Backends (`--attention-backend`):
 - `reference`: one gathered row per context token, then SDPA (reference.py). Every other path is
   checked against it.
 - `blocks`: whole blocks gathered, then SDPA under a mask (block_gather.py); the default.
-- `triton`: paged kernels that read the block table in place (CUDA only; triton_backend.py).
+- `triton`: paged kernels that read the block table in place (CUDA only; triton_backend.py). It
+  also takes a DeviceStep, the step buffers' inputs computed on the device (worker/step_buffers.py).
 
 A backend never changes what a query may read: that is `worker/attention.read_bounds`, per spec.
 """

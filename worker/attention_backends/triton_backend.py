@@ -1,11 +1,11 @@
 """TritonBackend: one step's K/V writes and attention through the Triton kernels, in place of
 PagedKV's gather and torch's SDPA (worker/attention_backends/reference.py), with the same results.
 
-It owns the kernels' metadata of one step, built once per KV-cache group and reused by all of the
-group's layers. Importing it imports triton: only a CUDA worker may import it, never the CPU path.
+It owns the kernels' metadata of one step: built from a PagedKV once per KV-cache group and reused
+by all of the group's layers, or read as the step buffers computed it on the device (a DeviceStep,
+worker/step_buffers.py: what a CUDA graph replays). Importing it imports triton: only a CUDA
+worker may import it, never the CPU path.
 """
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,19 +13,7 @@ import torch
 from protocol.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from worker.attention import PagedKV
 from worker.attention_backends.triton_kernels import paged_attention, store_kv
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionInputs:
-    """What `paged_attention` reads besides q and the cache, for one group's queries of a step:
-    every scheduled token's, or (logits only) each sampled request's last one."""
-
-    block_table: torch.Tensor  # [R, max_blocks] int32 block ids of each request's context
-    seq_lens: torch.Tensor  # [R] int32 context length of each request, its queries included
-    query_start_loc: torch.Tensor  # [R + 1] int32 request r owns queries [start[r], start[r + 1])
-    max_query_len: int
-    max_seq_len: int
-    token_idx: torch.Tensor | None  # [R] step token of each query when logits only; None: all
+from worker.step_buffers import AttentionInputs, DeviceStep
 
 
 class TritonBackend:
@@ -33,19 +21,26 @@ class TritonBackend:
 
     Like the gather path, it reads each context whole: no cascade attention.
 
-    Invariant: a group's metadata, once built, is never rebuilt or changed within the step, and
-    its slot mapping is PagedKV's own (`kv.write_indices`), so both write the same slots.
+    Invariant: a group's metadata, once built, is never rebuilt or changed within the step; its
+    slot mapping is PagedKV's own (`kv.write_indices`), so both write the same slots, or the
+    DeviceStep's, which the step buffers computed from the same block tables.
     """
 
-    def __init__(self, kv: PagedKV) -> None:
+    def __init__(self, kv: PagedKV | DeviceStep) -> None:
         self.kv = kv
         self._slot_mappings: dict[int, torch.Tensor] = {}  # group -> [T] int64 slot of each token
         self._inputs: dict[tuple[int, bool], AttentionInputs] = {}  # by (group, logits_only)
+        if isinstance(kv, DeviceStep):  # computed before the forward: nothing is built here
+            for group_idx, slot_mapping in enumerate(kv.slot_mappings):
+                self._slot_mappings[group_idx] = slot_mapping
+                self._inputs[(group_idx, False)] = kv.attention[group_idx]
+                self._inputs[(group_idx, True)] = kv.logits_attention[group_idx]
 
     def write(self, layer_name: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V [T, num_kv_heads_per_rank, head_dim] of every scheduled token."""
         group_idx = self._group(layer_name)
         if group_idx not in self._slot_mappings:
+            assert isinstance(self.kv, PagedKV)  # a DeviceStep brought every group's
             block_idx, offsets = self.kv.write_indices[group_idx]
             block_size = self.kv.tables[group_idx].block_size
             self._slot_mappings[group_idx] = block_idx * block_size + offsets  # [T]
@@ -113,6 +108,7 @@ class TritonBackend:
     def _build_inputs(self, group_idx: int, logits_only: bool) -> AttentionInputs:
         """Per request: its block table row, its context length after the step, and its queries
         (all of its scheduled tokens, or, logits only, the last one of each sampled request)."""
+        assert isinstance(self.kv, PagedKV)  # a DeviceStep brought every group's inputs
         layout, table, device = self.kv.layout, self.kv.tables[group_idx], self.kv.device
         seq_lens = layout.first_positions + layout.num_queries
         expected_offsets = np.cumsum(layout.num_queries) - layout.num_queries

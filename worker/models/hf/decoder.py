@@ -22,6 +22,7 @@ from worker.models.hf.layer_ops import LayerOps, layer_ops_for
 from worker.models.hf.linear import linear
 from worker.models.hf.rope import Rotary
 from worker.models.hf.weights import LayerWeights, RankShard, load_rank_weights
+from worker.step_buffers import DeviceStep
 
 # On the CPU a half-precision partial sum is all-reduced in float32: the shared-memory
 # all-reduce takes float32, and the rounding then happens once, after the sum.
@@ -92,7 +93,7 @@ class HFDecoder:
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_idx: torch.Tensor,
-        kv: KVContext,
+        kv: KVContext | DeviceStep,
     ) -> torch.Tensor:
         """Logits [S, V] (float32) of the tokens `logits_idx`, after writing every token's K/V.
 
@@ -103,7 +104,9 @@ class HFDecoder:
         weights, eps = self.weights, self.config.rms_norm_eps
         # a dense store (the non-paged reference model's) has no blocks: the reference reads it
         attention = (
-            self.attention_backend(kv) if isinstance(kv, PagedKV) else ReferenceAttention(kv)
+            self.attention_backend(kv)  # a DeviceStep only reaches the Triton backend
+            if isinstance(kv, (PagedKV, DeviceStep))
+            else ReferenceAttention(kv)
         )
         ops, layers = self.layer_ops, weights.layers
         # The residual stream: each sublayer's output is added to it as the next norm reads it,
