@@ -24,7 +24,7 @@ from worker.models.hf.checkpoint import check_checkpoint
 from worker.models.hf.config import RopeConfig
 from worker.models.hf.decoder import HFDecoder
 from worker.models.hf.fused_kernels import FusedLayerOps, norm_and_rotate_, silu_and_mul
-from worker.models.hf.layer_ops import TorchLayerOps, layer_ops_for
+from worker.models.hf.layer_ops import TorchLayerOps, check_fused_ops, layer_ops_for
 from worker.models.hf.rope import Rotary
 from worker.models.registry import get_model_info
 
@@ -126,9 +126,23 @@ def test_kernels_refuse_shapes_they_do_not_read() -> None:
         norm_and_rotate_(q, k, None, None, EPS, angles, angles)
 
 
-def test_a_cuda_decoder_takes_the_kernels_and_a_cpu_one_the_torch_ops() -> None:
-    """Choosing needs no device: the kernels' module imports, and compiles nothing, until a call."""
-    assert isinstance(layer_ops_for(torch.device("cuda")), FusedLayerOps)
+def test_kernels_are_taken_only_once_they_agree_with_torch_on_the_device() -> None:
+    """Guards CUDA decoders against kernels never run on their card: a CUDA decoder checks the
+    kernels at start-up, and one that raises (cannot compile there) or disagrees is refused
+    with its reason, so the decoder runs torch's ops instead of failing."""
+
+    class Raising(FusedLayerOps):
+        def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("no kernel for this card")
+
+    class Wrong(FusedLayerOps):
+        def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            return super().rms_norm(x, weight, eps) + 1
+
+    assert check_fused_ops(FUSED, DEVICE) is None
+    raised = check_fused_ops(Raising(), DEVICE)
+    assert raised == "silu_and_mul raised RuntimeError: no kernel for this card"
+    assert "rms_norm differs from torch's ops by 1" in str(check_fused_ops(Wrong(), DEVICE))
     assert isinstance(layer_ops_for(CPU), TorchLayerOps)
 
 

@@ -2,15 +2,21 @@
 add), SiLU-and-multiply, and the per-head q/k norm with rotary. TorchLayerOps is the CPU path and
 the reference; on CUDA the decoder runs FusedLayerOps (fused_kernels.py), one kernel per step.
 
-This module never imports triton: `layer_ops_for` imports the kernels only for a CUDA device.
+This module never imports triton: `layer_ops_for` imports the kernels only for a CUDA device,
+and takes them only once they have agreed with torch's ops there (`check_fused_ops`).
 """
 
+import logging
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from worker.models.hf.rope import rotate
+
+logger = logging.getLogger(__name__)
+
+FUSED_CHECK_TOLERANCE = 1e-4  # float32, small inputs: the kernels differ by a sum's order only
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,9 +89,48 @@ class TorchLayerOps:
 
 
 def layer_ops_for(device: torch.device) -> LayerOps:
-    """The fused kernels on a CUDA device; torch's ops everywhere else."""
-    if device.type == "cuda":
-        from worker.models.hf.fused_kernels import FusedLayerOps
+    """The fused kernels on a CUDA device where they agree with torch's ops; torch's ops
+    everywhere else."""
+    if device.type != "cuda":
+        return TorchLayerOps()
+    from worker.models.hf.fused_kernels import FusedLayerOps
 
-        return FusedLayerOps()
+    fused = FusedLayerOps()
+    problem = check_fused_ops(fused, device)
+    if problem is None:
+        return fused
+    logger.warning("fused layer kernels off on %s (%s): torch's ops run instead", device, problem)
     return TorchLayerOps()
+
+
+def check_fused_ops(ops: LayerOps, device: torch.device) -> str | None:
+    """What makes `ops` unusable on `device`, or None: each step run once on small float32
+    inputs and compared with TorchLayerOps. A kernel that cannot compile for this device (a new
+    card, an old Triton) is a reason too, so that the decoder falls back instead of failing."""
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device)
+
+    x, residual, weight = rand(3, 64), rand(3, 64), rand(64)
+    q, k, cos, sin = rand(3, 4, 16), rand(3, 2, 16), rand(3, 16), rand(3, 16)
+    q_norm, k_norm, gate_up = rand(16), rand(16), rand(3, 128)
+    reference = TorchLayerOps()
+    cases = {
+        "rms_norm": lambda o: (o.rms_norm(x, weight, 1e-6),),
+        "add_rms_norm": lambda o: o.add_rms_norm(x, residual.clone(), weight, 1e-6),
+        "silu_and_mul": lambda o: (o.silu_and_mul(gate_up),),
+        "norm_and_rotate": lambda o: o.norm_and_rotate(
+            q.clone(), k.clone(), q_norm, k_norm, 1e-6, cos, sin
+        ),
+    }
+    for name, run in cases.items():
+        try:
+            got = run(ops)
+        except Exception as exc:  # a kernel's compile or launch failure: fall back, said
+            return f"{name} raised {type(exc).__name__}: {exc}"
+        for ours, theirs in zip(got, run(reference), strict=True):
+            error = float((ours - theirs).abs().max())
+            if not error <= FUSED_CHECK_TOLERANCE:
+                return f"{name} differs from torch's ops by {error:.3g}"
+    return None
