@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new_response_id
 from api_server.errors import ApiError
+from api_server.ignored_fields import IgnoredFields
 from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
 from api_server.kv_scorer import KVScoreWeights
 from api_server.metrics import ApiMetrics, MetricsMiddleware
@@ -87,6 +88,7 @@ class ApiState:
         self.served_names = settings.served_model_names or (settings.model,)
         self.tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.created = int(time.time())
+        self.ignored_fields = IgnoredFields()  # unknown body fields, each logged once
         self.serving: Serving | None = None
         self.metrics: ApiMetrics | None = None
 
@@ -134,7 +136,7 @@ async def _parse(
     """The decoded body and its size in bytes."""
     _check_api_key(request, state)
     body = await _read_body(request, state.settings.max_body_bytes)
-    parsed = parse_body(body, decoder)
+    parsed = parse_body(body, decoder, state.ignored_fields)
     check_model(parsed.model, state.served_names)
     return parsed, len(body)
 

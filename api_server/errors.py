@@ -18,8 +18,7 @@ ERROR_TYPES = {  # HTTP status -> OpenAI's error type
     504: "timeout_error",
 }
 MAX_VALUE_REPR_CHARS = 80  # of a bad value quoted in an error message
-# msgspec's wording of an unknown or a missing field (its other faults end "- at `$.path`")
-UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`")
+# msgspec's wording of a missing field (its other faults end "- at `$.path`")
 MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
 
 
@@ -87,11 +86,9 @@ def decode_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiError
     path = _param_path(path.removesuffix("`"))
     if reason.startswith("Expected `object`") and not path:
         return ApiError(400, "the body is not a JSON object: expected an object of parameters")
-    field = UNKNOWN_FIELD.match(reason) or MISSING_FIELD.match(reason)
+    field = MISSING_FIELD.match(reason)
     if field is not None:
         param = f"{path}.{field[1]}" if path else field[1]
-        if reason.startswith("Object contains"):
-            return ApiError(400, f"unknown parameter {param!r}: not part of this API", param=param)
         return ApiError(400, f"{param}: required parameter is missing", param=param)
     param = path or None
     reason = _lowercase_first(reason)

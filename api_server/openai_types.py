@@ -1,13 +1,15 @@
-"""The request bodies of the OpenAI endpoints as strict msgspec Structs: unknown fields and wrong
-types are refused when the body is decoded, and parameters kvserve cannot honour are refused
-unless neutral. Bounds of the sampling parameters are SamplingParams' own (engine_requests.py).
+"""The request bodies of the OpenAI endpoints as msgspec Structs: wrong types are refused when
+the body is decoded, unknown fields are ignored (IgnoredFields logs them), and a known parameter
+kvserve cannot honour is refused unless its value asks for the default. Bounds of the sampling
+parameters are SamplingParams' own (engine_requests.py).
 """
 
 from typing import Annotated, Literal
 
 import msgspec
 
-from api_server.errors import ApiError, bad_param, decode_error
+from api_server.errors import ApiError, bad_param, decode_error, quoted
+from api_server.ignored_fields import IgnoredFields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; a chat's is what fits max_model_len
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -17,16 +19,24 @@ MAX_STOP_STRING_CHARS = 1024
 JsonValue = str | int | float | bool | None | list | dict
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+class _Lenient(msgspec.Struct, omit_defaults=True):
+    """Unknown fields are dropped on decode, as vLLM drops them."""
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Lenient):
     include_usage: bool = False  # a last chunk with usage and no choices
     continuous_usage_stats: bool = False  # usage on every chunk too (vLLM's extension)
 
 
-class _GenerationRequest(_Strict, kw_only=True):
+class ResponseFormat(_Lenient):
+    type: str  # "text", "json_object" or "json_schema"; only "text" is served
+
+
+def _unsupported(param: str, value: object, expected: str) -> ApiError:
+    return bad_param(param, f"{param}={quoted(value)} is not supported: expected {expected}")
+
+
+class _GenerationRequest(_Lenient, kw_only=True):
     """The parameters completions and chat share."""
 
     model: str | None = None  # None means the one served model
@@ -51,11 +61,20 @@ class _GenerationRequest(_Strict, kw_only=True):
     priority: int = 0  # vLLM's extra parameter: lower runs first under the priority policy
     cache_salt: str | None = None  # vLLM's extra parameter: isolates prefix-cache entries
     user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
+    # Known, and accepted only at the value that asks for the default behaviour
+    best_of: int | None = None  # null or n
+    echo: bool = False  # completions: the prompt before the output; chat: the last message
+    logit_bias: dict[str, float] | None = None  # null or {}
+    response_format: ResponseFormat | None = None  # {"type": "text"}: no structured outputs
+    prompt_logprobs: int | None = None  # vLLM's: null
+    allowed_token_ids: list[int] | None = None  # vLLM's: null
+    bad_words: list[str] | None = None  # vLLM's: null or []
 
     def check_supported(self) -> None:
         """ApiError naming the first parameter kvserve cannot honour at the value given."""
         if self.n != 1:
             raise bad_param("n", f"n={self.n} is not supported: expected 1")
+        self._check_defaults()
         if self.stream_options is not None and not self.stream:
             raise bad_param("stream_options", "only allowed with stream=true")
         stops = self.stop_strings()
@@ -70,6 +89,28 @@ class _GenerationRequest(_Strict, kw_only=True):
                     f"a stop string of {len(stop)} characters: expected 1 to "
                     f"{MAX_STOP_STRING_CHARS}",
                 )
+
+    def _check_defaults(self) -> None:
+        """The parameters kvserve knows but does not implement: each may only ask for the
+        behaviour it would have without the parameter."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise _unsupported("best_of", self.best_of, f"null or n ({self.n})")
+        if self.echo:
+            raise _unsupported("echo", self.echo, "false")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", self.logit_bias, "null or {}")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_param(
+                "response_format",
+                f"type {self.response_format.type!r} is not supported (kvserve has no "
+                "structured outputs yet): expected null or {'type': 'text'}",
+            )
+        if self.prompt_logprobs is not None:
+            raise _unsupported("prompt_logprobs", self.prompt_logprobs, "null")
+        if self.allowed_token_ids is not None:
+            raise _unsupported("allowed_token_ids", self.allowed_token_ids, "null")
+        if self.bad_words:
+            raise _unsupported("bad_words", self.bad_words, "null or []")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -91,14 +132,11 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     # One text, one list of ids, or a batch of either; msgspec allows one array type in a
     # union, so the batch's shape is checked by `prompts`
     prompt: str | list[str | int | list[int]]
-    echo: bool = False
     logprobs: int | None = None  # alternatives per token besides the sampled one
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_param("echo", "echo=true is not supported: expected false")
         if self.suffix:
             raise bad_param("suffix", "suffix is not supported: expected null")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -123,23 +161,23 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
         )
 
 
-class TextPart(_Strict):
+class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(_Lenient):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(_Lenient):
     id: str
     type: Literal["function"]
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Lenient):
     """One message. An assistant message may carry tool_calls instead of content; a tool
     message answers one of them (tool_call_id)."""
 
@@ -204,9 +242,12 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs=true
     tools: list[dict[str, JsonValue]] | None = None  # passed to the chat template as they are
-    tool_choice: str | None = None  # "none" or "auto": kvserve parses no tool calls
+    # "none" or "auto": kvserve parses no tool calls, so it cannot force one
+    tool_choice: str | dict[str, JsonValue] | None = None
+    parallel_tool_calls: bool | None = None  # accepted: no tool calls are parsed either way
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's opening
     chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's: more template variables
+    continue_final_message: bool = False  # vLLM's: false
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -217,9 +258,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_param("max_completion_tokens", "give max_tokens or this, not both")
         if self.tool_choice not in (None, "none", "auto"):
-            raise bad_param(
-                "tool_choice", f"{self.tool_choice!r} is not supported: expected 'none' or 'auto'"
-            )
+            raise _unsupported("tool_choice", self.tool_choice, "'none' or 'auto'")
+        if self.continue_final_message:
+            raise _unsupported("continue_final_message", True, "false")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -234,13 +275,17 @@ CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
 
 def parse_body(
-    body: bytes, decoder: msgspec.json.Decoder
+    body: bytes, decoder: msgspec.json.Decoder, ignored: IgnoredFields | None = None
 ) -> CompletionRequest | ChatCompletionRequest:
-    """The decoded body; a 400 naming the parameter at fault otherwise."""
+    """The decoded body, its unknown fields noted in `ignored`; a 400 naming the parameter at
+    fault otherwise."""
     try:
-        return decoder.decode(body)
+        parsed = decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise decode_error(exc) from None
+    if ignored is not None:
+        ignored.note(body, decoder.type)
+    return parsed
 
 
 def check_model(requested: str | None, served: tuple[str, ...]) -> None:
