@@ -58,6 +58,14 @@ class _SafeNamespace(jinja2.utils.Namespace):
             )
 
 
+def as_system_if_developer(message: dict[str, TemplateValue]) -> dict[str, TemplateValue]:
+    """The message, a `developer` one as `system`: OpenAI renamed the role, templates know the
+    old name."""
+    if message.get("role") != "developer":
+        return message
+    return {**message, "role": "system"}
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -104,6 +112,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
         self.source = source
         self.special_tokens = special_tokens  # {"bos_token": "<s>", ...}: variables it reads
+        # Templates written before OpenAI's developer role drop or refuse a role they do not
+        # know; one that names it decides itself what a developer message becomes
+        self.has_developer_role = "developer" in source
 
     def render(
         self,
@@ -117,6 +128,8 @@ class ChatTemplate:
         # Keys whose value is None are dropped, as transformers drops them: templates test
         # `'tool_calls' in message`, and print a literal None for one that is present
         plain = [{key: value for key, value in m.items() if value is not None} for m in messages]
+        if not self.has_developer_role:
+            plain = [as_system_if_developer(message) for message in plain]
         variables = {**self.special_tokens, **(extra or {})}
         try:
             return self._template.render(

@@ -181,7 +181,8 @@ class ChatMessage(_Lenient):
     """One message. An assistant message may carry tool_calls instead of content; a tool
     message answers one of them (tool_call_id)."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # OpenAI's newer name for system messages; rendered as system unless the template knows it
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant only

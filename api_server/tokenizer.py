@@ -17,7 +17,7 @@ from api_server.build_tokenizer import (
     NUM_BYTE_TOKENS,
     TOKENIZER_DIR,
 )
-from api_server.chat_template import TemplateValue
+from api_server.chat_template import TemplateValue, as_system_if_developer
 from api_server.checkpoint_tokenizer import CheckpointTokenizer, encode_ids
 
 DEFAULT_TOKENIZER_DIR = TOKENIZER_DIR
@@ -132,7 +132,8 @@ class ByteTokenizer:
         """The ids of apply_chat_template's text; the byte format has no tools and no options."""
         if tools:
             raise ValueError("tools: the fake models' chat format has none: expected no tools")
-        turns = [(str(m.get("role")), str(m.get("content", ""))) for m in messages]
+        plain = [as_system_if_developer(message) for message in messages]
+        turns = [(str(m.get("role")), str(m.get("content", ""))) for m in plain]
         text = self.apply_chat_template(turns)
         if not add_generation_prompt:
             text = text.removesuffix(GENERATION_PROMPT)
