@@ -38,6 +38,7 @@ from api_server.openai_types import (
 )
 from api_server.request_router import DEFAULT_ROUTER_POLICY, RouterPolicy
 from api_server.serving import JSON, ResponseShape, Serving
+from api_server.tokenization import DETOKENIZE_DECODER, TOKENIZE_DECODER, detokenize, tokenize
 from api_server.tokenizer import load_tokenizer
 from engine_client.connection import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys
@@ -58,6 +59,8 @@ ROUTES = (
     "/metrics",
     "/router",
     "/version",
+    "/tokenize",
+    "/detokenize",
 )
 
 
@@ -268,6 +271,29 @@ async def router_stats(state: ApiState, request: Request) -> Response:
     return JSONResponse(serving.pool.router_stats(include_keys))
 
 
+async def tokenize_route(state: ApiState, request: Request) -> Response:
+    """vLLM's /tokenize: a prompt's or a chat's ids, with the tokenizer alone (no engine)."""
+    _check_api_key(request, state)
+    body = await _read_body(request, state.settings.max_body_bytes)
+    parsed = parse_body(body, TOKENIZE_DECODER, state.ignored_fields)
+    check_model(parsed.model, state.served_names)
+    max_model_len = state.serving.pool.max_model_len if state.serving is not None else None
+    work = partial(tokenize, parsed, state.tokenizer, max_model_len)
+    response = work() if len(body) < THREAD_TOKENIZE_BODY_BYTES else await asyncio.to_thread(work)
+    return Response(JSON.encode(response), media_type="application/json")
+
+
+async def detokenize_route(state: ApiState, request: Request) -> Response:
+    """vLLM's /detokenize: the text of a list of ids."""
+    _check_api_key(request, state)
+    body = await _read_body(request, state.settings.max_body_bytes)
+    parsed = parse_body(body, DETOKENIZE_DECODER, state.ignored_fields)
+    check_model(parsed.model, state.served_names)
+    work = partial(detokenize, parsed, state.tokenizer)
+    response = work() if len(body) < THREAD_TOKENIZE_BODY_BYTES else await asyncio.to_thread(work)
+    return Response(JSON.encode(response), media_type="application/json")
+
+
 async def version_info(request: Request) -> Response:
     try:
         kvserve_version = version("kvserve")
@@ -339,6 +365,8 @@ def create_app(settings: ApiSettings) -> Starlette:
         Route("/metrics", partial(metrics, state), methods=["GET"]),
         Route("/router", partial(router_stats, state), methods=["GET"]),
         Route("/version", version_info, methods=["GET"]),
+        Route("/tokenize", partial(tokenize_route, state), methods=["POST"]),
+        Route("/detokenize", partial(detokenize_route, state), methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

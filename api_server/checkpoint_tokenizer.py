@@ -132,11 +132,12 @@ class CheckpointTokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._templates)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt's ids, with the special tokens tokenizer.json's post-processor
-        adds (a Llama's bos). tokenizer_config.json's add_bos_token is not consulted: given a
-        tokenizer.json, transformers 5 follows the post-processor alone, whatever the class."""
-        return encode_ids(self._tokenizer, text, add_special_tokens=True)
+        adds (a Llama's bos) unless told not to. tokenizer_config.json's add_bos_token is not
+        consulted: given a tokenizer.json, transformers 5 follows the post-processor alone,
+        whatever the class."""
+        return encode_ids(self._tokenizer, text, add_special_tokens=add_special_tokens)
 
     def render_chat(
         self,
@@ -144,10 +145,12 @@ class CheckpointTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """A chat's prompt ids: the template's text, with no special tokens added to it."""
+        """A chat's prompt ids: the template's text, by default with no special tokens added
+        to it (vLLM's add_special_tokens, false for a chat)."""
         text = self.render_chat_text(messages, add_generation_prompt, tools, extra)
-        return encode_ids(self._tokenizer, text, add_special_tokens=False)
+        return encode_ids(self._tokenizer, text, add_special_tokens=add_special_tokens)
 
     def render_chat_text(
         self,
@@ -179,3 +182,8 @@ class CheckpointTokenizer:
         return [
             self._tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids
         ]
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry, as /tokenize shows them (vLLM's convert_ids_to_tokens);
+        an id outside the vocabulary is ''."""
+        return [self._tokenizer.id_to_token(token_id) or "" for token_id in token_ids]

@@ -16,7 +16,9 @@ from api_server.openai_types import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    JsonValue,
 )
 from api_server.tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
@@ -170,18 +172,32 @@ def chat_job(
     max_model_len: int | None = None,
 ) -> EngineJob:
     body.check_supported()
-    messages = [message.template_message() for message in body.messages]
+    token_ids = chat_prompt_ids(
+        body.messages, tokenizer, body.add_generation_prompt, body.tools, body.chat_template_kwargs
+    )
+    token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
+    return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
+
+
+def chat_prompt_ids(
+    messages: list[ChatMessage],
+    tokenizer: PromptTokenizer,
+    add_generation_prompt: bool,
+    tools: list[dict[str, JsonValue]] | None = None,
+    chat_template_kwargs: dict[str, JsonValue] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The ids of the rendered chat; a template's refusal is a 400 naming messages (or tools)."""
+    plain = [message.template_message() for message in messages]
     try:
-        token_ids = tokenizer.render_chat(
-            messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs
+        return tokenizer.render_chat(
+            plain, add_generation_prompt, tools, chat_template_kwargs, add_special_tokens
         )
     except ChatTemplateError as exc:
         raise bad_param("messages", str(exc)) from None
     except ValueError as exc:  # no template, or a byte-format role or tools
         param = "tools" if str(exc).startswith("tools") else "messages"
         raise bad_param(param, str(exc)) from None
-    token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
-    return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
 
 
 def _job(

@@ -4,7 +4,7 @@ kvserve cannot honour is refused unless its value asks for the default. Bounds o
 parameters are SamplingParams' own (engine_requests.py).
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 64  # vLLM sets no limit; each is searched for in every piece
 MAX_STOP_STRING_CHARS = 1024
 # Any JSON value: tool schemas and chat_template_kwargs are passed to the template as they are
 JsonValue = str | int | float | bool | None | list | dict
+Body = TypeVar("Body")  # the Struct a route's decoder gives
 
 
 class _Lenient(msgspec.Struct, omit_defaults=True):
@@ -276,8 +277,8 @@ CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
 
 def parse_body(
-    body: bytes, decoder: msgspec.json.Decoder, ignored: IgnoredFields | None = None
-) -> CompletionRequest | ChatCompletionRequest:
+    body: bytes, decoder: msgspec.json.Decoder[Body], ignored: IgnoredFields | None = None
+) -> Body:
     """The decoded body, its unknown fields noted in `ignored`; a 400 naming the parameter at
     fault otherwise."""
     try:

@@ -37,7 +37,7 @@ class PromptTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def render_chat(
         self,
@@ -45,6 +45,7 @@ class PromptTokenizer(Protocol):
         add_generation_prompt: bool = True,
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]: ...
 
     def detokenizer(self, skip_special_tokens: bool = True) -> TextDetokenizer: ...
@@ -52,6 +53,8 @@ class PromptTokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_texts(self, token_ids: list[int]) -> list[str]: ...
+
+    def token_strs(self, token_ids: list[int]) -> list[str]: ...
 
 
 def placeholder(token_id: int) -> str:
@@ -105,8 +108,9 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in it (`<|user|>`) become their ids."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in it (`<|user|>`) become their ids. The
+        byte format adds none around a text, whatever `add_special_tokens` says."""
         return encode_ids(self._tokenizer, text, add_special_tokens=False)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
@@ -122,12 +126,19 @@ class ByteTokenizer:
         """Each id's own text, as logprobs show it: a lone byte of a longer character is U+FFFD."""
         return [self.decode([token_id]) for token_id in token_ids]
 
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (a space byte is `Ġ`), as /tokenize shows them."""
+        return [
+            self._tokenizer.id_to_token(token_id) or placeholder(token_id) for token_id in token_ids
+        ]
+
     def render_chat(
         self,
         messages: list[dict[str, TemplateValue]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The ids of apply_chat_template's text; the byte format has no tools and no options."""
         if tools:

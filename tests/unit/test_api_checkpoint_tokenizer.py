@@ -8,11 +8,13 @@ import random
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from tokenizers import Tokenizer, processors
 
 from api_server.chat_template import ChatTemplate, ChatTemplateError
 from api_server.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenization import TokenizeRequest, tokenize
 from api_server.tokenizer import ByteTokenizer, load_tokenizer
 from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokenizer, corpus
 
@@ -149,6 +151,29 @@ def test_a_completion_prompt_is_encoded_as_in_transformers(
     for text in ("The capital of France is", "Emoji: 🙂 done.", f"{BEGIN_OF_TEXT}twice"):
         assert ours.encode(text) == hf(text)["input_ids"]
     assert ours.encode("Paris")[0] == ours.bos_token_id
+
+
+def test_tokenize_adds_special_tokens_as_vllm_does(llama3_dir: Path) -> None:
+    """vLLM's /tokenize defaults: a prompt gets the post-processor's bos, a chat only what its
+    template prints; add_special_tokens overrides either, and token_strs are vocabulary entries."""
+    ours = CheckpointTokenizer(llama3_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(llama3_dir)
+    bos = ours.bos_token_id
+
+    def tokens(**body: object) -> list[int]:
+        return tokenize(msgspec.convert(body, TokenizeRequest), ours, 8192)["tokens"]  # type: ignore[return-value]
+
+    assert tokens(prompt="Paris") == hf("Paris")["input_ids"]
+    assert (
+        tokens(prompt="Paris", add_special_tokens=False)
+        == hf("Paris", add_special_tokens=False)["input_ids"]
+    )
+    assert tokens(messages=CHATS[0]).count(bos) == 1
+    assert tokens(messages=CHATS[0], add_special_tokens=True)[:2] == [bos, bos]
+    shown = tokenize(
+        msgspec.convert({"prompt": "Paris", "return_token_strs": True}, TokenizeRequest), ours, None
+    )
+    assert shown["token_strs"] == hf.convert_ids_to_tokens(shown["tokens"])
 
 
 def test_raise_exception_in_a_template_is_a_chat_template_error(llama3_dir: Path) -> None:
