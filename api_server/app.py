@@ -81,6 +81,10 @@ class ApiSettings:
     router_policy: RouterPolicy = DEFAULT_ROUTER_POLICY  # --router-policy
     router_weights: KVScoreWeights | None = None  # --router-*-weight; None: the defaults
     kv_events_silent_limit_s: float = DEFAULT_SILENT_LIMIT_S  # --router-silent-limit-s
+    chat_template: str | None = None  # --chat-template's text: replaces the tokenizer's own
+    # --trust-request-chat-template: a request may bring its own chat_template (Jinja run in the
+    # sandbox, but able to spend the front end's CPU), as vLLM allows only when told
+    is_request_chat_template_trusted: bool = False
 
 
 class ApiState:
@@ -89,7 +93,7 @@ class ApiState:
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
         self.served_names = settings.served_model_names or (settings.model,)
-        self.tokenizer = load_tokenizer(settings.model, settings.tokenizer)
+        self.tokenizer = load_tokenizer(settings.model, settings.tokenizer, settings.chat_template)
         self.created = int(time.time())
         self.ignored_fields = IgnoredFields()  # unknown body fields, each logged once
         self.serving: Serving | None = None
@@ -142,6 +146,16 @@ async def _parse(
     parsed = parse_body(body, decoder, state.ignored_fields)
     check_model(parsed.model, state.served_names)
     return parsed, len(body)
+
+
+def _check_request_template(chat_template: str | None, state: ApiState) -> None:
+    if chat_template is not None and not state.settings.is_request_chat_template_trusted:
+        raise ApiError(
+            400,
+            "chat_template: a request's own template is not accepted: expected none, or a "
+            "server started with --trust-request-chat-template",
+            param="chat_template",
+        )
 
 
 async def _build_jobs(num_body_bytes: int, build: Callable[[], list[EngineJob]]) -> list[EngineJob]:
@@ -198,6 +212,7 @@ async def completions(state: ApiState, request: Request) -> Response:
 async def chat_completions(state: ApiState, request: Request) -> Response:
     body, num_body_bytes = await _parse(request, state, CHAT_DECODER)
     assert isinstance(body, ChatCompletionRequest)  # what CHAT_DECODER decodes
+    _check_request_template(body.chat_template, state)
     serving, _ = state.running()
     response_id = new_response_id("chatcmpl")
     shape = ResponseShape(
@@ -277,6 +292,7 @@ async def tokenize_route(state: ApiState, request: Request) -> Response:
     body = await _read_body(request, state.settings.max_body_bytes)
     parsed = parse_body(body, TOKENIZE_DECODER, state.ignored_fields)
     check_model(parsed.model, state.served_names)
+    _check_request_template(parsed.chat_template, state)
     max_model_len = state.serving.pool.max_model_len if state.serving is not None else None
     work = partial(tokenize, parsed, state.tokenizer, max_model_len)
     response = work() if len(body) < THREAD_TOKENIZE_BODY_BYTES else await asyncio.to_thread(work)

@@ -16,6 +16,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Plain JSON data a template sees: a message, a tool schema, a value of chat_template_kwargs
 TemplateValue = str | int | float | bool | None | list | dict
+COMPILE_ERROR = "chat template does not compile"  # how a ChatTemplateError of the source begins
+MAX_CACHED_TEMPLATES = 8  # requests' own templates kept compiled (a compile takes milliseconds)
 
 
 class ChatTemplateError(ValueError):
@@ -109,7 +111,7 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateError as exc:
-            raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+            raise ChatTemplateError(f"{COMPILE_ERROR}: {exc}") from None
         self.source = source
         self.special_tokens = special_tokens  # {"bos_token": "<s>", ...}: variables it reads
         # Templates written before OpenAI's developer role drop or refuse a role they do not
@@ -141,3 +143,28 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+
+
+class TemplateCache:
+    """Templates that requests bring (vLLM's per-request `chat_template`), compiled once each and
+    kept while among the last MAX_CACHED_TEMPLATES used.
+
+    Invariant: at most MAX_CACHED_TEMPLATES entries, each keyed by its own source."""
+
+    def __init__(self, special_tokens: dict[str, str]) -> None:
+        self.special_tokens = special_tokens
+        self._by_source: dict[str, ChatTemplate] = {}  # least recently used first
+
+    def get(self, source: str) -> ChatTemplate:
+        template = self._by_source.pop(source, None)
+        if template is None:
+            template = ChatTemplate(source, self.special_tokens)
+            if len(self._by_source) >= MAX_CACHED_TEMPLATES:
+                del self._by_source[next(iter(self._by_source))]
+        self._by_source[source] = template
+        return template
+
+    def check_invariants(self) -> None:
+        assert len(self._by_source) <= MAX_CACHED_TEMPLATES, len(self._by_source)
+        for source, template in self._by_source.items():
+            assert template.source == source, "a cached template under another source"

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from api_server.chat_template import ChatTemplate, TemplateValue
+from api_server.chat_template import ChatTemplate, TemplateCache, TemplateValue
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Longer texts are encoded through encode_batch, which releases the GIL (encode holds it): a
@@ -103,7 +103,8 @@ class CheckpointTokenizer:
     a template that prints bos_token does not get a second one.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, chat_template: str | None = None) -> None:
+        """`chat_template` (--chat-template's text) replaces the checkpoint's templates."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder}: expected a tokenizer folder")
@@ -119,10 +120,13 @@ class CheckpointTokenizer:
         }
         bos = self.special_tokens.get("bos_token")
         self.bos_token_id = None if bos is None else self._tokenizer.token_to_id(bos)
+        sources = _template_sources(folder, self.config)
+        if chat_template is not None:
+            sources = {DEFAULT_TEMPLATE_NAME: chat_template}
         self._templates = {
-            name: ChatTemplate(source, self.special_tokens)
-            for name, source in _template_sources(folder, self.config).items()
+            name: ChatTemplate(source, self.special_tokens) for name, source in sources.items()
         }
+        self._request_templates = TemplateCache(self.special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -146,10 +150,12 @@ class CheckpointTokenizer:
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
         add_special_tokens: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
         """A chat's prompt ids: the template's text, by default with no special tokens added
-        to it (vLLM's add_special_tokens, false for a chat)."""
-        text = self.render_chat_text(messages, add_generation_prompt, tools, extra)
+        to it (vLLM's add_special_tokens, false for a chat). `chat_template`, a request's own,
+        replaces the checkpoint's."""
+        text = self.render_chat_text(messages, add_generation_prompt, tools, extra, chat_template)
         return encode_ids(self._tokenizer, text, add_special_tokens=add_special_tokens)
 
     def render_chat_text(
@@ -158,7 +164,11 @@ class CheckpointTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
+        chat_template: str | None = None,
     ) -> str:
+        if chat_template is not None:
+            template = self._request_templates.get(chat_template)
+            return template.render(messages, add_generation_prompt, tools, extra)
         if not self._templates:
             raise ValueError(
                 f"the tokenizer in {self.folder} has no chat template: expected a chat_template "

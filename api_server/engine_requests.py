@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from api_server.chat_template import ChatTemplateError
+from api_server.chat_template import COMPILE_ERROR, ChatTemplateError
 from api_server.errors import ApiError, bad_param, quoted
 from api_server.openai_types import (
     DEFAULT_MAX_TOKENS,
@@ -173,7 +173,12 @@ def chat_job(
 ) -> EngineJob:
     body.check_supported()
     token_ids = chat_prompt_ids(
-        body.messages, tokenizer, body.add_generation_prompt, body.tools, body.chat_template_kwargs
+        body.messages,
+        tokenizer,
+        body.add_generation_prompt,
+        body.tools,
+        body.chat_template_kwargs,
+        chat_template=body.chat_template,
     )
     token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
     return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
@@ -186,15 +191,23 @@ def chat_prompt_ids(
     tools: list[dict[str, JsonValue]] | None = None,
     chat_template_kwargs: dict[str, JsonValue] | None = None,
     add_special_tokens: bool = False,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """The ids of the rendered chat; a template's refusal is a 400 naming messages (or tools)."""
+    """The ids of the rendered chat; a template's refusal is a 400 naming messages (or tools),
+    a request's template that does not compile one naming chat_template."""
     plain = [message.template_message() for message in messages]
     try:
         return tokenizer.render_chat(
-            plain, add_generation_prompt, tools, chat_template_kwargs, add_special_tokens
+            plain,
+            add_generation_prompt,
+            tools,
+            chat_template_kwargs,
+            add_special_tokens,
+            chat_template,
         )
     except ChatTemplateError as exc:
-        raise bad_param("messages", str(exc)) from None
+        is_compile_error = chat_template is not None and str(exc).startswith(COMPILE_ERROR)
+        raise bad_param("chat_template" if is_compile_error else "messages", str(exc)) from None
     except ValueError as exc:  # no template, or a byte-format role or tools
         param = "tools" if str(exc).startswith("tools") else "messages"
         raise bad_param(param, str(exc)) from None

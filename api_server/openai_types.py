@@ -250,6 +250,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's opening
     chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's: more template variables
     continue_final_message: bool = False  # vLLM's: false
+    chat_template: str | None = None  # vLLM's: replaces the model's (--trust-request-chat-template)
 
     def check_supported(self) -> None:
         super().check_supported()

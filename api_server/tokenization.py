@@ -23,6 +23,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     continue_final_message: bool = False  # chat only: false
     tools: list[dict[str, JsonValue]] | None = None  # chat only: passed to the template
     chat_template_kwargs: dict[str, JsonValue] | None = None  # chat only
+    chat_template: str | None = None  # chat only: replaces the model's, when trusted
     return_token_strs: bool = False  # also each id's vocabulary entry
 
     def check_supported(self) -> None:
@@ -63,6 +64,7 @@ def tokenize(
             body.tools,
             body.chat_template_kwargs,
             add_special_tokens,
+            body.chat_template,
         )
     else:
         assert body.prompt is not None  # check_supported: one of the two

@@ -17,8 +17,13 @@ from api_server.build_tokenizer import (
     NUM_BYTE_TOKENS,
     TOKENIZER_DIR,
 )
-from api_server.chat_template import TemplateValue, as_system_if_developer
-from api_server.checkpoint_tokenizer import CheckpointTokenizer, encode_ids
+from api_server.chat_template import (
+    ChatTemplate,
+    TemplateCache,
+    TemplateValue,
+    as_system_if_developer,
+)
+from api_server.checkpoint_tokenizer import SPECIAL_TOKEN_NAMES, CheckpointTokenizer, encode_ids
 
 DEFAULT_TOKENIZER_DIR = TOKENIZER_DIR
 
@@ -46,6 +51,7 @@ class PromptTokenizer(Protocol):
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
         add_special_tokens: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]: ...
 
     def detokenizer(self, skip_special_tokens: bool = True) -> TextDetokenizer: ...
@@ -91,7 +97,10 @@ class IncrementalDetokenizer:
 class ByteTokenizer:
     """The byte-level tokenizer of the fake models: ids 0-255 are UTF-8 bytes, specials follow."""
 
-    def __init__(self, folder: Path = DEFAULT_TOKENIZER_DIR) -> None:
+    def __init__(
+        self, folder: Path = DEFAULT_TOKENIZER_DIR, chat_template: str | None = None
+    ) -> None:
+        """`chat_template` (--chat-template's text) replaces the byte chat format."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder}: expected a tokenizer folder")
@@ -103,6 +112,15 @@ class ByteTokenizer:
         }
         config_path = folder / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.special_tokens = {
+            name: text
+            for name in SPECIAL_TOKEN_NAMES
+            if isinstance(text := self.config.get(name), str)
+        }
+        self._template = (
+            None if chat_template is None else ChatTemplate(chat_template, self.special_tokens)
+        )
+        self._request_templates = TemplateCache(self.special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -139,8 +157,15 @@ class ByteTokenizer:
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
         add_special_tokens: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
-        """The ids of apply_chat_template's text; the byte format has no tools and no options."""
+        """The ids of apply_chat_template's text: of the byte format, which has no tools and no
+        options, unless a Jinja template (the request's, or --chat-template's) replaces it."""
+        template = self._template
+        if chat_template is not None:
+            template = self._request_templates.get(chat_template)
+        if template is not None:
+            return self.encode(template.render(messages, add_generation_prompt, tools, extra))
         if tools:
             raise ValueError("tools: the fake models' chat format has none: expected no tools")
         plain = [as_system_if_developer(message) for message in messages]
@@ -163,12 +188,14 @@ class ByteTokenizer:
         return "".join(turns) + GENERATION_PROMPT
 
 
-def load_tokenizer(model: str, tokenizer: str | None = None) -> ByteTokenizer | CheckpointTokenizer:
+def load_tokenizer(
+    model: str, tokenizer: str | None = None, chat_template: str | None = None
+) -> ByteTokenizer | CheckpointTokenizer:
     """The tokenizer of `model` (a built-in name or a checkpoint folder), or of the folder
-    `tokenizer` names when given (vLLM's --tokenizer)."""
+    `tokenizer` names when given (vLLM's --tokenizer); `chat_template` replaces its own."""
     if tokenizer is not None:
-        return CheckpointTokenizer(Path(tokenizer))
+        return CheckpointTokenizer(Path(tokenizer), chat_template)
     folder = Path(model)
     if folder.is_dir():
-        return CheckpointTokenizer(folder)
-    return ByteTokenizer()
+        return CheckpointTokenizer(folder, chat_template)
+    return ByteTokenizer(chat_template=chat_template)

@@ -219,6 +219,17 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "model). Its vocabulary must fit the model's",
     )
     parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template to render chats with, replacing the tokenizer's own: a file, "
+        "or the template itself; default the tokenizer's (the byte format for a built-in model)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own `chat_template`; default off: such a request gets a 400",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -322,6 +333,9 @@ def _api_settings(
             f"--model {base_worker.model}: no tokenizer.json in the checkpoint: expected one, "
             "or --tokenizer DIR naming a folder that holds one"
         )
+    if args.chat_template is not None:
+        extra["chat_template"] = _chat_template_source(args.chat_template)
+    extra["is_request_chat_template_trusted"] = args.trust_request_chat_template
     return ApiSettings(
         engine_addresses=tuple(args.engine_address or [engine_config.client_address]),
         model=base_worker.model,
@@ -330,6 +344,26 @@ def _api_settings(
         tokenizer=args.tokenizer,
         **extra,
     )
+
+
+def _chat_template_source(value: str) -> str:
+    """--chat-template's text: the file it names or, as vLLM also takes, a template itself."""
+    from pathlib import Path
+
+    from api_server.chat_template import ChatTemplate, ChatTemplateError
+
+    path = Path(value)
+    if path.is_file():
+        source = path.read_text()
+    elif "{" in value:
+        source = value
+    else:
+        raise UsageError(f"--chat-template {value}: expected a template file or a Jinja template")
+    try:
+        ChatTemplate(source, {})
+    except ChatTemplateError as exc:
+        raise UsageError(f"--chat-template {value}: {exc}") from None
+    return source
 
 
 def demo_command(args: argparse.Namespace) -> int:

@@ -87,3 +87,40 @@ def test_bad_router_flags_exit_2_naming_the_flag(
         kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+SHOUTING_TEMPLATE = "{% for m in messages %}{{ m.role | upper }}: {{ m.content }}\n{% endfor %}"
+
+
+def test_chat_template_replaces_the_tokenizers_own(tmp_path: Path) -> None:
+    """From a file or given inline, as vLLM takes it; the byte format then gives way to it."""
+    path = tmp_path / "shout.jinja"
+    path.write_text(SHOUTING_TEMPLATE)
+    for value in (str(path), SHOUTING_TEMPLATE):
+        settings = _settings("--model", "tiny-llama", "--chat-template", value)
+        assert settings.chat_template == SHOUTING_TEMPLATE
+        assert not settings.is_request_chat_template_trusted
+        tokenizer = ApiState(settings).tokenizer
+        ids = tokenizer.render_chat([{"role": "user", "content": "hi"}])
+        assert tokenizer.decode(ids) == "USER: hi\n"
+    trusted = _settings("--model", "tiny-llama", "--trust-request-chat-template")
+    assert trusted.is_request_chat_template_trusted
+    assert trusted.chat_template is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("missing.jinja", "--chat-template missing.jinja: expected a template file or a Jinja"),
+        ("{% for %}", "--chat-template {% for %}: chat template does not compile"),
+    ],
+)
+def test_a_bad_chat_template_exits_2_naming_the_flag(
+    value: str, message: str, capsys: pytest.CaptureFixture
+) -> None:
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", "--chat-template", value])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

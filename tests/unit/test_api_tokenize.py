@@ -1,11 +1,13 @@
 """vLLM's /tokenize and /detokenize on the app itself (starlette's TestClient, in memory, with no
-engine started): its request and response shapes, prompt or chat, and refusals naming the field.
-The tokenizer is the byte one (one id per byte, special tokens from 256)."""
+engine started): its request and response shapes, prompt or chat, refusals naming the field, and
+a request's own chat_template, accepted only from a server told to trust it. The tokenizer is the
+byte one (one id per byte, special tokens from 256)."""
 
 import pytest
 from starlette.testclient import TestClient
 
 from api_server.app import ApiSettings, create_app
+from api_server.chat_template import MAX_CACHED_TEMPLATES, TemplateCache
 from api_server.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -85,3 +87,37 @@ def test_the_api_key_guards_the_tokenizer_routes() -> None:
     assert client.post("/detokenize", json={"tokens": [72]}, headers=authorized).json() == {
         "prompt": "H"
     }
+
+
+SHOUTING_TEMPLATE = "{% for m in messages %}{{ m.role | upper }}: {{ m.content }}\n{% endfor %}"
+
+
+def test_a_requests_chat_template_needs_the_server_to_trust_it() -> None:
+    """vLLM's rule: a request's own template is refused unless --trust-request-chat-template."""
+    body = {"messages": CHAT[1:], "chat_template": SHOUTING_TEMPLATE}
+    untrusted = _client()
+    for route in ("/tokenize", "/v1/chat/completions"):
+        error = untrusted.post(route, json=body).json()["error"]
+        assert error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+    settings = ApiSettings(
+        ("tcp://127.0.0.1:1",), "tiny-llama", block_size=4, is_request_chat_template_trusted=True
+    )
+    trusted = TestClient(create_app(settings))
+    reply = trusted.post("/tokenize", json=body)
+    assert TOKENIZER.decode(reply.json()["tokens"]) == "USER: hi\n"
+    broken = trusted.post("/tokenize", json={**body, "chat_template": "{% if %}"})
+    assert (broken.status_code, broken.json()["error"]["param"]) == (400, "chat_template")
+
+
+def test_request_templates_are_compiled_once_and_the_least_recent_dropped() -> None:
+    cache = TemplateCache({})
+    first = cache.get(SHOUTING_TEMPLATE)
+    assert cache.get(SHOUTING_TEMPLATE) is first
+    for idx in range(MAX_CACHED_TEMPLATES):
+        cache.get(f"{{{{ {idx} }}}}")
+        cache.check_invariants()
+    assert cache.get(SHOUTING_TEMPLATE) is not first  # evicted by the newer ones, compiled again
+    assert cache.get(f"{{{{ {MAX_CACHED_TEMPLATES - 1} }}}}").render([]) == str(
+        MAX_CACHED_TEMPLATES - 1
+    )
