@@ -68,6 +68,22 @@ def as_system_if_developer(message: dict[str, TemplateValue]) -> dict[str, Templ
     return {**message, "role": "system"}
 
 
+def open_final_message(text: str, messages: list[dict[str, TemplateValue]]) -> str:
+    """`text` cut right after the final message's content, so that the model continues that
+    message instead of starting a new one (vLLM's continue_final_message)."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+    # A template may trim what it prints (Llama 3's do): then the trimmed text is what ends it
+    for shown in (content, content.strip()):
+        idx = text.rfind(shown)
+        if idx >= 0:
+            return text[: idx + len(shown)]
+    raise ChatTemplateError(
+        "continue_final_message: the chat template does not print the final message's content"
+    )
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -124,9 +140,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict[str, TemplateValue]] | None = None,
         extra: dict[str, TemplateValue] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt's text; `extra` (a request's chat_template_kwargs) may override the
-        special tokens, as transformers lets keyword arguments do."""
+        special tokens, as transformers lets keyword arguments do. With
+        `continue_final_message` it ends inside the final message (open_final_message)."""
         # Keys whose value is None are dropped, as transformers drops them: templates test
         # `'tool_calls' in message`, and print a literal None for one that is present
         plain = [{key: value for key, value in m.items() if value is not None} for m in messages]
@@ -134,7 +152,7 @@ class ChatTemplate:
             plain = [as_system_if_developer(message) for message in plain]
         variables = {**self.special_tokens, **(extra or {})}
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=plain,
                 tools=tools,
                 documents=None,
@@ -143,6 +161,7 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+        return open_final_message(text, plain) if continue_final_message else text
 
 
 class TemplateCache:

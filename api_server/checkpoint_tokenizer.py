@@ -151,24 +151,24 @@ class CheckpointTokenizer:
         extra: dict[str, TemplateValue] | None = None,
         add_special_tokens: bool = False,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """A chat's prompt ids: the template's text, by default with no special tokens added
         to it (vLLM's add_special_tokens, false for a chat). `chat_template`, a request's own,
         replaces the checkpoint's."""
-        text = self.render_chat_text(messages, add_generation_prompt, tools, extra, chat_template)
+        template = self._template_for(tools, chat_template)
+        text = template.render(
+            messages, add_generation_prompt, tools, extra, continue_final_message
+        )
         return encode_ids(self._tokenizer, text, add_special_tokens=add_special_tokens)
 
-    def render_chat_text(
-        self,
-        messages: list[dict[str, TemplateValue]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, TemplateValue]] | None = None,
-        extra: dict[str, TemplateValue] | None = None,
-        chat_template: str | None = None,
-    ) -> str:
+    def _template_for(
+        self, tools: list[dict[str, TemplateValue]] | None, chat_template: str | None
+    ) -> ChatTemplate:
+        """The request's own template, or the checkpoint's (its tool_use one when tools are
+        given, as transformers picks)."""
         if chat_template is not None:
-            template = self._request_templates.get(chat_template)
-            return template.render(messages, add_generation_prompt, tools, extra)
+            return self._request_templates.get(chat_template)
         if not self._templates:
             raise ValueError(
                 f"the tokenizer in {self.folder} has no chat template: expected a chat_template "
@@ -178,7 +178,7 @@ class CheckpointTokenizer:
         template = self._templates.get(name or DEFAULT_TEMPLATE_NAME)
         if template is None:
             template = next(iter(self._templates.values()))
-        return template.render(messages, add_generation_prompt, tools, extra)
+        return template
 
     def detokenizer(self, skip_special_tokens: bool = True) -> StreamDetokenizer:
         return StreamDetokenizer(self._tokenizer, skip_special_tokens)

@@ -179,6 +179,7 @@ def chat_job(
         body.tools,
         body.chat_template_kwargs,
         chat_template=body.chat_template,
+        continue_final_message=body.continue_final_message,
     )
     token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
     return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
@@ -192,6 +193,7 @@ def chat_prompt_ids(
     chat_template_kwargs: dict[str, JsonValue] | None = None,
     add_special_tokens: bool = False,
     chat_template: str | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """The ids of the rendered chat; a template's refusal is a 400 naming messages (or tools),
     a request's template that does not compile one naming chat_template."""
@@ -204,6 +206,7 @@ def chat_prompt_ids(
             chat_template_kwargs,
             add_special_tokens,
             chat_template,
+            continue_final_message,
         )
     except ChatTemplateError as exc:
         is_compile_error = chat_template is not None and str(exc).startswith(COMPILE_ERROR)

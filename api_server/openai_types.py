@@ -249,7 +249,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     parallel_tool_calls: bool | None = None  # accepted: no tool calls are parsed either way
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's opening
     chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's: more template variables
-    continue_final_message: bool = False  # vLLM's: false
+    # vLLM's: end the prompt inside the last message, for the model to go on with it
+    continue_final_message: bool = False
     chat_template: str | None = None  # vLLM's: replaces the model's (--trust-request-chat-template)
 
     def check_supported(self) -> None:
@@ -262,8 +263,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             raise bad_param("max_completion_tokens", "give max_tokens or this, not both")
         if self.tool_choice not in (None, "none", "auto"):
             raise _unsupported("tool_choice", self.tool_choice, "'none' or 'auto'")
-        if self.continue_final_message:
-            raise _unsupported("continue_final_message", True, "false")
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -271,6 +271,17 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         if not self.logprobs:
             return None
         return 0 if self.top_logprobs is None else self.top_logprobs
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a prompt cannot both continue the last message and open a new one."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_param(
+            "continue_final_message",
+            "continue_final_message=true with add_generation_prompt=true: expected "
+            "add_generation_prompt=false, as the prompt cannot both continue the final message "
+            "and open a new one",
+        )
 
 
 COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)

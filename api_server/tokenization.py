@@ -7,7 +7,7 @@ import msgspec
 
 from api_server.engine_requests import chat_prompt_ids
 from api_server.errors import bad_param
-from api_server.openai_types import ChatMessage, JsonValue
+from api_server.openai_types import ChatMessage, JsonValue, check_continuation
 from api_server.tokenizer import PromptTokenizer
 
 
@@ -20,7 +20,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: true for a prompt, false for a chat (vLLM's)
     add_generation_prompt: bool = True  # chat only
-    continue_final_message: bool = False  # chat only: false
+    continue_final_message: bool = False  # chat only: end inside the last message
     tools: list[dict[str, JsonValue]] | None = None  # chat only: passed to the template
     chat_template_kwargs: dict[str, JsonValue] | None = None  # chat only
     chat_template: str | None = None  # chat only: replaces the model's, when trusted
@@ -33,11 +33,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad_param(param, "expected exactly one of prompt or messages")
         for idx, message in enumerate(self.messages or []):
             message.check(idx)
-        if self.continue_final_message:
-            raise bad_param(
-                "continue_final_message",
-                "continue_final_message=True is not supported: expected false",
-            )
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -65,6 +61,7 @@ def tokenize(
             body.chat_template_kwargs,
             add_special_tokens,
             body.chat_template,
+            body.continue_final_message,
         )
     else:
         assert body.prompt is not None  # check_supported: one of the two

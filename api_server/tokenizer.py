@@ -22,6 +22,7 @@ from api_server.chat_template import (
     TemplateCache,
     TemplateValue,
     as_system_if_developer,
+    open_final_message,
 )
 from api_server.checkpoint_tokenizer import SPECIAL_TOKEN_NAMES, CheckpointTokenizer, encode_ids
 
@@ -52,6 +53,7 @@ class PromptTokenizer(Protocol):
         extra: dict[str, TemplateValue] | None = None,
         add_special_tokens: bool = False,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]: ...
 
     def detokenizer(self, skip_special_tokens: bool = True) -> TextDetokenizer: ...
@@ -158,6 +160,7 @@ class ByteTokenizer:
         extra: dict[str, TemplateValue] | None = None,
         add_special_tokens: bool = False,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The ids of apply_chat_template's text: of the byte format, which has no tools and no
         options, unless a Jinja template (the request's, or --chat-template's) replaces it."""
@@ -165,7 +168,10 @@ class ByteTokenizer:
         if chat_template is not None:
             template = self._request_templates.get(chat_template)
         if template is not None:
-            return self.encode(template.render(messages, add_generation_prompt, tools, extra))
+            text = template.render(
+                messages, add_generation_prompt, tools, extra, continue_final_message
+            )
+            return self.encode(text)
         if tools:
             raise ValueError("tools: the fake models' chat format has none: expected no tools")
         plain = [as_system_if_developer(message) for message in messages]
@@ -173,6 +179,8 @@ class ByteTokenizer:
         text = self.apply_chat_template(turns)
         if not add_generation_prompt:
             text = text.removesuffix(GENERATION_PROMPT)
+        if continue_final_message:
+            text = open_final_message(text, plain)
         return self.encode(text)
 
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:

@@ -152,7 +152,11 @@ def test_a_known_parameter_kvserve_cannot_honour_is_a_400_naming_it(
             "tool_choice",
             "'function'",
         ),
-        ({"continue_final_message": True}, "continue_final_message", "True"),
+        (
+            {"continue_final_message": True},
+            "continue_final_message",
+            "add_generation_prompt=false",
+        ),
     ],
 )
 def test_a_chat_parameter_kvserve_cannot_honour_is_a_400_naming_it(

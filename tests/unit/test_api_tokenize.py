@@ -46,6 +46,12 @@ def test_a_chat_is_tokenized_as_the_chat_route_renders_it(add_generation_prompt:
     assert reply.json()["count"] == len(reply.json()["tokens"])
 
 
+def test_a_chat_can_be_tokenized_with_its_final_message_open() -> None:
+    body = {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}
+    reply = _client().post("/tokenize", json=body)
+    assert TOKENIZER.decode(reply.json()["tokens"]) == "<|system|>be<|end|><|user|>hi"
+
+
 def test_detokenize_gives_the_text_with_special_tokens() -> None:
     ids = TOKENIZER.encode(CHAT_TEXT)
     reply = _client().post("/detokenize", json={"model": "tiny-llama", "tokens": ids})
