@@ -152,7 +152,7 @@ def test_openai_client_chat_batches_models_and_refusals(served: str) -> None:
     ("body", "status", "param"),
     [
         (b'{"prompt": "x",', 400, None),
-        (b'{"prompt": "x", "bogus": true}', 400, "bogus"),
+        (b'{"prompt": "x", "logit_bias": {"1": 5}}', 400, "logit_bias"),
         (b'{"prompt": "x", "max_tokens": "8"}', 400, "max_tokens"),
         (b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
         (b'{"prompt": {"text": "x"}}', 400, "prompt"),
@@ -169,6 +169,38 @@ def test_raw_http_refusals_have_openai_shape(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
+
+
+@pytest.mark.timeout(240)
+def test_what_sdks_send_beyond_kvserves_parameters_is_served(served: str) -> None:
+    """Unknown fields ignored, known ones at their defaults accepted, the developer role, and
+    vLLM's /tokenize and /detokenize against the engine's max_model_len."""
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=API_KEY, max_retries=0)
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+        store=False,
+        metadata={"trace": "1"},
+        response_format={"type": "text"},
+        parallel_tool_calls=False,
+        extra_body={"logit_bias": {}, "best_of": 1, "ignore_eos": True, "unknown_key": [1]},
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 4
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    tokenized = httpx.post(
+        f"{served}/tokenize", json={"model": MODEL, "messages": messages}, headers=headers
+    ).json()
+    assert tokenized["count"] == chat.usage.prompt_tokens
+    assert tokenized["max_model_len"] == 2048
+    text = httpx.post(
+        f"{served}/detokenize", json={"tokens": tokenized["tokens"]}, headers=headers
+    ).json()["prompt"]
+    assert text == "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
 
 
 @pytest.mark.timeout(240)
