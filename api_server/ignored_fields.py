@@ -10,8 +10,13 @@ from dataclasses import dataclass
 import msgspec
 from msgspec import inspect
 
+from api_server.errors import quoted
+
 logger = logging.getLogger(__name__)
 
+# Distinct names remembered (and logged) at most: clients that send random keys must not grow
+# the set, or the log, without end
+MAX_LOGGED_NAMES = 256
 INDEX = re.compile(r"\[\d")
 RAW_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 RAW_ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
@@ -19,10 +24,11 @@ RAW_ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
 
 class IgnoredFields:
     """Finds a body's unknown fields, at any depth the request Structs declare, by walking its
-    JSON as raw slices (no value is decoded twice), and logs each new name once.
+    JSON as raw slices (objects and arrays are split, no string is decoded), and logs each new
+    name once.
 
-    Invariant: `logged` only grows, and its names write list positions as `[]`, never as an
-    index, so that one field of every message is one name."""
+    Invariants: `logged` only grows, up to MAX_LOGGED_NAMES names, and its names write list
+    positions as `[]`, never as an index, so that one field of every message is one name."""
 
     def __init__(self) -> None:
         self.logged: set[str] = set()
@@ -39,12 +45,16 @@ class IgnoredFields:
         found: list[str] = []
         _walk(msgspec.Raw(body), shape, "", found)
         for name in found:
-            if name not in self.logged:
-                self.logged.add(name)
-                logger.warning("ignoring unknown request field %r (logged once per name)", name)
+            if name in self.logged or len(self.logged) >= MAX_LOGGED_NAMES:
+                continue
+            self.logged.add(name)
+            logger.warning("ignoring unknown request field %s (logged once per name)", quoted(name))
+            if len(self.logged) == MAX_LOGGED_NAMES:
+                logger.warning("%d unknown field names logged: no more will be", MAX_LOGGED_NAMES)
         return found
 
     def check_invariants(self) -> None:
+        assert len(self.logged) <= MAX_LOGGED_NAMES, len(self.logged)
         for name in self.logged:
             assert name and INDEX.search(name) is None, f"logged name {name!r} has an index"
 

@@ -9,7 +9,7 @@ import pytest
 
 from api_server.engine_requests import chat_job, completion_jobs
 from api_server.errors import ApiError
-from api_server.ignored_fields import IgnoredFields
+from api_server.ignored_fields import MAX_LOGGED_NAMES, IgnoredFields
 from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.tokenizer import ByteTokenizer
 from protocol.buffers import unpack_int32
@@ -77,6 +77,18 @@ def test_each_unknown_field_is_logged_once_per_process(caplog: pytest.LogCapture
     assert len(logged) == 3
     for name in ("'bogus'", "'service_tier'", "'other'"):
         assert sum(name in message for message in logged) == 1, logged
+
+
+def test_the_names_logged_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """A client sending a new random key each time must not grow the set or the log forever;
+    the request itself is still served."""
+    ignored = IgnoredFields()
+    with caplog.at_level(logging.WARNING, logger="api_server.ignored_fields"):
+        for idx in range(MAX_LOGGED_NAMES + 5):
+            _prompt_and_params({"prompt": "x", f"key_{idx}": 1}, ignored)
+    assert len(ignored.logged) == MAX_LOGGED_NAMES
+    assert len(caplog.records) == MAX_LOGGED_NAMES + 1  # and one saying no more will be
+    ignored.check_invariants()
 
 
 def test_a_wrong_type_is_still_a_400_naming_the_field() -> None:
