@@ -54,9 +54,13 @@ def new_response_id(prefix: str) -> str:
 
 
 def _checked_prompt(
-    prompt: str | list[int], tokenizer: PromptTokenizer, param: str, max_model_len: int | None
+    prompt: str | list[int],
+    tokenizer: PromptTokenizer,
+    param: str,
+    max_model_len: int | None,
+    add_special_tokens: bool = True,
 ) -> list[int]:
-    token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    token_ids = tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
     _check_fits(len(token_ids), param, max_model_len)
     if not token_ids:
         raise bad_param(param, "empty prompt: expected at least one token")
@@ -160,7 +164,8 @@ def completion_jobs(
     prompts = body.prompts()
     jobs = []
     for index, prompt in enumerate(prompts):
-        token_ids = _checked_prompt(prompt, tokenizer, "prompt", max_model_len)
+        add_special_tokens = body.add_special_tokens is not False
+        token_ids = _checked_prompt(prompt, tokenizer, "prompt", max_model_len, add_special_tokens)
         jobs.append(_job(body, index, token_ids, response_id, max_model_len, body.logprobs))
     return jobs
 
@@ -178,6 +183,7 @@ def chat_job(
         body.add_generation_prompt,
         body.tools,
         body.chat_template_kwargs,
+        add_special_tokens=bool(body.add_special_tokens),
         chat_template=body.chat_template,
         continue_final_message=body.continue_final_message,
     )

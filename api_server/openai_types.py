@@ -31,6 +31,7 @@ class StreamOptions(_Lenient):
 
 class ResponseFormat(_Lenient):
     type: str  # "text", "json_object" or "json_schema"; only "text" is served
+    json_schema: dict[str, JsonValue] | None = None  # with "json_schema": refused with it
 
 
 def _unsupported(param: str, value: object, expected: str) -> ApiError:
@@ -62,6 +63,9 @@ class _GenerationRequest(_Lenient, kw_only=True):
     priority: int = 0  # vLLM's extra parameter: lower runs first under the priority policy
     cache_salt: str | None = None  # vLLM's extra parameter: isolates prefix-cache entries
     user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
+    # vLLM's: the special tokens the tokenizer adds around a text (a Llama's bos); None means
+    # true for a completion's prompt and false for a chat, whose template writes its own
+    add_special_tokens: bool | None = None
     # Known, and accepted only at the value that asks for the default behaviour
     best_of: int | None = None  # null or n
     echo: bool = False  # completions: the prompt before the output; chat: the last message
@@ -70,6 +74,14 @@ class _GenerationRequest(_Lenient, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: null
     allowed_token_ids: list[int] | None = None  # vLLM's: null
     bad_words: list[str] | None = None  # vLLM's: null or []
+    use_beam_search: bool = False  # vLLM's: false
+    truncate_prompt_tokens: int | None = None  # vLLM's: null
+    # vLLM's structured outputs, old spellings and new: null, as kvserve has none yet
+    guided_json: JsonValue = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, JsonValue] | None = None
 
     def check_supported(self) -> None:
         """ApiError naming the first parameter kvserve cannot honour at the value given."""
@@ -112,6 +124,20 @@ class _GenerationRequest(_Lenient, kw_only=True):
             raise _unsupported("allowed_token_ids", self.allowed_token_ids, "null")
         if self.bad_words:
             raise _unsupported("bad_words", self.bad_words, "null or []")
+        if self.use_beam_search:
+            raise _unsupported("use_beam_search", self.use_beam_search, "false")
+        if self.truncate_prompt_tokens is not None:
+            raise _unsupported("truncate_prompt_tokens", self.truncate_prompt_tokens, "null")
+        structured = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+            "structured_outputs": self.structured_outputs,
+        }
+        for param, value in structured.items():
+            if value is not None:
+                raise _unsupported(param, value, "null, as kvserve has no structured outputs yet")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

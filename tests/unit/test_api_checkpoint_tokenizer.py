@@ -14,6 +14,8 @@ from tokenizers import Tokenizer, processors
 
 from api_server.chat_template import ChatTemplate, ChatTemplateError
 from api_server.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.engine_requests import chat_job, completion_jobs
+from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.tokenization import TokenizeRequest, tokenize
 from api_server.tokenizer import ByteTokenizer, load_tokenizer
 from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokenizer, corpus
@@ -174,6 +176,23 @@ def test_tokenize_adds_special_tokens_as_vllm_does(llama3_dir: Path) -> None:
         msgspec.convert({"prompt": "Paris", "return_token_strs": True}, TokenizeRequest), ours, None
     )
     assert shown["token_strs"] == hf.convert_ids_to_tokens(shown["tokens"])
+
+
+def test_add_special_tokens_reaches_completions_and_chats(llama3_dir: Path) -> None:
+    """vLLM's defaults (true for a completion, false for a chat), overridden per request."""
+    ours = CheckpointTokenizer(llama3_dir)
+    bos = ours.bos_token_id
+
+    def prompt_ids(body: dict) -> list[int]:
+        raw = json.dumps(body).encode()
+        if "messages" in body:
+            return chat_job(parse_body(raw, CHAT_DECODER), ours, "c").prompt_token_ids  # type: ignore[arg-type]
+        return completion_jobs(parse_body(raw, COMPLETION_DECODER), ours, "c")[0].prompt_token_ids  # type: ignore[arg-type]
+
+    assert prompt_ids({"prompt": "Paris"})[0] == bos
+    assert bos not in prompt_ids({"prompt": "Paris", "add_special_tokens": False})
+    assert prompt_ids({"messages": CHATS[0]}).count(bos) == 1  # the template's own
+    assert prompt_ids({"messages": CHATS[0], "add_special_tokens": True})[:2] == [bos, bos]
 
 
 def test_raise_exception_in_a_template_is_a_chat_template_error(llama3_dir: Path) -> None:

@@ -118,6 +118,10 @@ def test_a_wrong_type_is_still_a_400_naming_the_field() -> None:
         {"parallel_tool_calls": False},
         {"continue_final_message": False},
         {"tool_choice": "auto"},
+        {"use_beam_search": False},
+        {"truncate_prompt_tokens": None},
+        {"guided_json": None, "guided_choice": None, "structured_outputs": None},
+        {"add_special_tokens": None},
     ],
 )
 def test_a_known_parameter_at_its_default_is_accepted(extra: dict) -> None:
@@ -143,6 +147,11 @@ def test_a_known_parameter_at_its_default_is_accepted(extra: dict) -> None:
         ({"prompt_logprobs": 0}, "prompt_logprobs", ["prompt_logprobs=0", "expected null"]),
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["[1, 2]", "expected null"]),
         ({"bad_words": ["no"]}, "bad_words", ["['no']", "expected null or []"]),
+        ({"use_beam_search": True}, "use_beam_search", ["use_beam_search=True"]),
+        ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", ["=8", "expected null"]),
+        ({"guided_json": {"type": "object"}}, "guided_json", ["structured outputs"]),
+        ({"guided_choice": ["a", "b"]}, "guided_choice", ["['a', 'b']"]),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", ["'regex'"]),
     ],
 )
 def test_a_known_parameter_kvserve_cannot_honour_is_a_400_naming_it(
