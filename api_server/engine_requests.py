@@ -46,6 +46,7 @@ class EngineJob:
     is_stop_shown: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
+    echo_text: str = ""  # shown before the output: the prompt's text, when echo asks for it
 
 
 def new_response_id(prefix: str) -> str:
@@ -166,7 +167,12 @@ def completion_jobs(
     for index, prompt in enumerate(prompts):
         add_special_tokens = body.add_special_tokens is not False
         token_ids = _checked_prompt(prompt, tokenizer, "prompt", max_model_len, add_special_tokens)
-        jobs.append(_job(body, index, token_ids, response_id, max_model_len, body.logprobs))
+        job = _job(body, index, token_ids, response_id, max_model_len, body.logprobs)
+        if body.echo and isinstance(prompt, str):
+            job.echo_text = prompt  # the text as given
+        elif body.echo:
+            job.echo_text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        jobs.append(job)
     return jobs
 
 

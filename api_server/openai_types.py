@@ -68,7 +68,9 @@ class _GenerationRequest(_Lenient, kw_only=True):
     add_special_tokens: bool | None = None
     # Known, and accepted only at the value that asks for the default behaviour
     best_of: int | None = None  # null or n
-    echo: bool = False  # completions: the prompt before the output; chat: the last message
+    # Completions: the prompt's text before the output (without logprobs, as the prompt's are
+    # not computed); chat (vLLM's meaning, echoing the last message): false
+    echo: bool = False
     logit_bias: dict[str, float] | None = None  # null or {}
     response_format: ResponseFormat | None = None  # {"type": "text"}: no structured outputs
     prompt_logprobs: int | None = None  # vLLM's: null
@@ -108,8 +110,6 @@ class _GenerationRequest(_Lenient, kw_only=True):
         behaviour it would have without the parameter."""
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", self.best_of, f"null or n ({self.n})")
-        if self.echo:
-            raise _unsupported("echo", self.echo, "false")
         if self.logit_bias:
             raise _unsupported("logit_bias", self.logit_bias, "null or {}")
         if self.response_format is not None and self.response_format.type != "text":
@@ -164,6 +164,12 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise bad_param(
+                "echo",
+                "echo=true with logprobs would need the prompt's logprobs, which kvserve does not "
+                "compute: expected echo=false or logprobs=null",
+            )
         if self.suffix:
             raise bad_param("suffix", "suffix is not supported: expected null")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -290,6 +296,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         if self.tool_choice not in (None, "none", "auto"):
             raise _unsupported("tool_choice", self.tool_choice, "'none' or 'auto'")
         check_continuation(self.continue_final_message, self.add_generation_prompt)
+        if self.echo:
+            raise _unsupported("echo", self.echo, "false")
 
     @property
     def num_logprobs(self) -> int | None:

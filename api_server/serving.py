@@ -185,7 +185,7 @@ class Serving:
         logprobs = None
         if job.num_logprobs is not None:
             logprobs = ChoiceLogprobs(self.tokenizer, is_chat, job.num_logprobs)
-        return ChoiceState(
+        state = ChoiceState(
             job.index,
             len(job.prompt_token_ids),
             self.tokenizer.detokenizer(job.skip_special_tokens),
@@ -193,6 +193,9 @@ class Serving:
             job.request.sampling_params.min_tokens,
             logprobs,
         )
+        if job.echo_text:
+            state.text.append(job.echo_text)
+        return state
 
     async def _collect(self, job: EngineJob, is_chat: bool) -> ChoiceState:
         state = self._choice_state(job, is_chat)
@@ -258,6 +261,10 @@ class Serving:
     ) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per engine output, usage if asked, then [DONE]."""
         states = [self._choice_state(job, shape.is_chat) for job, _, _ in started]
+        for job, _, _ in started:
+            if job.echo_text:  # the prompt, before the choice's first output
+                echoed = shape.choice(job.index, job.echo_text, None, is_chunk=True)
+                yield self._event(shape.envelope([echoed], is_chunk=True))
         if shape.is_chat:
             for state in states:
                 first = shape.choice(state.index, "", None, is_chunk=True)

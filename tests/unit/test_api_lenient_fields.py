@@ -136,7 +136,6 @@ def test_a_known_parameter_at_its_default_is_accepted(extra: dict) -> None:
     [
         ({"n": 2}, "n", ["n=2", "expected 1"]),
         ({"best_of": 2}, "best_of", ["best_of=2", "expected null or n (1)"]),
-        ({"echo": True}, "echo", ["echo=True", "expected false"]),
         ({"logit_bias": {"50256": -100}}, "logit_bias", ["'50256': -100", "expected null or {}"]),
         ({"response_format": {"type": "json_object"}}, "response_format", ["'json_object'"]),
         (
@@ -164,6 +163,12 @@ def test_a_known_parameter_kvserve_cannot_honour_is_a_400_naming_it(
         assert all(word in error.message for word in words), error.message
 
 
+def test_echo_with_logprobs_is_a_400_as_the_prompts_are_not_computed() -> None:
+    error = _refusal({"prompt": "x", "echo": True, "logprobs": 1})
+    assert (error.status, error.param) == (400, "echo")
+    assert "expected echo=false or logprobs=null" in error.message
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "value"),
     [
@@ -178,6 +183,7 @@ def test_a_known_parameter_kvserve_cannot_honour_is_a_400_naming_it(
             "continue_final_message",
             "add_generation_prompt=false",
         ),
+        ({"echo": True}, "echo", "echo=True"),
     ],
 )
 def test_a_chat_parameter_kvserve_cannot_honour_is_a_400_naming_it(

@@ -233,3 +233,16 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(monkeypatch: pytest.Mon
     options = {"include_usage": True, "continuous_usage_stats": True}
     raw = json.dumps({**body, "stream_options": options}).encode()
     assert parse_body(raw, COMPLETION_DECODER).has_usage_per_chunk
+
+
+def test_echo_puts_the_prompt_before_the_completion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole and streamed, for a text prompt and for token ids (read back as text); usage
+    counts the prompt once, as prompt tokens."""
+    body = {"prompt": "Say: ", "max_tokens": 100, "echo": True}
+    response, _ = asyncio.run(_whole("hi", body, False, monkeypatch))
+    assert response["choices"][0]["text"] == "Say: hi"
+    assert response["usage"]["completion_tokens"] == 2
+    by_ids = {**body, "prompt": list(b"Say: "), "stream": True}
+    chunks, _ = asyncio.run(_stream("hi", by_ids, False, monkeypatch))
+    texts = [chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]]
+    assert texts == ["Say: ", "h", "i"]
