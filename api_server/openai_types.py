@@ -31,7 +31,7 @@ class StreamOptions(_Lenient):
 
 class ResponseFormat(_Lenient):
     type: str  # "text", "json_object" or "json_schema"; only "text" is served
-    json_schema: dict[str, JsonValue] | None = None  # with "json_schema": refused with it
+    json_schema: dict[str, JsonValue] | None = None  # the schema of "json_schema" (refused)
 
 
 def _unsupported(param: str, value: object, expected: str) -> ApiError:
