@@ -133,3 +133,32 @@ def test_close_leaves_no_child_and_a_closed_llm_refuses(
     llm.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("again", use_tqdm=False)
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_string_ends_the_text_and_the_engine_serves_on(
+    checkpoint: Path, no_new_children: None
+) -> None:
+    """A stop string is the front end's, as over HTTP: the text ends before it (or with it,
+    when asked), the request is aborted in the engine, and the next batch is served."""
+    prompt = "the capital of France is"
+    with LLM(str(checkpoint), device="cpu", start_timeout_s=STARTUP_TIMEOUT_S) as llm:
+        (whole,) = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+        text = whole.outputs[0].text
+        # two whole characters early in the text: a cut-off one (U+FFFD) shows only at the end
+        cut = next(idx for idx in range(1, len(text)) if "\ufffd" not in text[idx : idx + 2])
+        stop = text[cut : cut + 2]
+        cut = text.index(stop)
+        stopped, shown = llm.generate(
+            [prompt, prompt],
+            [
+                SamplingParams(max_tokens=MAX_TOKENS, stop=stop),
+                SamplingParams(max_tokens=MAX_TOKENS, stop=[stop], include_stop_str_in_output=True),
+            ],
+            use_tqdm=False,
+        )
+        after = llm.generate([prompt] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert (stopped.outputs[0].text, stopped.outputs[0].finish_reason) == (text[:cut], "stop")
+    assert shown.outputs[0].text == text[: cut + len(stop)]
+    assert len(stopped.outputs[0].token_ids) < len(whole.outputs[0].token_ids)
+    assert [len(out.outputs[0].token_ids) for out in after] == [4, 4, 4]
