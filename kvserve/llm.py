@@ -8,6 +8,7 @@ import atexit
 import itertools
 import logging
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from api_server.chat_template import TemplateValue
 from api_server.serving import ChoiceState
 from api_server.stop_strings import StopStringMatcher
 from api_server.tokenizer import load_tokenizer
-from deploy.launch import Deployment, check_addresses, worker_configs
+from deploy.launch import EXIT_OK, Deployment, check_addresses, worker_configs
 from engine_client.errors import EngineDeadError
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
@@ -41,13 +42,15 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # for the engine and every rank to be serving (a checkpoint loads)
 HEALTH_POLL_S = 1.0  # one check_health try while they start
 OUTPUT_TIMEOUT_S = 300.0  # the engine must send something for the batch this often
+SUPERVISOR_JOIN_MARGIN_S = 15.0  # beyond the engine's drain: the launcher's own join deadlines
 
 
 class LLM:
     """An engine and its ranks serving one model for this process.
 
-    Invariants: while `_deployment` is set, its processes were started and `close` is
-    registered with atexit; after `close`, no child is alive and the private folder is gone.
+    Invariants: while `_deployment` is set, `close` is registered with atexit and the
+    supervisor thread (once started) joins the processes; after `close`, no child is alive
+    and the private folder is gone.
     """
 
     def __init__(
@@ -87,26 +90,37 @@ class LLM:
         self._deployment = Deployment(
             engine_config, worker_configs(engine_config, base_worker), log_level
         )
+        self._outcome: list[int] = []  # the supervisor's exit code, once the deployment ended
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="kvserve-supervisor", daemon=True
+        )
         atexit.register(self.close)
         try:
             self._deployment.start()
+            self._supervisor.start()
             self._client = EngineClient(engine_config.client_address, OUTPUT_TIMEOUT_S)
             self._wait_until_serving(start_timeout_s)
         except BaseException:
             self.close()
             raise
 
+    def _supervise(self) -> None:
+        """As `kvserve launch` does: a failed rank is replaced while restarts remain, and a
+        failed engine takes the ranks down (the client then sees EngineDeadError)."""
+        assert self._deployment is not None
+        self._outcome.append(self._deployment.supervise())
+
     def _wait_until_serving(self, timeout_s: float) -> None:
-        """Until the engine answers check_health; RuntimeError at once when a child exits."""
-        assert self._deployment is not None and self._client is not None
+        """Until the engine answers check_health; RuntimeError at once when the deployment
+        ended instead."""
+        assert self._client is not None
         deadline = time.monotonic() + timeout_s
         while True:
-            for process in self._deployment.processes:
-                if not process.is_alive():
-                    raise RuntimeError(
-                        f"{process.name} exited with code {process.exitcode} while starting: "
-                        "expected it to serve (its log is on stderr)"
-                    )
+            if self._outcome:
+                raise RuntimeError(
+                    f"the engine or a rank exited while starting (exit code {self._outcome[0]}): "
+                    "expected them to serve; their logs are on stderr"
+                )
             try:
                 if self._client.call_utility("check_health", timeout_s=HEALTH_POLL_S) is True:
                     return
@@ -267,11 +281,20 @@ class LLM:
             except EngineDeadError as exc:  # the engine went first: nothing to deliver
                 logger.debug("closing the client: %s", exc)
             self._client = None
-        code = self._deployment.stop()
-        self._deployment = None
+        deployment, self._deployment = self._deployment, None
+        shutdown_s = deployment.engine_config.shutdown_timeout_s + SUPERVISOR_JOIN_MARGIN_S
+        if self._supervisor.is_alive():
+            if deployment.engine.is_alive():
+                deployment.engine.terminate()  # it drains, then stops the ranks
+            self._supervisor.join(shutdown_s)
+            if self._supervisor.is_alive():
+                logger.error("the engine and its ranks did not stop in %.0f s", shutdown_s)
+        elif not self._outcome:  # a failed start: stop what did start
+            deployment.processes = [p for p in deployment.processes if p.pid is not None]
+            deployment.stop()
         self._folder.cleanup()
-        if code != 0:
-            logger.warning("the engine or a rank exited with a failure while stopping")
+        if self._outcome and self._outcome[0] != EXIT_OK:
+            logger.warning("the engine or a rank exited with code %d", self._outcome[0])
 
     def __enter__(self) -> "LLM":
         return self
