@@ -6,6 +6,7 @@ close() leaves no child process behind.
 
 import multiprocessing.resource_tracker
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,3 +163,15 @@ def test_a_stop_string_ends_the_text_and_the_engine_serves_on(
     assert shown.outputs[0].text == text[: cut + len(stop)]
     assert len(stopped.outputs[0].token_ids) < len(whole.outputs[0].token_ids)
     assert [len(out.outputs[0].token_ids) for out in after] == [4, 4, 4]
+
+
+@pytest.mark.timeout(300)
+def test_a_deployment_that_cannot_start_raises_at_once_and_leaves_no_child(
+    checkpoint: Path, no_new_children: None
+) -> None:
+    """A KV budget too small for one request fails the engine's startup: LLM() raises as soon
+    as the supervisor sees it, not after start_timeout_s, and stops the rank."""
+    start_s = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited while starting"):
+        LLM(str(checkpoint), device="cpu", kv_cache_memory_bytes=1 << 16, start_timeout_s=600)
+    assert time.monotonic() - start_s < STARTUP_TIMEOUT_S
