@@ -45,6 +45,19 @@ OUTPUT_TIMEOUT_S = 300.0  # the engine must send something for the batch this of
 SUPERVISOR_JOIN_MARGIN_S = 15.0  # beyond the engine's drain: the launcher's own join deadlines
 
 
+def _request_output(
+    req_id: str,
+    prompt: PromptInput,
+    prompt_token_ids: list[int],
+    state: ChoiceState,
+    generated: dict[str, list[int]],
+) -> RequestOutput:
+    """One finished request, shaped as vLLM shapes it."""
+    text = "".join(state.text)
+    completion = CompletionOutput(0, text, generated[req_id], state.finish_reason)
+    return RequestOutput(req_id, prompt.text, prompt_token_ids, [completion])
+
+
 class LLM:
     """An engine and its ranks serving one model for this process.
 
@@ -195,25 +208,15 @@ class LLM:
         try:
             with BatchProgress(len(requests), use_tqdm) as progress:
                 self._collect(states, generated, progress)
-        except BaseException:
+        except EngineDeadError:
+            raise  # no engine left to abort anything in
+        except BaseException:  # an engine error, a timeout, Ctrl-C: the rest of the batch stops
             unfinished = [req_id for req_id, state in states.items() if not state.is_finished]
             if unfinished:
                 self._client.abort(unfinished)
             raise
         return [
-            RequestOutput(
-                request_id=request.req_id,
-                prompt=one.text,
-                prompt_token_ids=ids,
-                outputs=[
-                    CompletionOutput(
-                        0,
-                        "".join(states[request.req_id].text),
-                        generated[request.req_id],
-                        states[request.req_id].finish_reason,
-                    )
-                ],
-            )
+            _request_output(request.req_id, one, ids, states[request.req_id], generated)
             for request, one, ids in zip(requests, inputs, token_ids, strict=True)
         ]
 
