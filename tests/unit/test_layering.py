@@ -14,6 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = (
     *("protocol", "kv_hashing", "engine_core", "engine_client", "worker", "deploy", "api_server"),
+    "kvserve",
 )
 STDLIB = set(sys.stdlib_module_names)
 
@@ -34,6 +35,9 @@ FORBIDDEN = {
     },
     "deploy": set(),
     "api_server": {"engine_core", "worker", "deploy", "torch"},  # engines only through the client
+    # the offline API: it launches through deploy/ and reaches engines only through the client,
+    # as the front end does; the model and the scheduler stay in the processes it starts
+    "kvserve": {"engine_core", "worker", "kv_hashing", "torch"},
 }
 PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
 KV_HASHING_ALLOWED_IMPORTS = {"msgspec", "xxhash", "protocol", "kv_hashing"}
@@ -588,6 +592,19 @@ def test_nothing_imports_deploy() -> None:
         for package in ("protocol", "engine_core", "engine_client", "worker", "bench")
         for path in _modules(ROOT, package)
         if "deploy" in _imported_top_levels(path, ROOT)
+    ]
+    assert not offenders, offenders
+
+
+def test_nothing_imports_the_offline_api() -> None:
+    """kvserve/ sits on top of every package, as deploy/ does: importing it would start
+    engines from inside the project."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        if package != "kvserve"
+        for path in _modules(ROOT, package)
+        if "kvserve" in _imported_top_levels(path, ROOT)
     ]
     assert not offenders, offenders
 

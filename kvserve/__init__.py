@@ -1,0 +1,10 @@
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams)` and `LLM.chat`, which
+start an engine and its ranks in this process's children and drive them like vLLM's `LLM` does.
+Nothing in the project imports this package; it sits on top, beside deploy/.
+"""
+
+from kvserve.llm import LLM
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

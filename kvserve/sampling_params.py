@@ -1,0 +1,40 @@
+"""SamplingParams of the offline API: the engine's own (protocol/sampling.py) with the fields
+vLLM's SamplingParams has that the front end applies rather than the engine: stop strings,
+include_stop_str_in_output, skip_special_tokens, and `n` (1 only). `engine_params` strips them.
+"""
+
+from protocol import sampling
+from protocol.bounds import checked_copy
+
+
+class SamplingParams(sampling.SamplingParams, frozen=True):
+    """protocol's SamplingParams, plus what the offline API applies to the text.
+
+    vLLM's spellings are accepted where kvserve's differ: `top_k` -1 or 0 means every token
+    (kvserve's None), and `stop` may be one string. Bounds are checked when a request is built.
+    """
+
+    n: int = 1  # completions per prompt; only 1 is offered
+    stop: str | list[str] | None = None  # stop strings, matched on the text as the server does
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def engine_params(params: sampling.SamplingParams) -> sampling.SamplingParams:
+    """The engine's SamplingParams of `params` (either kind), with every bound checked; a
+    ValueError naming the field otherwise."""
+    if isinstance(params, SamplingParams) and params.n != 1:
+        raise ValueError(f"n={params.n}: expected 1, one completion per prompt")
+    values = {name: getattr(params, name) for name in sampling.SamplingParams.__struct_fields__}
+    if values["top_k"] in (-1, 0):
+        values["top_k"] = None  # vLLM's "every token"
+    try:
+        return checked_copy(sampling.SamplingParams(**values))
+    except ValueError as exc:  # msgspec.ValidationError is one, as min_tokens > max_tokens is
+        raise ValueError(f"sampling parameters: {exc}") from None
