@@ -140,6 +140,44 @@ def test_softcapped_scores_attend_as_the_formula() -> None:
     assert not torch.allclose(capped[ReferenceAttention], plain), "the cap changed nothing"
 
 
+def test_a_fresh_prompt_attends_causally_as_the_reference() -> None:
+    """A prompt's first chunk under full attention is SDPA's own causal case (it then skips the
+    hidden half); the same prompt in a 6-token window is not, and keeps its mask. Both attend
+    as the reference does."""
+    tables = MultiGroupBlockTable(2, MAX_MODEL_LEN, [BLOCK_SIZE, BLOCK_SIZE])
+    tables.add_row(([1, 2, 3], [4, 5, 6]), 0)
+    tables.add_row(([7, 8], [9, 10]), 1)
+    layout = StepLayout(
+        rows=np.array([0, 1]),
+        first_positions=np.array([0, 0]),
+        num_queries=np.array([9, 6]),
+        token_offsets=np.array([0, 9]),
+        logits_reqs=np.array([0, 1]),
+        num_prompt_tokens=np.array([9, 6]),
+    )
+    config = KVCacheConfig(NUM_BLOCKS, GROUPS)
+    generator = torch.Generator().manual_seed(3)
+    results = {}
+    for backend in (BlockGatherAttention, ReferenceAttention):
+        paged = PagedKV(allocate_kv_caches(config, 1, CPU), config, tables, layout, CPU)
+        attention = backend(paged)
+        generator.manual_seed(3)
+        for group in GROUPS:
+            name, num_kv_heads = group.layer_names[0], group.spec.num_kv_heads
+            k = torch.randn(15, num_kv_heads, HEAD_DIM, generator=generator)
+            q = torch.randn(15, NUM_HEADS * num_kv_heads // 2, HEAD_DIM, generator=generator)
+            attention.write(name, k, -k)
+            results[backend, name] = attention.attend(name, q, HEAD_DIM**-0.5, False)
+        if backend is BlockGatherAttention:
+            full, slide = (attention._group_chunks(group, False) for group in (0, 1))
+            assert [chunk.is_causal for chunk in full] == [True, True]
+            assert [chunk.is_causal for chunk in slide] == [False, True]  # 9 > window of 6
+    for name in ("full.0", "slide.0"):
+        torch.testing.assert_close(
+            results[BlockGatherAttention, name], results[ReferenceAttention, name]
+        )
+
+
 def test_a_read_of_the_null_block_is_refused() -> None:
     """Guards against attending to a block the engine freed: a window's block replaced by the
     null block while a query still reads it is an error, not zeros."""

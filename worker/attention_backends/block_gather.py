@@ -39,6 +39,9 @@ class BlockChunk:
     query_idx: torch.Tensor  # [S, n] token index in the step of each query
     block_ids: torch.Tensor  # [S * nb] each sequence's context blocks, in order (padding: null)
     mask: torch.Tensor  # [S, 1, n, nb * block_size] True where the query reads the entry
+    # the mask is exactly query i reading entries 0..i (a prompt's first chunk under full
+    # attention): SDPA then skips the masked half instead of computing and hiding it
+    is_causal: bool = False
 
 
 class BlockGatherAttention:
@@ -92,6 +95,7 @@ class BlockGatherAttention:
                 scale,
                 not on_cpu,
                 softcap,
+                chunk.is_causal,
             )  # [S, H_r, n, head_dim]
             rows = result.transpose(1, 2).reshape(-1, num_heads * head_dim)
             out[chunk.query_idx.reshape(-1)] = rows.to(out.dtype)
@@ -243,8 +247,15 @@ class BlockGatherAttention:
                 "which maps to the null block"
             )
         device = self.kv.device
+        num_queries = mask.shape[1]
+        is_causal = (
+            len(rows) == 1
+            and num_queries > 1
+            and np.array_equal(mask[0], np.tri(num_queries, mask.shape[2], dtype=bool))
+        )
         return BlockChunk(
             query_idx=torch.from_numpy(np.ascontiguousarray(token_idx, dtype=np.int64)).to(device),
             block_ids=torch.from_numpy(block_ids.reshape(-1).astype(np.int64)).to(device),
             mask=torch.from_numpy(np.ascontiguousarray(mask[:, None])).to(device),
+            is_causal=is_causal,
         )

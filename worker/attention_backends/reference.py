@@ -82,25 +82,36 @@ def attend(
     scale: float,
     expand_kv_heads: bool,
     softcap: float | None = None,
+    is_causal: bool = False,
 ) -> torch.Tensor:
     """Masked grouped-query attention [S, H, n, head_dim]: query head h reads KV head
     h // (H / KV), in order, as transformers' GQA.
 
     With `expand_kv_heads` (CUDA) each KV head is repeated for its query heads and the call is
     kept off cuDNN (CUDA_BACKENDS); otherwise torch's own GQA reads the shared heads in place.
-    A `softcap` (Gemma 2) takes the explicit path: SDPA has no soft-capping.
+    A `softcap` (Gemma 2) takes the explicit path: SDPA has no soft-capping. `is_causal` says
+    the mask is exactly query i reading entries 0..i, which SDPA then applies itself.
     """
     if softcap is not None:
         return _softcapped(queries, keys, values, mask, scale, softcap)
+    attn_mask = None if is_causal else mask
     if not expand_kv_heads:
         return F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            queries,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            scale=scale,
+            enable_gqa=True,
+            is_causal=is_causal,
         )
     group = queries.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)  # [S, H, L, head_dim]
     values = values.repeat_interleave(group, dim=1)
     with sdpa_kernel(CUDA_BACKENDS):
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=attn_mask, scale=scale, is_causal=is_causal
+        )
 
 
 def _softcapped(
