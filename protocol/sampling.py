@@ -11,6 +11,47 @@ MAX_STOP_TOKEN_IDS = 1024
 SEED_LIMIT = (1 << 63) - 1
 MAX_LOGPROBS = 20  # alternatives per sampled token at most, as OpenAI's top_logprobs
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # OpenAI's range
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_TOKENS = 128
+MAX_PROMPT_LOGPROBS = MAX_LOGPROBS
+BadWord = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
+MAX_STRUCTURED_SPEC_BYTES = 1 << 20  # a schema, regex or grammar's text, at most
+MAX_CHOICES = 1024
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A constraint on a request's output, enforced by the engine with a grammar.
+
+    Exactly one kind is set. The front end checks that it compiles before it submits the request;
+    the engine compiles it again and fails the request (finish_reason error) if it does not.
+    """
+
+    json: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_SPEC_BYTES)] | None = None
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_SPEC_BYTES)] | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_SPEC_BYTES)] | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name
+            for name, value in (
+                ("json", self.json is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", self.choice is not None),
+                ("grammar", self.grammar is not None),
+            )
+            if value
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"structured outputs set {kinds or 'nothing'}: expected exactly one of "
+                "json, json_object, regex, choice, grammar"
+            )
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -42,6 +83,24 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0  # 1 is none
     # Alternatives returned with each sampled token's own logprob; None: no logprobs at all
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Added to the logit of each listed id before penalties, greedy included (OpenAI's rule);
+    # ids must lie inside the model's vocabulary, which the engine checks at admission.
+    logit_bias: (
+        Annotated[dict[TokenId, LogitBias], msgspec.Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None
+    ) = None
+    # Only these ids may be sampled (vLLM's allowed_token_ids); None: every id
+    allowed_token_ids: (
+        Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+        | None
+    ) = None
+    # Token sequences that must never appear in the output (vLLM's bad_words, tokenized by the
+    # front end): an id that would complete one is banned at that step.
+    bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] | None = (
+        None
+    )
+    # Logprobs of each prompt token (its top-N alternatives too); None: none
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_LOGPROBS)] | None = None
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
