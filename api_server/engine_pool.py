@@ -316,6 +316,18 @@ class EnginePool:
         ]
         return min(lengths) if lengths else None  # type: ignore[type-var]
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The smallest vocabulary among the engines that reported theirs: a token id inside it
+        is inside every engine's. None before any engine answered."""
+        sizes = [
+            info["vocab_size"]
+            for handle in self.handles
+            if (info := handle.client.model_info) is not None
+            and isinstance(info.get("vocab_size"), int)
+        ]
+        return min(sizes) if sizes else None  # type: ignore[type-var]
+
     async def get_stats(self) -> list[dict[str, object] | None]:
         """Each engine's get_stats, or None for one that did not answer in STATS_TIMEOUT_S."""
 

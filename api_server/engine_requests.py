@@ -1,6 +1,7 @@
-"""Turning an OpenAI request into EngineCoreRequests (one per choice), with every bound checked
-here so that a bad value is a 400 naming its parameter, a prompt that cannot fit the engines'
-max_model_len included (it never reaches an engine); and the HTTP status of an engine's refusal.
+"""Turning an OpenAI request into EngineCoreRequests (one per choice: n per prompt), with every
+bound checked here so that a bad value is a 400 naming its parameter, a prompt that cannot fit the
+engines' max_model_len or a token id past their vocabulary included (it never reaches an engine);
+and the HTTP status of an engine's refusal.
 """
 
 import os
@@ -12,6 +13,7 @@ import msgspec
 
 from api_server.chat_template import COMPILE_ERROR, ChatTemplateError
 from api_server.errors import ApiError, bad_param, quoted
+from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
 from api_server.openai_types import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -20,6 +22,7 @@ from api_server.openai_types import (
     CompletionRequest,
     JsonValue,
 )
+from api_server.parallel_sampling import choice_seed
 from api_server.tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
 from protocol.buffers import pack_int32
@@ -30,6 +33,8 @@ MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 BUSY_PREFIXES = ("engine busy", "client busy")
 # Engine rejections that a client's own values caused (see engine_core/sched/validation.py)
 BAD_REQUEST_PATTERN = re.compile(r"prompt|vocabulary|sampling parameters|max_model_len")
+# The SamplingParams fields of token rules, as they are built once per body (the choices share them)
+TokenRules = dict[str, object]
 PARAM_PATTERN = re.compile(r"`\$\.(?:sampling_params\[(\d+)\]|(\w+))")
 
 
@@ -86,18 +91,19 @@ def _max_tokens(
     body: CompletionRequest | ChatCompletionRequest,
     num_prompt_tokens: int,
     max_model_len: int | None,
+    defaults: GenerationDefaults = NO_DEFAULTS,
 ) -> int:
     """The request's max_tokens; the default is cut to what fits, a given value must fit."""
     param, max_tokens = "max_tokens", body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         param, max_tokens = "max_completion_tokens", body.max_completion_tokens
     room = None if max_model_len is None else max_model_len - num_prompt_tokens
-    if max_tokens is None and room is None:
-        return DEFAULT_MAX_TOKENS
     if max_tokens is None:
-        # vLLM's defaults: a chat may run to the end of the context, a completion 16 tokens
+        # vLLM's defaults: a chat may run to the end of the context, a completion 16 tokens;
+        # the checkpoint's max_new_tokens (--generation-config) bounds either
         is_chat = isinstance(body, ChatCompletionRequest)
-        return min(MAX_TOKENS_LIMIT if is_chat else DEFAULT_MAX_TOKENS, room)
+        limits = [MAX_TOKENS_LIMIT if is_chat else DEFAULT_MAX_TOKENS, room, defaults.max_tokens]
+        return max(1, min(limit for limit in limits if limit is not None))
     if room is not None and max_tokens > room:
         raise bad_param(
             param,
@@ -112,24 +118,38 @@ def _top_k(top_k: int | None) -> int | None:
     return None if top_k in (None, -1, 0) else top_k
 
 
+def _or(value: float | None, default: float | None, fallback: float) -> float:
+    """The request's value, else the --generation-config default, else kvserve's own."""
+    if value is not None:
+        return value
+    return fallback if default is None else default
+
+
 def _sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    num_logprobs: int | None,
+    seed: int | None,
+    rules: TokenRules,
+    defaults: GenerationDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
+    top_k = body.top_k if body.top_k is not None else defaults.top_k
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
-            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            seed=body.seed,
+            temperature=_or(body.temperature, defaults.temperature, DEFAULT_TEMPERATURE),
+            seed=seed,
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=_top_k(body.top_k),
-            min_p=0.0 if body.min_p is None else body.min_p,
+            top_p=_or(body.top_p, defaults.top_p, 1.0),
+            top_k=_top_k(top_k),
+            min_p=_or(body.min_p, defaults.min_p, 0.0),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=_or(body.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=num_logprobs,
+            **rules,  # type: ignore[arg-type]  # checked with every bound by _checked
         )
     except ValueError as exc:  # __post_init__: min_tokens above max_tokens
         raise bad_param("min_tokens", str(exc)) from None
@@ -154,26 +174,95 @@ def _checked(request: EngineCoreRequest) -> EngineCoreRequest:
         raise ApiError(400, f"{param} {quoted(value)}: {reason}", param=param) from None
 
 
+def token_rules(
+    body: CompletionRequest | ChatCompletionRequest,
+    tokenizer: PromptTokenizer,
+    vocab_size: int | None,
+) -> TokenRules:
+    """logit_bias, allowed_token_ids and bad words as SamplingParams fields: logit_bias's string
+    keys as ids, each bad word tokenized as vLLM does (as given, and after a space, since a word
+    inside a text usually starts with one); a 400 naming the field and the first id outside the
+    vocabulary (`vocab_size` None skips that check: the engine makes it too)."""
+    rules: TokenRules = {}
+    if body.logit_bias:
+        logit_bias = {}
+        for key, bias in body.logit_bias.items():
+            try:
+                logit_bias[int(key)] = bias
+            except ValueError:
+                raise bad_param(
+                    "logit_bias", f"key {key!r}: expected a token id (an integer)"
+                ) from None
+        rules["logit_bias"] = logit_bias
+    if body.allowed_token_ids is not None:
+        if not body.allowed_token_ids:
+            raise bad_param("allowed_token_ids", "empty list: expected at least one token id")
+        rules["allowed_token_ids"] = body.allowed_token_ids
+    if body.bad_words:
+        words: list[list[int]] = []
+        for word in body.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                token_ids = tokenizer.encode(text, add_special_tokens=False)
+                if token_ids and token_ids not in words:
+                    words.append(token_ids)
+        rules["bad_words_token_ids"] = words
+    if vocab_size is not None:
+        _check_vocabulary(rules, vocab_size)
+    return rules
+
+
+def _check_vocabulary(rules: TokenRules, vocab_size: int) -> None:
+    fields = {
+        "logit_bias": list(rules.get("logit_bias", {})),  # type: ignore[call-overload]
+        "allowed_token_ids": rules.get("allowed_token_ids", []),
+    }
+    for param, token_ids in fields.items():
+        for token_id in token_ids:  # type: ignore[attr-defined]
+            if not 0 <= token_id < vocab_size:
+                raise bad_param(
+                    param, f"token id {token_id}: expected 0 <= id < {vocab_size} (the vocabulary)"
+                )
+
+
 def completion_jobs(
     body: CompletionRequest,
     tokenizer: PromptTokenizer,
     response_id: str,
     max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    defaults: GenerationDefaults = NO_DEFAULTS,
 ) -> list[EngineJob]:
-    """One job per prompt of the batch; `max_model_len` None skips the length checks."""
+    """n jobs per prompt of the batch, choice index prompt * n + i as vLLM numbers them;
+    `max_model_len` None skips the length checks, `vocab_size` None the vocabulary's."""
     body.check_supported()
     prompts = body.prompts()
+    rules = token_rules(body, tokenizer, vocab_size)
     jobs = []
-    for index, prompt in enumerate(prompts):
+    for prompt_idx, prompt in enumerate(prompts):
         add_special_tokens = body.add_special_tokens is not False
         token_ids = _checked_prompt(prompt, tokenizer, "prompt", max_model_len, add_special_tokens)
-        job = _job(body, index, token_ids, response_id, max_model_len, body.logprobs)
+        echo_text = ""
         if body.echo and isinstance(prompt, str):
-            job.echo_text = prompt  # the text as given
+            echo_text = prompt  # the text as given
         elif body.echo:
-            job.echo_text = tokenizer.decode(token_ids, skip_special_tokens=False)
-        jobs.append(job)
+            echo_text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        for choice_idx in range(body.n):
+            index = prompt_idx * body.n + choice_idx
+            job = _job(
+                body, index, token_ids, response_id, max_model_len, body.logprobs, rules, defaults
+            )
+            job.request = _with_seed(job.request, choice_seed(body.seed, choice_idx))
+            job.echo_text = echo_text
+            jobs.append(job)
     return jobs
+
+
+def _with_seed(request: EngineCoreRequest, seed: int | None) -> EngineCoreRequest:
+    if seed == request.sampling_params.seed:
+        return request
+    return msgspec.structs.replace(
+        request, sampling_params=msgspec.structs.replace(request.sampling_params, seed=seed)
+    )
 
 
 def chat_job(
@@ -182,7 +271,24 @@ def chat_job(
     response_id: str,
     max_model_len: int | None = None,
 ) -> EngineJob:
+    """The one job of a chat of one choice (n=1); ValueError for more, which need chat_jobs."""
+    jobs = chat_jobs(body, tokenizer, response_id, max_model_len)
+    if len(jobs) != 1:
+        raise ValueError(f"chat_job builds one choice, the body asks n={body.n}: use chat_jobs")
+    return jobs[0]
+
+
+def chat_jobs(
+    body: ChatCompletionRequest,
+    tokenizer: PromptTokenizer,
+    response_id: str,
+    max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    defaults: GenerationDefaults = NO_DEFAULTS,
+) -> list[EngineJob]:
+    """The chat's n choices, one job each (see completion_jobs)."""
     body.check_supported()
+    rules = token_rules(body, tokenizer, vocab_size)
     token_ids = chat_prompt_ids(
         body.messages,
         tokenizer,
@@ -194,7 +300,14 @@ def chat_job(
         continue_final_message=body.continue_final_message,
     )
     token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
-    return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
+    jobs = []
+    for index in range(body.n):
+        job = _job(
+            body, index, token_ids, response_id, max_model_len, body.num_logprobs, rules, defaults
+        )
+        job.request = _with_seed(job.request, choice_seed(body.seed, index))
+        jobs.append(job)
+    return jobs
 
 
 def chat_prompt_ids(
@@ -235,9 +348,11 @@ def _job(
     response_id: str,
     max_model_len: int | None,
     num_logprobs: int | None,
+    rules: TokenRules,
+    defaults: GenerationDefaults,
 ) -> EngineJob:
-    max_tokens = _max_tokens(body, len(prompt_token_ids), max_model_len)
-    params = _sampling_params(body, max_tokens, num_logprobs)
+    max_tokens = _max_tokens(body, len(prompt_token_ids), max_model_len, defaults)
+    params = _sampling_params(body, max_tokens, num_logprobs, body.seed, rules, defaults)
     request = EngineCoreRequest(
         req_id=f"{response_id}-{index}",
         prompt_token_ids=pack_int32(prompt_token_ids),

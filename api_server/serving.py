@@ -14,6 +14,7 @@ import msgspec
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
+from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
 from api_server.logprobs import ChoiceLogprobs
 from api_server.metrics import TokenLatency
 from api_server.stop_strings import StopStringMatcher
@@ -150,11 +151,13 @@ class Serving:
         tokenizer: PromptTokenizer,
         model: str,
         token_latency: TokenLatency | None = None,
+        generation_defaults: GenerationDefaults = NO_DEFAULTS,  # --generation-config's
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
         self.token_latency = token_latency  # TTFT and inter-token latency, when metrics are on
+        self.generation_defaults = generation_defaults  # for the fields a request leaves unset
 
     async def _outputs(self, job: EngineJob) -> AsyncIterator[EngineCoreOutput]:
         if not self.pool.has_healthy_engine:

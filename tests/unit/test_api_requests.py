@@ -53,7 +53,9 @@ def _refusal(body: str, decoder: msgspec.json.Decoder = COMPLETION_DECODER) -> A
         ('{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids"),
         ('{"prompt": "x", "stop_token_ids": "2"}', "stop_token_ids"),
         ('{"prompt": "x", "ignore_eos": 1}', "ignore_eos"),
-        ('{"prompt": "x", "n": 2}', "n"),
+        ('{"prompt": "x", "n": 0}', "n"),
+        ('{"prompt": "x", "n": 129}', "n"),
+        ('{"prompt": "x", "logit_bias": {"1": 101}}', "logit_bias"),
         ('{"prompt": "x", "stream": "yes"}', "stream"),
         ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
         (
