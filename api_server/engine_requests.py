@@ -52,6 +52,7 @@ class EngineJob:
     skip_special_tokens: bool = True
     num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
     echo_text: str = ""  # shown before the output: the prompt's text, when echo asks for it
+    is_prompt_counted: bool = True  # false for a prompt's choices past the first (usage)
 
 
 def new_response_id(prefix: str) -> str:
@@ -253,6 +254,7 @@ def completion_jobs(
             )
             job.request = _with_seed(job.request, choice_seed(body.seed, choice_idx))
             job.echo_text = echo_text
+            job.is_prompt_counted = choice_idx == 0
             jobs.append(job)
     return jobs
 
@@ -306,6 +308,7 @@ def chat_jobs(
             body, index, token_ids, response_id, max_model_len, body.num_logprobs, rules, defaults
         )
         job.request = _with_seed(job.request, choice_seed(body.seed, index))
+        job.is_prompt_counted = index == 0
         jobs.append(job)
     return jobs
 

@@ -52,6 +52,8 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # usage counts a prompt once, however many choices (n) it has: false for all but the first
+    is_prompt_counted: bool = True
 
     def absorb(self, output: EngineCoreOutput) -> ChoicePiece:
         """The piece this output adds; a stop string found in it ends the choice ("stop")."""
@@ -125,7 +127,9 @@ class ResponseShape:
 
 
 def usage(states: list[ChoiceState]) -> dict:
-    num_prompt = sum(state.num_prompt_tokens for state in states)
+    """OpenAI's usage: each prompt counted once, every choice's output; cached_tokens sums what
+    each choice read from the prefix cache (with n > 1, the prompt blocks the first computed)."""
+    num_prompt = sum(state.num_prompt_tokens for state in states if state.is_prompt_counted)
     num_output = sum(state.num_output_tokens for state in states)
     return {
         "prompt_tokens": num_prompt,
@@ -195,6 +199,7 @@ class Serving:
             StopStringMatcher(job.stops, job.is_stop_shown),
             job.request.sampling_params.min_tokens,
             logprobs,
+            is_prompt_counted=job.is_prompt_counted,
         )
         if job.echo_text:
             state.text.append(job.echo_text)
