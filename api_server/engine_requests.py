@@ -200,16 +200,22 @@ def token_rules(
             raise bad_param("allowed_token_ids", "empty list: expected at least one token id")
         rules["allowed_token_ids"] = body.allowed_token_ids
     if body.bad_words:
-        words: list[list[int]] = []
-        for word in body.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                token_ids = tokenizer.encode(text, add_special_tokens=False)
-                if token_ids and token_ids not in words:
-                    words.append(token_ids)
-        rules["bad_words_token_ids"] = words
+        rules["bad_words_token_ids"] = bad_words_token_ids(body.bad_words, tokenizer)
     if vocab_size is not None:
         _check_vocabulary(rules, vocab_size)
     return rules
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer: PromptTokenizer) -> list[list[int]]:
+    """Each word's ids as it starts a text and as it follows a space (vLLM's two spellings),
+    without repeats; a word that tokenizes to nothing bans nothing."""
+    words: list[list[int]] = []
+    for word in bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            if token_ids and token_ids not in words:
+                words.append(token_ids)
+    return words
 
 
 def _check_vocabulary(rules: TokenRules, vocab_size: int) -> None:

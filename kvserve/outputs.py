@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One generated continuation of a prompt (kvserve generates one per prompt, index 0)."""
+    """One generated continuation of a prompt: choice `index` of its SamplingParams.n."""
 
     index: int
     text: str  # detokenized, stop string and stop token not shown
