@@ -97,12 +97,15 @@ class SamplingTable:
         self.num_logprobs = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)  # [rows]
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)  # [rows]
         self.logit_rules = np.zeros(num_rows, dtype=np.bool_)  # [rows]
+        # prompt_logprobs per row, NO_LOGPROBS for none; the runner reads it, not the sampler
+        self.num_prompt_logprobs = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)  # [rows]
         self.num_random_rows = 0  # temperature > 0
         self.num_filtered_rows = 0  # temperature > 0 and some filter set
         self.num_penalized_rows = 0
         self.num_logprob_rows = 0
         self.num_min_tokens_rows = 0  # min_tokens > 0
         self.num_logit_rule_rows = 0  # logit_bias, allowed_token_ids or bad words
+        self.num_prompt_logprob_rows = 0
 
     def add_row(self, row: int, params: SamplingParams) -> None:
         self.temperature[row] = params.temperature
@@ -115,6 +118,8 @@ class SamplingTable:
         self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         self.min_tokens[row] = params.min_tokens
         self.logit_rules[row] = has_logit_rules(params)
+        prompt_logprobs = params.prompt_logprobs
+        self.num_prompt_logprobs[row] = NO_LOGPROBS if prompt_logprobs is None else prompt_logprobs
         self._count(params, 1)
 
     def remove_row(self, row: int, params: SamplingParams) -> None:
@@ -159,6 +164,7 @@ class SamplingTable:
         self.num_logprob_rows += delta * (params.logprobs is not None)
         self.num_min_tokens_rows += delta * (params.min_tokens > 0)
         self.num_logit_rule_rows += delta * has_logit_rules(params)
+        self.num_prompt_logprob_rows += delta * (params.prompt_logprobs is not None)
 
     def _reset(self, row: int) -> None:
         neutral = _NEUTRAL
@@ -185,6 +191,7 @@ class SamplingTable:
             sum(params.logprobs is not None for params in live_params),
             sum(params.min_tokens > 0 for params in live_params),
             sum(has_logit_rules(params) for params in live_params),
+            sum(params.prompt_logprobs is not None for params in live_params),
         )
         held = (
             self.num_random_rows,
@@ -193,6 +200,7 @@ class SamplingTable:
             self.num_logprob_rows,
             self.num_min_tokens_rows,
             self.num_logit_rule_rows,
+            self.num_prompt_logprob_rows,
         )
         assert held == counts, f"sampling feature counts are {held}, expected {counts}"
 
@@ -208,6 +216,7 @@ _COLUMN_NAMES = (
     "num_logprobs",
     "min_tokens",
     "logit_rules",
+    "num_prompt_logprobs",
 )
 _NEUTRAL = {
     "temperature": 0.0,
@@ -220,4 +229,5 @@ _NEUTRAL = {
     "num_logprobs": NO_LOGPROBS,
     "min_tokens": 0,
     "logit_rules": False,
+    "num_prompt_logprobs": NO_LOGPROBS,
 }
