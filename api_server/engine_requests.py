@@ -53,6 +53,7 @@ class EngineJob:
     num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
     echo_text: str = ""  # shown before the output: the prompt's text, when echo asks for it
     is_prompt_counted: bool = True  # false for a prompt's choices past the first (usage)
+    has_prompt_logprobs: bool = False  # shown in vLLM's prompt_logprobs shape
 
 
 def new_response_id(prefix: str) -> str:
@@ -150,6 +151,7 @@ def _sampling_params(
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=_or(body.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=num_logprobs,
+            prompt_logprobs=body.prompt_logprobs,
             **rules,  # type: ignore[arg-type]  # checked with every bound by _checked
         )
     except ValueError as exc:  # __post_init__: min_tokens above max_tokens
@@ -381,6 +383,7 @@ def _job(
         is_stop_shown=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         num_logprobs=num_logprobs,
+        has_prompt_logprobs=body.prompt_logprobs is not None,
     )
 
 

@@ -75,7 +75,7 @@ class _GenerationRequest(_Lenient, kw_only=True):
     # OpenAI's: token id (a string of an int, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None  # {"type": "text"}: no structured outputs
-    prompt_logprobs: int | None = None  # vLLM's: null
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top N
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output never contains
     use_beam_search: bool = False  # vLLM's: false
@@ -118,8 +118,10 @@ class _GenerationRequest(_Lenient, kw_only=True):
                 f"type {self.response_format.type!r} is not supported (kvserve has no "
                 "structured outputs yet): expected null or {'type': 'text'}",
             )
-        if self.prompt_logprobs is not None:
-            raise _unsupported("prompt_logprobs", self.prompt_logprobs, "null")
+        if self.prompt_logprobs is not None and self.stream:
+            raise _unsupported(
+                "prompt_logprobs", self.prompt_logprobs, "null with stream=true, as vLLM has it"
+            )
         if self.use_beam_search:
             raise _unsupported("use_beam_search", self.use_beam_search, "false")
         if self.truncate_prompt_tokens is not None:

@@ -15,12 +15,12 @@ from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
 from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
-from api_server.logprobs import ChoiceLogprobs
+from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
 from api_server.metrics import TokenLatency
 from api_server.stop_strings import StopStringMatcher
 from api_server.tokenizer import PromptTokenizer, TextDetokenizer
 from engine_client.errors import EngineConnectionLost, EngineDeadError, FrameTooLargeError
-from protocol.client_messages import EngineCoreOutput, FinishReason
+from protocol.client_messages import EngineCoreOutput, FinishReason, TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
 JSON = msgspec.json.Encoder()
@@ -54,11 +54,14 @@ class ChoiceState:
     finish_reason: str | None = None
     # usage counts a prompt once, however many choices (n) it has: false for all but the first
     is_prompt_counted: bool = True
+    prompt_logprobs: TokenLogprobs | None = None  # the engine's, from the first output
 
     def absorb(self, output: EngineCoreOutput) -> ChoicePiece:
         """The piece this output adds; a stop string found in it ends the choice ("stop")."""
         self.num_output_tokens += len(output.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         text = self.detokenizer.push(_visible_ids(output))
         if output.finish_reason is not None:
             text += self.detokenizer.finish()
@@ -232,7 +235,21 @@ class Serving:
         ]
         response = shape.envelope(choices, is_chunk=False)
         response["usage"] = usage(states)
+        if jobs[0].has_prompt_logprobs:  # vLLM's places: per choice, or the chat's response
+            shaped = [self._prompt_logprobs(state) for state in states]
+            if shape.is_chat:
+                response["prompt_logprobs"] = shaped[0]
+            else:
+                for choice, prompt_logprobs in zip(choices, shaped, strict=True):
+                    choice["prompt_logprobs"] = prompt_logprobs
         return response
+
+    def _prompt_logprobs(self, state: ChoiceState) -> list | None:
+        """The choice's prompt logprobs in vLLM's shape; None when the engine sent none (the
+        choice ended before its first token)."""
+        if state.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(self.tokenizer, state.prompt_logprobs)
 
     async def _collect_all(self, jobs: list[EngineJob], is_chat: bool) -> list[ChoiceState]:
         try:

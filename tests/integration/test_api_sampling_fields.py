@@ -153,3 +153,39 @@ def test_out_of_range_ids_and_n_are_a_400_naming_the_field(served: str) -> None:
     # the server keeps serving exact tokens beside them
     whole = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True})
     assert whole.choices[0].text == _reference(PROMPT, max_tokens=7, ignore_eos=True)
+
+
+@pytest.mark.timeout(240)
+def test_prompt_logprobs_in_vllms_shape_on_completions_and_chat(served: str) -> None:
+    """Every prompt token but the first has an entry holding itself and the top 2; greedy, the
+    tokens the model itself would pick are those of rank 1; the prompt's blocks are computed
+    rather than read from the cache, which the earlier requests filled."""
+    client = _client(served)
+    body = {"max_tokens": 3, "temperature": 0.0, "extra_body": {"prompt_logprobs": 2}}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, n=2, **body)  # type: ignore[arg-type]
+    prompt_ids = TOKENIZER.encode(PROMPT)
+    for choice in whole.choices:
+        entries = (choice.model_extra or {})["prompt_logprobs"]
+        assert len(entries) == len(prompt_ids) and entries[0] is None
+        for token_id, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+            own = entry[str(token_id)]
+            assert own["logprob"] <= 0.0 and own["rank"] >= 1
+            assert own["decoded_token"] == TOKENIZER.decode([token_id])
+            assert sorted(item["rank"] for item in entry.values())[:2] == [1, 2]
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    # the greedy continuation of the prompt's first k tokens is ranked first at token k
+    entries = (whole.choices[0].model_extra or {})["prompt_logprobs"]
+    for k in (5, 20, 40):
+        (next_id,) = reference_generate(MODEL, prompt_ids[:k], SamplingParams(max_tokens=1))
+        best = min(entries[k].items(), key=lambda item: item[1]["rank"])
+        assert best == (str(next_id), {**best[1], "rank": 1})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        **body,  # type: ignore[arg-type]
+    )
+    chat_entries = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat_entries[0] is None and len(chat_entries) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **body)  # type: ignore[arg-type]
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "prompt_logprobs"

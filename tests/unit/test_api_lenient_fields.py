@@ -143,7 +143,11 @@ def test_a_known_parameter_at_its_default_is_accepted(extra: dict) -> None:
             "response_format",
             ["'json_schema'", "expected null or {'type': 'text'}"],
         ),
-        ({"prompt_logprobs": 0}, "prompt_logprobs", ["prompt_logprobs=0", "expected null"]),
+        (
+            {"prompt_logprobs": 0, "stream": True},
+            "prompt_logprobs",
+            ["prompt_logprobs=0", "expected null with stream=true"],
+        ),
         ({"allowed_token_ids": []}, "allowed_token_ids", ["empty list"]),
         ({"use_beam_search": True}, "use_beam_search", ["use_beam_search=True"]),
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", ["=8", "expected null"]),

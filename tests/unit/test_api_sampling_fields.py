@@ -15,9 +15,11 @@ from api_server.generation_config import (
     load_generation_defaults,
     log_generation_defaults,
 )
+from api_server.logprobs import prompt_logprobs_json
 from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.parallel_sampling import choice_seed
 from api_server.tokenizer import ByteTokenizer
+from protocol.client_messages import TokenLogprobs
 from protocol.sampling import SEED_LIMIT
 
 TOKENIZER = ByteTokenizer()
@@ -88,6 +90,7 @@ def test_logit_bias_keys_become_ids_and_allowed_ids_pass_through() -> None:
         ({"allowed_token_ids": [1, VOCAB_SIZE + 5]}, "allowed_token_ids", ["305"]),
         ({"n": 10000}, "n", ["n=10000", "expected 1 to 128"]),
         ({"n": 2, "best_of": 3}, "best_of", ["best_of=3"]),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", ["21", "<= 20"]),
     ],
 )
 def test_ids_past_the_vocabulary_and_bad_bounds_are_a_400_naming_the_field(
@@ -168,3 +171,33 @@ def test_generation_defaults_are_logged_once_with_their_values(
         log_generation_defaults(NO_DEFAULTS, "vllm")
     assert len(caplog.records) == 1
     assert "'temperature': 0.6" in caplog.records[0].getMessage()
+
+
+def test_prompt_logprobs_take_vllms_shape() -> None:
+    """None for the first token; the prompt token keyed by its id with its rank, beside the top
+    N ranked 1..N, once each when it is among them."""
+    entries = TokenLogprobs(
+        token_ids=[[66, 65, 67], [67, 67, 66]],
+        logprobs=[[-3.0, -0.5, -1.0], [-0.25, -0.25, -2.0]],
+        sampled_token_ranks=[3, 1],
+    )
+    shaped = prompt_logprobs_json(TOKENIZER, entries)
+    assert shaped == [
+        None,
+        {
+            "66": {"logprob": -3.0, "rank": 3, "decoded_token": "B"},
+            "65": {"logprob": -0.5, "rank": 1, "decoded_token": "A"},
+            "67": {"logprob": -1.0, "rank": 2, "decoded_token": "C"},
+        },
+        {
+            "67": {"logprob": -0.25, "rank": 1, "decoded_token": "C"},
+            "66": {"logprob": -2.0, "rank": 2, "decoded_token": "B"},
+        },
+    ]
+
+
+def test_prompt_logprobs_reach_the_engine_and_refuse_streaming() -> None:
+    (job,) = _jobs({"prompt": "ab", "prompt_logprobs": 2})
+    assert job.request.sampling_params.prompt_logprobs == 2 and job.has_prompt_logprobs
+    error = _refusal({"messages": MESSAGES, "prompt_logprobs": 1, "stream": True})
+    assert (error.status, error.param) == (400, "prompt_logprobs")
