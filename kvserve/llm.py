@@ -16,16 +16,17 @@ from pathlib import Path
 from api_server.chat_template import TemplateValue
 from api_server.engine_requests import bad_words_token_ids
 from api_server.generation_config import load_generation_defaults, log_generation_defaults
+from api_server.logprobs import prompt_logprobs_json
 from api_server.parallel_sampling import choice_seed
 from api_server.serving import ChoiceState
 from api_server.stop_strings import StopStringMatcher
-from api_server.tokenizer import load_tokenizer
+from api_server.tokenizer import PromptTokenizer, load_tokenizer
 from deploy.launch import EXIT_OK, Deployment, check_addresses, worker_configs
 from engine_client.errors import EngineDeadError
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from kvserve.engine_args import offline_configs
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.progress import BatchProgress
 from kvserve.prompts import (
     Message,
@@ -37,7 +38,7 @@ from kvserve.prompts import (
 )
 from kvserve.sampling_params import SamplingParams, engine_params, num_choices
 from protocol.bounds import checked_copy
-from protocol.client_messages import EngineCoreRequest, FinishReason
+from protocol.client_messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from protocol.sampling import SamplingParams as EngineSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ SUPERVISOR_JOIN_MARGIN_S = 15.0  # beyond the engine's drain: the launcher's own
 
 
 def _request_output(
+    tokenizer: PromptTokenizer,
     req_ids: list[str],
     prompt: PromptInput,
     prompt_token_ids: list[int],
@@ -66,7 +68,33 @@ def _request_output(
         )
         for req_id in req_ids
     ]
-    return RequestOutput(req_ids[0], prompt.text, prompt_token_ids, completions)
+    first = states[req_ids[0]].prompt_logprobs  # the same prompt scored for every choice
+    prompt_logprobs = None if first is None else _prompt_logprobs(tokenizer, first)
+    return RequestOutput(
+        req_ids[0], prompt.text, prompt_token_ids, completions, True, prompt_logprobs
+    )
+
+
+def _prompt_logprobs(
+    tokenizer: PromptTokenizer, entries: TokenLogprobs
+) -> list[dict[int, Logprob] | None]:
+    """The server's prompt_logprobs shape, keyed by int ids with vLLM's Logprob values."""
+    shaped: list[dict[int, Logprob] | None] = []
+    for entry in prompt_logprobs_json(tokenizer, entries):
+        if entry is None:
+            shaped.append(None)
+            continue
+        shaped.append(
+            {
+                int(token_id): Logprob(
+                    float(value["logprob"]),  # type: ignore[arg-type]
+                    int(value["rank"]),  # type: ignore[call-overload]
+                    str(value["decoded_token"]),
+                )
+                for token_id, value in entry.items()
+            }
+        )
+    return shaped
 
 
 class LLM:
@@ -248,7 +276,9 @@ class LLM:
                 self._client.abort(unfinished)
             raise
         return [
-            _request_output([r.req_id for r in prompt_choices], one, ids, states, generated)
+            _request_output(
+                self.tokenizer, [r.req_id for r in prompt_choices], one, ids, states, generated
+            )
             for prompt_choices, one, ids in zip(choices, inputs, token_ids, strict=True)
         ]
 

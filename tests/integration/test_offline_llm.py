@@ -182,7 +182,8 @@ def test_n_choices_bad_words_and_generation_config_defaults(
     checkpoint: Path, tmp_path: Path, no_new_children: None
 ) -> None:
     """n seeded choices per prompt repeat run after run (choice 0 is the n=1 answer); bad words
-    never appear; a call without sampling params takes the generation config's defaults."""
+    never appear; a call without sampling params takes the generation config's defaults; prompt
+    logprobs come back as vLLM's."""
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 5}')
     prompt = "the capital of France is"
     sampled = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -204,6 +205,8 @@ def test_n_choices_bad_words_and_generation_config_defaults(
         banned_id, word = _a_whole_word(llm, plain.outputs[0].token_ids)
         banned = SamplingParams(**{**_fields(greedy), "bad_words": [word]})
         (without,) = llm.generate(prompt, banned, use_tqdm=False)
+        scored = SamplingParams(max_tokens=1, prompt_logprobs=2)
+        (with_prompt,) = llm.generate(prompt, scored, use_tqdm=False)
     assert [out.index for out in first.outputs] == [0, 1, 2]
     token_ids = [out.token_ids for out in first.outputs]
     assert len({tuple(ids) for ids in token_ids}) > 1
@@ -212,6 +215,13 @@ def test_n_choices_bad_words_and_generation_config_defaults(
     assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
     assert default.outputs[0].token_ids == plain.outputs[0].token_ids
     assert banned_id not in without.outputs[0].token_ids
+    entries = with_prompt.prompt_logprobs
+    assert entries is not None and entries[0] is None
+    assert len(entries) == len(with_prompt.prompt_token_ids)
+    for token_id, entry in zip(with_prompt.prompt_token_ids[1:], entries[1:], strict=True):
+        assert entry is not None and entry[token_id].logprob <= 0.0
+        assert sorted(logprob.rank for logprob in entry.values())[:2] == [1, 2]
+    assert first.prompt_logprobs is None
     assert without.outputs[0].token_ids != plain.outputs[0].token_ids
 
 
