@@ -22,7 +22,7 @@ from api_server.openai_types import (
     CompletionRequest,
     JsonValue,
 )
-from api_server.parallel_sampling import choice_seed
+from api_server.parallel_sampling import ChoiceGroup, choice_seed
 from api_server.tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
 from protocol.buffers import pack_int32
@@ -54,6 +54,7 @@ class EngineJob:
     echo_text: str = ""  # shown before the output: the prompt's text, when echo asks for it
     is_prompt_counted: bool = True  # false for a prompt's choices past the first (usage)
     has_prompt_logprobs: bool = False  # shown in vLLM's prompt_logprobs shape
+    group: ChoiceGroup | None = None  # shared by a prompt's choices when n > 1: one engine
 
 
 def new_response_id(prefix: str) -> str:
@@ -255,6 +256,7 @@ def completion_jobs(
             echo_text = prompt  # the text as given
         elif body.echo:
             echo_text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        group = ChoiceGroup() if body.n > 1 else None
         for choice_idx in range(body.n):
             index = prompt_idx * body.n + choice_idx
             job = _job(
@@ -263,6 +265,7 @@ def completion_jobs(
             job.request = _with_seed(job.request, choice_seed(body.seed, choice_idx))
             job.echo_text = echo_text
             job.is_prompt_counted = choice_idx == 0
+            job.group = group
             jobs.append(job)
     return jobs
 
@@ -311,12 +314,14 @@ def chat_jobs(
     )
     token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
     jobs = []
+    group = ChoiceGroup() if body.n > 1 else None
     for index in range(body.n):
         job = _job(
             body, index, token_ids, response_id, max_model_len, body.num_logprobs, rules, defaults
         )
         job.request = _with_seed(job.request, choice_seed(body.seed, index))
         job.is_prompt_counted = index == 0
+        job.group = group
         jobs.append(job)
     return jobs
 

@@ -169,7 +169,7 @@ class Serving:
     async def _outputs(self, job: EngineJob) -> AsyncIterator[EngineCoreOutput]:
         if not self.pool.has_healthy_engine:
             raise ApiError(503, "no engine is serving: retry later", code="engine_unavailable")
-        outputs = self.pool.generate(job.request, job.prompt_token_ids, job.num_tokens)
+        outputs = self.pool.generate(job.request, job.prompt_token_ids, job.num_tokens, job.group)
         latency, last_s = self.token_latency, time.monotonic()
         is_first = True
         try:

@@ -6,7 +6,9 @@ that rule, streamed and not.
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -14,6 +16,7 @@ from api_server.tokenizer import ByteTokenizer
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, stop_process
 from tests.integration.test_api_server import LAUNCH_FLAGS, MODEL, start_api
+from tests.integration.test_kv_routing import launch_engine
 from worker.models.fake.reference import reference_generate
 
 pytestmark = pytest.mark.integration
@@ -189,3 +192,30 @@ def test_prompt_logprobs_in_vllms_shape_on_completions_and_chat(served: str) -> 
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **body)  # type: ignore[arg-type]
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "prompt_logprobs"
+
+
+@pytest.mark.timeout(300)
+def test_n_choices_stay_on_one_engine_under_round_robin(
+    processes: Processes, ipc_folder: Path
+) -> None:
+    """Round-robin would spread the choices over both engines; they follow the first choice to
+    its engine instead, so the prompt's full blocks are still computed once."""
+    engines = [launch_engine(processes, ipc_folder, name, model=MODEL) for name in ("a", "b")]
+    (port,) = free_tcp_ports(1)
+    url = start_api(processes, "api", engines, port, "--router-policy", "round-robin")
+    client = _client(url)
+    body = {
+        "n": 4,
+        "seed": 3,
+        "temperature": 1.0,
+        "max_tokens": 4,
+        "extra_body": {"ignore_eos": True},
+    }
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, **body)  # type: ignore[arg-type]
+    num_shared = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert reply.usage.prompt_tokens_details.cached_tokens == 3 * num_shared
+    decisions = httpx.get(f"{url}/router", timeout=10).json()["engines"]
+    assert sorted(engine["decisions"] for engine in decisions) == [0, 4]
+    stop_process(processes, "api")
+    for name in ("a", "b"):
+        stop_process(processes, f"launch-{name}", timeout_s=60)

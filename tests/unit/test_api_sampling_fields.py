@@ -18,6 +18,7 @@ from api_server.generation_config import (
 from api_server.logprobs import prompt_logprobs_json
 from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.parallel_sampling import choice_seed
+from api_server.request_router import RequestRouter, RouterPolicy
 from api_server.tokenizer import ByteTokenizer
 from protocol.client_messages import TokenLogprobs
 from protocol.sampling import SEED_LIMIT
@@ -201,3 +202,23 @@ def test_prompt_logprobs_reach_the_engine_and_refuse_streaming() -> None:
     assert job.request.sampling_params.prompt_logprobs == 2 and job.has_prompt_logprobs
     error = _refusal({"messages": MESSAGES, "prompt_logprobs": 1, "stream": True})
     assert (error.status, error.param) == (400, "prompt_logprobs")
+
+
+def test_a_prompts_choices_share_one_group_and_follow_its_engine() -> None:
+    """Under round-robin the choices would spread over the engines; following the first keeps
+    them on its engine, where its prompt blocks are cached, with their load counted there."""
+    jobs = _jobs({"prompt": ["a", "b"], "n": 2})
+    groups = [job.group for job in jobs]
+    assert groups[0] is groups[1] and groups[2] is groups[3] and groups[0] is not groups[2]
+    assert _jobs({"prompt": "a"})[0].group is None
+    router = RequestRouter(3, 16, RouterPolicy.ROUND_ROBIN)
+    prompt = list(range(20))
+    first = router.choose(prompt, 30, None, [True] * 3, None, [False] * 3)
+    followers = [router.follow(first.engine_idx, prompt, 30) for _ in range(3)]
+    assert {decision.engine_idx for decision in followers} == {first.engine_idx}
+    assert router.decisions[first.engine_idx] == 4
+    assert router.load.outstanding_tokens[first.engine_idx] == 4 * 30
+    for decision in [first, *followers]:
+        router.release(decision, is_decoding=False)
+    router.check_invariants()
+    assert router.load.outstanding_tokens == [0, 0, 0]
