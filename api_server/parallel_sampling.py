@@ -11,7 +11,9 @@ preemption, recovery and aborts need no parent/child bookkeeping. This is vLLM v
 front end's ParentRequest). What is not shared: the prompt's last, partial block, which every
 choice computes itself (it is where they diverge). With several engines, a prompt's choices share
 one ChoiceGroup: the first choice is routed as any request is, and the others follow it to its
-engine (EnginePool.generate), whatever the policy, so they find its blocks there.
+engine (EnginePool.generate), whatever the policy, so they find its blocks there. Without prefix
+caching (--no-enable-prefix-caching), or with prompt_logprobs (which reads no cache), each choice
+computes the prompt itself.
 """
 
 import hashlib

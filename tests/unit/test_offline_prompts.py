@@ -122,8 +122,10 @@ def test_outputs_have_vllms_fields() -> None:
         "prompt_token_ids",
         "outputs",
         "finished",
+        "prompt_logprobs",
     ]
     assert output.finished and output.outputs[0].logprobs is None
+    assert output.prompt_logprobs is None
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
         "index",
         "text",
