@@ -35,6 +35,8 @@ BUSY_PREFIXES = ("engine busy", "client busy")
 BAD_REQUEST_PATTERN = re.compile(r"prompt|vocabulary|sampling parameters|max_model_len")
 # The SamplingParams fields of token rules, as they are built once per body (the choices share them)
 TokenRules = dict[str, object]
+# The engine names the sampling field whose token id is out of the vocabulary (validation.py)
+TOKEN_FIELD_PATTERN = re.compile(r"^(stop_token_ids|logit_bias|allowed_token_ids|bad_words) token")
 PARAM_PATTERN = re.compile(r"`\$\.(?:sampling_params\[(\d+)\]|(\w+))")
 
 
@@ -398,5 +400,8 @@ def engine_refusal(error: str | None) -> ApiError:
     if message.startswith(BUSY_PREFIXES):
         return ApiError(503, message, code="engine_busy")
     if BAD_REQUEST_PATTERN.search(message):
+        field = TOKEN_FIELD_PATTERN.match(message)
+        if field is not None:
+            return ApiError(400, message, param=field.group(1))
         return ApiError(400, message, param="prompt" if "prompt" in message else None)
     return ApiError(500, message)

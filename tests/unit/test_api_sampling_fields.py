@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from api_server.engine_requests import chat_jobs, completion_jobs
+from api_server.engine_requests import chat_jobs, completion_jobs, engine_refusal
 from api_server.errors import ApiError
 from api_server.generation_config import (
     NO_DEFAULTS,
@@ -222,3 +222,14 @@ def test_a_prompts_choices_share_one_group_and_follow_its_engine() -> None:
         router.release(decision, is_decoding=False)
     router.check_invariants()
     assert router.load.outstanding_tokens == [0, 0, 0]
+
+
+def test_an_engines_refusal_of_a_token_id_names_the_field() -> None:
+    """Before any engine reported its vocabulary the front end cannot check: the engine does."""
+    error = engine_refusal(
+        "logit_bias token id 9999 of 'c-0' is out of the vocabulary: expected 0 <= id < 512"
+    )
+    assert (error.status, error.param) == (400, "logit_bias")
+    assert engine_refusal("token id 600 in the prompt of 'c-0' is out of the vocabulary").param == (
+        "prompt"
+    )
