@@ -57,6 +57,7 @@ class EngineJob:
     is_prompt_counted: bool = True  # false for a prompt's choices past the first (usage)
     has_prompt_logprobs: bool = False  # shown in vLLM's prompt_logprobs shape
     group: ChoiceGroup | None = None  # shared by a prompt's choices when n > 1: one engine
+    is_echo_scored: bool = False  # echo with logprobs: the prompt's logprobs lead the output's
 
 
 def new_response_id(prefix: str) -> str:
@@ -154,11 +155,22 @@ def _sampling_params(
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=_or(body.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=num_logprobs,
-            prompt_logprobs=body.prompt_logprobs,
+            prompt_logprobs=_num_prompt_logprobs(body, num_logprobs),
             **rules,  # type: ignore[arg-type]  # checked with every bound by _checked
         )
     except ValueError as exc:  # __post_init__: min_tokens above max_tokens
         raise bad_param("min_tokens", str(exc)) from None
+
+
+def _num_prompt_logprobs(
+    body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None
+) -> int | None:
+    """The engine's prompt_logprobs: the request's own, or as many alternatives as its
+    logprobs when a completion echoes its prompt with logprobs (the most of both)."""
+    asked = body.prompt_logprobs
+    if isinstance(body, CompletionRequest) and body.echo and num_logprobs is not None:
+        return num_logprobs if asked is None else max(asked, num_logprobs)
+    return asked
 
 
 def _checked(request: EngineCoreRequest) -> EngineCoreRequest:
@@ -266,6 +278,7 @@ def completion_jobs(
             )
             job.request = _with_seed(job.request, choice_seed(body.seed, choice_idx))
             job.echo_text = echo_text
+            job.is_echo_scored = body.echo and body.logprobs is not None
             job.is_prompt_counted = choice_idx == 0
             job.group = group
             jobs.append(job)

@@ -74,6 +74,31 @@ class ChoiceLogprobs:
     def whole(self) -> dict[str, list]:
         return self._whole
 
+    def whole_after_prompt(
+        self, prompt_token_ids: list[int], prompt_logprobs: TokenLogprobs
+    ) -> dict[str, list]:
+        """Completions' whole logprobs led by the echoed prompt's (vLLM's echo with logprobs):
+        the first prompt token has none (null), each other its own and the top N; text_offset
+        counts the prompt tokens' texts, then the output's as before, shifted past them."""
+        if self.is_chat or len(prompt_logprobs.token_ids) != len(prompt_token_ids) - 1:
+            raise ValueError(
+                f"{len(prompt_logprobs.token_ids)} prompt logprob rows for a completion prompt of "
+                f"{len(prompt_token_ids)} tokens: expected one fewer"
+            )
+        texts = self.tokenizer.token_texts(prompt_token_ids)
+        offsets = [0]
+        for text in texts[:-1]:
+            offsets.append(offsets[-1] + len(text))
+        prompt_part = ChoiceLogprobs(self.tokenizer, False, self.num_top).push(prompt_logprobs)
+        shift = offsets[-1] + len(texts[-1])
+        whole = self._whole
+        return {
+            "tokens": [texts[0], *prompt_part["tokens"], *whole["tokens"]],
+            "token_logprobs": [None, *prompt_part["token_logprobs"], *whole["token_logprobs"]],
+            "top_logprobs": [None, *prompt_part["top_logprobs"], *whole["top_logprobs"]],
+            "text_offset": [*offsets, *(offset + shift for offset in whole["text_offset"])],
+        }
+
 
 def prompt_logprobs_json(
     tokenizer: PromptTokenizer, entries: TokenLogprobs

@@ -69,8 +69,8 @@ class _GenerationRequest(_Lenient, kw_only=True):
     add_special_tokens: bool | None = None
     # Known, and accepted only at the value that asks for the default behaviour
     best_of: int | None = None  # null or n
-    # Completions: the prompt's text before the output (without logprobs, as the prompt's are
-    # not computed); chat (vLLM's meaning, echoing the last message): false
+    # Completions: the prompt's text before the output (with logprobs, the prompt's lead the
+    # output's, streamed: no); chat (vLLM's meaning, echoing the last message): false
     echo: bool = False
     # OpenAI's: token id (a string of an int, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
@@ -162,11 +162,11 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.stream:
             raise bad_param(
                 "echo",
-                "echo=true with logprobs would need the prompt's logprobs, which kvserve does not "
-                "compute: expected echo=false or logprobs=null",
+                "echo=true with logprobs is not streamed (the prompt's logprobs come with the "
+                "first token): expected echo=false, logprobs=null or stream=false",
             )
         if self.suffix:
             raise bad_param("suffix", "suffix is not supported: expected null")

@@ -55,6 +55,8 @@ class ChoiceState:
     # usage counts a prompt once, however many choices (n) it has: false for all but the first
     is_prompt_counted: bool = True
     prompt_logprobs: TokenLogprobs | None = None  # the engine's, from the first output
+    # echo with logprobs: the prompt's ids, whose logprobs lead the output's; None otherwise
+    echo_prompt_ids: list[int] | None = None
 
     def absorb(self, output: EngineCoreOutput) -> ChoicePiece:
         """The piece this output adds; a stop string found in it ends the choice ("stop")."""
@@ -203,6 +205,7 @@ class Serving:
             job.request.sampling_params.min_tokens,
             logprobs,
             is_prompt_counted=job.is_prompt_counted,
+            echo_prompt_ids=job.prompt_token_ids if job.is_echo_scored else None,
         )
         if job.echo_text:
             state.text.append(job.echo_text)
@@ -224,13 +227,7 @@ class Serving:
         else:
             states = await self._collect_all(jobs, shape.is_chat)
         choices = [
-            shape.choice(
-                s.index,
-                "".join(s.text),
-                s.finish_reason,
-                is_chunk=False,
-                logprobs=None if s.logprobs is None else s.logprobs.whole(),
-            )
+            shape.choice(s.index, "".join(s.text), s.finish_reason, False, self._whole_logprobs(s))
             for s in states
         ]
         response = shape.envelope(choices, is_chunk=False)
@@ -243,6 +240,15 @@ class Serving:
                 for choice, prompt_logprobs in zip(choices, shaped, strict=True):
                     choice["prompt_logprobs"] = prompt_logprobs
         return response
+
+    @staticmethod
+    def _whole_logprobs(state: ChoiceState) -> dict | None:
+        """A choice's logprobs; led by its prompt's when it echoes the prompt with logprobs."""
+        if state.logprobs is None:
+            return None
+        if state.echo_prompt_ids is None or state.prompt_logprobs is None:
+            return state.logprobs.whole()
+        return state.logprobs.whole_after_prompt(state.echo_prompt_ids, state.prompt_logprobs)
 
     def _prompt_logprobs(self, state: ChoiceState) -> list | None:
         """The choice's prompt logprobs in vLLM's shape; None when the engine sent none (the

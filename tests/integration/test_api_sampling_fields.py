@@ -192,6 +192,17 @@ def test_prompt_logprobs_in_vllms_shape_on_completions_and_chat(served: str) -> 
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **body)  # type: ignore[arg-type]
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "prompt_logprobs"
+    # echo with logprobs: the prompt's tokens lead, the first without a logprob
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3, temperature=0.0
+    )
+    scored = echoed.choices[0].logprobs
+    assert scored is not None and echoed.choices[0].text.startswith(PROMPT)
+    assert len(scored.tokens) == len(prompt_ids) + 3  # type: ignore[arg-type]
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None  # type: ignore[index]
+    assert "".join(scored.tokens[: len(prompt_ids)]) == PROMPT  # type: ignore[index]
+    own = entries[1][str(prompt_ids[1])]["logprob"]
+    assert scored.token_logprobs[1] == pytest.approx(own)  # type: ignore[index]
 
 
 @pytest.mark.timeout(300)

@@ -166,10 +166,13 @@ def test_a_known_parameter_kvserve_cannot_honour_is_a_400_naming_it(
         assert all(word in error.message for word in words), error.message
 
 
-def test_echo_with_logprobs_is_a_400_as_the_prompts_are_not_computed() -> None:
-    error = _refusal({"prompt": "x", "echo": True, "logprobs": 1})
+def test_echo_with_logprobs_is_a_400_when_streamed() -> None:
+    """The prompt's logprobs come with the first token, after the echoed text was streamed."""
+    error = _refusal({"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
     assert (error.status, error.param) == (400, "echo")
-    assert "expected echo=false or logprobs=null" in error.message
+    assert "expected echo=false, logprobs=null or stream=false" in error.message
+    _, params = _prompt_and_params({"prompt": "x", "echo": True, "logprobs": 1})
+    assert params.prompt_logprobs == 1  # not streamed: the prompt is scored
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ def _refusal(body: str, decoder: msgspec.json.Decoder = COMPLETION_DECODER) -> A
             '{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}',
             "stream_options.include_usage",
         ),
-        ('{"prompt": "x", "echo": true, "logprobs": 0}', "echo"),
+        ('{"prompt": "x", "echo": true, "logprobs": 0, "stream": true}', "echo"),
         ('{"prompt": "x", "logprobs": 21}', "logprobs"),
         ('{"prompt": "x", "logprobs": -1}', "logprobs"),
         ('{"prompt": "x", "priority": 3000000000}', "priority"),

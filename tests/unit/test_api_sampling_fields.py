@@ -15,7 +15,7 @@ from api_server.generation_config import (
     load_generation_defaults,
     log_generation_defaults,
 )
-from api_server.logprobs import prompt_logprobs_json
+from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
 from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.parallel_sampling import choice_seed
 from api_server.request_router import RequestRouter, RouterPolicy
@@ -233,3 +233,19 @@ def test_an_engines_refusal_of_a_token_id_names_the_field() -> None:
     assert engine_refusal("token id 600 in the prompt of 'c-0' is out of the vocabulary").param == (
         "prompt"
     )
+
+
+def test_echoed_prompt_logprobs_lead_the_outputs() -> None:
+    """vLLM's echo with logprobs: the first prompt token has none, offsets run on through the
+    output's tokens."""
+    shaper = ChoiceLogprobs(TOKENIZER, is_chat=False, num_top=1)
+    shaper.push(TokenLogprobs([[90, 91]], [[-0.5, -1.5]], [1]))
+    prompt = TokenLogprobs([[66, 65], [67, 67]], [[-2.0, -0.25], [-0.1, -0.1]], [2, 1])
+    assert shaper.whole_after_prompt([65, 66, 67], prompt) == {
+        "tokens": ["A", "B", "C", "Z"],
+        "token_logprobs": [None, -2.0, -0.1, -0.5],
+        "top_logprobs": [None, {"B": -2.0, "A": -0.25}, {"C": -0.1}, {"Z": -0.5, "[": -1.5}],
+        "text_offset": [0, 1, 2, 3],
+    }
+    with pytest.raises(ValueError, match="expected one fewer"):
+        shaper.whole_after_prompt([65, 66], prompt)
