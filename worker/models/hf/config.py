@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.models.hf.quantization import Fp8Scheme, QuantizationError, read_quantization
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROPE_TYPES_WITH_ORIGINAL_LEN = ("llama3", "yarn")  # default it to max_position_embeddings
@@ -63,6 +65,7 @@ class HFConfig:
     sliding_windows: tuple[int | None, ...]  # per layer: tokens read, the current one included
     dtype: str  # the checkpoint's torch_dtype (float32 when it names none)
     eos_token_ids: tuple[int, ...]
+    quantization: Fp8Scheme | None = None  # fp8 weights and how their scales are stored
 
 
 def is_checkpoint(model: str) -> bool:
@@ -136,11 +139,12 @@ def read_hf_config(path: str) -> HFConfig:
         sliding_windows=_sliding_windows(raw, architecture, num_layers),
         dtype=_dtype(raw),
         eos_token_ids=_eos_token_ids(folder, raw),
+        quantization=_quantization(raw),
     )
 
 
 def _architecture(raw: dict) -> str:
-    """The one supported architecture config.json names, refusing quantized or non-SiLU ones."""
+    """The one supported architecture config.json names, refusing non-SiLU ones."""
     architectures = raw.get("architectures")
     if not isinstance(architectures, list) or len(architectures) != 1:
         raise CheckpointError(
@@ -150,16 +154,16 @@ def _architecture(raw: dict) -> str:
         raise CheckpointError(
             f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
         )
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise CheckpointError(
-            f"config.json quantization_config (quant_method={method!r}): quantized weights are "
-            "not supported, expected float32, bfloat16 or float16 weights"
-        )
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: expected 'silu'")
     return architectures[0]
+
+
+def _quantization(raw: dict) -> Fp8Scheme | None:
+    try:
+        return read_quantization(raw)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _rope(raw: dict) -> RopeConfig:
