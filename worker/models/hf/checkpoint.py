@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.models.hf.config import CheckpointError, HFConfig, read_hf_config
+from worker.models.hf.gguf_file import GGUFError, check_types, is_gguf, tensor_types
 from worker.models.hf.quantization import FP8_DTYPE, SCALE_DTYPES, is_activation_scale
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,7 +49,13 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
     """Every tensor of the checkpoint: through the index when there is one, else in
     model.safetensors, else in each *.safetensors file of the folder. A tensor in two files, or
-    not in the file the index names, is refused."""
+    not in the file the index names, is refused. A GGUF file's tensors are named as Hugging Face
+    names them, with their ggml type names (Q8_0, ...) as dtypes."""
+    if is_gguf(str(folder)):
+        return {
+            name: TensorEntry(folder, dtype, shape)
+            for name, (dtype, shape) in tensor_types(str(folder)).items()
+        }
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -163,7 +170,9 @@ def check_tensors(config: HFConfig, entries: dict[str, TensorEntry]) -> None:
                     f"expected a float scale of shape one of {[list(s) for s in scales[tensor]]}"
                 )
             continue
-        if entry.dtype not in FLOAT_DTYPES and not _is_fp8_weight(config, entry, shape):
+        if is_gguf(config.path):
+            pass  # check_types has named any type that cannot be dequantized
+        elif entry.dtype not in FLOAT_DTYPES and not _is_fp8_weight(config, entry, shape):
             raise CheckpointError(
                 f"tensor {tensor} has dtype {entry.dtype}: expected one of {list(FLOAT_DTYPES)}, "
                 f"or {FP8_DTYPE} matrices with an fp8 quantization_config (other quantized "
@@ -219,5 +228,10 @@ def check_checkpoint(path: str, tp_size: int) -> HFConfig:
     """
     config = read_hf_config(path)
     check_tp_split(config, tp_size)
+    if is_gguf(path):
+        try:
+            check_types(path, expected_shapes(config))
+        except GGUFError as exc:
+            raise CheckpointError(str(exc)) from None
     check_tensors(config, tensor_entries(Path(path)))
     return config

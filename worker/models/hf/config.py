@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.models.hf.gguf_file import GGUFError, gguf_raw_config, is_gguf
 from worker.models.hf.quantization import Fp8Scheme, QuantizationError, read_quantization
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -69,8 +70,9 @@ class HFConfig:
 
 
 def is_checkpoint(model: str) -> bool:
-    """Whether `--model` names a folder holding config.json rather than a built-in model."""
-    return (Path(model) / "config.json").is_file()
+    """Whether `--model` names a folder holding config.json, or a GGUF file, rather than a
+    built-in model."""
+    return (Path(model) / "config.json").is_file() or is_gguf(model)
 
 
 def _read_json(path: Path) -> dict:
@@ -104,7 +106,7 @@ def _number(raw: dict, key: str, default: float | None = None, where: str = "con
 def read_hf_config(path: str) -> HFConfig:
     """Parse and check the folder's config.json; CheckpointError on anything unsupported."""
     folder = Path(path)
-    raw = _read_json(folder / "config.json")
+    raw = _gguf_raw_config(path) if is_gguf(path) else _read_json(folder / "config.json")
     architecture = _architecture(raw)
     hidden_size, num_heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
     num_layers = _int(raw, "num_hidden_layers")
@@ -157,6 +159,13 @@ def _architecture(raw: dict) -> str:
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: expected 'silu'")
     return architectures[0]
+
+
+def _gguf_raw_config(path: str) -> dict:
+    try:
+        return gguf_raw_config(path)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _quantization(raw: dict) -> Fp8Scheme | None:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from worker.models.hf.checkpoint import TensorEntry, tensor_entries
 from worker.models.hf.config import HFConfig
+from worker.models.hf.gguf_file import is_gguf, read_tensor
 from worker.models.hf.linear import pack
 from worker.models.hf.quantization import FP8_DTYPE, Fp8Scheme, dequantize
 
@@ -169,6 +170,26 @@ class TensorReader:
         return self.read_merged(parts) if is_present else None
 
 
+class GGUFTensorReader(TensorReader):
+    """Reads a GGUF file's tensors by their Hugging Face names, dequantizing this rank's slices
+    (gguf_file.py); a llama's q and k rows come back in Hugging Face's order."""
+
+    def __init__(self, config: HFConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__({}, contextlib.ExitStack(), device, dtype)
+        self.path = config.path
+        # llama.cpp permutes a llama's q and k rows within each head (q: query heads, k: KV heads)
+        self.permuted_heads = (
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+            if config.architecture == "LlamaForCausalLM"
+            else {}
+        )
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+        values = read_tensor(self.path, name, rows, cols, self.permuted_heads.get(module))
+        return torch.from_numpy(values).to(device=self.device, dtype=self.dtype).contiguous()
+
+
 def _whole(part: slice | None, size: int) -> slice:
     return slice(0, size) if part is None else slice(part.start or 0, part.stop)
 
@@ -177,9 +198,12 @@ def load_rank_weights(
     config: HFConfig, shard: RankShard, device: torch.device, dtype: torch.dtype
 ) -> DecoderWeights:
     """This rank's weights; the checkpoint must have passed check_checkpoint."""
-    entries = tensor_entries(Path(config.path))
     with contextlib.ExitStack() as stack:
-        reader = TensorReader(entries, stack, device, dtype, config.quantization)
+        if is_gguf(config.path):
+            reader = GGUFTensorReader(config, device, dtype)
+        else:
+            entries = tensor_entries(Path(config.path))
+            reader = TensorReader(entries, stack, device, dtype, config.quantization)
         layers = [_layer(config, shard, reader, i) for i in range(config.num_layers)]
         embed = reader.read("model.embed_tokens.weight")
         # tied, the packed head is a second copy of the embedding where packing applies
