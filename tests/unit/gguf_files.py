@@ -131,13 +131,50 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_gguf(path: Path, seed: int = 0, pre: str = "qwen2", add_bos: bool = False) -> None:
-    """A random Llama as llama.cpp would convert it, to `path`."""
-    bpe = json.loads(train_tokenizer().to_str())["model"]
-    tokens = [token for token, _ in sorted(bpe["vocab"].items(), key=lambda item: item[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
-    tokens += SPECIAL_TOKENS
-    token_types = [1] * (len(tokens) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS)
+def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """A Llama-2-style vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then pieces learned on
+    CORPUS with "\u2581" for spaces, best first (score -rank); with each token's type."""
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=[], show_progress=False)
+    trained.train_from_iterator(CORPUS, trainer)
+    pieces = sorted(trained.get_vocab().items(), key=lambda item: item[1])
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256))]
+    types = [2, 3, 3, *([6] * 256)]  # unknown, control, byte
+    scores = [0.0] * len(tokens)
+    for rank, (piece, _) in enumerate(pieces):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(rank))
+    for special in SPECIAL_TOKENS[1:]:  # ChatML's markers, as control tokens
+        tokens.append(special)
+        types.append(3)
+        scores.append(0.0)
+    return tokens, scores, types
+
+
+def write_gguf(
+    path: Path,
+    seed: int = 0,
+    pre: str = "qwen2",
+    add_bos: bool | None = False,
+    tokenizer: str = "gpt2",
+) -> None:
+    """A random Llama as llama.cpp would convert it, to `path`; `tokenizer` "gpt2" (byte-level BPE
+    with merges, split as `pre` names) or "llama" (SentencePiece pieces and scores, no merges).
+    `add_bos` None leaves the key out of the file."""
+    if tokenizer == "gpt2":
+        bpe = json.loads(train_tokenizer().to_str())["model"]
+        tokens = [token for token, _ in sorted(bpe["vocab"].items(), key=lambda item: item[1])]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
+        tokens += SPECIAL_TOKENS
+        token_types = [1] * (len(tokens) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS)
+        scores = None
+        bos, eos = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
+    else:
+        tokens, scores, token_types = sentencepiece_vocabulary()
+        merges = None
+        bos, eos = 1, tokens.index("<|im_end|>")
     config = transformers.LlamaConfig(vocab_size=len(tokens), **SHAPE)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -154,14 +191,18 @@ def write_gguf(path: Path, seed: int = 0, pre: str = "qwen2", add_bos: bool = Fa
     writer.add_rope_freq_base(SHAPE["rope_theta"])
     writer.add_rope_dimension_count(SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    writer.add_tokenizer_model(tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_add_bos_token(add_bos)
+    if merges is not None:
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_merges(merges)
+    if scores is not None:
+        writer.add_token_scores(scores)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
 
     def add(name: str, values: np.ndarray, qtype: T) -> None:

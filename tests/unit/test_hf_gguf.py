@@ -95,6 +95,22 @@ def test_a_bos_is_added_where_the_file_says(tmp_path: Path) -> None:
     assert ours.encode(TEXTS[0])[0] == ours.bos_token_id
 
 
+def test_a_sentencepiece_vocabulary_equals_transformers(tmp_path: Path) -> None:
+    """Llama 2 / Mistral style: no merges in the file (derived from the scores), a BOS by
+    default, bytes of characters no piece covers as <0xNN> tokens."""
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, add_bos=None, tokenizer="llama")
+    theirs, ours = hf_gguf_tokenizer(path), CheckpointTokenizer(path)
+    for text in [*TEXTS, "  two leading spaces", "the\tquick\n"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("the")[0] == ours.bos_token_id == 1
+    rendered = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert ours.render_chat(MESSAGES) == expected
+
+
 def test_greedy_tokens_equal_transformers_on_the_same_file(gguf_case: tuple[Path, list]) -> None:
     path, references = gguf_case
     work = workload(path, max_num_batched_tokens=12, async_scheduling=True)
@@ -163,10 +179,10 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path) -> None:
     _tiny_gguf(other_arch, arch="falcon")
     with pytest.raises(CheckpointError, match=r"general\.architecture='falcon'"):
         check_checkpoint(str(other_arch), 1)
-    sentencepiece = tmp_path / "spm.gguf"
-    _tiny_gguf(sentencepiece, tokenizer_model="llama")
-    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama'"):
-        gguf_tokenizer(str(sentencepiece))
+    unigram = tmp_path / "t5.gguf"
+    _tiny_gguf(unigram, tokenizer_model="t5")
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='t5'"):
+        gguf_tokenizer(str(unigram))
     not_gguf = tmp_path / "broken.gguf"
     not_gguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="cannot read"):
