@@ -84,6 +84,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> WorkerConfig:
     """A built-in model name, or a checkpoint folder this worker can serve at `tp_size` (the
     config's when None): its config.json and safetensors headers are read here, so a bad one
@@ -102,6 +105,18 @@ def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> Worker
             f"--model {config.model}: expected one of {list(MODEL_NAMES)} or a folder holding "
             "config.json"
         )
+    if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        if not is_checkpoint(config.model):
+            raise UsageError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} with --model {config.model}: expected "
+                "a checkpoint (the built-in models' tokens need their KV exact)"
+            )
+        if config.attention_backend == "triton":
+            raise UsageError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} with --attention-backend triton: "
+                "expected --attention-backend auto, blocks or reference (the Triton kernels "
+                "read 16- and 32-bit caches only)"
+            )
     return config
 
 
