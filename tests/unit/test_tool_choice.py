@@ -202,3 +202,29 @@ def test_a_forcing_choice_puts_its_schema_on_the_engine_request() -> None:
         AUTO,
     )  # type: ignore[arg-type]
     assert plain.request.sampling_params.structured_outputs is None
+
+
+def test_a_forcing_choice_beside_another_constraint_is_a_400() -> None:
+    """Two constraints cannot both hold: a reply constrained by response_format as well would
+    match neither schema for sure."""
+    import msgspec
+
+    from api_server.engine_requests import _apply_plan
+    from protocol.sampling import StructuredOutputs
+
+    job = chat_job(
+        parse_body(json.dumps({"messages": MESSAGES}).encode(), CHAT_DECODER),  # type: ignore[arg-type]
+        TOKENIZER,
+        "chat-t",
+        4096,
+        AUTO,
+    )
+    params = msgspec.structs.replace(
+        job.request.sampling_params, structured_outputs=StructuredOutputs(json_object=True)
+    )
+    job.request = msgspec.structs.replace(job.request, sampling_params=params)
+    plan = _plan(tools=TOOLS, tool_choice="required")
+    assert plan is not None
+    with pytest.raises(ApiError) as refused:
+        _apply_plan(job, plan)
+    assert (refused.value.status, refused.value.param) == (400, "tool_choice")
