@@ -359,6 +359,13 @@ def _api_settings(
             f"--model {base_worker.model}: no tokenizer.json in the checkpoint: expected one, "
             "or --tokenizer DIR naming a folder that holds one"
         )
+    if args.tokenizer is None and model_folder.suffix == ".gguf" and model_folder.is_file():
+        from api_server.gguf_tokenizer import gguf_tokenizer
+
+        try:
+            gguf_tokenizer(str(model_folder))
+        except ValueError as exc:
+            raise UsageError(f"--model {base_worker.model}: {exc}") from None
     if args.chat_template is not None:
         extra["chat_template"] = _chat_template_source(args.chat_template)
     extra["is_request_chat_template_trusted"] = args.trust_request_chat_template

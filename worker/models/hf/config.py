@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.models.hf.gguf_file import GGUFError, gguf_raw_config, is_gguf
+from worker.models.hf.quantization import Fp8Scheme, QuantizationError, read_quantization
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROPE_TYPES_WITH_ORIGINAL_LEN = ("llama3", "yarn")  # default it to max_position_embeddings
@@ -63,11 +66,13 @@ class HFConfig:
     sliding_windows: tuple[int | None, ...]  # per layer: tokens read, the current one included
     dtype: str  # the checkpoint's torch_dtype (float32 when it names none)
     eos_token_ids: tuple[int, ...]
+    quantization: Fp8Scheme | None = None  # fp8 weights and how their scales are stored
 
 
 def is_checkpoint(model: str) -> bool:
-    """Whether `--model` names a folder holding config.json rather than a built-in model."""
-    return (Path(model) / "config.json").is_file()
+    """Whether `--model` names a folder holding config.json, or a GGUF file, rather than a
+    built-in model."""
+    return (Path(model) / "config.json").is_file() or is_gguf(model)
 
 
 def _read_json(path: Path) -> dict:
@@ -101,7 +106,7 @@ def _number(raw: dict, key: str, default: float | None = None, where: str = "con
 def read_hf_config(path: str) -> HFConfig:
     """Parse and check the folder's config.json; CheckpointError on anything unsupported."""
     folder = Path(path)
-    raw = _read_json(folder / "config.json")
+    raw = _gguf_raw_config(path) if is_gguf(path) else _read_json(folder / "config.json")
     architecture = _architecture(raw)
     hidden_size, num_heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
     num_layers = _int(raw, "num_hidden_layers")
@@ -136,11 +141,12 @@ def read_hf_config(path: str) -> HFConfig:
         sliding_windows=_sliding_windows(raw, architecture, num_layers),
         dtype=_dtype(raw),
         eos_token_ids=_eos_token_ids(folder, raw),
+        quantization=_quantization(raw),
     )
 
 
 def _architecture(raw: dict) -> str:
-    """The one supported architecture config.json names, refusing quantized or non-SiLU ones."""
+    """The one supported architecture config.json names, refusing non-SiLU ones."""
     architectures = raw.get("architectures")
     if not isinstance(architectures, list) or len(architectures) != 1:
         raise CheckpointError(
@@ -150,16 +156,23 @@ def _architecture(raw: dict) -> str:
         raise CheckpointError(
             f"config.json architectures={architectures!r}: expected one of {list(ARCHITECTURES)}"
         )
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise CheckpointError(
-            f"config.json quantization_config (quant_method={method!r}): quantized weights are "
-            "not supported, expected float32, bfloat16 or float16 weights"
-        )
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: expected 'silu'")
     return architectures[0]
+
+
+def _gguf_raw_config(path: str) -> dict:
+    try:
+        return gguf_raw_config(path)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _quantization(raw: dict) -> Fp8Scheme | None:
+    try:
+        return read_quantization(raw)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _rope(raw: dict) -> RopeConfig:

@@ -17,7 +17,9 @@ from safetensors import safe_open
 
 from worker.models.hf.checkpoint import TensorEntry, tensor_entries
 from worker.models.hf.config import HFConfig
+from worker.models.hf.gguf_file import is_gguf, read_tensor
 from worker.models.hf.linear import pack
+from worker.models.hf.quantization import FP8_DTYPE, Fp8Scheme, dequantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,25 +115,45 @@ class TensorReader:
         stack: contextlib.ExitStack,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: Fp8Scheme | None = None,
     ) -> None:
         self.entries = entries
+        self.quantization = quantization
         self.stack = stack
         self.device = device
         self.dtype = dtype
         self.files: dict[Path, object] = {}
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        file = self.entries[name].file
-        if file not in self.files:
-            self.files[file] = self.stack.enter_context(safe_open(str(file), framework="pt"))
-        view = self.files[file].get_slice(name)
+        view = self._view(name)
         if cols is not None:
             part = view[:, cols]
         elif rows is not None:
             part = view[rows]
         else:
             part = view[:]
+        if self.entries[name].dtype == FP8_DTYPE and self.quantization is not None:
+            # dequantized here, on the host, one rank's slice at a time
+            shape = self.entries[name].shape
+            part = dequantize(
+                part,
+                self._file(self.quantization.scale_name(name)).get_tensor(
+                    self.quantization.scale_name(name)
+                ),
+                self.quantization.block,
+                _whole(rows, shape[0]),
+                _whole(cols, shape[1]),
+            )
         return part.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _view(self, name: str):
+        return self._file(name).get_slice(name)
+
+    def _file(self, name: str):
+        file = self.entries[name].file
+        if file not in self.files:
+            self.files[file] = self.stack.enter_context(safe_open(str(file), framework="pt"))
+        return self.files[file]
 
     def read_if(
         self, is_present: bool, name: str, rows: slice | None = None
@@ -148,13 +170,40 @@ class TensorReader:
         return self.read_merged(parts) if is_present else None
 
 
+class GGUFTensorReader(TensorReader):
+    """Reads a GGUF file's tensors by their Hugging Face names, dequantizing this rank's slices
+    (gguf_file.py); a llama's q and k rows come back in Hugging Face's order."""
+
+    def __init__(self, config: HFConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__({}, contextlib.ExitStack(), device, dtype)
+        self.path = config.path
+        # llama.cpp permutes a llama's q and k rows within each head (q: query heads, k: KV heads)
+        self.permuted_heads = (
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+            if config.architecture == "LlamaForCausalLM"
+            else {}
+        )
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+        values = read_tensor(self.path, name, rows, cols, self.permuted_heads.get(module))
+        return torch.from_numpy(values).to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _whole(part: slice | None, size: int) -> slice:
+    return slice(0, size) if part is None else slice(part.start or 0, part.stop)
+
+
 def load_rank_weights(
     config: HFConfig, shard: RankShard, device: torch.device, dtype: torch.dtype
 ) -> DecoderWeights:
     """This rank's weights; the checkpoint must have passed check_checkpoint."""
-    entries = tensor_entries(Path(config.path))
     with contextlib.ExitStack() as stack:
-        reader = TensorReader(entries, stack, device, dtype)
+        if is_gguf(config.path):
+            reader = GGUFTensorReader(config, device, dtype)
+        else:
+            entries = tensor_entries(Path(config.path))
+            reader = TensorReader(entries, stack, device, dtype, config.quantization)
         layers = [_layer(config, shard, reader, i) for i in range(config.num_layers)]
         embed = reader.read("model.embed_tokens.weight")
         # tied, the packed head is a second copy of the embedding where packing applies
