@@ -45,7 +45,7 @@ class OutputPlan:
         """Whether the tool format's tags are special tokens that the text must keep."""
         if self.tool_mode is not ToolMode.AUTO or self.tool_call_parser is None:
             return False
-        return TOOL_PARSERS[self.tool_call_parser].needs_special_tokens  # type: ignore[attr-defined]
+        return TOOL_PARSERS[self.tool_call_parser].needs_special_tokens
 
     def parser(self) -> "ChatOutputParser":
         return ChatOutputParser(self)

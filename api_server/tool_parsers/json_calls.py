@@ -1,7 +1,7 @@
-"""The formats whose calls are bare JSON after an optional tag: JsonArrayToolParser (mistral's
-`[TOOL_CALLS][{...}, ...]`, and the array that tool_choice "required" constrains a reply to) and
-Llama3JsonToolParser (`<|python_tag|>{...}; {...}`, or a reply that opens with `{`). Text before
-the calls is content; so is text after them, unless blank.
+"""The formats whose calls are bare JSON after an optional tag: JsonArrayToolParser (as
+MistralToolParser, `[TOOL_CALLS][{...}, ...]`; with no tag, the array that tool_choice
+"required" constrains a reply to) and Llama3JsonToolParser (`<|python_tag|>{...}; {...}`, or a
+reply that opens with `{`). Text before the calls is content; so is text after them, unless blank.
 """
 
 from api_server.tool_parsers.tool_parser import (
@@ -75,8 +75,9 @@ class JsonArrayToolParser(ToolParser):
             if isinstance(elements, list):
                 parsed.tool_calls = self._update(elements)
             return parsed
-        self._complete(region[:end], parsed)
-        self._tail = _Tail()
+        num_blank = len(self._region) - len(region)
+        self._complete(region[:end], self._region[: num_blank + end], parsed)
+        self._tail = _Tail(is_shown=self._num_begun == 0)  # after content, nothing is dropped
         parsed.content += self._tail.push(region[end:])
         return parsed
 
@@ -97,8 +98,9 @@ class JsonArrayToolParser(ToolParser):
             self._num_begun += call.has_begun and not was_begun
         return deltas
 
-    def _complete(self, array_text: str, parsed: ParsedDelta) -> None:
-        """The last deltas of every element; an array with no call in it is content."""
+    def _complete(self, array_text: str, text: str, parsed: ParsedDelta) -> None:
+        """The last deltas of every element; an array with no call in it is content (the tag
+        and `text`, the array as written)."""
         elements = loads_final(array_text)
         if not isinstance(elements, list):
             elements = []
@@ -109,7 +111,7 @@ class JsonArrayToolParser(ToolParser):
             deltas += call.complete_value(element) or []
             self._num_begun += call.has_begun and not was_begun
         if self._num_begun == 0:
-            parsed.content += (self.tag or "") + (self._region or "")
+            parsed.content += (self.tag or "") + text
         else:
             parsed.tool_calls = (parsed.tool_calls or []) + deltas
 
@@ -120,8 +122,20 @@ class JsonArrayToolParser(ToolParser):
         if self._region is None:
             parsed.content += self._scanner.finish()
         elif self._region.strip():  # the reply ended inside the array
-            self._complete(self._region.lstrip(), parsed)
+            self._complete(self._region.lstrip(), self._region, parsed)
+        else:  # the tag and blank text: no calls
+            parsed.content += (self.tag or "") + self._region
         return parsed
+
+
+class MistralToolParser(JsonArrayToolParser):
+    """`[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`; the tag is a
+    special token, so the text must keep special tokens."""
+
+    needs_special_tokens = True
+
+    def __init__(self) -> None:
+        super().__init__("[TOOL_CALLS]", ("arguments", "parameters"))
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -134,6 +148,7 @@ class Llama3JsonToolParser(ToolParser):
 
     TAG = "<|python_tag|>"
     ARGUMENTS_KEYS = ("parameters", "arguments")
+    needs_special_tokens = True  # the tag is one of Llama 3's special tokens
 
     def __init__(self) -> None:
         self._scanner = ContentScanner(self.TAG, "{")

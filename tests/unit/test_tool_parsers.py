@@ -71,6 +71,8 @@ CASES: list[tuple[str, str, str, list[Call]]] = [
     ),
     ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
     ("mistral", "half a tag [TOOL_CA", "half a tag [TOOL_CA", []),
+    ("mistral", "[TOOL_CALLS]  ", "[TOOL_CALLS]  ", []),
+    ("mistral", '[TOOL_CALLS][{"x": 1}] and more', '[TOOL_CALLS][{"x": 1}] and more', []),
 ]
 
 
