@@ -157,7 +157,9 @@ def test_the_tools_and_the_history_of_calls_reach_the_prompt() -> None:
     assert thinking_off.output_plan is None  # no thinking to split off
 
 
-def test_the_mistral_format_keeps_special_tokens_in_the_text() -> None:
-    parsing = ChatParsing("mistral", is_auto_tool_choice_enabled=True)
-    assert not _job({"tools": TOOLS}, parsing).skip_special_tokens
+def test_formats_whose_tags_are_special_tokens_keep_them_in_the_text() -> None:
+    for parser in ("mistral", "llama3_json"):
+        parsing = ChatParsing(parser, is_auto_tool_choice_enabled=True)
+        assert not _job({"tools": TOOLS}, parsing).skip_special_tokens
+        assert _job({"tools": TOOLS, "tool_choice": "none"}, parsing).skip_special_tokens
     assert _job({"tools": TOOLS}, HERMES).skip_special_tokens

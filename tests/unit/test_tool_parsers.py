@@ -3,9 +3,12 @@ character: the pieces always add up to the whole parse, text before a call stays
 call that is no JSON call stays content, and text that may begin a tag waits until it cannot.
 """
 
+import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from api_server.chat_output import ChatOutputParser, OutputPlan, ToolMode
 from api_server.reasoning_parser import ReasoningParser
@@ -229,3 +232,43 @@ def test_a_reply_without_calls_keeps_its_content_and_reason() -> None:
     parser = OutputPlan(ToolMode.AUTO, "hermes").parser()
     assert parser.message("just text") == {"role": "assistant", "content": "just text"}
     assert parser.finish_reason("stop") == "stop"
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(-1e6, 1e6, allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arguments=st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=4),
+    name=st.sampled_from(list(TOOL_PARSERS)),
+    data=st.data(),
+)
+def test_any_arguments_come_back_whole_however_the_text_is_split(
+    arguments: dict, name: str, data: st.DataObject
+) -> None:
+    """Strings holding brackets, quotes, escapes and tags' characters, numbers cut anywhere:
+    the arguments streamed add up to the whole parse, which is the arguments written."""
+    written = json.dumps(arguments, ensure_ascii=data.draw(st.booleans()))
+    reply = {
+        "hermes": f'<tool_call>{{"name": "f", "arguments": {written}}}</tool_call>',
+        "llama3_json": f'{{"name": "f", "parameters": {written}}}',
+        "mistral": f'[TOOL_CALLS][{{"name": "f", "arguments": {written}}}]',
+    }[name]
+    whole = _without_ids(_assembled([TOOL_PARSERS[name]().parse(reply)]))
+    [(call_name, text)] = whole[1]
+    assert (whole[0], call_name, json.loads(text)) == ("", "f", arguments)
+    splits = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=6)))
+    parser = TOOL_PARSERS[name]()
+    bounds = [0, *splits, len(reply)]
+    pieces = [parser.push(reply[a:b]) for a, b in itertools.pairwise(bounds)] + [parser.finish()]
+    assert _without_ids(_assembled(pieces)) == whole
