@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from api_server.chat_output import ChatParsing
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new_response_id
 from api_server.errors import ApiError
@@ -85,6 +86,9 @@ class ApiSettings:
     # --trust-request-chat-template: a request may bring its own chat_template (Jinja run in the
     # sandbox, but able to spend the front end's CPU), as vLLM allows only when told
     is_request_chat_template_trusted: bool = False
+    tool_call_parser: str | None = None  # --tool-call-parser: hermes, llama3_json or mistral
+    is_auto_tool_choice_enabled: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1
 
 
 class ApiState:
@@ -96,6 +100,11 @@ class ApiState:
         self.tokenizer = load_tokenizer(settings.model, settings.tokenizer, settings.chat_template)
         self.created = int(time.time())
         self.ignored_fields = IgnoredFields()  # unknown body fields, each logged once
+        self.chat_parsing = ChatParsing(
+            settings.tool_call_parser,
+            settings.is_auto_tool_choice_enabled,
+            settings.reasoning_parser,
+        )
         self.serving: Serving | None = None
         self.metrics: ApiMetrics | None = None
 
@@ -221,7 +230,10 @@ async def chat_completions(state: ApiState, request: Request) -> Response:
     max_model_len = serving.pool.max_model_len
 
     def build() -> list[EngineJob]:
-        return [chat_job(body, serving.tokenizer, shape.response_id, max_model_len)]
+        job = chat_job(
+            body, serving.tokenizer, shape.response_id, max_model_len, state.chat_parsing
+        )
+        return [job]
 
     jobs = await _build_jobs(num_body_bytes, build)
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from api_server.chat_output import ChatParsing, OutputPlan
 from api_server.chat_template import COMPILE_ERROR, ChatTemplateError
 from api_server.errors import ApiError, bad_param, quoted
 from api_server.openai_types import (
@@ -47,6 +48,7 @@ class EngineJob:
     skip_special_tokens: bool = True
     num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
     echo_text: str = ""  # shown before the output: the prompt's text, when echo asks for it
+    output_plan: OutputPlan | None = None  # chat: reasoning and tool calls parsed from the text
 
 
 def new_response_id(prefix: str) -> str:
@@ -181,8 +183,14 @@ def chat_job(
     tokenizer: PromptTokenizer,
     response_id: str,
     max_model_len: int | None = None,
+    chat_parsing: ChatParsing | None = None,
 ) -> EngineJob:
+    """The chat's job; `chat_parsing` (the server's parsers) decides what its reply is parsed
+    for, and a tool_choice that forces calls constrains the reply to their schema."""
     body.check_supported()
+    plan = (chat_parsing or ChatParsing()).plan(
+        body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template_kwargs
+    )
     token_ids = chat_prompt_ids(
         body.messages,
         tokenizer,
@@ -194,7 +202,29 @@ def chat_job(
         continue_final_message=body.continue_final_message,
     )
     token_ids = _checked_prompt(token_ids, tokenizer, "messages", max_model_len)
-    return _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
+    job = _job(body, 0, token_ids, response_id, max_model_len, body.num_logprobs)
+    if plan is not None:
+        _apply_plan(job, plan)
+    return job
+
+
+def _apply_plan(job: EngineJob, plan: OutputPlan) -> None:
+    """The job parsed as `plan` says: its special tokens kept where the tool format's tags are
+    ones, and its reply constrained where tool_choice forces calls."""
+    job.output_plan = plan
+    if plan.needs_special_tokens:
+        job.skip_special_tokens = False
+    if plan.constraint is None:
+        return
+    params = job.request.sampling_params
+    if params.structured_outputs is not None:
+        raise bad_param(
+            "tool_choice",
+            "a tool_choice that forces calls constrains the reply itself: expected no "
+            "response_format or structured_outputs beside it",
+        )
+    params = msgspec.structs.replace(params, structured_outputs=plan.constraint)
+    job.request = _checked(msgspec.structs.replace(job.request, sampling_params=params))
 
 
 def chat_prompt_ids(

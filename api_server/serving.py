@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from api_server.chat_output import ChatOutputParser
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
@@ -51,6 +52,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    chat_output: ChatOutputParser | None = None  # reasoning and tool calls parsed from the text
 
     def absorb(self, output: EngineCoreOutput) -> ChoicePiece:
         """The piece this output adds; a stop string found in it ends the choice ("stop")."""
@@ -110,7 +112,9 @@ class ResponseShape:
         finish_reason: str | None,
         is_chunk: bool,
         logprobs: dict | None = None,
+        message: dict | None = None,
     ) -> dict:
+        """One choice; a chat's `message` (or delta), when given, replaces the plain text's."""
         if not self.is_chat:
             return {
                 "index": index,
@@ -119,8 +123,31 @@ class ResponseShape:
                 "finish_reason": finish_reason,
             }
         key = "delta" if is_chunk else "message"
-        message = {"role": "assistant", "content": text} if not is_chunk or text else {}
+        if message is None:
+            message = {"role": "assistant", "content": text} if not is_chunk or text else {}
         return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _whole_choice(shape: ResponseShape, state: ChoiceState) -> dict:
+    text = "".join(state.text)
+    logprobs = None if state.logprobs is None else state.logprobs.whole()
+    parser, finish_reason = state.chat_output, state.finish_reason
+    if parser is None:
+        return shape.choice(state.index, text, finish_reason, is_chunk=False, logprobs=logprobs)
+    message = parser.message(text)
+    if finish_reason is not None:
+        finish_reason = parser.finish_reason(finish_reason)
+    return shape.choice(state.index, text, finish_reason, False, logprobs, message)
+
+
+def _chunk_choice(shape: ResponseShape, state: ChoiceState, piece: ChoicePiece) -> dict:
+    parser, finish_reason = state.chat_output, piece.finish_reason
+    if parser is None:
+        return shape.choice(state.index, piece.text, finish_reason, True, piece.logprobs)
+    delta = parser.delta(piece.text, is_last=finish_reason is not None)
+    if finish_reason is not None:
+        finish_reason = parser.finish_reason(finish_reason)
+    return shape.choice(state.index, piece.text, finish_reason, True, piece.logprobs, delta)
 
 
 def usage(states: list[ChoiceState]) -> dict:
@@ -195,6 +222,8 @@ class Serving:
         )
         if job.echo_text:
             state.text.append(job.echo_text)
+        if is_chat and job.output_plan is not None:
+            state.chat_output = job.output_plan.parser()
         return state
 
     async def _collect(self, job: EngineJob, is_chat: bool) -> ChoiceState:
@@ -212,16 +241,7 @@ class Serving:
             states = [await self._collect(jobs[0], shape.is_chat)]
         else:
             states = await self._collect_all(jobs, shape.is_chat)
-        choices = [
-            shape.choice(
-                s.index,
-                "".join(s.text),
-                s.finish_reason,
-                is_chunk=False,
-                logprobs=None if s.logprobs is None else s.logprobs.whole(),
-            )
-            for s in states
-        ]
+        choices = [_whole_choice(shape, s) for s in states]
         response = shape.envelope(choices, is_chunk=False)
         response["usage"] = usage(states)
         return response
@@ -280,9 +300,7 @@ class Serving:
                     piece = state.absorb(output)
                     if piece.finish_reason is not None and output.finish_reason is None:
                         await merged.close_one(position)  # a stop string: abort its request
-                    choice = shape.choice(
-                        state.index, piece.text, piece.finish_reason, True, piece.logprobs
-                    )
+                    choice = _chunk_choice(shape, state, piece)
                     chunk = shape.envelope([choice], is_chunk=True)
                     if shape.has_usage_per_chunk:
                         chunk["usage"] = usage(states)
