@@ -18,7 +18,9 @@ from bench.workload import RankResult, Workload, run_workload
 from protocol.sampling import SamplingParams
 from tests.unit.hf_checkpoints import (
     LLAMA3_ROPE,
+    MIXTRAL,
     QWEN3_MIXED_LAYERS,
+    QWEN3_MOE,
     hf_greedy,
     write_checkpoints,
 )
@@ -33,6 +35,8 @@ CASES = {
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
     "llama-llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2-biases": ("qwen2", {}),
+    "qwen3-moe": ("qwen3-moe", QWEN3_MOE),
+    "mixtral": ("mixtral", MIXTRAL),
 }
 
 
@@ -109,7 +113,8 @@ def test_greedy_tokens_equal_transformers_generate(
 
 
 @pytest.mark.parametrize(
-    ("case", "num_blocks"), [("qwen3-mixed-layers", 24), ("mistral-window-8", 16)]
+    ("case", "num_blocks"),
+    [("qwen3-mixed-layers", 24), ("mistral-window-8", 16), ("qwen3-moe", 20), ("mixtral", 20)],
 )
 def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_blocks: int) -> None:
     folder, references = checkpoints[case]
@@ -121,7 +126,12 @@ def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_bloc
 
 @pytest.mark.parametrize(
     ("case", "num_blocks", "enable_prefix_caching"),
-    [("qwen3-mixed-layers", 24, True), ("qwen2-biases", 200, False)],
+    [
+        ("qwen3-mixed-layers", 24, True),
+        ("qwen2-biases", 200, False),
+        ("qwen3-moe", 20, True),
+        ("mixtral", 20, True),
+    ],
 )
 def test_tp2_greedy_tokens_equal_transformers_generate(
     checkpoints: dict, case: str, num_blocks: int, enable_prefix_caching: bool

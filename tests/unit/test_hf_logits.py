@@ -18,7 +18,9 @@ from protocol.kv_cache_spec import SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
 from tests.unit.hf_checkpoints import (
     LLAMA3_ROPE,
+    MIXTRAL,
     QWEN3_MIXED_LAYERS,
+    QWEN3_MOE,
     hf_logits,
     our_logits,
     write_checkpoint,
@@ -56,6 +58,8 @@ CASES = {
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
     "qwen3-mixed-layers": ("qwen3", QWEN3_MIXED_LAYERS),
     "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),  # TP=2 replicates it
+    "qwen3-moe": ("qwen3-moe", QWEN3_MOE),  # TP=2: test_hf_moe.py
+    "mixtral": ("mixtral", MIXTRAL),
 }
 TOKENS = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
