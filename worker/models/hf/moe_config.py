@@ -8,7 +8,9 @@ an MLP of `intermediate_size`. Mixtral's every layer is sparse: `num_local_exper
 `intermediate_size`, the top-k always renormalised. Never imports torch (config.py's rule).
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
@@ -112,6 +114,17 @@ def _mixtral(raw: dict, num_layers: int) -> MoeConfig:
         up_name="w3",
         down_name="w2",
     )
+
+
+def is_moe_checkpoint(model: str) -> bool:
+    """Whether `--model` is a checkpoint folder whose config.json names a MoE architecture (a
+    folder it cannot read is not: read_hf_config refuses that one, naming why)."""
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    return isinstance(architectures, list) and any(a in MOE_ARCHITECTURES for a in architectures)
 
 
 def moe_shapes(moe: MoeConfig, layer_idx: int, hidden_size: int) -> dict[str, tuple[int, ...]]:
