@@ -148,7 +148,9 @@ def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3"])
+# Not qwen3-moe: with TOKENS its router nearly ties the 2nd and 3rd expert at position 4 (float32
+# probabilities 0.1689 and 0.1680), so bfloat16 noise picks either there, on either side
+@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3", "mixtral"])
 def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
     checkpoints: dict, case: str
 ) -> None:
