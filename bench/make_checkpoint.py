@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3-moe", "mixtral")
+MOE_ARCHS = ("qwen3-moe", "mixtral")  # their shapes must name experts
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # "hub": config.json as the hub ships most checkpoints (top-level rope_theta and rope_scaling,
 # torch_dtype, the chat template inside tokenizer_config.json); "transformers5": as
@@ -51,10 +52,22 @@ class Shape:
     intermediate_size: int
     vocab_size: int  # the model's; the tokenizer trains up to this many ids
     max_position_embeddings: int
+    num_experts: int = 0  # the MoE architectures' experts per sparse layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Mixtral's intermediate_size)
+
+    @property
+    def has_experts(self) -> bool:
+        return self.num_experts > 0
 
 
 SHAPES = {
     "tiny": Shape(64, 2, 4, 2, 16, 128, 512, 2048),  # the tests: milliseconds per step
+    # the MoE tests: 8 experts, 2 a token (Mixtral takes 4 of them and no dense MLP)
+    "tiny-moe": Shape(64, 2, 4, 2, 16, 128, 512, 2048, 8, 2, 32),
+    # the MoE serving benchmark: the bench shape's active MLP width (4 of 16 experts of 384),
+    # about 70M parameters
+    "bench-moe": Shape(512, 8, 8, 4, 64, 1536, 8192, 4096, 16, 4, 384),
     # the serving benchmark: about 30M parameters, a few hundred tokens/s on a 2-core CPU
     "bench": Shape(512, 8, 8, 4, 64, 1536, 8192, 4096),
     "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, 40960),  # Qwen3-0.6B's shape
@@ -79,6 +92,7 @@ class CheckpointSpec:
     max_window_layers: int | None = None  # qwen: layers [0, K) attend fully, the rest in windows
     layer_types: list[str] = field(default_factory=list)  # explicit per-layer types, or []
     tie_word_embeddings: bool | None = None  # None: the family's habit (qwen3 ties)
+    mlp_only_layers: tuple[int, ...] = (0,)  # qwen3-moe: the layers that keep a dense MLP
     spelling: str = "hub"  # of config.json and tokenizer_config.json: one of SPELLINGS
 
 
@@ -147,6 +161,8 @@ def model_config(spec: CheckpointSpec, token_ids: dict[str, int]):  # -> Pretrai
         config = transformers.MistralConfig(
             **common, sliding_window=spec.sliding_window, tie_word_embeddings=bool(tie)
         )
+    elif spec.arch in MOE_ARCHS:
+        config = _moe_config(spec, common)
     else:
         family = transformers.Qwen2Config if spec.arch == "qwen2" else transformers.Qwen3Config
         tie = (spec.arch == "qwen3") if tie is None else tie
@@ -162,6 +178,32 @@ def model_config(spec: CheckpointSpec, token_ids: dict[str, int]):  # -> Pretrai
         config = family(**common, **window, tie_word_embeddings=tie)
     config.dtype = spec.dtype
     return config
+
+
+def _moe_config(spec: CheckpointSpec, common: dict):  # -> PretrainedConfig
+    """Qwen3-MoE (a dense MLP in mlp_only_layers, renormalised top-k, as Qwen3-30B-A3B ships)
+    or Mixtral (every layer's MLP is its experts)."""
+    import transformers
+
+    shape, tie = spec.shape, bool(spec.tie_word_embeddings)
+    if not shape.has_experts:
+        raise ValueError(f"architecture {spec.arch!r} needs a shape with experts, not {shape}")
+    experts = dict(num_experts_per_tok=shape.num_experts_per_tok, tie_word_embeddings=tie)
+    if spec.arch == "mixtral":
+        common = dict(common, intermediate_size=shape.moe_intermediate_size)
+        return transformers.MixtralConfig(
+            **common, **experts, num_local_experts=shape.num_experts, sliding_window=None
+        )
+    return transformers.Qwen3MoeConfig(
+        **common,
+        **experts,
+        num_experts=shape.num_experts,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        mlp_only_layers=list(spec.mlp_only_layers),
+        norm_topk_prob=True,
+        use_sliding_window=spec.sliding_window is not None,
+        sliding_window=spec.sliding_window,
+    )
 
 
 def _llama_rope_scaling(kind: str) -> dict | None:
@@ -229,6 +271,8 @@ def _respell_as_hub(folder: Path) -> None:
     if rope and rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
     config["torch_dtype"] = config.pop("dtype")
+    if config.get("model_type") == "qwen3_moe":  # transformers 5 renames num_experts on save
+        config["num_experts"] = config.pop("num_local_experts")
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     template_path = folder / "chat_template.jinja"
     tokenizer_config_path = folder / "tokenizer_config.json"
@@ -244,7 +288,9 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
     parser = argparse.ArgumentParser(prog="python -m bench.make_checkpoint", description=__doc__)
     parser.add_argument("folder", type=Path, help="where to write the checkpoint (created)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")
-    parser.add_argument("--shape", choices=list(SHAPES), default="tiny", help="size preset")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default=None, help="size preset (tiny or tiny-moe)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the text")
     parser.add_argument("--initializer-range", type=float, default=0.2, help="weights' std")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -265,6 +311,9 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
     parser.add_argument(
         "--spelling", choices=SPELLINGS, default="hub", help="of the config files (see SPELLINGS)"
     )
+    parser.add_argument(
+        "--mlp-only-layers", default="0", help="qwen3-moe: comma-separated dense layers"
+    )
     args = parser.parse_args(argv)
     if args.shards < 1:
         parser.error(f"--shards {args.shards}: expected at least 1")
@@ -272,7 +321,15 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
     bad = [kind for kind in layer_types if kind not in ("full", "sliding")]
     if bad:
         parser.error(f"--layer-types {bad[0]!r}: expected full or sliding")
-    shape = SHAPES[args.shape]
+    shape_name = args.shape or ("tiny-moe" if args.arch in MOE_ARCHS else "tiny")
+    shape = SHAPES[shape_name]
+    if (args.arch in MOE_ARCHS) != shape.has_experts:
+        kind = "with" if args.arch in MOE_ARCHS else "without"
+        parser.error(f"--shape {shape_name}: --arch {args.arch} expects a shape {kind} experts")
+    try:
+        mlp_only_layers = tuple(int(i) for i in args.mlp_only_layers.split(",") if i.strip())
+    except ValueError:
+        parser.error(f"--mlp-only-layers {args.mlp_only_layers!r}: expected layer numbers")
     if layer_types and len(layer_types) != shape.num_layers:
         parser.error(f"--layer-types lists {len(layer_types)} layers: expected {shape.num_layers}")
     spec = CheckpointSpec(
@@ -288,6 +345,7 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
         layer_types=layer_types,
         tie_word_embeddings=args.tie_word_embeddings,
         spelling=args.spelling,
+        mlp_only_layers=mlp_only_layers,
     )
     return args.folder, spec
 

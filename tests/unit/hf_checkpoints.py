@@ -33,6 +33,8 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -47,6 +49,15 @@ QWEN3_MIXED_LAYERS = dict(  # a sliding-window layer between two full-attention 
     use_sliding_window=True,
     sliding_window=6,
 )
+# 8 experts of 32, 2 a token, renormalised, behind a dense first layer (BASE's MLP of 128)
+QWEN3_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    mlp_only_layers=[0],
+    norm_topk_prob=True,
+)
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)  # every layer, experts of 128
 Cases = dict[str, tuple[str, dict]]  # case name -> (arch, the fields BASE is overridden by)
 
 

@@ -121,7 +121,7 @@ def test_tp_beyond_the_kv_heads_replicates_them() -> None:
     """4 query heads, 2 KV heads, TP=4: ranks 0 and 1 read KV head 0, ranks 2 and 3 head 1."""
 
     class Heads:
-        num_heads, num_kv_heads, intermediate_size = 4, 2, 128
+        num_heads, num_kv_heads, intermediate_size, moe = 4, 2, 128, None
 
     shards = [RankShard.of(Heads, rank, 4) for rank in range(4)]  # type: ignore[arg-type]
     assert [s.first_kv_head for s in shards] == [0, 0, 1, 1]

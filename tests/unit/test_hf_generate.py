@@ -4,7 +4,7 @@ enough to preempt, asynchronous scheduling, and TP=2 (ranks as threads).
 
 A comparison may stop at a step where transformers' top-2 logit margin is below MARGIN_TOL (as
 vLLM's check_logprobs_close): there float32 rounding may pick either token. With these prompts
-and seeds 1 step of the 240 is such a near-tie (margin 8.7e-4), and the served token matched it
+and seeds 1 step of the 360 is such a near-tie (margin 8.7e-4), and the served token matched it
 anyway; `test_near_ties_are_rare` keeps count.
 """
 
@@ -18,7 +18,9 @@ from bench.workload import RankResult, Workload, run_workload
 from protocol.sampling import SamplingParams
 from tests.unit.hf_checkpoints import (
     LLAMA3_ROPE,
+    MIXTRAL,
     QWEN3_MIXED_LAYERS,
+    QWEN3_MOE,
     hf_greedy,
     write_checkpoints,
 )
@@ -33,6 +35,8 @@ CASES = {
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
     "llama-llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2-biases": ("qwen2", {}),
+    "qwen3-moe": ("qwen3-moe", QWEN3_MOE),
+    "mixtral": ("mixtral", MIXTRAL),
 }
 
 
@@ -49,7 +53,7 @@ def make_prompts(seed: int, count: int) -> list[list[int]]:
 
 PROMPTS = make_prompts(seed=5, count=6)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-MAX_NEAR_TIES = 2  # of len(CASES) x len(PROMPTS) x MAX_TOKENS = 240 steps (1 today)
+MAX_NEAR_TIES = 2  # of len(CASES) x len(PROMPTS) x MAX_TOKENS = 360 steps (1 today)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,7 +113,8 @@ def test_greedy_tokens_equal_transformers_generate(
 
 
 @pytest.mark.parametrize(
-    ("case", "num_blocks"), [("qwen3-mixed-layers", 24), ("mistral-window-8", 16)]
+    ("case", "num_blocks"),
+    [("qwen3-mixed-layers", 24), ("mistral-window-8", 16), ("qwen3-moe", 20), ("mixtral", 20)],
 )
 def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_blocks: int) -> None:
     folder, references = checkpoints[case]
@@ -121,7 +126,12 @@ def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_bloc
 
 @pytest.mark.parametrize(
     ("case", "num_blocks", "enable_prefix_caching"),
-    [("qwen3-mixed-layers", 24, True), ("qwen2-biases", 200, False)],
+    [
+        ("qwen3-mixed-layers", 24, True),
+        ("qwen2-biases", 200, False),
+        ("qwen3-moe", 20, True),
+        ("mixtral", 20, True),
+    ],
 )
 def test_tp2_greedy_tokens_equal_transformers_generate(
     checkpoints: dict, case: str, num_blocks: int, enable_prefix_caching: bool

@@ -18,7 +18,9 @@ from protocol.kv_cache_spec import SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
 from tests.unit.hf_checkpoints import (
     LLAMA3_ROPE,
+    MIXTRAL,
     QWEN3_MIXED_LAYERS,
+    QWEN3_MOE,
     hf_logits,
     our_logits,
     write_checkpoint,
@@ -56,6 +58,8 @@ CASES = {
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
     "qwen3-mixed-layers": ("qwen3", QWEN3_MIXED_LAYERS),
     "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),  # TP=2 replicates it
+    "qwen3-moe": ("qwen3-moe", QWEN3_MOE),  # TP=2: test_hf_moe.py
+    "mixtral": ("mixtral", MIXTRAL),
 }
 TOKENS = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -144,7 +148,9 @@ def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3"])
+# Not qwen3-moe: with TOKENS its router nearly ties the 2nd and 3rd expert at position 4 (float32
+# probabilities 0.1689 and 0.1680), so bfloat16 noise picks either there, on either side
+@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3", "mixtral"])
 def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
     checkpoints: dict, case: str
 ) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from worker.models.hf.config import CheckpointError, HFConfig, read_hf_config
 from worker.models.hf.gguf_file import GGUFError, check_types, is_gguf, tensor_types
+from worker.models.hf.moe_config import moe_shapes
 from worker.models.hf.quantization import FP8_DTYPE, SCALE_DTYPES, is_activation_scale
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,10 +108,15 @@ def expected_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
             layer + "self_attn.k_proj.weight": (kv_rows, dim),
             layer + "self_attn.v_proj.weight": (kv_rows, dim),
             layer + "self_attn.o_proj.weight": (dim, q_rows),
-            layer + "mlp.gate_proj.weight": (inter, dim),
-            layer + "mlp.up_proj.weight": (inter, dim),
-            layer + "mlp.down_proj.weight": (dim, inter),
         }
+        if config.moe is not None and config.moe.sparse_layers[i]:
+            shapes |= moe_shapes(config.moe, i, dim)
+        else:
+            shapes |= {
+                layer + "mlp.gate_proj.weight": (inter, dim),
+                layer + "mlp.up_proj.weight": (inter, dim),
+                layer + "mlp.down_proj.weight": (dim, inter),
+            }
         if config.has_qkv_bias:
             shapes |= {
                 layer + "self_attn.q_proj.bias": (q_rows,),
@@ -203,8 +209,9 @@ def _scale_shapes(
 
 
 def check_tp_split(config: HFConfig, tp_size: int) -> None:
-    """Heads and MLP columns must split evenly; KV heads split, or replicate where TP exceeds
-    them (then TP must be a multiple of them, so each rank's query heads share one KV head)."""
+    """Heads, MLP and expert columns must split evenly; KV heads split, or replicate where TP
+    exceeds them (then TP must be a multiple of them, so each rank's query heads share one KV
+    head)."""
     if config.num_heads % tp_size:
         raise CheckpointError(
             f"num_attention_heads={config.num_heads} is not divisible by tp_size={tp_size}"
@@ -215,9 +222,16 @@ def check_tp_split(config: HFConfig, tp_size: int) -> None:
             f"num_key_value_heads={kv} with tp_size={tp_size}: expected kv heads divisible by "
             "tp_size, or tp_size a multiple of kv heads"
         )
-    if config.intermediate_size % tp_size:
+    has_dense_mlp = config.moe is None or not all(config.moe.sparse_layers)
+    if has_dense_mlp and config.intermediate_size % tp_size:
         raise CheckpointError(
             f"intermediate_size={config.intermediate_size} is not divisible by tp_size={tp_size}"
+        )
+    # each expert's intermediate dimension splits across the ranks, as a dense MLP's does
+    if config.moe is not None and config.moe.intermediate_size % tp_size:
+        raise CheckpointError(
+            f"{config.moe.intermediate_size_key}={config.moe.intermediate_size} is not "
+            f"divisible by tp_size={tp_size}"
         )
 
 

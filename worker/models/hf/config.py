@@ -11,9 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.models.hf.gguf_file import GGUFError, gguf_raw_config, is_gguf
+from worker.models.hf.moe_config import (
+    MOE_ARCHITECTURES,
+    MoeConfig,
+    MoeConfigError,
+    read_moe_config,
+)
 from worker.models.hf.quantization import Fp8Scheme, QuantizationError, read_quantization
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    *MOE_ARCHITECTURES,
+)
+# every layer windowed alike by one top-level sliding_window (Qwen3-MoE: with use_sliding_window)
+WHOLE_MODEL_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROPE_TYPES_WITH_ORIGINAL_LEN = ("llama3", "yarn")  # default it to max_position_embeddings
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -67,6 +81,7 @@ class HFConfig:
     dtype: str  # the checkpoint's torch_dtype (float32 when it names none)
     eos_token_ids: tuple[int, ...]
     quantization: Fp8Scheme | None = None  # fp8 weights and how their scales are stored
+    moe: MoeConfig | None = None  # the experts of Qwen3-MoE and Mixtral; None: dense MLPs only
 
 
 def is_checkpoint(model: str) -> bool:
@@ -117,8 +132,16 @@ def read_hf_config(path: str) -> HFConfig:
             f"config.json num_key_value_heads={num_kv_heads}: expected a divisor of "
             f"num_attention_heads={num_heads}"
         )
-    is_llama, is_qwen3 = architecture == "LlamaForCausalLM", architecture == "Qwen3ForCausalLM"
-    attention_bias = bool(raw.get("attention_bias", False)) and architecture != "MistralForCausalLM"
+    is_llama = architecture == "LlamaForCausalLM"
+    is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    attention_bias = bool(raw.get("attention_bias", False)) and architecture not in (
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+    )
+    try:
+        moe = read_moe_config(raw, architecture, num_layers)
+    except MoeConfigError as exc:
+        raise CheckpointError(str(exc)) from None
     return HFConfig(
         path=path,
         architecture=architecture,
@@ -142,6 +165,7 @@ def read_hf_config(path: str) -> HFConfig:
         dtype=_dtype(raw),
         eos_token_ids=_eos_token_ids(folder, raw),
         quantization=_quantization(raw),
+        moe=moe,
     )
 
 
@@ -222,17 +246,20 @@ def _rope(raw: dict) -> RopeConfig:
 
 
 def _sliding_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
-    """Mistral's window covers every layer; Qwen2/Qwen3 window the layers layer_types names
-    sliding_attention (by default those from max_window_layers on, with use_sliding_window)."""
+    """Mistral's and Mixtral's window covers every layer, and Qwen3-MoE's with
+    use_sliding_window; Qwen2/Qwen3 window the layers layer_types names sliding_attention (by
+    default those from max_window_layers on, with use_sliding_window)."""
     window = raw.get("sliding_window")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise CheckpointError(f"config.json sliding_window={window!r}: expected null or >= 1")
-    if architecture == "MistralForCausalLM":
+    if architecture in WHOLE_MODEL_WINDOW_ARCHITECTURES:
         return (window,) * num_layers
     if architecture == "LlamaForCausalLM":
         return (None,) * num_layers
     if not raw.get("use_sliding_window", False):
         window = None  # Qwen2/Qwen3 ignore the window unless use_sliding_window is set
+    if architecture == "Qwen3MoeForCausalLM":  # no layer_types: the window is every layer's
+        return (window,) * num_layers
     layer_types = raw.get("layer_types")
     if layer_types is None:
         first = raw.get("max_window_layers", num_layers)

@@ -1,12 +1,14 @@
-"""HFDecoder: a Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral) on one TP rank, over the
-paged KV cache: RMSNorm, rotary, grouped-query attention, SiLU-gated MLP.
+"""HFDecoder: a Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral, and the mixtures of
+experts Qwen3-MoE and Mixtral) on one TP rank, over the paged KV cache: RMSNorm, rotary,
+grouped-query attention, SiLU-gated MLP or routed SiLU-gated experts (moe.py).
 
 q/k/v and gate/up are column-parallel (this rank's heads and MLP rows, each pair merged into one
 GEMM); o and down are row-parallel with one all-reduce each, their biases added once after it.
-Norms and rotary run in float32 and cast back, as transformers does, so logits match it in
-float32 and stay close in bf16. The steps between GEMMs go through LayerOps (layer_ops.py):
-torch's ops on the CPU, fused Triton kernels on CUDA. Attention goes through the step's attention
-backend (worker/attention_backends/).
+A sparse layer's experts split the same way (each rank holds its columns of every expert), their
+weighted sum all-reduced once. Norms and rotary run in float32 and cast back, as transformers
+does, so logits match it in float32 and stay close in bf16. The steps between GEMMs go through
+LayerOps (layer_ops.py): torch's ops on the CPU, fused Triton kernels on CUDA. Attention goes
+through the step's attention backend (worker/attention_backends/).
 """
 
 import torch
@@ -69,14 +71,7 @@ class HFDecoder:
             shapes = {
                 "qkv_proj": (layer.qkv_proj.shape, (q_rows + 2 * kv_rows, cfg.hidden_size)),
                 "o_proj": (layer.o_proj.shape, (cfg.hidden_size, q_rows)),
-                "gate_up_proj": (
-                    layer.gate_up_proj.shape,
-                    (2 * shard.num_intermediate_per_rank, cfg.hidden_size),
-                ),
-                "down_proj": (
-                    layer.down_proj.shape,
-                    (cfg.hidden_size, shard.num_intermediate_per_rank),
-                ),
+                **self._mlp_shapes(layer),
             }
             for name, (shape, expected) in shapes.items():
                 assert tuple(shape) == expected, (
@@ -87,6 +82,25 @@ class HFDecoder:
                     f"layer {idx} holds a {tensor.dtype} tensor on {tensor.device}, expected "
                     f"{self.dtype} on {self.device}"
                 )
+
+    def _mlp_shapes(self, layer: LayerWeights) -> dict[str, tuple[torch.Size, tuple[int, int]]]:
+        """(shape, expected shape) of the layer's MLP weights, or of each of its experts'."""
+        dim, moe = self.config.hidden_size, self.config.moe
+        if layer.moe is None:
+            inter = self.shard.num_intermediate_per_rank
+            return {
+                "gate_up_proj": (layer.gate_up_proj.shape, (2 * inter, dim)),
+                "down_proj": (layer.down_proj.shape, (dim, inter)),
+            }
+        assert moe is not None and len(layer.moe.gate_up_proj) == moe.num_experts
+        inter = self.shard.num_expert_intermediate_per_rank
+        shapes = {"router": (layer.moe.router.shape, (moe.num_experts, dim))}
+        for expert, (gate_up, down) in enumerate(
+            zip(layer.moe.gate_up_proj, layer.moe.down_proj, strict=True)
+        ):
+            shapes[f"expert {expert} gate_up_proj"] = (gate_up.shape, (2 * inter, dim))
+            shapes[f"expert {expert} down_proj"] = (down.shape, (dim, inter))
+        return shapes
 
     def forward(
         self,
@@ -121,8 +135,12 @@ class HFDecoder:
                 residual, attn = residual[logits_idx], attn[logits_idx]
             out = self._row_parallel(attn, layer.o_proj, layer.o_bias)
             h, residual = ops.add_rms_norm(out, residual, layer.post_attention_norm, eps)
-            gate_up = linear(h, layer.gate_up_proj, layer.gate_up_bias)  # [T, 2 * I_r]
-            out = self._row_parallel(ops.silu_and_mul(gate_up), layer.down_proj, layer.down_bias)
+            if layer.moe is not None:
+                out = self._all_reduce(ops.moe(h, layer.moe))
+            else:
+                gate_up = linear(h, layer.gate_up_proj, layer.gate_up_bias)  # [T, 2 * I_r]
+                out = ops.silu_and_mul(gate_up)
+                out = self._row_parallel(out, layer.down_proj, layer.down_bias)
             next_norm = weights.final_norm if idx == last else layers[idx + 1].input_norm
             h, residual = ops.add_rms_norm(out, residual, next_norm, eps)
         return linear(h, weights.lm_head).to(torch.float32)
@@ -155,10 +173,13 @@ class HFDecoder:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [T, in_r] @ this rank's input columns, summed over the ranks, plus the bias once."""
-        partial = linear(x, weight)  # [T, D]
-        if self.tp_group.tp_size > 1:
-            if partial.dtype in HALF_DTYPES and partial.device.type == "cpu":
-                partial = self.tp_group.all_reduce(partial.to(torch.float32)).to(partial.dtype)
-            else:
-                partial = self.tp_group.all_reduce(partial)
-        return partial if bias is None else partial + bias
+        out = self._all_reduce(linear(x, weight))  # [T, D]
+        return out if bias is None else out + bias
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of each rank's partial [T, D] (itself at TP 1)."""
+        if self.tp_group.tp_size == 1:
+            return partial
+        if partial.dtype in HALF_DTYPES and partial.device.type == "cpu":
+            return self.tp_group.all_reduce(partial.to(torch.float32)).to(partial.dtype)
+        return self.tp_group.all_reduce(partial)

@@ -1,11 +1,12 @@
 """One rank's weights of a checkpoint, read slice by slice from memory-mapped safetensors files.
 
 A rank reads only its shard of every sharded tensor (its query heads, its KV heads, its MLP
-columns), so no rank ever holds the whole model; embeddings, norms and lm_head are replicated.
-Each weight is cast once to the compute dtype and moved to the rank's device; on the CPU a whole
-tensor already in that dtype stays a view of the mapped file (the embedding and norms page in on
-first use, shared by the host's ranks). q/k/v and gate/up are merged into new tensors of this
-rank's rows, and on the CPU every matrix is packed for the GEMM (linear.py).
+columns, its columns of every expert), so no rank ever holds the whole model; embeddings, norms,
+routers and lm_head are replicated. Each weight is cast once to the compute dtype and moved to
+the rank's device; on the CPU a whole tensor already in that dtype stays a view of the mapped
+file (the embedding and norms page in on first use, shared by the host's ranks). q/k/v and gate/up
+(each expert's too) are merged into new tensors of this rank's rows, and on the CPU every matrix
+but the routers is packed for the GEMM (linear.py).
 """
 
 import contextlib
@@ -19,6 +20,7 @@ from worker.models.hf.checkpoint import TensorEntry, tensor_entries
 from worker.models.hf.config import HFConfig
 from worker.models.hf.gguf_file import is_gguf, read_tensor
 from worker.models.hf.linear import pack
+from worker.models.hf.moe import MoeWeights
 from worker.models.hf.quantization import FP8_DTYPE, Fp8Scheme, dequantize
 
 
@@ -36,6 +38,7 @@ class RankShard:
     num_kv_heads_per_rank: int
     first_kv_head: int
     num_intermediate_per_rank: int
+    num_expert_intermediate_per_rank: int = 0  # of each expert; 0 without experts
 
     @classmethod
     def of(cls, config: HFConfig, rank: int, tp_size: int) -> "RankShard":
@@ -49,6 +52,7 @@ class RankShard:
             num_kv_per_rank,
             first_kv,
             config.intermediate_size // tp_size,
+            0 if config.moe is None else config.moe.intermediate_size // tp_size,
         )
 
     def q_rows(self, head_dim: int) -> slice:
@@ -61,6 +65,10 @@ class RankShard:
 
     def mlp_rows(self) -> slice:
         size = self.num_intermediate_per_rank
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def expert_rows(self) -> slice:
+        size = self.num_expert_intermediate_per_rank
         return slice(self.rank * size, (self.rank + 1) * size)
 
 
@@ -76,18 +84,20 @@ class LayerWeights:
     qkv_proj: torch.Tensor  # [(H_r + 2 * KV_r) * head_dim, D]: this rank's q, then k, then v rows
     o_proj: torch.Tensor  # [D, H_r * head_dim]: this rank's input columns
     post_attention_norm: torch.Tensor  # [D]
-    gate_up_proj: torch.Tensor  # [2 * I_r, D]: this rank's gate rows, then its up rows
-    down_proj: torch.Tensor  # [D, I_r]
+    gate_up_proj: torch.Tensor | None  # [2 * I_r, D]: this rank's gate rows, then its up rows
+    down_proj: torch.Tensor | None  # [D, I_r]; both None where the experts replace the MLP
     qkv_bias: torch.Tensor | None = None  # [(H_r + 2 * KV_r) * head_dim], as qkv_proj's rows
     o_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
     gate_up_bias: torch.Tensor | None = None  # [2 * I_r], as gate_up_proj's rows
     down_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    moe: MoeWeights | None = None  # a sparse layer's router and experts (Qwen3-MoE, Mixtral)
 
     def tensors(self) -> list[torch.Tensor]:
         present = (getattr(self, name) for name in LayerWeights.__slots__)
-        return [tensor for tensor in present if tensor is not None]
+        tensors = [t for t in present if isinstance(t, torch.Tensor)]
+        return tensors if self.moe is None else tensors + self.moe.tensors()
 
 
 @dataclass(slots=True)
@@ -218,15 +228,16 @@ def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -
     has_qkv_bias, has_mlp_bias = config.has_qkv_bias, config.has_mlp_bias
     qkv = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
     gate_up = [("gate_proj", mlp_rows), ("up_proj", mlp_rows)]
+    is_sparse = config.moe is not None and config.moe.sparse_layers[idx]
     return LayerWeights(
         input_norm=reader.read(f"model.layers.{idx}.input_layernorm.weight"),
         qkv_proj=pack(reader.read_merged([(f"{attn}{name}.weight", rows) for name, rows in qkv])),
         o_proj=pack(reader.read(attn + "o_proj.weight", cols=q_rows)),
         post_attention_norm=reader.read(f"model.layers.{idx}.post_attention_layernorm.weight"),
-        gate_up_proj=pack(
-            reader.read_merged([(f"{mlp}{name}.weight", rows) for name, rows in gate_up])
-        ),
-        down_proj=pack(reader.read(mlp + "down_proj.weight", cols=mlp_rows)),
+        gate_up_proj=None
+        if is_sparse
+        else pack(reader.read_merged([(f"{mlp}{name}.weight", rows) for name, rows in gate_up])),
+        down_proj=None if is_sparse else pack(reader.read(mlp + "down_proj.weight", cols=mlp_rows)),
         qkv_bias=reader.read_merged_if(
             has_qkv_bias, [(f"{attn}{name}.bias", rows) for name, rows in qkv]
         ),
@@ -237,4 +248,25 @@ def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -
         down_bias=reader.read_if(has_mlp_bias, mlp + "down_proj.bias"),
         q_norm=reader.read_if(config.has_qk_norm, attn + "q_norm.weight"),
         k_norm=reader.read_if(config.has_qk_norm, attn + "k_norm.weight"),
+        moe=_moe(config, shard, reader, idx) if is_sparse else None,
+    )
+
+
+def _moe(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> MoeWeights:
+    """The router (whole) and this rank's rows of every expert: gate and up merged, as a dense
+    MLP's are, and down's matching input columns."""
+    moe, rows = config.moe, shard.expert_rows()
+    assert moe is not None
+    gate_up, down = [], []
+    for expert in range(moe.num_experts):
+        gate, up = (moe.expert_tensor(idx, expert, name) for name in (moe.gate_name, moe.up_name))
+        gate_up.append(pack(reader.read_merged([(gate, rows), (up, rows)])))
+        down.append(pack(reader.read(moe.expert_tensor(idx, expert, moe.down_name), cols=rows)))
+    return MoeWeights(
+        router=reader.read(moe.router_tensor(idx)),
+        gate_up_proj=gate_up,
+        down_proj=down,
+        num_experts_per_tok=moe.num_experts_per_tok,
+        norm_topk_prob=moe.norm_topk_prob,
+        is_weighted_in_float32=moe.is_weighted_in_float32,
     )
