@@ -57,9 +57,13 @@ GEMMA3_FIVE_TO_ONE = dict(  # layers 0-4 slide, layer 5 is global with its own r
     rope_theta=20000.0,
     final_logit_softcapping=8.0,
 )
-PHI3_PARTIAL = dict(  # half of each head rotates; past 48 positions the long factors apply
+# Longer than every test sequence, so transformers' short factors apply throughout (past it,
+# transformers recomputes the whole sequence with the long ones: kvserve's rule differs there,
+# and test_hf_logits pins each factor set against transformers' rotary embedding instead)
+PHI3_ORIGINAL_LEN = 64
+PHI3_PARTIAL = dict(  # half of each head rotates
     partial_rotary_factor=0.5,
-    original_max_position_embeddings=48,
+    original_max_position_embeddings=PHI3_ORIGINAL_LEN,
     rope_scaling={
         "type": "longrope",
         "short_factor": [1.0, 1.5, 2.0, 3.0],

@@ -17,7 +17,10 @@ import torch
 from bench.workload import RankResult, Workload, run_workload
 from protocol.sampling import SamplingParams
 from tests.unit.hf_checkpoints import (
+    GEMMA2_ALTERNATING,
+    GEMMA3_FIVE_TO_ONE,
     LLAMA3_ROPE,
+    PHI3_PARTIAL,
     QWEN3_MIXED_LAYERS,
     hf_greedy,
     write_checkpoints,
@@ -33,6 +36,9 @@ CASES = {
     "mistral-window-8": ("mistral", dict(sliding_window=8)),
     "llama-llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2-biases": ("qwen2", {}),
+    "gemma2-alternating": ("gemma2", GEMMA2_ALTERNATING),
+    "gemma3-five-to-one": ("gemma3", GEMMA3_FIVE_TO_ONE),
+    "phi3-partial-longrope": ("phi3", PHI3_PARTIAL),
 }
 
 
@@ -109,7 +115,14 @@ def test_greedy_tokens_equal_transformers_generate(
 
 
 @pytest.mark.parametrize(
-    ("case", "num_blocks"), [("qwen3-mixed-layers", 24), ("mistral-window-8", 16)]
+    ("case", "num_blocks"),
+    [
+        ("qwen3-mixed-layers", 24),
+        ("mistral-window-8", 16),
+        ("gemma2-alternating", 24),
+        ("gemma3-five-to-one", 24),
+        ("phi3-partial-longrope", 16),
+    ],
 )
 def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_blocks: int) -> None:
     folder, references = checkpoints[case]
@@ -121,7 +134,13 @@ def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_bloc
 
 @pytest.mark.parametrize(
     ("case", "num_blocks", "enable_prefix_caching"),
-    [("qwen3-mixed-layers", 24, True), ("qwen2-biases", 200, False)],
+    [
+        ("qwen3-mixed-layers", 24, True),
+        ("qwen2-biases", 200, False),
+        ("gemma2-alternating", 24, True),
+        ("gemma3-five-to-one", 24, True),
+        ("phi3-partial-longrope", 16, True),
+    ],
 )
 def test_tp2_greedy_tokens_equal_transformers_generate(
     checkpoints: dict, case: str, num_blocks: int, enable_prefix_caching: bool

@@ -387,8 +387,9 @@ def _gemma3_ropes(raw: dict) -> tuple[RopeConfig, RopeConfig]:
     """Gemma 3's global and sliding ropes: transformers 5's rope_parameters by layer type, or the
     hub's rope_theta (global), rope_local_base_freq (sliding) and rope_scaling (global only)."""
     params = raw.get("rope_parameters") or {}
-    if not isinstance(params, dict) or (
-        params and not all(isinstance(params.get(kind), dict | None) for kind in LAYER_TYPES)
+    if not isinstance(params, dict) or any(
+        kind not in LAYER_TYPES or not isinstance(entry, dict | None)
+        for kind, entry in params.items()
     ):
         raise CheckpointError(
             f"config.json rope_parameters={params!r}: expected an entry per layer type "

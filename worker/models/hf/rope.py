@@ -110,11 +110,12 @@ class Rotary:
     """cos and sin [T, rotary_dim] of a step's positions, and their rotation of q and k.
 
     Longrope picks its factors per token: a token at position p uses the long factors when
-    p + 1 exceeds original_max_position_embeddings, the short ones otherwise. That is the choice
-    transformers makes for the forward that computes the token when decoding one token at a time
-    (it looks at the longest position of the forward), and it makes a token's K/V depend only on
-    its own position, so a cached prefix, or a preempted request recomputed, keeps its values.
-    (transformers gives a whole prompt longer than the original context the long factors.)
+    p + 1 exceeds original_max_position_embeddings, the short ones otherwise, so a token's K/V
+    depend only on its own position and a cached prefix, or a preempted request recomputed, keeps
+    its values. Up to the original context this is exactly transformers' choice. Past it the two
+    differ: transformers rotates the whole sequence with the long factors, recomputing every
+    cached K/V once when the sequence first passes the original length; here the tokens before
+    it keep their short-factor K/V.
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
