@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.workload import RankResult, Workload, run_workload
+from bench.workload import RankResult, Workload, build_rank, run_workload
+from engine_core.kv_cache.single_type_manager import FullAttentionManager, SlidingWindowManager
 from protocol.sampling import SamplingParams
 from tests.unit.hf_checkpoints import (
     GEMMA2_ALTERNATING,
@@ -169,3 +170,44 @@ def test_near_ties_are_rare(checkpoints: dict) -> None:
     assert len(margins) == len(CASES) * len(PROMPTS) * MAX_TOKENS
     near_ties = [m for m in margins if m < MARGIN_TOL]
     assert len(near_ties) <= MAX_NEAR_TIES, near_ties
+
+
+def test_gemma_window_blocks_are_freed_as_the_context_passes_them(checkpoints: dict) -> None:
+    """Gemma 3's five sliding layers form one group that the sliding-window manager runs: once
+    the context is a window past a block, the block goes back to the pool, and get_stats'
+    kv_cache_usage counts only the blocks still held. The full-attention group keeps them all."""
+    folder, references = checkpoints["gemma3-five-to-one"]
+    prompt_idx = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))  # 28 tokens
+    num_blocks, block_size, chunk = 64, 4, 12
+    work = Workload(
+        str(folder),
+        block_size,
+        num_blocks,
+        [PROMPTS[prompt_idx]],
+        [GREEDY],
+        check_invariants=True,
+        enable_prefix_caching=False,  # a freed block goes straight back to the free queue
+        max_num_batched_tokens=chunk,
+    )
+    core, _ = build_rank(work, single_rank_group(), CPU)
+    coordinator = core.scheduler.kv_cache_manager.coordinator
+    full, sliding = coordinator.single_type_managers
+    assert isinstance(full, FullAttentionManager) and isinstance(sliding, SlidingWindowManager)
+    window = sliding.sliding_window
+    tokens, held = [], []  # held: per step, (full blocks, live window blocks, window span)
+    while core.scheduler.has_unfinished_requests():
+        for client_outputs in core.step().values():
+            for output in client_outputs.outputs:
+                tokens.extend(output.new_token_ids)
+        full_blocks, window_blocks = coordinator.get_blocks("1")
+        live = sum(not block.is_null for block in window_blocks)
+        held.append((len(full_blocks), live, len(window_blocks)))
+        usage = core.get_stats()["kv_cache_usage"]
+        assert round(usage * (num_blocks - 1)) == len(full_blocks) + live, (usage, held[-1])
+    assert tokens == references[prompt_idx][0]
+    full_blocks, live, span = held[-2]  # the last step finished the request and freed it all
+    # the full group holds a block of every 4 tokens the request has (36 by then)
+    assert span == full_blocks == (len(PROMPTS[prompt_idx]) + MAX_TOKENS - 2) // block_size
+    # at most the window's blocks and a scheduled chunk's stay live; the rest went back
+    assert max(live for _, live, _ in held) <= -(-(window - 1 + chunk) // block_size) + 1
+    assert span - live >= span // 2, held
