@@ -149,16 +149,26 @@ def test_deploy_turns_a_refusal_into_a_usage_error(qwen3: Path) -> None:
     ],
 )
 def test_every_command_exits_2_naming_what_the_checkpoint_lacks(
-    qwen3: Path, tmp_path: Path, entry: str, argv: list[str], capsys: pytest.CaptureFixture
+    qwen3: Path,
+    families: dict,
+    tmp_path: Path,
+    entry: str,
+    argv: list[str],
+    capsys: pytest.CaptureFixture,
 ) -> None:
     """A user's `kvserve serve --model DIR` on a checkpoint it cannot serve stops before any
     process starts, with exit code 2 and the reason; the same for launch and kvserve-worker."""
     from deploy import cli
 
     bad_rope = edited_copy(qwen3, tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic"})
+    bidirectional = edited_copy(
+        families["gemma3"], tmp_path / "bidirectional", use_bidirectional_attention=True
+    )
     for folder, reason in [
         (qwen3, "num_attention_heads=4 is not divisible by tp_size=3"),
         (bad_rope, "dynamic"),
+        (bidirectional, "use_bidirectional_attention=True"),
+        (families["phi3"], "num_attention_heads=4 is not divisible by tp_size=3"),
     ]:
         with pytest.raises(SystemExit) as exited:
             getattr(cli, entry)([*argv, "--model", str(folder)])
