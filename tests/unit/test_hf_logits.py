@@ -163,7 +163,9 @@ def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3", "gemma3-five-to-one"])
+@pytest.mark.parametrize(
+    "case", ["qwen3-tied-qk-norm", "llama-llama3", "gemma2-alternating", "gemma3-five-to-one"]
+)
 def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
     checkpoints: dict, case: str
 ) -> None:

@@ -156,8 +156,9 @@ class HFDecoder:
         """Gemma 2/3: each sublayer's input and output normed, then added to the residual."""
         cfg, layers, eps = self.config, self.weights.layers, self.config.rms_norm_eps
         embed = self.weights.embed_tokens
-        # sqrt(D) rounded to the compute dtype first, as transformers scales the embeddings
-        normalizer = torch.tensor(cfg.hidden_size**0.5, dtype=embed.dtype, device=embed.device)
+        # sqrt(D) as a float32, then rounded to the compute dtype, as transformers scales them
+        normalizer = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(embed.dtype)
+        normalizer = normalizer.to(embed.device)
         residual = F.embedding(token_ids, embed) * normalizer  # [T, D]
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
         sliding_cos_sin = (
