@@ -245,39 +245,40 @@ def _metric(url: str, name: str) -> float:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_gemma_and_phi3_serve_transformers_greedy_text(
-    tmp_path_factory: pytest.TempPathFactory, arch: str
+    processes: Processes,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    arch: str,
 ) -> None:
     num_layers, tp_size, num_blocks = FAMILIES[arch]
     shape = Shape(64, num_layers, 4, 2, 16, 128, 512, 2048)
     checkpoint = make_checkpoint(tmp_path_factory.mktemp(arch), CheckpointSpec(arch, shape))
     chat_text = greedy_text(checkpoint, None)
     completion_text = greedy_text(checkpoint, COMPLETION_PROMPT)
-    folder = tmp_path_factory.mktemp(f"{arch}-serve")
-    with checked_processes(folder) as processes:
-        pool = ("--num-gpu-blocks-override", str(num_blocks))
-        url = serve(
-            processes, folder, checkpoint, tp_size, *SMALL_POOL_FLAGS, *pool, *CHUNKED_PREFILL_FLAGS
-        )
-        client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S
-        )
-        (model,) = [card.id for card in client.models.list().data]
-        greedy = dict(model=model, max_tokens=MAX_TOKENS, temperature=0)
+    pool = ("--num-gpu-blocks-override", str(num_blocks))
+    url = serve(
+        processes, tmp_path, checkpoint, tp_size, *SMALL_POOL_FLAGS, *pool, *CHUNKED_PREFILL_FLAGS
+    )
+    client = openai.OpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S
+    )
+    (model,) = [card.id for card in client.models.list().data]
+    greedy = dict(model=model, max_tokens=MAX_TOKENS, temperature=0)
 
-        def chat(_: int) -> str:
-            reply = client.chat.completions.create(messages=MESSAGES, **greedy)
-            return reply.choices[0].message.content
+    def chat(_: int) -> str:
+        reply = client.chat.completions.create(messages=MESSAGES, **greedy)
+        return reply.choices[0].message.content
 
-        def complete() -> str:
-            return client.completions.create(prompt=COMPLETION_PROMPT, **greedy).choices[0].text
+    def complete() -> str:
+        return client.completions.create(prompt=COMPLETION_PROMPT, **greedy).choices[0].text
 
-        with ThreadPoolExecutor(5) as pool:  # at once: the pool cannot hold all of them
-            completion_future = pool.submit(complete)
-            chats = list(pool.map(chat, range(4)))
-            completion = completion_future.result()
-        assert chats == [chat_text] * 4
-        assert completion == completion_text
-        assert chat(0) == chat_text  # the prompt's blocks are cached by now
-        assert _metric(url, "vllm:prefix_cache_hits") > 0
-        assert _metric(url, "vllm:num_preemptions") > 0
-        stop_process(processes, "serve", timeout_s=60)
+    with ThreadPoolExecutor(5) as pool_of_clients:  # at once: the pool cannot hold them all
+        completion_future = pool_of_clients.submit(complete)
+        chats = list(pool_of_clients.map(chat, range(4)))
+        completion = completion_future.result()
+    assert chats == [chat_text] * 4
+    assert completion == completion_text
+    assert chat(0) == chat_text  # the prompt's blocks are cached by now
+    assert _metric(url, "vllm:prefix_cache_hits") > 0
+    assert _metric(url, "vllm:num_preemptions") > 0
+    stop_process(processes, "serve", timeout_s=60)
