@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from api_server.chat_output import ChatParsing
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
 from api_server.errors import ApiError
@@ -86,6 +87,9 @@ class ApiSettings:
     # --trust-request-chat-template: a request may bring its own chat_template (Jinja run in the
     # sandbox, but able to spend the front end's CPU), as vLLM allows only when told
     is_request_chat_template_trusted: bool = False
+    tool_call_parser: str | None = None  # --tool-call-parser: hermes, llama3_json or mistral
+    is_auto_tool_choice_enabled: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
 
 
@@ -101,6 +105,11 @@ class ApiState:
         log_generation_defaults(self.generation_defaults, mode)
         self.created = int(time.time())
         self.ignored_fields = IgnoredFields()  # unknown body fields, each logged once
+        self.chat_parsing = ChatParsing(
+            settings.tool_call_parser,
+            settings.is_auto_tool_choice_enabled,
+            settings.reasoning_parser,
+        )
         self.serving: Serving | None = None
         self.metrics: ApiMetrics | None = None
 
@@ -239,8 +248,9 @@ async def chat_completions(state: ApiState, request: Request) -> Response:
             serving.tokenizer,
             shape.response_id,
             max_model_len,
-            vocab_size,
-            serving.generation_defaults,
+            state.chat_parsing,
+            vocab_size=vocab_size,
+            defaults=serving.generation_defaults,
         )
 
     jobs = await _build_jobs(num_body_bytes, build)

@@ -11,12 +11,14 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from api_server.chat_template import ChatTemplate, TemplateCache, TemplateValue
+from api_server.gguf_tokenizer import gguf_tokenizer
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Longer texts are encoded through encode_batch, which releases the GIL (encode holds it): a
 # front end that tokenizes a long prompt in a worker thread then keeps its event loop serving
 GIL_FREE_ENCODE_CHARS = 16 * 1024
 DEFAULT_TEMPLATE_NAME = "default"
+GGUF_SUFFIX = ".gguf"
 TOOL_TEMPLATE_NAME = "tool_use"  # the named template transformers picks when tools are given
 
 
@@ -104,14 +106,20 @@ class CheckpointTokenizer:
     """
 
     def __init__(self, folder: Path, chat_template: str | None = None) -> None:
-        """`chat_template` (--chat-template's text) replaces the checkpoint's templates."""
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {folder}: expected a tokenizer folder")
+        """`chat_template` (--chat-template's text) replaces the checkpoint's templates.
+        `folder` may be a GGUF file, whose metadata holds the tokenizer (gguf_tokenizer.py)."""
         self.folder = folder
-        self._tokenizer = Tokenizer.from_file(str(path))
-        config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if folder.suffix == GGUF_SUFFIX and folder.is_file():
+            self._tokenizer, config = gguf_tokenizer(str(folder))
+        else:
+            path = folder / "tokenizer.json"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"no tokenizer.json in {folder}: expected a tokenizer folder"
+                )
+            self._tokenizer = Tokenizer.from_file(str(path))
+            config_path = folder / "tokenizer_config.json"
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.config: dict[str, object] = config if isinstance(config, dict) else {}
         self.special_tokens = {
             name: text

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from api_server.chat_output import ChatParsing, OutputPlan
 from api_server.chat_template import COMPILE_ERROR, ChatTemplateError
 from api_server.errors import ApiError, bad_param, quoted
 from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
@@ -54,6 +55,7 @@ class EngineJob:
     skip_special_tokens: bool = True
     num_logprobs: int | None = None  # alternatives shown per token; None: no logprobs
     echo_text: str = ""  # shown before the output: the prompt's text, when echo asks for it
+    output_plan: OutputPlan | None = None  # chat: reasoning and tool calls parsed from the text
     is_prompt_counted: bool = True  # false for a prompt's choices past the first (usage)
     has_prompt_logprobs: bool = False  # shown in vLLM's prompt_logprobs shape
     group: ChoiceGroup | None = None  # shared by a prompt's choices when n > 1: one engine
@@ -298,9 +300,10 @@ def chat_job(
     tokenizer: PromptTokenizer,
     response_id: str,
     max_model_len: int | None = None,
+    chat_parsing: ChatParsing | None = None,
 ) -> EngineJob:
     """The one job of a chat of one choice (n=1); ValueError for more, which need chat_jobs."""
-    jobs = chat_jobs(body, tokenizer, response_id, max_model_len)
+    jobs = chat_jobs(body, tokenizer, response_id, max_model_len, chat_parsing)
     if len(jobs) != 1:
         raise ValueError(f"chat_job builds one choice, the body asks n={body.n}: use chat_jobs")
     return jobs[0]
@@ -311,11 +314,18 @@ def chat_jobs(
     tokenizer: PromptTokenizer,
     response_id: str,
     max_model_len: int | None = None,
+    chat_parsing: ChatParsing | None = None,
+    *,
     vocab_size: int | None = None,
     defaults: GenerationDefaults = NO_DEFAULTS,
 ) -> list[EngineJob]:
-    """The chat's n choices, one job each (see completion_jobs)."""
+    """The chat's n choices, one job each (see completion_jobs); `chat_parsing` (the server's
+    parsers) decides what its replies are parsed for, and a tool_choice that forces calls
+    constrains each reply to their schema."""
     body.check_supported()
+    plan = (chat_parsing or ChatParsing()).plan(
+        body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template_kwargs
+    )
     rules = token_rules(body, tokenizer, vocab_size)
     token_ids = chat_prompt_ids(
         body.messages,
@@ -337,8 +347,29 @@ def chat_jobs(
         job.request = _with_seed(job.request, choice_seed(body.seed, index))
         job.is_prompt_counted = index == 0
         job.group = group
+        if plan is not None:
+            _apply_plan(job, plan)
         jobs.append(job)
     return jobs
+
+
+def _apply_plan(job: EngineJob, plan: OutputPlan) -> None:
+    """The job parsed as `plan` says: its special tokens kept where the tool format's tags are
+    ones, and its reply constrained where tool_choice forces calls."""
+    job.output_plan = plan
+    if plan.needs_special_tokens:
+        job.skip_special_tokens = False
+    if plan.constraint is None:
+        return
+    params = job.request.sampling_params
+    if params.structured_outputs is not None:
+        raise bad_param(
+            "tool_choice",
+            "a tool_choice that forces calls constrains the reply itself: expected no "
+            "response_format or structured_outputs beside it",
+        )
+    params = msgspec.structs.replace(params, structured_outputs=plan.constraint)
+    job.request = _checked(msgspec.structs.replace(job.request, sampling_params=params))
 
 
 def chat_prompt_ids(

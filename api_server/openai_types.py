@@ -274,9 +274,10 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs=true
     tools: list[dict[str, JsonValue]] | None = None  # passed to the chat template as they are
-    # "none" or "auto": kvserve parses no tool calls, so it cannot force one
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; None means
+    # "auto" on a server with --enable-auto-tool-choice, "none" elsewhere (chat_output.py)
     tool_choice: str | dict[str, JsonValue] | None = None
-    parallel_tool_calls: bool | None = None  # accepted: no tool calls are parsed either way
+    parallel_tool_calls: bool | None = None  # false: at most one call; None means true
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's opening
     chat_template_kwargs: dict[str, JsonValue] | None = None  # vLLM's: more template variables
     # vLLM's: end the prompt inside the last message, for the model to go on with it
@@ -291,8 +292,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             raise bad_param("top_logprobs", "top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_param("max_completion_tokens", "give max_tokens or this, not both")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _unsupported("tool_choice", self.tool_choice, "'none' or 'auto'")
         check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.echo:
             raise _unsupported("echo", self.echo, "false")

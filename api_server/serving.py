@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from api_server.chat_output import ChatOutputParser
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
@@ -52,6 +53,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    chat_output: ChatOutputParser | None = None  # reasoning and tool calls parsed from the text
     # usage counts a prompt once, however many choices (n) it has: false for all but the first
     is_prompt_counted: bool = True
     prompt_logprobs: TokenLogprobs | None = None  # the engine's, from the first output
@@ -118,7 +120,9 @@ class ResponseShape:
         finish_reason: str | None,
         is_chunk: bool,
         logprobs: dict | None = None,
+        message: dict | None = None,
     ) -> dict:
+        """One choice; a chat's `message` (or delta), when given, replaces the plain text's."""
         if not self.is_chat:
             return {
                 "index": index,
@@ -127,8 +131,40 @@ class ResponseShape:
                 "finish_reason": finish_reason,
             }
         key = "delta" if is_chunk else "message"
-        message = {"role": "assistant", "content": text} if not is_chunk or text else {}
+        if message is None:
+            message = {"role": "assistant", "content": text} if not is_chunk or text else {}
         return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _whole_choice(shape: ResponseShape, state: ChoiceState) -> dict:
+    text = "".join(state.text)
+    logprobs = _whole_logprobs(state)
+    parser, finish_reason = state.chat_output, state.finish_reason
+    if parser is None:
+        return shape.choice(state.index, text, finish_reason, is_chunk=False, logprobs=logprobs)
+    message = parser.message(text)
+    if finish_reason is not None:
+        finish_reason = parser.finish_reason(finish_reason)
+    return shape.choice(state.index, text, finish_reason, False, logprobs, message)
+
+
+def _whole_logprobs(state: ChoiceState) -> dict | None:
+    """A choice's logprobs; led by its prompt's when it echoes the prompt with logprobs."""
+    if state.logprobs is None:
+        return None
+    if state.echo_prompt_ids is None or state.prompt_logprobs is None:
+        return state.logprobs.whole()
+    return state.logprobs.whole_after_prompt(state.echo_prompt_ids, state.prompt_logprobs)
+
+
+def _chunk_choice(shape: ResponseShape, state: ChoiceState, piece: ChoicePiece) -> dict:
+    parser, finish_reason = state.chat_output, piece.finish_reason
+    if parser is None:
+        return shape.choice(state.index, piece.text, finish_reason, True, piece.logprobs)
+    delta = parser.delta(piece.text, is_last=finish_reason is not None)
+    if finish_reason is not None:
+        finish_reason = parser.finish_reason(finish_reason)
+    return shape.choice(state.index, piece.text, finish_reason, True, piece.logprobs, delta)
 
 
 def usage(states: list[ChoiceState]) -> dict:
@@ -209,6 +245,8 @@ class Serving:
         )
         if job.echo_text:
             state.text.append(job.echo_text)
+        if is_chat and job.output_plan is not None:
+            state.chat_output = job.output_plan.parser()
         return state
 
     async def _collect(self, job: EngineJob, is_chat: bool) -> ChoiceState:
@@ -226,10 +264,7 @@ class Serving:
             states = [await self._collect(jobs[0], shape.is_chat)]
         else:
             states = await self._collect_all(jobs, shape.is_chat)
-        choices = [
-            shape.choice(s.index, "".join(s.text), s.finish_reason, False, self._whole_logprobs(s))
-            for s in states
-        ]
+        choices = [_whole_choice(shape, s) for s in states]
         response = shape.envelope(choices, is_chunk=False)
         response["usage"] = usage(states)
         if jobs[0].has_prompt_logprobs:  # vLLM's places: per choice, or the chat's response
@@ -240,15 +275,6 @@ class Serving:
                 for choice, prompt_logprobs in zip(choices, shaped, strict=True):
                     choice["prompt_logprobs"] = prompt_logprobs
         return response
-
-    @staticmethod
-    def _whole_logprobs(state: ChoiceState) -> dict | None:
-        """A choice's logprobs; led by its prompt's when it echoes the prompt with logprobs."""
-        if state.logprobs is None:
-            return None
-        if state.echo_prompt_ids is None or state.prompt_logprobs is None:
-            return state.logprobs.whole()
-        return state.logprobs.whole_after_prompt(state.echo_prompt_ids, state.prompt_logprobs)
 
     def _prompt_logprobs(self, state: ChoiceState) -> list | None:
         """The choice's prompt logprobs in vLLM's shape; None when the engine sent none (the
@@ -311,9 +337,7 @@ class Serving:
                     piece = state.absorb(output)
                     if piece.finish_reason is not None and output.finish_reason is None:
                         await merged.close_one(position)  # a stop string: abort its request
-                    choice = shape.choice(
-                        state.index, piece.text, piece.finish_reason, True, piece.logprobs
-                    )
+                    choice = _chunk_choice(shape, state, piece)
                     chunk = shape.envelope([choice], is_chunk=True)
                     if shape.has_usage_per_chunk:
                         chunk["usage"] = usage(states)

@@ -24,7 +24,12 @@ from api_server.chat_template import (
     as_system_if_developer,
     open_final_message,
 )
-from api_server.checkpoint_tokenizer import SPECIAL_TOKEN_NAMES, CheckpointTokenizer, encode_ids
+from api_server.checkpoint_tokenizer import (
+    GGUF_SUFFIX,
+    SPECIAL_TOKEN_NAMES,
+    CheckpointTokenizer,
+    encode_ids,
+)
 
 DEFAULT_TOKENIZER_DIR = TOKENIZER_DIR
 
@@ -199,11 +204,11 @@ class ByteTokenizer:
 def load_tokenizer(
     model: str, tokenizer: str | None = None, chat_template: str | None = None
 ) -> ByteTokenizer | CheckpointTokenizer:
-    """The tokenizer of `model` (a built-in name or a checkpoint folder), or of the folder
-    `tokenizer` names when given (vLLM's --tokenizer); `chat_template` replaces its own."""
+    """The tokenizer of `model` (a built-in name, a checkpoint folder or a GGUF file), or of the
+    folder `tokenizer` names when given (vLLM's --tokenizer); `chat_template` replaces its own."""
     if tokenizer is not None:
         return CheckpointTokenizer(Path(tokenizer), chat_template)
     folder = Path(model)
-    if folder.is_dir():
+    if folder.is_dir() or (folder.suffix == GGUF_SUFFIX and folder.is_file()):
         return CheckpointTokenizer(folder, chat_template)
     return ByteTokenizer(chat_template=chat_template)

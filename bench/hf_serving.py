@@ -6,7 +6,8 @@ through the ZeroMQ client), transformers' `generate_batch` continuous batching (
 lengths, its start-up included), and batched `generate()` (one static batch, left-padded to the
 longest prompt, run to the longest output). Workloads: `mixed` (prompt and output lengths vary,
 prompts share system prefixes, as serving sees them) and `equal` (`generate()`'s best case).
-Run: `python -m bench.hf_serving [--model DIR] [--rounds 5] [--json FILE]`. `--decode-sweep`
+Run: `python -m bench.hf_serving [--model DIR | --arch qwen3-moe] [--rounds 5] [--json FILE]`
+(without --model it makes a random checkpoint of --arch and --shape). `--decode-sweep`
 instead times one rank's decode step in-process at batch sizes 8 to 64 (the cost per step that
 a draining batch keeps paying).
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
+from bench.make_checkpoint import ARCHS, MOE_ARCHS, SHAPES, CheckpointSpec, make_checkpoint
 from bench.peer_rounds import MIN_ROUNDS, num_rounds
 from bench.report import report
 from engine_client.request import make_request
@@ -326,7 +327,11 @@ def decode_sweep(model_dir: Path) -> dict[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", type=Path, help="checkpoint folder; default: make a bench-shape qwen3"
+        "--model", type=Path, help="checkpoint folder; default: make one of --arch and --shape"
+    )
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3", help="of the checkpoint made")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), help="of the checkpoint made: bench, or bench-moe"
     )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rounds", type=num_rounds, default=MIN_ROUNDS, help="interleaved rounds")
@@ -339,6 +344,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--decode-sweep", action="store_true", help="time the decode step at 8 to 64 requests"
     )
     return parser.parse_args(argv)
+
+
+def made_spec(args: argparse.Namespace) -> CheckpointSpec:
+    """The checkpoint to make without --model: --arch in --shape (bench-moe for MoE archs)."""
+    is_moe = args.arch in MOE_ARCHS
+    shape = SHAPES[args.shape or ("bench-moe" if is_moe else "bench")]
+    if is_moe != shape.has_experts:
+        raise SystemExit(f"--shape {args.shape}: --arch {args.arch} expects another shape")
+    return CheckpointSpec(arch=args.arch, shape=shape)
 
 
 def run_round(
@@ -370,9 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kvs-hf-", dir="/tmp") as tmp:
         folder = Path(tmp)
-        model_dir = args.model or make_checkpoint(
-            folder / "checkpoint", CheckpointSpec(shape=SHAPES["bench"])
-        )
+        model_dir = args.model or make_checkpoint(folder / "checkpoint", made_spec(args))
         if args.decode_sweep:
             report("one rank's decode step (CPU, in-process)", decode_sweep(model_dir), args.json)
             return

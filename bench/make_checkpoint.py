@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3-moe", "mixtral", "gemma2", "gemma3", "phi3")
+MOE_ARCHS = ("qwen3-moe", "mixtral")  # their shapes must name experts
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # "hub": config.json as the hub ships most checkpoints (top-level rope_theta and rope_scaling,
 # torch_dtype, the chat template inside tokenizer_config.json); "transformers5": as
@@ -51,10 +52,22 @@ class Shape:
     intermediate_size: int
     vocab_size: int  # the model's; the tokenizer trains up to this many ids
     max_position_embeddings: int
+    num_experts: int = 0  # the MoE architectures' experts per sparse layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Mixtral's intermediate_size)
+
+    @property
+    def has_experts(self) -> bool:
+        return self.num_experts > 0
 
 
 SHAPES = {
     "tiny": Shape(64, 2, 4, 2, 16, 128, 512, 2048),  # the tests: milliseconds per step
+    # the MoE tests: 8 experts, 2 a token (Mixtral takes 4 of them and no dense MLP)
+    "tiny-moe": Shape(64, 2, 4, 2, 16, 128, 512, 2048, 8, 2, 32),
+    # the MoE serving benchmark: the bench shape's active MLP width (4 of 16 experts of 384),
+    # about 70M parameters
+    "bench-moe": Shape(512, 8, 8, 4, 64, 1536, 8192, 4096, 16, 4, 384),
     # the serving benchmark: about 30M parameters, a few hundred tokens/s on a 2-core CPU
     "bench": Shape(512, 8, 8, 4, 64, 1536, 8192, 4096),
     "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, 40960),  # Qwen3-0.6B's shape
@@ -75,10 +88,11 @@ class CheckpointSpec:
     dtype: str = "float32"  # of the saved weights
     num_shards: int = 1
     rope_scaling: str = "none"  # llama only
-    sliding_window: int | None = None  # mistral: every layer; qwen: the layers past the first
+    sliding_window: int | None = None  # mistral, phi3: every layer; qwen: past the first; gemma: 8
     max_window_layers: int | None = None  # qwen: layers [0, K) attend fully, the rest in windows
     layer_types: list[str] = field(default_factory=list)  # explicit per-layer types, or []
     tie_word_embeddings: bool | None = None  # None: the family's habit (qwen3 ties)
+    mlp_only_layers: tuple[int, ...] = (0,)  # qwen3-moe: the layers that keep a dense MLP
     spelling: str = "hub"  # of config.json and tokenizer_config.json: one of SPELLINGS
 
 
@@ -147,6 +161,30 @@ def model_config(spec: CheckpointSpec, token_ids: dict[str, int]):  # -> Pretrai
         config = transformers.MistralConfig(
             **common, sliding_window=spec.sliding_window, tie_word_embeddings=bool(tie)
         )
+    elif spec.arch in MOE_ARCHS:
+        config = _moe_config(spec, common)
+    elif spec.arch in ("gemma2", "gemma3"):
+        # the window defaults to 8 tokens, so that a chat's prompt already passes it
+        # untied by default: tied, the scaled input embedding dominates and each token repeats
+        gemma = dict(sliding_window=spec.sliding_window or 8, tie_word_embeddings=bool(tie))
+        if spec.layer_types:
+            gemma["layer_types"] = [f"{kind}_attention" for kind in spec.layer_types]
+        if spec.arch == "gemma2":  # Gemma 2 alternates; soft-caps small enough to matter
+            config = transformers.Gemma2Config(
+                **common, **gemma, attn_logit_softcapping=8.0, final_logit_softcapping=10.0
+            )
+        else:  # Gemma 3: 5 sliding layers to 1 global one, each type with its own rope
+            config = transformers.Gemma3TextConfig(
+                **common, **gemma, rope_local_base_freq=1000.0, final_logit_softcapping=10.0
+            )
+    elif spec.arch == "phi3":
+        del common["head_dim"]  # Phi-3's is hidden_size / num_attention_heads
+        config = transformers.Phi3Config(
+            **common,
+            partial_rotary_factor=0.5,
+            sliding_window=spec.sliding_window,
+            tie_word_embeddings=bool(tie),
+        )
     else:
         family = transformers.Qwen2Config if spec.arch == "qwen2" else transformers.Qwen3Config
         tie = (spec.arch == "qwen3") if tie is None else tie
@@ -162,6 +200,32 @@ def model_config(spec: CheckpointSpec, token_ids: dict[str, int]):  # -> Pretrai
         config = family(**common, **window, tie_word_embeddings=tie)
     config.dtype = spec.dtype
     return config
+
+
+def _moe_config(spec: CheckpointSpec, common: dict):  # -> PretrainedConfig
+    """Qwen3-MoE (a dense MLP in mlp_only_layers, renormalised top-k, as Qwen3-30B-A3B ships)
+    or Mixtral (every layer's MLP is its experts)."""
+    import transformers
+
+    shape, tie = spec.shape, bool(spec.tie_word_embeddings)
+    if not shape.has_experts:
+        raise ValueError(f"architecture {spec.arch!r} needs a shape with experts, not {shape}")
+    experts = dict(num_experts_per_tok=shape.num_experts_per_tok, tie_word_embeddings=tie)
+    if spec.arch == "mixtral":
+        common = dict(common, intermediate_size=shape.moe_intermediate_size)
+        return transformers.MixtralConfig(
+            **common, **experts, num_local_experts=shape.num_experts, sliding_window=None
+        )
+    return transformers.Qwen3MoeConfig(
+        **common,
+        **experts,
+        num_experts=shape.num_experts,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        mlp_only_layers=list(spec.mlp_only_layers),
+        norm_topk_prob=True,
+        use_sliding_window=spec.sliding_window is not None,
+        sliding_window=spec.sliding_window,
+    )
 
 
 def _llama_rope_scaling(kind: str) -> dict | None:
@@ -198,6 +262,11 @@ def make_checkpoint(folder: Path, spec: CheckpointSpec) -> Path:
     config = model_config(spec, token_ids)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.arch in ("gemma2", "gemma3"):  # Gemma's (1 + weight) norms start at zero
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, spec.initializer_range)
     model = model.to(getattr(torch, spec.dtype)).eval()
     total_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     shard_bytes = total_bytes // spec.num_shards + 1
@@ -224,11 +293,17 @@ def _respell_as_hub(folder: Path) -> None:
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     rope = dict(config.pop("rope_parameters", None) or {})
+    if "full_attention" in rope:  # Gemma 3: a rope per layer type, as the hub spells them
+        full, sliding = rope.pop("full_attention"), rope.pop("sliding_attention")
+        config["rope_local_base_freq"] = sliding["rope_theta"]
+        rope = full
     if "rope_theta" in rope:
         config["rope_theta"] = rope.pop("rope_theta")
     if rope and rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
     config["torch_dtype"] = config.pop("dtype")
+    if config.get("model_type") == "qwen3_moe":  # transformers 5 renames num_experts on save
+        config["num_experts"] = config.pop("num_local_experts")
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     template_path = folder / "chat_template.jinja"
     tokenizer_config_path = folder / "tokenizer_config.json"
@@ -244,7 +319,9 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
     parser = argparse.ArgumentParser(prog="python -m bench.make_checkpoint", description=__doc__)
     parser.add_argument("folder", type=Path, help="where to write the checkpoint (created)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")
-    parser.add_argument("--shape", choices=list(SHAPES), default="tiny", help="size preset")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default=None, help="size preset (tiny or tiny-moe)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the text")
     parser.add_argument("--initializer-range", type=float, default=0.2, help="weights' std")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -265,6 +342,9 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
     parser.add_argument(
         "--spelling", choices=SPELLINGS, default="hub", help="of the config files (see SPELLINGS)"
     )
+    parser.add_argument(
+        "--mlp-only-layers", default="0", help="qwen3-moe: comma-separated dense layers"
+    )
     args = parser.parse_args(argv)
     if args.shards < 1:
         parser.error(f"--shards {args.shards}: expected at least 1")
@@ -272,7 +352,15 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
     bad = [kind for kind in layer_types if kind not in ("full", "sliding")]
     if bad:
         parser.error(f"--layer-types {bad[0]!r}: expected full or sliding")
-    shape = SHAPES[args.shape]
+    shape_name = args.shape or ("tiny-moe" if args.arch in MOE_ARCHS else "tiny")
+    shape = SHAPES[shape_name]
+    if (args.arch in MOE_ARCHS) != shape.has_experts:
+        kind = "with" if args.arch in MOE_ARCHS else "without"
+        parser.error(f"--shape {shape_name}: --arch {args.arch} expects a shape {kind} experts")
+    try:
+        mlp_only_layers = tuple(int(i) for i in args.mlp_only_layers.split(",") if i.strip())
+    except ValueError:
+        parser.error(f"--mlp-only-layers {args.mlp_only_layers!r}: expected layer numbers")
     if layer_types and len(layer_types) != shape.num_layers:
         parser.error(f"--layer-types lists {len(layer_types)} layers: expected {shape.num_layers}")
     spec = CheckpointSpec(
@@ -288,6 +376,7 @@ def parse_args(argv: list[str]) -> tuple[Path, CheckpointSpec]:
         layer_types=layer_types,
         tie_word_embeddings=args.tie_word_embeddings,
         spelling=args.spelling,
+        mlp_only_layers=mlp_only_layers,
     )
     return args.folder, spec
 

@@ -22,7 +22,7 @@ from protocol.sampling import SamplingParams
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 from worker.distributed import TPGroup, destroy_tp_group, init_tp_group, single_rank_group
 from worker.model_runner import ModelRunner, build_model_runner
-from worker.models.registry import get_model_info
+from worker.models.registry import get_model_info, resolve_dtypes
 
 JOIN_TIMEOUT_S = 10.0
 MAX_STEPS = 100_000  # a workload still unfinished after this many steps is stuck
@@ -45,6 +45,7 @@ class Workload:
     async_scheduling: bool = False  # in-process ranks step in lockstep: the synchronous loop
     encoder_prompts: list[list[int]] | None = None  # each request's encoder input (tiny-encdec)
     attention_backend: str = "auto"  # a checkpoint's (worker/attention_backends/backend.py)
+    kv_cache_dtype: str = "auto"  # auto: the compute dtype
 
 
 @dataclass
@@ -112,7 +113,8 @@ def build_rank(
     executor_type: type[TimedRunner] = TimedRunner,  # a subclass may record more of each step
 ) -> tuple[EngineCore, TimedRunner]:
     """This rank's ModelRunner and an EngineCore over it, with every request queued in order."""
-    info = get_model_info(workload.model, workload.block_size, workload.dtype)
+    _, kv_dtype = resolve_dtypes(workload.model, workload.dtype, workload.kv_cache_dtype, device)
+    info = get_model_info(workload.model, workload.block_size, kv_dtype)
     kv_cache_config = KVCacheConfig(workload.num_blocks, info.kv_cache_groups)
     worker_config = WorkerConfig(
         rank=tp_group.rank,
@@ -122,6 +124,7 @@ def build_rank(
         block_size=workload.block_size,
         seed=workload.seed,
         attention_backend=workload.attention_backend,
+        kv_cache_dtype=workload.kv_cache_dtype,
     )
     runner = build_model_runner(worker_config, kv_cache_config, tp_group, device)
     runner.check_each_step = workload.check_invariants

@@ -84,6 +84,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> WorkerConfig:
     """A built-in model name, or a checkpoint folder this worker can serve at `tp_size` (the
     config's when None): its config.json and safetensors headers are read here, so a bad one
@@ -102,6 +105,18 @@ def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> Worker
             f"--model {config.model}: expected one of {list(MODEL_NAMES)} or a folder holding "
             "config.json"
         )
+    if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        if not is_checkpoint(config.model):
+            raise UsageError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} with --model {config.model}: expected "
+                "a checkpoint (the built-in models' tokens need their KV exact)"
+            )
+        if config.attention_backend == "triton":
+            raise UsageError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} with --attention-backend triton: "
+                "expected --attention-backend auto, blocks or reference (the Triton kernels "
+                "read 16- and 32-bit caches only)"
+            )
     return config
 
 
@@ -238,6 +253,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept a request's own `chat_template`; default off: such a request gets a 400",
     )
+    add_chat_parsing_flags(parser)
     parser.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -245,6 +261,31 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="bytes; a larger request body is refused with 413; default %(default)s",
     )
     add_common(parser)
+
+
+def add_chat_parsing_flags(parser: argparse.ArgumentParser) -> None:
+    """How chat replies are parsed for tool calls and reasoning, as vLLM's flags say."""
+    from api_server.reasoning_parser import REASONING_PARSERS
+    from api_server.tool_parsers import TOOL_PARSERS
+
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_PARSERS),
+        help="the format of the model's tool calls, parsed into `tool_calls`: hermes "
+        "(<tool_call>JSON</tool_call>, Qwen2.5/Qwen3), llama3_json or mistral; default none",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool_choice 'auto' (the default when a request brings tools) with "
+        "--tool-call-parser; without it 'auto' is a 400 and tools alone are only rendered",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="split the <think>...</think> text of a thinking model into `reasoning_content`: "
+        "qwen3 or deepseek_r1; default none",
+    )
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
@@ -342,9 +383,21 @@ def _api_settings(
             f"--model {base_worker.model}: no tokenizer.json in the checkpoint: expected one, "
             "or --tokenizer DIR naming a folder that holds one"
         )
+    if args.tokenizer is None and model_folder.suffix == ".gguf" and model_folder.is_file():
+        from api_server.gguf_tokenizer import gguf_tokenizer
+
+        try:
+            gguf_tokenizer(str(model_folder))
+        except ValueError as exc:
+            raise UsageError(f"--model {base_worker.model}: {exc}") from None
     if args.chat_template is not None:
         extra["chat_template"] = _chat_template_source(args.chat_template)
     extra["is_request_chat_template_trusted"] = args.trust_request_chat_template
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser: expected one")
+    extra["tool_call_parser"] = args.tool_call_parser
+    extra["is_auto_tool_choice_enabled"] = args.enable_auto_tool_choice
+    extra["reasoning_parser"] = args.reasoning_parser
     extra["generation_config"] = _generation_config(args.generation_config, base_worker.model)
     return ApiSettings(
         engine_addresses=tuple(args.engine_address or [engine_config.client_address]),

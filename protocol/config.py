@@ -162,8 +162,12 @@ class WorkerConfig(_Config, frozen=True):
     curve: CurveKeys | None = None  # the worker keypair and the engine's public key
     # the fixed-time model's device time per forward, in ms: its stand-in for a GPU's step time
     model_step_ms: Annotated[float, msgspec.Meta(gt=0)] = 5.0
-    # dtype of the KV cache; auto follows the compute dtype
-    kv_cache_dtype: Literal["auto", "float32", "float64", "float16", "bfloat16"] = "auto"
+    # dtype of the KV cache; auto follows the compute dtype. fp8 (vLLM's spelling; fp8_e4m3 the
+    # same) stores K and V as float8 e4m3 with scale 1, clamped to its +-448 range: half the
+    # bytes of bfloat16. Checkpoints only, with the blocks or reference attention backend.
+    kv_cache_dtype: Literal[
+        "auto", "float32", "float64", "float16", "bfloat16", "fp8", "fp8_e4m3"
+    ] = "auto"
     # the fixed-time model's extra device time per prompt token a forward computes, in us: a
     # prefill's cost grows with its tokens, as on a GPU; decodes are charged the step alone
     model_prefill_token_us: Annotated[float, msgspec.Meta(ge=0)] = 0.0

@@ -15,6 +15,7 @@ DTYPE_SIZES_BYTES = {
     "bfloat16": 2,
     "float32": 4,
     "float64": 8,
+    "fp8_e4m3": 1,  # float8 e4m3 (the KV cache's --kv-cache-dtype fp8), scale 1
     "int32": 4,
     "int64": 8,
 }

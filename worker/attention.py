@@ -24,6 +24,8 @@ from protocol.kv_cache_spec import (
 )
 from worker.block_table import BlockTable, MultiGroupBlockTable
 
+# KV-cache dtypes written through their bytes: torch's CPU index_copy_ has no float8 kernel
+FP8_DTYPES = (torch.float8_e4m3fn,)
 GATHER_BUDGET = 1 << 15  # query x context entries per chunk; bounds the gathered K/V and scores
 
 
@@ -170,6 +172,10 @@ class PagedKV:
         rows, block_rows, block_size = self.token_rows(layer_name)
         block_idx, offsets = self.write_indices[self.layer_to_group[layer_name]]
         k_rows = block_idx * block_rows + offsets
+        if rows.dtype in FP8_DTYPES:  # saturated to the format's range, stored as its bytes
+            limit = torch.finfo(rows.dtype).max
+            k, v = (t.clamp(-limit, limit).to(rows.dtype).view(torch.uint8) for t in (k, v))
+            rows = rows.view(torch.uint8)
         rows.index_copy_(0, k_rows, k.to(rows.dtype))
         rows.index_copy_(0, k_rows + block_size, v.to(rows.dtype))
 

@@ -19,6 +19,7 @@ from protocol.config import WorkerConfig
 from worker.attention import StepLayout
 from worker.distributed import TPGroup
 from worker.models.hf.config import is_checkpoint
+from worker.models.hf.moe_config import is_moe_checkpoint
 from worker.step_buffers import StepBuffers, StepShape, is_decode_only
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def graph_refusal(config: WorkerConfig, device: torch.device, tp_group: TPGroup)
         return "--enforce-eager"
     if not uses_step_buffers(config, device):
         return "graphs replay a checkpoint's forward with --attention-backend triton on CUDA only"
+    if is_moe_checkpoint(config.model):
+        return "a mixture of experts sizes each expert's batch on the host, which graphs cannot"
     if tp_group.tp_size > 1 and dist.get_backend(tp_group.process_group) != "nccl":
         return "a TP group over gloo (ranks sharing a device) all-reduces outside graphs"
     return None

@@ -32,6 +32,7 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "float64": torch.float64,
+    "fp8_e4m3": torch.float8_e4m3fn,
     "int32": torch.int32,
     "int64": torch.int64,
 }

@@ -33,7 +33,14 @@ def _jobs(body: dict, defaults: GenerationDefaults = NO_DEFAULTS) -> list:
     raw = json.dumps(body).encode()
     if "messages" in body:
         parsed = parse_body(raw, CHAT_DECODER)
-        return chat_jobs(parsed, TOKENIZER, "c", MAX_MODEL_LEN, VOCAB_SIZE, defaults)  # type: ignore[arg-type]
+        return chat_jobs(
+            parsed,  # type: ignore[arg-type]
+            TOKENIZER,
+            "c",
+            MAX_MODEL_LEN,
+            vocab_size=VOCAB_SIZE,
+            defaults=defaults,
+        )  # type: ignore[arg-type]
     parsed = parse_body(raw, COMPLETION_DECODER)
     return completion_jobs(parsed, TOKENIZER, "c", MAX_MODEL_LEN, VOCAB_SIZE, defaults)  # type: ignore[arg-type]
 

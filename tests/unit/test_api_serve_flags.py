@@ -126,6 +126,38 @@ def test_a_bad_chat_template_exits_2_naming_the_flag(
     assert message in capsys.readouterr().err
 
 
+def test_tool_and_reasoning_parser_flags_reach_the_chat_parsing() -> None:
+    from api_server.chat_output import ChatParsing
+
+    settings = _settings(
+        *("--model", "tiny-llama", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"),
+        *("--reasoning-parser", "deepseek_r1"),
+    )
+    assert ApiState(settings).chat_parsing == ChatParsing("hermes", True, "deepseek_r1")
+    assert ApiState(_settings("--model", "tiny-llama")).chat_parsing == ChatParsing()
+    parser_only = _settings("--model", "tiny-llama", "--tool-call-parser", "mistral")
+    assert ApiState(parser_only).chat_parsing == ChatParsing("mistral", False, None)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
+        (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice"),
+    ],
+)
+def test_bad_parser_flags_exit_2_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    from deploy.cli import kvserve_main
+
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_generation_config_defaults_reach_the_front_end(tmp_path: Path) -> None:
     """--generation-config DIR reads that folder's file; vllm (and a built-in model's auto)
     applies none."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.hf_checkpoints import our_logits, write_checkpoint
+from tests.unit.hf_checkpoints import QWEN3_MOE, our_logits, write_checkpoint
 from worker.distributed import single_rank_group
 from worker.models.hf.checkpoint import check_checkpoint
 from worker.models.hf.config import RopeConfig
@@ -149,8 +149,12 @@ def test_kernels_are_taken_only_once_they_agree_with_torch_on_the_device() -> No
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="on CUDA, bench/gpu_check.py's checkpoint checks")
 @pytest.mark.parametrize(
     ("arch", "fields"),
-    [("qwen3", dict(tie_word_embeddings=True)), ("llama", dict(attention_bias=True))],
-    ids=["qwen3-qk-norm", "llama-bias"],
+    [
+        ("qwen3", dict(tie_word_embeddings=True)),
+        ("llama", dict(attention_bias=True)),
+        ("qwen3-moe", QWEN3_MOE),  # the experts through FusedLayerOps.moe
+    ],
+    ids=["qwen3-qk-norm", "llama-bias", "qwen3-moe"],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_logits_through_the_kernels_match_the_torch_path(

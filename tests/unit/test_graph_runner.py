@@ -89,6 +89,12 @@ def test_only_a_triton_checkpoint_on_cuda_captures_and_enforce_eager_turns_it_of
     assert "over gloo" in str(graph_refusal(triton, CUDA, two_ranks))
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group: "nccl")
     assert graph_refusal(triton, CUDA, two_ranks) is None
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text('{"architectures": ["MixtralForCausalLM"]}')
+    moe_triton = msgspec.structs.replace(triton, model=str(moe))
+    assert uses_step_buffers(moe_triton, CUDA)
+    assert "mixture of experts" in str(graph_refusal(moe_triton, CUDA, one_rank))
 
 
 def triton_runner(folder: Path, with_buffers: bool, buckets: list[int] | None) -> ModelRunner:

@@ -54,6 +54,7 @@ if _BUILT != MODEL_NAMES or (TINY_ENCDEC.name,) != ENCODER_DECODER_MODEL_NAMES:
     )
 DEFAULT_MODEL_STEP_MS = WorkerConfig().model_step_ms
 FAKE_MODEL_DTYPE = "float32"  # what "auto" means for the built-in models
+FP8_KV_DTYPE = "fp8_e4m3"  # what --kv-cache-dtype fp8 stores
 
 
 def _check_name(name: str) -> None:
@@ -73,6 +74,8 @@ def resolve_dtypes(
     if dtype == "auto":
         is_cuda_checkpoint = device.type == "cuda" and is_checkpoint(name)
         dtype = read_hf_config(name).dtype if is_cuda_checkpoint else FAKE_MODEL_DTYPE
+    if kv_cache_dtype == "fp8":
+        kv_cache_dtype = FP8_KV_DTYPE
     return dtype, dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.models.hf.config import CheckpointError, HFConfig, read_hf_config
+from worker.models.hf.gguf_file import GGUFError, check_types, is_gguf, tensor_types
+from worker.models.hf.moe_config import moe_shapes
+from worker.models.hf.quantization import FP8_DTYPE, SCALE_DTYPES, is_activation_scale
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -47,7 +50,13 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
     """Every tensor of the checkpoint: through the index when there is one, else in
     model.safetensors, else in each *.safetensors file of the folder. A tensor in two files, or
-    not in the file the index names, is refused."""
+    not in the file the index names, is refused. A GGUF file's tensors are named as Hugging Face
+    names them, with their ggml type names (Q8_0, ...) as dtypes."""
+    if is_gguf(str(folder)):
+        return {
+            name: TensorEntry(folder, dtype, shape)
+            for name, (dtype, shape) in tensor_types(str(folder)).items()
+        }
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -95,14 +104,34 @@ def expected_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             layer + "input_layernorm.weight": (dim,),
             layer + "post_attention_layernorm.weight": (dim,),
-            layer + "self_attn.q_proj.weight": (q_rows, dim),
-            layer + "self_attn.k_proj.weight": (kv_rows, dim),
-            layer + "self_attn.v_proj.weight": (kv_rows, dim),
             layer + "self_attn.o_proj.weight": (dim, q_rows),
-            layer + "mlp.gate_proj.weight": (inter, dim),
-            layer + "mlp.up_proj.weight": (inter, dim),
-            layer + "mlp.down_proj.weight": (dim, inter),
         }
+        if config.fused_qkv_gate_up:  # Phi-3: q, k, v rows in one tensor
+            shapes[layer + "self_attn.qkv_proj.weight"] = (q_rows + 2 * kv_rows, dim)
+        else:
+            shapes |= {
+                layer + "self_attn.q_proj.weight": (q_rows, dim),
+                layer + "self_attn.k_proj.weight": (kv_rows, dim),
+                layer + "self_attn.v_proj.weight": (kv_rows, dim),
+            }
+        if config.moe is not None and config.moe.sparse_layers[i]:
+            shapes |= moe_shapes(config.moe, i, dim)
+        elif config.fused_qkv_gate_up:  # Phi-3: gate and up rows in one tensor
+            shapes |= {
+                layer + "mlp.gate_up_proj.weight": (2 * inter, dim),
+                layer + "mlp.down_proj.weight": (dim, inter),
+            }
+        else:
+            shapes |= {
+                layer + "mlp.gate_proj.weight": (inter, dim),
+                layer + "mlp.up_proj.weight": (inter, dim),
+                layer + "mlp.down_proj.weight": (dim, inter),
+            }
+        if config.gemma_norms:  # Gemma's sandwich: norms before and after the MLP too
+            shapes |= {
+                layer + "pre_feedforward_layernorm.weight": (dim,),
+                layer + "post_feedforward_layernorm.weight": (dim,),
+            }
         if config.has_qkv_bias:
             shapes |= {
                 layer + "self_attn.q_proj.bias": (q_rows,),
@@ -130,12 +159,17 @@ def is_ignored(config: HFConfig, tensor: str) -> bool:
     lm_head when the embeddings are tied (the embedding matrix is the head)."""
     if tensor.endswith(IGNORED_SUFFIXES):
         return True
+    if config.quantization is not None and is_activation_scale(tensor):
+        return True
     return config.tie_word_embeddings and tensor == "lm_head.weight"
 
 
 def check_tensors(config: HFConfig, entries: dict[str, TensorEntry]) -> None:
-    """Exactly the expected tensors, each of its shape and an unquantized float dtype."""
+    """Exactly the expected tensors, each of its shape and an unquantized float dtype, or, in an
+    fp8 checkpoint, a float8 matrix with its scale tensor beside it."""
     expected = expected_shapes(config)
+    scales = _scale_shapes(config, entries, expected)
+    expected = expected | scales
     missing = sorted(set(expected) - set(entries))
     if missing:
         raise CheckpointError(
@@ -150,10 +184,20 @@ def check_tensors(config: HFConfig, entries: dict[str, TensorEntry]) -> None:
         )
     for tensor, shape in expected.items():
         entry = entries[tensor]
-        if entry.dtype not in FLOAT_DTYPES:
+        if tensor in scales:
+            if entry.dtype not in SCALE_DTYPES or entry.shape not in scales[tensor]:
+                raise CheckpointError(
+                    f"tensor {tensor} has dtype {entry.dtype} and shape {list(entry.shape)}: "
+                    f"expected a float scale of shape one of {[list(s) for s in scales[tensor]]}"
+                )
+            continue
+        if is_gguf(config.path):
+            pass  # check_types has named any type that cannot be dequantized
+        elif entry.dtype not in FLOAT_DTYPES and not _is_fp8_weight(config, entry, shape):
             raise CheckpointError(
-                f"tensor {tensor} has dtype {entry.dtype}: quantized or integer weights are not "
-                f"supported, expected one of {list(FLOAT_DTYPES)}"
+                f"tensor {tensor} has dtype {entry.dtype}: expected one of {list(FLOAT_DTYPES)}, "
+                f"or {FP8_DTYPE} matrices with an fp8 quantization_config (other quantized "
+                "safetensors are not supported)"
             )
         if entry.shape != shape:
             raise CheckpointError(
@@ -161,9 +205,28 @@ def check_tensors(config: HFConfig, entries: dict[str, TensorEntry]) -> None:
             )
 
 
+def _is_fp8_weight(config: HFConfig, entry: TensorEntry, shape: tuple[int, ...]) -> bool:
+    return config.quantization is not None and entry.dtype == FP8_DTYPE and len(shape) == 2
+
+
+def _scale_shapes(
+    config: HFConfig, entries: dict[str, TensorEntry], expected: dict[str, tuple[int, ...]]
+) -> dict[str, list[tuple[int, ...]]]:
+    """The scale tensor each fp8 weight needs, with the shapes it may have."""
+    scheme = config.quantization
+    if scheme is None:
+        return {}
+    return {
+        scheme.scale_name(tensor): scheme.scale_shapes(shape)
+        for tensor, shape in expected.items()
+        if tensor in entries and _is_fp8_weight(config, entries[tensor], shape)
+    }
+
+
 def check_tp_split(config: HFConfig, tp_size: int) -> None:
-    """Heads and MLP columns must split evenly; KV heads split, or replicate where TP exceeds
-    them (then TP must be a multiple of them, so each rank's query heads share one KV head)."""
+    """Heads, MLP and expert columns must split evenly; KV heads split, or replicate where TP
+    exceeds them (then TP must be a multiple of them, so each rank's query heads share one KV
+    head)."""
     if config.num_heads % tp_size:
         raise CheckpointError(
             f"num_attention_heads={config.num_heads} is not divisible by tp_size={tp_size}"
@@ -174,9 +237,16 @@ def check_tp_split(config: HFConfig, tp_size: int) -> None:
             f"num_key_value_heads={kv} with tp_size={tp_size}: expected kv heads divisible by "
             "tp_size, or tp_size a multiple of kv heads"
         )
-    if config.intermediate_size % tp_size:
+    has_dense_mlp = config.moe is None or not all(config.moe.sparse_layers)
+    if has_dense_mlp and config.intermediate_size % tp_size:
         raise CheckpointError(
             f"intermediate_size={config.intermediate_size} is not divisible by tp_size={tp_size}"
+        )
+    # each expert's intermediate dimension splits across the ranks, as a dense MLP's does
+    if config.moe is not None and config.moe.intermediate_size % tp_size:
+        raise CheckpointError(
+            f"{config.moe.intermediate_size_key}={config.moe.intermediate_size} is not "
+            f"divisible by tp_size={tp_size}"
         )
 
 
@@ -187,5 +257,10 @@ def check_checkpoint(path: str, tp_size: int) -> HFConfig:
     """
     config = read_hf_config(path)
     check_tp_split(config, tp_size)
+    if is_gguf(path):
+        try:
+            check_types(path, expected_shapes(config))
+        except GGUFError as exc:
+            raise CheckpointError(str(exc)) from None
     check_tensors(config, tensor_entries(Path(path)))
     return config

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.models.hf.moe import MoeWeights, grouped_moe
+
 SILU_BLOCK_SIZE = 1024  # output columns per program of silu_and_mul
 
 
@@ -340,3 +342,7 @@ class FusedLayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         norm_and_rotate_(q, k, q_norm, k_norm, eps, cos, sin)
         return q, k
+
+    def moe(self, h: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
+        # no fused MoE kernel yet: the grouped torch path, with the fused SiLU-and-multiply
+        return grouped_moe(h, weights, silu_and_mul)

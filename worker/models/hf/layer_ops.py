@@ -1,6 +1,8 @@
 """The decoder's normalization and pointwise steps behind one seam: RMSNorm (with the residual
-add), SiLU-and-multiply, and the per-head q/k norm with rotary. TorchLayerOps is the CPU path and
-the reference; on CUDA the decoder runs FusedLayerOps (fused_kernels.py), one kernel per step.
+add), SiLU-and-multiply, the per-head q/k norm with rotary, and a sparse layer's experts.
+TorchLayerOps is the CPU path and the reference; on CUDA the decoder runs FusedLayerOps
+(fused_kernels.py), one kernel per step (the experts: moe.py's grouped path until a fused MoE
+kernel replaces it there).
 
 This module never imports triton: `layer_ops_for` imports the kernels only for a CUDA device,
 and takes them only once they have agreed with torch's ops there (`check_fused_ops`).
@@ -12,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from worker.models.hf.moe import MoeWeights, grouped_moe
 from worker.models.hf.rope import rotate
 
 logger = logging.getLogger(__name__)
@@ -24,6 +27,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, then cast to x's dtype (the
+    product rounds once, unlike rms_norm's)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
 
 
 class LayerOps(Protocol):
@@ -56,6 +67,11 @@ class LayerOps(Protocol):
         given (Qwen3), then rotated by cos and sin [T, head_dim]; q and k may change in place."""
         ...
 
+    def moe(self, h: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
+        """This rank's partial output [T, D] of a sparse layer's experts on the normed h [T, D],
+        routed and weighted as moe.grouped_moe does (the decoder all-reduces it)."""
+        ...
+
 
 class TorchLayerOps:
     """The steps as torch ops on new tensors: the CPU path, and the reference of the kernels."""
@@ -86,6 +102,9 @@ class TorchLayerOps:
         if q_norm is not None and k_norm is not None:  # Qwen3: per head, pre-rotary
             q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
         return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def moe(self, h: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
+        return grouped_moe(h, weights, self.silu_and_mul)
 
 
 def layer_ops_for(device: torch.device) -> LayerOps:

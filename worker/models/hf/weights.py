@@ -1,11 +1,13 @@
 """One rank's weights of a checkpoint, read slice by slice from memory-mapped safetensors files.
 
 A rank reads only its shard of every sharded tensor (its query heads, its KV heads, its MLP
-columns), so no rank ever holds the whole model; embeddings, norms and lm_head are replicated.
-Each weight is cast once to the compute dtype and moved to the rank's device; on the CPU a whole
-tensor already in that dtype stays a view of the mapped file (the embedding and norms page in on
-first use, shared by the host's ranks). q/k/v and gate/up are merged into new tensors of this
-rank's rows, and on the CPU every matrix is packed for the GEMM (linear.py).
+columns, its columns of every expert), so no rank ever holds the whole model; embeddings, norms,
+routers and lm_head are replicated. Each weight is cast once to the compute dtype and moved to
+the rank's device; on the CPU a whole tensor already in that dtype stays a view of the mapped
+file (the embedding and norms page in on first use, shared by the host's ranks). q/k/v and gate/up
+(each expert's too) are merged into new tensors of this rank's rows (from separate tensors, or
+from Phi-3's fused qkv_proj and gate_up_proj), and on the CPU every matrix but the routers is
+packed for the GEMM (linear.py).
 """
 
 import contextlib
@@ -17,7 +19,10 @@ from safetensors import safe_open
 
 from worker.models.hf.checkpoint import TensorEntry, tensor_entries
 from worker.models.hf.config import HFConfig
+from worker.models.hf.gguf_file import is_gguf, read_tensor
 from worker.models.hf.linear import pack
+from worker.models.hf.moe import MoeWeights
+from worker.models.hf.quantization import FP8_DTYPE, Fp8Scheme, dequantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,7 @@ class RankShard:
     num_kv_heads_per_rank: int
     first_kv_head: int
     num_intermediate_per_rank: int
+    num_expert_intermediate_per_rank: int = 0  # of each expert; 0 without experts
 
     @classmethod
     def of(cls, config: HFConfig, rank: int, tp_size: int) -> "RankShard":
@@ -47,6 +53,7 @@ class RankShard:
             num_kv_per_rank,
             first_kv,
             config.intermediate_size // tp_size,
+            0 if config.moe is None else config.moe.intermediate_size // tp_size,
         )
 
     def q_rows(self, head_dim: int) -> slice:
@@ -59,6 +66,10 @@ class RankShard:
 
     def mlp_rows(self) -> slice:
         size = self.num_intermediate_per_rank
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def expert_rows(self) -> slice:
+        size = self.num_expert_intermediate_per_rank
         return slice(self.rank * size, (self.rank + 1) * size)
 
 
@@ -74,18 +85,22 @@ class LayerWeights:
     qkv_proj: torch.Tensor  # [(H_r + 2 * KV_r) * head_dim, D]: this rank's q, then k, then v rows
     o_proj: torch.Tensor  # [D, H_r * head_dim]: this rank's input columns
     post_attention_norm: torch.Tensor  # [D]
-    gate_up_proj: torch.Tensor  # [2 * I_r, D]: this rank's gate rows, then its up rows
-    down_proj: torch.Tensor  # [D, I_r]
+    gate_up_proj: torch.Tensor | None  # [2 * I_r, D]: this rank's gate rows, then its up rows
+    down_proj: torch.Tensor | None  # [D, I_r]; both None where the experts replace the MLP
     qkv_bias: torch.Tensor | None = None  # [(H_r + 2 * KV_r) * head_dim], as qkv_proj's rows
     o_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
     gate_up_bias: torch.Tensor | None = None  # [2 * I_r], as gate_up_proj's rows
     down_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
-    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
-    k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    moe: MoeWeights | None = None  # a sparse layer's router and experts (Qwen3-MoE, Mixtral)
+    pre_feedforward_norm: torch.Tensor | None = None  # [D] (Gemma: before the MLP)
+    post_feedforward_norm: torch.Tensor | None = None  # [D] (Gemma: after the MLP)
 
     def tensors(self) -> list[torch.Tensor]:
         present = (getattr(self, name) for name in LayerWeights.__slots__)
-        return [tensor for tensor in present if tensor is not None]
+        tensors = [t for t in present if isinstance(t, torch.Tensor)]
+        return tensors if self.moe is None else tensors + self.moe.tensors()
 
 
 @dataclass(slots=True)
@@ -113,25 +128,45 @@ class TensorReader:
         stack: contextlib.ExitStack,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: Fp8Scheme | None = None,
     ) -> None:
         self.entries = entries
+        self.quantization = quantization
         self.stack = stack
         self.device = device
         self.dtype = dtype
         self.files: dict[Path, object] = {}
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        file = self.entries[name].file
-        if file not in self.files:
-            self.files[file] = self.stack.enter_context(safe_open(str(file), framework="pt"))
-        view = self.files[file].get_slice(name)
+        view = self._view(name)
         if cols is not None:
             part = view[:, cols]
         elif rows is not None:
             part = view[rows]
         else:
             part = view[:]
+        if self.entries[name].dtype == FP8_DTYPE and self.quantization is not None:
+            # dequantized here, on the host, one rank's slice at a time
+            shape = self.entries[name].shape
+            part = dequantize(
+                part,
+                self._file(self.quantization.scale_name(name)).get_tensor(
+                    self.quantization.scale_name(name)
+                ),
+                self.quantization.block,
+                _whole(rows, shape[0]),
+                _whole(cols, shape[1]),
+            )
         return part.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _view(self, name: str):
+        return self._file(name).get_slice(name)
+
+    def _file(self, name: str):
+        file = self.entries[name].file
+        if file not in self.files:
+            self.files[file] = self.stack.enter_context(safe_open(str(file), framework="pt"))
+        return self.files[file]
 
     def read_if(
         self, is_present: bool, name: str, rows: slice | None = None
@@ -148,13 +183,40 @@ class TensorReader:
         return self.read_merged(parts) if is_present else None
 
 
+class GGUFTensorReader(TensorReader):
+    """Reads a GGUF file's tensors by their Hugging Face names, dequantizing this rank's slices
+    (gguf_file.py); a llama's q and k rows come back in Hugging Face's order."""
+
+    def __init__(self, config: HFConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__({}, contextlib.ExitStack(), device, dtype)
+        self.path = config.path
+        # llama.cpp permutes a llama's q and k rows within each head (q: query heads, k: KV heads)
+        self.permuted_heads = (
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+            if config.architecture == "LlamaForCausalLM"
+            else {}
+        )
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+        values = read_tensor(self.path, name, rows, cols, self.permuted_heads.get(module))
+        return torch.from_numpy(values).to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _whole(part: slice | None, size: int) -> slice:
+    return slice(0, size) if part is None else slice(part.start or 0, part.stop)
+
+
 def load_rank_weights(
     config: HFConfig, shard: RankShard, device: torch.device, dtype: torch.dtype
 ) -> DecoderWeights:
     """This rank's weights; the checkpoint must have passed check_checkpoint."""
-    entries = tensor_entries(Path(config.path))
     with contextlib.ExitStack() as stack:
-        reader = TensorReader(entries, stack, device, dtype)
+        if is_gguf(config.path):
+            reader = GGUFTensorReader(config, device, dtype)
+        else:
+            entries = tensor_entries(Path(config.path))
+            reader = TensorReader(entries, stack, device, dtype, config.quantization)
         layers = [_layer(config, shard, reader, i) for i in range(config.num_layers)]
         embed = reader.read("model.embed_tokens.weight")
         # tied, the packed head is a second copy of the embedding where packing applies
@@ -162,22 +224,48 @@ def load_rank_weights(
         return DecoderWeights(embed, layers, reader.read("model.norm.weight"), lm_head)
 
 
-def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> LayerWeights:
+def _shifted(rows: slice, offset: int) -> slice:
+    return slice(rows.start + offset, rows.stop + offset)
+
+
+def _fused_parts(
+    config: HFConfig, shard: RankShard
+) -> tuple[list[tuple[str, slice]], list[tuple[str, slice]]]:
+    """This rank's (tensor, rows) of q, k, v and of gate, up: in one qkv_proj tensor (q rows,
+    then k rows, then v rows) and one gate_up_proj (gate rows, then up rows) for Phi-3; in a
+    tensor each elsewhere."""
     hd = config.head_dim
     q_rows, kv_rows, mlp_rows = shard.q_rows(hd), shard.kv_rows(hd), shard.mlp_rows()
-    attn, mlp = f"model.layers.{idx}.self_attn.", f"model.layers.{idx}.mlp."
+    if not config.fused_qkv_gate_up:
+        qkv = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
+        return qkv, [("gate_proj", mlp_rows), ("up_proj", mlp_rows)]
+    q_size, kv_size = config.num_heads * hd, config.num_kv_heads * hd
+    qkv = [
+        ("qkv_proj", q_rows),
+        ("qkv_proj", _shifted(kv_rows, q_size)),
+        ("qkv_proj", _shifted(kv_rows, q_size + kv_size)),
+    ]
+    up_rows = _shifted(mlp_rows, config.intermediate_size)
+    return qkv, [("gate_up_proj", mlp_rows), ("gate_up_proj", up_rows)]
+
+
+def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> LayerWeights:
+    hd = config.head_dim
+    q_rows, mlp_rows = shard.q_rows(hd), shard.mlp_rows()
+    prefix = f"model.layers.{idx}."
+    attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
     has_qkv_bias, has_mlp_bias = config.has_qkv_bias, config.has_mlp_bias
-    qkv = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
-    gate_up = [("gate_proj", mlp_rows), ("up_proj", mlp_rows)]
+    qkv, gate_up = _fused_parts(config, shard)
+    is_sparse = config.moe is not None and config.moe.sparse_layers[idx]
     return LayerWeights(
         input_norm=reader.read(f"model.layers.{idx}.input_layernorm.weight"),
         qkv_proj=pack(reader.read_merged([(f"{attn}{name}.weight", rows) for name, rows in qkv])),
         o_proj=pack(reader.read(attn + "o_proj.weight", cols=q_rows)),
         post_attention_norm=reader.read(f"model.layers.{idx}.post_attention_layernorm.weight"),
-        gate_up_proj=pack(
-            reader.read_merged([(f"{mlp}{name}.weight", rows) for name, rows in gate_up])
-        ),
-        down_proj=pack(reader.read(mlp + "down_proj.weight", cols=mlp_rows)),
+        gate_up_proj=None
+        if is_sparse
+        else pack(reader.read_merged([(f"{mlp}{name}.weight", rows) for name, rows in gate_up])),
+        down_proj=None if is_sparse else pack(reader.read(mlp + "down_proj.weight", cols=mlp_rows)),
         qkv_bias=reader.read_merged_if(
             has_qkv_bias, [(f"{attn}{name}.bias", rows) for name, rows in qkv]
         ),
@@ -188,4 +276,31 @@ def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -
         down_bias=reader.read_if(has_mlp_bias, mlp + "down_proj.bias"),
         q_norm=reader.read_if(config.has_qk_norm, attn + "q_norm.weight"),
         k_norm=reader.read_if(config.has_qk_norm, attn + "k_norm.weight"),
+        moe=_moe(config, shard, reader, idx) if is_sparse else None,
+        pre_feedforward_norm=reader.read_if(
+            config.gemma_norms, prefix + "pre_feedforward_layernorm.weight"
+        ),
+        post_feedforward_norm=reader.read_if(
+            config.gemma_norms, prefix + "post_feedforward_layernorm.weight"
+        ),
+    )
+
+
+def _moe(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> MoeWeights:
+    """The router (whole) and this rank's rows of every expert: gate and up merged, as a dense
+    MLP's are, and down's matching input columns."""
+    moe, rows = config.moe, shard.expert_rows()
+    assert moe is not None
+    gate_up, down = [], []
+    for expert in range(moe.num_experts):
+        gate, up = (moe.expert_tensor(idx, expert, name) for name in (moe.gate_name, moe.up_name))
+        gate_up.append(pack(reader.read_merged([(gate, rows), (up, rows)])))
+        down.append(pack(reader.read(moe.expert_tensor(idx, expert, moe.down_name), cols=rows)))
+    return MoeWeights(
+        router=reader.read(moe.router_tensor(idx)),
+        gate_up_proj=gate_up,
+        down_proj=down,
+        num_experts_per_tok=moe.num_experts_per_tok,
+        norm_topk_prob=moe.norm_topk_prob,
+        is_weighted_in_float32=moe.is_weighted_in_float32,
     )

@@ -1,0 +1,91 @@
+"""`kvserve serve --model FILE.gguf`, as a user runs it on a llama.cpp-style file: the tokenizer and
+chat template come from the file's metadata, and the greedy chat and completion text, driven by
+the official openai client, equal transformers' loading the same file.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from tests.integration.conftest import checked_processes, stop_process
+from tests.integration.test_hf_serving import HTTP_TIMEOUT_S, MIN_TOP2_MARGIN, serve
+from tests.unit.gguf_files import hf_gguf_model, hf_gguf_tokenizer, write_gguf
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 16
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "the quick brown fox?"},
+]
+PROMPT = "hello there, how are you"
+
+
+def _greedy_text(path: Path, prompt_ids: list[int]) -> str:
+    """transformers' greedy continuation, decoded; its top-2 margins must clear MIN_TOP2_MARGIN."""
+    model = hf_gguf_model(path)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])
+    margin = float((top2[:, 0] - top2[:, 1]).min())
+    assert margin >= MIN_TOP2_MARGIN, f"greedy top-2 margin {margin}: pick another seed"
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    return hf_gguf_tokenizer(path).decode(tokens, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    write_gguf(path, seed=4)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, gguf_file: Path) -> Iterator[openai.OpenAI]:
+    folder = tmp_path_factory.mktemp("serve-gguf")
+    with checked_processes(folder) as processes:
+        url = serve(processes, folder, gguf_file, 1)
+        yield openai.OpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S
+        )
+        stop_process(processes, "serve", timeout_s=60)
+
+
+@pytest.mark.timeout(420)
+def test_chat_and_completion_equal_transformers_on_the_same_file(
+    served: openai.OpenAI, gguf_file: Path
+) -> None:
+    tokenizer = hf_gguf_tokenizer(gguf_file)
+    chat_ids = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    (model,) = [card.id for card in served.models.list().data]
+    chat = served.chat.completions.create(
+        model=model,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    assert chat.choices[0].message.content == _greedy_text(gguf_file, list(chat_ids))
+    completion = served.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    assert completion.choices[0].text == _greedy_text(gguf_file, prompt_ids)
