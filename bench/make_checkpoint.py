@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3-moe", "mixtral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3-moe", "mixtral", "gemma2", "gemma3", "phi3")
 MOE_ARCHS = ("qwen3-moe", "mixtral")  # their shapes must name experts
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # "hub": config.json as the hub ships most checkpoints (top-level rope_theta and rope_scaling,
@@ -88,7 +88,7 @@ class CheckpointSpec:
     dtype: str = "float32"  # of the saved weights
     num_shards: int = 1
     rope_scaling: str = "none"  # llama only
-    sliding_window: int | None = None  # mistral: every layer; qwen: the layers past the first
+    sliding_window: int | None = None  # mistral, phi3: every layer; qwen: past the first; gemma: 8
     max_window_layers: int | None = None  # qwen: layers [0, K) attend fully, the rest in windows
     layer_types: list[str] = field(default_factory=list)  # explicit per-layer types, or []
     tie_word_embeddings: bool | None = None  # None: the family's habit (qwen3 ties)
@@ -163,6 +163,28 @@ def model_config(spec: CheckpointSpec, token_ids: dict[str, int]):  # -> Pretrai
         )
     elif spec.arch in MOE_ARCHS:
         config = _moe_config(spec, common)
+    elif spec.arch in ("gemma2", "gemma3"):
+        # the window defaults to 8 tokens, so that a chat's prompt already passes it
+        # untied by default: tied, the scaled input embedding dominates and each token repeats
+        gemma = dict(sliding_window=spec.sliding_window or 8, tie_word_embeddings=bool(tie))
+        if spec.layer_types:
+            gemma["layer_types"] = [f"{kind}_attention" for kind in spec.layer_types]
+        if spec.arch == "gemma2":  # Gemma 2 alternates; soft-caps small enough to matter
+            config = transformers.Gemma2Config(
+                **common, **gemma, attn_logit_softcapping=8.0, final_logit_softcapping=10.0
+            )
+        else:  # Gemma 3: 5 sliding layers to 1 global one, each type with its own rope
+            config = transformers.Gemma3TextConfig(
+                **common, **gemma, rope_local_base_freq=1000.0, final_logit_softcapping=10.0
+            )
+    elif spec.arch == "phi3":
+        del common["head_dim"]  # Phi-3's is hidden_size / num_attention_heads
+        config = transformers.Phi3Config(
+            **common,
+            partial_rotary_factor=0.5,
+            sliding_window=spec.sliding_window,
+            tie_word_embeddings=bool(tie),
+        )
     else:
         family = transformers.Qwen2Config if spec.arch == "qwen2" else transformers.Qwen3Config
         tie = (spec.arch == "qwen3") if tie is None else tie
@@ -240,6 +262,11 @@ def make_checkpoint(folder: Path, spec: CheckpointSpec) -> Path:
     config = model_config(spec, token_ids)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.arch in ("gemma2", "gemma3"):  # Gemma's (1 + weight) norms start at zero
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, spec.initializer_range)
     model = model.to(getattr(torch, spec.dtype)).eval()
     total_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     shard_bytes = total_bytes // spec.num_shards + 1
@@ -266,6 +293,10 @@ def _respell_as_hub(folder: Path) -> None:
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     rope = dict(config.pop("rope_parameters", None) or {})
+    if "full_attention" in rope:  # Gemma 3: a rope per layer type, as the hub spells them
+        full, sliding = rope.pop("full_attention"), rope.pop("sliding_attention")
+        config["rope_local_base_freq"] = sliding["rope_theta"]
+        rope = full
     if "rope_theta" in rope:
         config["rope_theta"] = rope.pop("rope_theta")
     if rope and rope.get("rope_type", "default") != "default":

@@ -222,8 +222,8 @@ WORKER_FLAGS = [
         ("model",),
         "model name: checksum, fixed-time, tiny-llama, tiny-llama-hybrid, tiny-llama-hybrid-2x, "
         "tiny-local, tiny-mla, tiny-encdec or tiny-mamba-hybrid (docs/serving.md's model list says "
-        "what each exercises), or a Hugging Face checkpoint folder (Llama, Qwen2, Qwen3, Mistral, "
-        "Qwen3-MoE, Mixtral)",
+        "what each exercises), or a Hugging Face checkpoint folder (its Architectures section "
+        "lists the families served)",
     ),
     Flag(
         ("--dtype",),

@@ -35,7 +35,44 @@ ARCHS = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
+# Gemma initialises its (1 + weight) norms to zero: these archs get random norm weights, so that
+# a norm read as Llama's (weight alone) or without its weight cannot pass
+RANDOM_NORM_ARCHS = ("gemma2", "gemma3")
+GEMMA_SMALL = dict(head_dim=16, query_pre_attn_scalar=24, pad_token_id=0)  # scale != 1/sqrt(16)
+GEMMA2_ALTERNATING = dict(  # layers 0 and 2 slide, 1 is global; soft-caps low enough to bite
+    GEMMA_SMALL,
+    num_hidden_layers=3,
+    sliding_window=6,
+    attn_logit_softcapping=4.0,
+    final_logit_softcapping=8.0,
+)
+GEMMA3_FIVE_TO_ONE = dict(  # layers 0-4 slide, layer 5 is global with its own rope
+    GEMMA_SMALL,
+    num_hidden_layers=6,
+    sliding_window=6,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    rope_local_base_freq=100.0,
+    rope_theta=20000.0,
+    final_logit_softcapping=8.0,
+)
+# Longer than every test sequence, so transformers' short factors apply throughout (past it,
+# transformers recomputes the whole sequence with the long ones: kvserve's rule differs there,
+# and test_hf_logits pins each factor set against transformers' rotary embedding instead)
+PHI3_ORIGINAL_LEN = 64
+PHI3_PARTIAL = dict(  # half of each head rotates
+    partial_rotary_factor=0.5,
+    original_max_position_embeddings=PHI3_ORIGINAL_LEN,
+    rope_scaling={
+        "type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [2.0, 3.0, 5.0, 8.0],
+    },
+    pad_token_id=0,
+)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -70,6 +107,11 @@ def write_checkpoint(
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if arch in RANDOM_NORM_ARCHS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, INITIALIZER_RANGE)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **kwargs)
     return model

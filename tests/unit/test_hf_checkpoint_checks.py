@@ -14,7 +14,12 @@ from deploy.commands import check_model_name
 from deploy.flags import UsageError
 from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from tests.unit.hf_checkpoints import write_checkpoint
+from tests.unit.hf_checkpoints import (
+    GEMMA2_ALTERNATING,
+    GEMMA3_FIVE_TO_ONE,
+    PHI3_PARTIAL,
+    write_checkpoint,
+)
 from worker.models.hf.checkpoint import check_checkpoint
 from worker.models.hf.config import CheckpointError, RopeConfig, read_hf_config
 from worker.models.hf.weights import RankShard
@@ -64,7 +69,8 @@ def test_a_good_checkpoint_passes(qwen3: Path) -> None:
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel']"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
-        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope type 'longrope'"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "longrope short_factor=None"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: expected 1.0"),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding window is off"),
@@ -143,16 +149,26 @@ def test_deploy_turns_a_refusal_into_a_usage_error(qwen3: Path) -> None:
     ],
 )
 def test_every_command_exits_2_naming_what_the_checkpoint_lacks(
-    qwen3: Path, tmp_path: Path, entry: str, argv: list[str], capsys: pytest.CaptureFixture
+    qwen3: Path,
+    families: dict,
+    tmp_path: Path,
+    entry: str,
+    argv: list[str],
+    capsys: pytest.CaptureFixture,
 ) -> None:
     """A user's `kvserve serve --model DIR` on a checkpoint it cannot serve stops before any
     process starts, with exit code 2 and the reason; the same for launch and kvserve-worker."""
     from deploy import cli
 
     bad_rope = edited_copy(qwen3, tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic"})
+    bidirectional = edited_copy(
+        families["gemma3"], tmp_path / "bidirectional", use_bidirectional_attention=True
+    )
     for folder, reason in [
         (qwen3, "num_attention_heads=4 is not divisible by tp_size=3"),
         (bad_rope, "dynamic"),
+        (bidirectional, "use_bidirectional_attention=True"),
+        (families["phi3"], "num_attention_heads=4 is not divisible by tp_size=3"),
     ]:
         with pytest.raises(SystemExit) as exited:
             getattr(cli, entry)([*argv, "--model", str(folder)])
@@ -241,4 +257,114 @@ def test_weight_files_are_found_as_transformers_finds_them(qwen3: Path, tmp_path
         check_checkpoint(str(folder), 1)
     (folder / "consolidated.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"holds no \*.safetensors file"):
+        check_checkpoint(str(folder), 1)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Gemma 2, Gemma 3 and Phi-3 checkpoints as the generation tests serve them."""
+    folders = {}
+    for arch, fields in [
+        ("gemma2", GEMMA2_ALTERNATING),
+        ("gemma3", GEMMA3_FIVE_TO_ONE),
+        ("phi3", PHI3_PARTIAL),
+    ]:
+        folders[arch] = tmp_path_factory.mktemp(arch)
+        write_checkpoint(folders[arch], arch, **json.loads(json.dumps(fields)))
+    return folders
+
+
+def test_gemma_and_phi3_configs_read_as_transformers_runs_them(families: dict) -> None:
+    gemma2 = check_checkpoint(str(families["gemma2"]), tp_size=2)
+    assert gemma2.sliding_windows == (6, None, 6)
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.attention_scale) == (
+        4.0,
+        8.0,
+        24**-0.5,
+    )
+    assert gemma2.gemma_norms and gemma2.tie_word_embeddings and not gemma2.has_qk_norm
+    gemma3 = check_checkpoint(str(families["gemma3"]), tp_size=2)
+    assert gemma3.sliding_windows == (6,) * 5 + (None,)
+    assert gemma3.rope == RopeConfig("linear", 20000.0, factor=2.0)
+    assert gemma3.sliding_rope == RopeConfig("default", 100.0)
+    assert gemma3.has_qk_norm and gemma3.attn_softcap is None and gemma3.final_softcap == 8.0
+    phi3 = check_checkpoint(str(families["phi3"]), tp_size=2)
+    assert phi3.fused_qkv_gate_up and phi3.sliding_windows == (None, None)
+    rope = phi3.rope
+    assert (rope.rope_type, rope.partial_rotary_factor, rope.original_max_position_embeddings) == (
+        "longrope",
+        0.5,
+        64,
+    )
+    assert rope.factor == 512 / 64 and rope.long_factor == (2.0, 3.0, 5.0, 8.0)
+
+
+def test_gemma_layer_types_default_as_transformers_derives_them(
+    families: dict, tmp_path: Path
+) -> None:
+    """Without layer_types Gemma 2 alternates from a sliding layer 0, and Gemma 3 makes every
+    sliding_window_pattern-th layer (6th by default) global; the hub's rope spelling of Gemma 3
+    (rope_theta, rope_local_base_freq, rope_scaling) reads as transformers 5's per-type one."""
+    gemma2 = edited_copy(families["gemma2"], tmp_path / "g2", layer_types=None)
+    assert read_hf_config(str(gemma2)).sliding_windows == (6, None, 6)
+    hub = edited_copy(
+        families["gemma3"],
+        tmp_path / "g3",
+        layer_types=None,
+        rope_parameters=None,
+        rope_theta=20000.0,
+        rope_local_base_freq=100.0,
+        rope_scaling={"type": "linear", "factor": 2.0},
+        sliding_window_pattern=3,
+    )
+    config = read_hf_config(str(hub))
+    assert config.sliding_windows == (6, 6, None, 6, 6, None)
+    expected = read_hf_config(str(families["gemma3"]))
+    assert (config.rope, config.sliding_rope) == (expected.rope, expected.sliding_rope)
+    groups = get_model_info(str(families["gemma3"]), 4, "float32").kv_cache_groups
+    # groups of the fewest layers a kind has (1 full layer): the full group, then five windows
+    assert [len(g.layer_names) for g in groups] == [1] * 6
+    assert [type(g.spec).__name__ for g in groups] == ["FullAttentionSpec"] + [
+        "SlidingWindowSpec"
+    ] * 5
+    assert groups[1].spec == SlidingWindowSpec(4, 2, 16, "float32", sliding_window=6)
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "reason"),
+    [
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+        ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0.0"),
+        ("gemma2", {"final_logit_softcapping": -1}, "final_logit_softcapping=-1.0"),
+        ("gemma2", {"sliding_window": 0}, "sliding_window=0: expected null or >= 1"),
+        ("gemma3", {"rope_parameters": {"rope_type": "default"}}, "expected an entry per layer"),
+        ("phi3", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear': expected"),
+        (
+            "phi3",
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+            "short_factor has 1 entries: expected rotary_dim / 2 = 4",
+        ),
+        ("phi3", {"partial_rotary_factor": 0.1, "rope_scaling": None}, "rotates 1 of head_dim=16"),
+        ("phi3", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
+    ],
+)
+def test_gemma_and_phi3_refusals_name_the_field(
+    families: dict, tmp_path: Path, arch: str, changes: dict, reason: str
+) -> None:
+    folder = edited_copy(families[arch], tmp_path / "bad", **changes)
+    if changes.get("rope_scaling", "") is None:  # Phi-3's rope_parameters carry the factor too
+        config = json.loads((folder / "config.json").read_text())
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=reason.replace("[", r"\[").replace("(", r"\(")):
+        check_checkpoint(str(folder), 1)
+
+
+def test_phi3_fused_tensors_are_checked_whole(families: dict, tmp_path: Path) -> None:
+    folder = edited_copy(families["phi3"], tmp_path / "bad")
+    with_tensors(
+        folder, lambda t: t.update({"model.layers.0.mlp.gate_up_proj.weight": torch.zeros(128, 64)})
+    )
+    with pytest.raises(CheckpointError, match=r"gate_up_proj.weight has shape \[128, 64\]"):
         check_checkpoint(str(folder), 1)

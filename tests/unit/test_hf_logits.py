@@ -17,8 +17,12 @@ import torch
 from protocol.kv_cache_spec import SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
 from tests.unit.hf_checkpoints import (
+    GEMMA2_ALTERNATING,
+    GEMMA3_FIVE_TO_ONE,
     LLAMA3_ROPE,
     MIXTRAL,
+    PHI3_ORIGINAL_LEN,
+    PHI3_PARTIAL,
     QWEN3_MIXED_LAYERS,
     QWEN3_MOE,
     hf_logits,
@@ -28,6 +32,8 @@ from tests.unit.hf_checkpoints import (
 )
 from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import TPGroup, single_rank_group
+from worker.models.hf.config import read_hf_config
+from worker.models.hf.rope import Rotary
 from worker.models.registry import build_model, get_model_info
 
 FLOAT32_ATOL = 1e-4
@@ -60,6 +66,9 @@ CASES = {
     "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),  # TP=2 replicates it
     "qwen3-moe": ("qwen3-moe", QWEN3_MOE),  # TP=2: test_hf_moe.py
     "mixtral": ("mixtral", MIXTRAL),
+    "gemma2-alternating": ("gemma2", GEMMA2_ALTERNATING),
+    "gemma3-five-to-one": ("gemma3", GEMMA3_FIVE_TO_ONE),
+    "phi3-partial-longrope": ("phi3", PHI3_PARTIAL),
 }
 TOKENS = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -91,7 +100,17 @@ def test_float32_logits_equal_transformers(checkpoints: dict, case: str) -> None
     assert shift > CONTEXT_EFFECT_MIN, f"{case}: context barely matters ({shift:.3g})"
 
 
-@pytest.mark.parametrize("case", ["qwen3-mixed-layers", "llama-linear-biases", "llama-one-kv-head"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "qwen3-mixed-layers",
+        "llama-linear-biases",
+        "llama-one-kv-head",
+        "gemma2-alternating",
+        "gemma3-five-to-one",
+        "phi3-partial-longrope",
+    ],
+)
 def test_tp2_ranks_agree_bytewise_and_equal_tp1(checkpoints: dict, case: str) -> None:
     """Two ranks as threads with an in-process all-reduce: the same bytes on both, close to TP=1
     (biases of o and down added once; a single KV head replicated on both ranks)."""
@@ -150,7 +169,10 @@ def test_a_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
 
 # Not qwen3-moe: with TOKENS its router nearly ties the 2nd and 3rd expert at position 4 (float32
 # probabilities 0.1689 and 0.1680), so bfloat16 noise picks either there, on either side
-@pytest.mark.parametrize("case", ["qwen3-tied-qk-norm", "llama-llama3", "mixtral"])
+@pytest.mark.parametrize(
+    "case",
+    ["qwen3-tied-qk-norm", "llama-llama3", "mixtral", "gemma2-alternating", "gemma3-five-to-one"],
+)
 def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
     checkpoints: dict, case: str
 ) -> None:
@@ -164,3 +186,25 @@ def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
     # TP=2 in bfloat16: the ranks still agree to the byte
     rank0, rank1 = run_ranks(2, lambda group: rank_logits(folder, group, "bfloat16"))
     assert torch.equal(rank0, rank1)
+
+
+def test_longrope_factor_sets_equal_transformers_rotary_embedding(checkpoints: dict) -> None:
+    """Positions up to the original context take the short factors, those past it the long ones,
+    each with longrope's attention factor: cos and sin equal transformers' rotary embedding run
+    on a sequence that fits the original context, and on one that passes it."""
+    folder, hf_model = checkpoints["phi3-partial-longrope"]
+    config = read_hf_config(str(folder))
+    rotary = Rotary(config.rope, config.head_dim, CPU)
+    assert rotary.rotary_dim == config.head_dim // 2
+    positions = torch.arange(PHI3_ORIGINAL_LEN + 8)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    short, long = positions < PHI3_ORIGINAL_LEN, positions >= PHI3_ORIGINAL_LEN
+    theirs = hf_model.model.rotary_emb
+    dummy = torch.zeros(1, dtype=torch.float32)
+    for fits in (True, False):
+        length = PHI3_ORIGINAL_LEN if fits else len(positions)
+        hf_cos, hf_sin = theirs(dummy, positions[None, :length])
+        mine = short[:length] if fits else long
+        torch.testing.assert_close(cos[:length][mine], hf_cos[0][mine], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[:length][mine], hf_sin[0][mine], atol=1e-6, rtol=0)
+    assert not torch.allclose(rotary.inv_freq, rotary.long_inv_freq)

@@ -104,18 +104,33 @@ def expected_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             layer + "input_layernorm.weight": (dim,),
             layer + "post_attention_layernorm.weight": (dim,),
-            layer + "self_attn.q_proj.weight": (q_rows, dim),
-            layer + "self_attn.k_proj.weight": (kv_rows, dim),
-            layer + "self_attn.v_proj.weight": (kv_rows, dim),
             layer + "self_attn.o_proj.weight": (dim, q_rows),
         }
+        if config.fused_qkv_gate_up:  # Phi-3: q, k, v rows in one tensor
+            shapes[layer + "self_attn.qkv_proj.weight"] = (q_rows + 2 * kv_rows, dim)
+        else:
+            shapes |= {
+                layer + "self_attn.q_proj.weight": (q_rows, dim),
+                layer + "self_attn.k_proj.weight": (kv_rows, dim),
+                layer + "self_attn.v_proj.weight": (kv_rows, dim),
+            }
         if config.moe is not None and config.moe.sparse_layers[i]:
             shapes |= moe_shapes(config.moe, i, dim)
+        elif config.fused_qkv_gate_up:  # Phi-3: gate and up rows in one tensor
+            shapes |= {
+                layer + "mlp.gate_up_proj.weight": (2 * inter, dim),
+                layer + "mlp.down_proj.weight": (dim, inter),
+            }
         else:
             shapes |= {
                 layer + "mlp.gate_proj.weight": (inter, dim),
                 layer + "mlp.up_proj.weight": (inter, dim),
                 layer + "mlp.down_proj.weight": (dim, inter),
+            }
+        if config.gemma_norms:  # Gemma's sandwich: norms before and after the MLP too
+            shapes |= {
+                layer + "pre_feedforward_layernorm.weight": (dim,),
+                layer + "post_feedforward_layernorm.weight": (dim,),
             }
         if config.has_qkv_bias:
             shapes |= {

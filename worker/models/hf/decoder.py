@@ -1,6 +1,11 @@
-"""HFDecoder: a Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral, and the mixtures of
-experts Qwen3-MoE and Mixtral) on one TP rank, over the paged KV cache: RMSNorm, rotary,
-grouped-query attention, SiLU-gated MLP or routed SiLU-gated experts (moe.py).
+"""HFDecoder: a Llama-family checkpoint (Llama, Qwen2, Qwen3, Mistral, Phi-3, and the mixtures of
+experts Qwen3-MoE and Mixtral) or a Gemma 2/3 one on one TP rank, over the paged KV cache:
+RMSNorm, rotary, grouped-query attention, gated MLP or routed gated experts (moe.py).
+
+Gemma differs in its layer (`_gemma_forward`): (1 + weight) RMSNorms around both sublayers
+(sandwich norms), embeddings scaled by sqrt(D) in the compute dtype, GeGLU (tanh), its own
+attention scale and soft-capping, and (Gemma 3) a rope per layer type. Phi-3 is a Llama layer
+whose merged q/k/v and gate/up come from fused tensors (weights.py) and whose rotary may be partial.
 
 q/k/v and gate/up are column-parallel (this rank's heads and MLP rows, each pair merged into one
 GEMM); o and down are row-parallel with one all-reduce each, their biases added once after it.
@@ -20,7 +25,7 @@ from worker.attention_backends.reference import ReferenceAttention
 from worker.distributed import TPGroup
 from worker.models.hf.config import HFConfig
 from worker.models.hf.kv_groups import layer_name
-from worker.models.hf.layer_ops import LayerOps, layer_ops_for
+from worker.models.hf.layer_ops import LayerOps, TorchLayerOps, gemma_rms_norm, layer_ops_for
 from worker.models.hf.linear import linear
 from worker.models.hf.rope import Rotary
 from worker.models.hf.weights import LayerWeights, RankShard, load_rank_weights
@@ -58,7 +63,19 @@ class HFDecoder:
         self.shard = RankShard.of(config, tp_group.rank, tp_group.tp_size)
         self.weights = load_rank_weights(config, self.shard, device, dtype)
         self.rotary = Rotary(config.rope, config.head_dim, device)
-        self.scale = config.head_dim**-0.5
+        # Gemma 3's sliding layers rotate with their own rope (a local theta, unscaled)
+        self.sliding_rotary = (
+            None
+            if config.sliding_rope is None
+            else Rotary(config.sliding_rope, config.head_dim, device)
+        )
+        self.scale = (
+            config.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
+        )
+        if config.gemma_norms or self.rotary.rotary_dim < config.head_dim:
+            # Gemma's norms and a partial rotary run as torch's ops (the fused kernels norm as
+            # Llama does and rotate whole heads)
+            self.layer_ops = TorchLayerOps()
 
     def weights_bytes(self) -> int:
         return self.weights.num_bytes()
@@ -122,6 +139,8 @@ class HFDecoder:
             if isinstance(kv, (PagedKV, DeviceStep))
             else ReferenceAttention(kv)
         )
+        if self.config.gemma_norms:
+            return self._gemma_forward(token_ids, positions, logits_idx, attention)
         ops, layers = self.layer_ops, weights.layers
         # The residual stream: each sublayer's output is added to it as the next norm reads it,
         # which the fused kernels do in one pass, in place.
@@ -145,6 +164,47 @@ class HFDecoder:
             h, residual = ops.add_rms_norm(out, residual, next_norm, eps)
         return linear(h, weights.lm_head).to(torch.float32)
 
+    def _gemma_forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_idx: torch.Tensor,
+        attention: StepAttention,
+    ) -> torch.Tensor:
+        """Gemma 2/3: each sublayer's input and output normed, then added to the residual."""
+        cfg, layers, eps = self.config, self.weights.layers, self.config.rms_norm_eps
+        embed = self.weights.embed_tokens
+        # sqrt(D) as a float32, then rounded to the compute dtype, as transformers scales them
+        normalizer = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(embed.dtype)
+        normalizer = normalizer.to(embed.device)
+        residual = F.embedding(token_ids, embed) * normalizer  # [T, D]
+        cos_sin = self.rotary.cos_sin(positions, self.dtype)
+        sliding_cos_sin = (
+            cos_sin
+            if self.sliding_rotary is None
+            else self.sliding_rotary.cos_sin(positions, self.dtype)
+        )
+        last = len(layers) - 1
+        for idx, layer in enumerate(layers):
+            is_sliding = cfg.sliding_windows[idx] is not None
+            cos, sin = sliding_cos_sin if is_sliding else cos_sin
+            h = gemma_rms_norm(residual, layer.input_norm, eps)
+            attn = self._attention(idx, layer, h, cos, sin, attention, idx == last)
+            if idx == last:  # past the last K/V write only the sampled tokens matter
+                residual, attn = residual[logits_idx], attn[logits_idx]
+            out = self._row_parallel(attn, layer.o_proj, layer.o_bias)
+            residual = residual + gemma_rms_norm(out, layer.post_attention_norm, eps)
+            h = gemma_rms_norm(residual, layer.pre_feedforward_norm, eps)
+            gate, up = linear(h, layer.gate_up_proj).chunk(2, dim=-1)  # each [T, I_r]
+            out = self._row_parallel(F.gelu(gate, approximate="tanh") * up, layer.down_proj, None)
+            residual = residual + gemma_rms_norm(out, layer.post_feedforward_norm, eps)
+        logits = linear(
+            gemma_rms_norm(residual, self.weights.final_norm, eps), self.weights.lm_head
+        )
+        if cfg.final_softcap is not None:  # in the compute dtype, as transformers caps them
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.to(torch.float32)
+
     def _attention(
         self,
         idx: int,
@@ -163,11 +223,16 @@ class HFDecoder:
         q, k, v = qkv.split([num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], dim=-1)
         q = q.view(num_tokens, num_heads, hd)
         k, v = k.view(num_tokens, num_kv_heads, hd), v.view(num_tokens, num_kv_heads, hd)
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        if self.config.gemma_norms and q_norm is not None and k_norm is not None:
+            # Gemma 3 norms each head its own (1 + weight) way before rotary
+            q, k = gemma_rms_norm(q, q_norm, eps), gemma_rms_norm(k, k_norm, eps)
+            q_norm = k_norm = None
         # Qwen3 norms each head before rotary (q_norm and k_norm); the others only rotate
-        q, k = self.layer_ops.norm_and_rotate(q, k, layer.q_norm, layer.k_norm, eps, cos, sin)
+        q, k = self.layer_ops.norm_and_rotate(q, k, q_norm, k_norm, eps, cos, sin)
         name = layer_name(idx)
         attention.write(name, k, v)  # before any read: a same-step neighbour may share blocks
-        return attention.attend(name, q, self.scale, logits_only)
+        return attention.attend(name, q, self.scale, logits_only, self.config.attn_softcap)
 
     def _row_parallel(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -29,6 +29,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, then cast to x's dtype (the
+    product rounds once, unlike rms_norm's)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
 class LayerOps(Protocol):
     """What a decoder layer computes between its GEMMs and its attention."""
 

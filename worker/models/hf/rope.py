@@ -1,5 +1,6 @@
 """Rotary position embeddings of a checkpoint: inverse frequencies for the default, linear,
-llama3 and yarn rope types, and each token's cos/sin from its position.
+llama3, yarn and longrope rope types, and each token's cos/sin from its position. With a partial
+rotary factor (Phi-3) only the leading rotary_dim dimensions of each head rotate.
 
 Computed in float32 from the positions of the step, as transformers computes them, then cast to
 the compute dtype; nothing is tabled up to max_position_embeddings.
@@ -66,8 +67,29 @@ def _yarn(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
 
 
+def _longrope(rope: RopeConfig, head_dim: int, factors: tuple[float, ...]) -> torch.Tensor:
+    """LongRoPE: each base frequency divided by its own factor (short or long)."""
+    return _base_inv_freq(rope.theta, head_dim) / torch.tensor(factors, dtype=torch.float32)
+
+
+def longrope_attention_factor(rope: RopeConfig) -> float:
+    """The factor on cos and sin, for short and long factors alike: the configured one, else
+    sqrt(1 + ln(factor) / ln(original context)) where the context is stretched."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+
+
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading dimensions of each head rotate."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies [head_dim / 2] (float32) and the factor on cos and sin."""
+    """The inverse frequencies [head_dim / 2] (float32) and the factor on cos and sin; `head_dim`
+    is the rotated width (rotary_dim). Longrope's are its short factors' (Rotary switches)."""
     match rope.rope_type:
         case "default":
             return _base_inv_freq(rope.theta, head_dim), 1.0
@@ -77,20 +99,42 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
             return _llama3_inv_freq(rope, _base_inv_freq(rope.theta, head_dim)), 1.0
         case "yarn":
             return _yarn(rope, head_dim)
-    raise ValueError(f"rope type {rope.rope_type!r}: expected default, linear, llama3 or yarn")
+        case "longrope":
+            return _longrope(rope, head_dim, rope.short_factor), longrope_attention_factor(rope)
+    raise ValueError(
+        f"rope type {rope.rope_type!r}: expected default, linear, llama3, yarn or longrope"
+    )
 
 
 class Rotary:
-    """cos and sin [T, head_dim] of a step's positions, and their rotation of q and k."""
+    """cos and sin [T, rotary_dim] of a step's positions, and their rotation of q and k.
+
+    Longrope picks its factors per token: a token at position p uses the long factors when
+    p + 1 exceeds original_max_position_embeddings, the short ones otherwise, so a token's K/V
+    depend only on its own position and a cached prefix, or a preempted request recomputed, keeps
+    its values. Up to the original context this is exactly transformers' choice. Past it the two
+    differ: transformers rotates the whole sequence with the long factors, recomputing every
+    cached K/V once when the sequence first passes the original length; here the tokens before
+    it keep their short-factor K/V.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
-        inv_freq, self.attention_factor = inverse_frequencies(rope, head_dim)
-        self.inv_freq = inv_freq.to(device)  # [head_dim / 2] float32
+        self.rotary_dim = rotary_dim(rope, head_dim)
+        inv_freq, self.attention_factor = inverse_frequencies(rope, self.rotary_dim)
+        self.inv_freq = inv_freq.to(device)  # [rotary_dim / 2] float32
+        self.long_inv_freq: torch.Tensor | None = None
+        self.original_len = rope.original_max_position_embeddings
+        if rope.rope_type == "longrope":
+            self.long_inv_freq = _longrope(rope, self.rotary_dim, rope.long_factor).to(device)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
+        inv_freq = self.inv_freq[None, :]  # [1 or T, rotary_dim / 2]
+        if self.long_inv_freq is not None:
+            is_long = (positions + 1 > self.original_len)[:, None]
+            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq  # [T, rotary_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]: both halves rotate alike
         cos = angles.cos() * self.attention_factor
         sin = angles.sin() * self.attention_factor
@@ -98,7 +142,12 @@ class Rotary:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by its token's angles: the halves pair as (a, b) -> (-b, a)."""
+    """Rotate x [T, heads, head_dim] by its token's angles: the halves pair as (a, b) -> (-b, a).
+    With cos and sin narrower than the head [T, rotary_dim], only its leading rotary_dim
+    dimensions rotate and the rest pass through."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + turned * sin[:, None, :]

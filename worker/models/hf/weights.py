@@ -5,8 +5,9 @@ columns, its columns of every expert), so no rank ever holds the whole model; em
 routers and lm_head are replicated. Each weight is cast once to the compute dtype and moved to
 the rank's device; on the CPU a whole tensor already in that dtype stays a view of the mapped
 file (the embedding and norms page in on first use, shared by the host's ranks). q/k/v and gate/up
-(each expert's too) are merged into new tensors of this rank's rows, and on the CPU every matrix
-but the routers is packed for the GEMM (linear.py).
+(each expert's too) are merged into new tensors of this rank's rows (from separate tensors, or
+from Phi-3's fused qkv_proj and gate_up_proj), and on the CPU every matrix but the routers is
+packed for the GEMM (linear.py).
 """
 
 import contextlib
@@ -90,9 +91,11 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
     gate_up_bias: torch.Tensor | None = None  # [2 * I_r], as gate_up_proj's rows
     down_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
-    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
-    k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
     moe: MoeWeights | None = None  # a sparse layer's router and experts (Qwen3-MoE, Mixtral)
+    pre_feedforward_norm: torch.Tensor | None = None  # [D] (Gemma: before the MLP)
+    post_feedforward_norm: torch.Tensor | None = None  # [D] (Gemma: after the MLP)
 
     def tensors(self) -> list[torch.Tensor]:
         present = (getattr(self, name) for name in LayerWeights.__slots__)
@@ -221,13 +224,38 @@ def load_rank_weights(
         return DecoderWeights(embed, layers, reader.read("model.norm.weight"), lm_head)
 
 
-def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> LayerWeights:
+def _shifted(rows: slice, offset: int) -> slice:
+    return slice(rows.start + offset, rows.stop + offset)
+
+
+def _fused_parts(
+    config: HFConfig, shard: RankShard
+) -> tuple[list[tuple[str, slice]], list[tuple[str, slice]]]:
+    """This rank's (tensor, rows) of q, k, v and of gate, up: in one qkv_proj tensor (q rows,
+    then k rows, then v rows) and one gate_up_proj (gate rows, then up rows) for Phi-3; in a
+    tensor each elsewhere."""
     hd = config.head_dim
     q_rows, kv_rows, mlp_rows = shard.q_rows(hd), shard.kv_rows(hd), shard.mlp_rows()
-    attn, mlp = f"model.layers.{idx}.self_attn.", f"model.layers.{idx}.mlp."
+    if not config.fused_qkv_gate_up:
+        qkv = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
+        return qkv, [("gate_proj", mlp_rows), ("up_proj", mlp_rows)]
+    q_size, kv_size = config.num_heads * hd, config.num_kv_heads * hd
+    qkv = [
+        ("qkv_proj", q_rows),
+        ("qkv_proj", _shifted(kv_rows, q_size)),
+        ("qkv_proj", _shifted(kv_rows, q_size + kv_size)),
+    ]
+    up_rows = _shifted(mlp_rows, config.intermediate_size)
+    return qkv, [("gate_up_proj", mlp_rows), ("gate_up_proj", up_rows)]
+
+
+def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> LayerWeights:
+    hd = config.head_dim
+    q_rows, mlp_rows = shard.q_rows(hd), shard.mlp_rows()
+    prefix = f"model.layers.{idx}."
+    attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
     has_qkv_bias, has_mlp_bias = config.has_qkv_bias, config.has_mlp_bias
-    qkv = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
-    gate_up = [("gate_proj", mlp_rows), ("up_proj", mlp_rows)]
+    qkv, gate_up = _fused_parts(config, shard)
     is_sparse = config.moe is not None and config.moe.sparse_layers[idx]
     return LayerWeights(
         input_norm=reader.read(f"model.layers.{idx}.input_layernorm.weight"),
@@ -249,6 +277,12 @@ def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -
         q_norm=reader.read_if(config.has_qk_norm, attn + "q_norm.weight"),
         k_norm=reader.read_if(config.has_qk_norm, attn + "k_norm.weight"),
         moe=_moe(config, shard, reader, idx) if is_sparse else None,
+        pre_feedforward_norm=reader.read_if(
+            config.gemma_norms, prefix + "pre_feedforward_layernorm.weight"
+        ),
+        post_feedforward_norm=reader.read_if(
+            config.gemma_norms, prefix + "post_feedforward_layernorm.weight"
+        ),
     )
 
 
