@@ -6,16 +6,17 @@ a build step would need torch inside pip's isolated build environment (a CUDA wh
 GB). The kernels carry no torch headers, so one build takes a few seconds: `c++ -O3
 -march=native -fopenmp -ffast-math -c`, then a link without -ffast-math.
 
-- The library is cached under `$KVSERVE_CACHE_DIR` (default `$XDG_CACHE_HOME/kvserve`, else
-  `~/.cache/kvserve`), named by a hash of the source, the flags, the compiler and this CPU's model
-  and instruction-set flags, so a cache shared between different hosts never hands one a library
-  built for another's instructions. Concurrent ranks each build to a temporary file and rename
-  it into place; the last rename wins with identical bytes.
+- The library is cached under `~/.cache/kvserve/native/`, named by a hash of the source, the
+  flags, the compiler and this CPU's model and instruction-set flags, so a cache shared between
+  different hosts never hands one a library built for another's instructions. Concurrent ranks
+  each build to a temporary file and rename it into place; the last rename wins with identical
+  bytes.
 - It is loaded after torch, so its OpenMP runtime is torch's own libgomp (the same soname) and
   its parallel loops run on torch's threads.
-- No compiler, or a build that fails: `load_native()` returns None once, with a warning naming
-  why, and the CPU attention falls back to the torch path (`blocks`), which computes the same.
-- `KVSERVE_NATIVE_KERNELS=0` skips the build altogether.
+- No compiler (`c++` or `g++` on the PATH), or a build that fails: `load_native()` returns None
+  once, with a warning naming why, and the CPU attention falls back to the torch path (`blocks`),
+  which computes the same.
+- `--attention-backend blocks` skips the build altogether.
 """
 
 import ctypes
@@ -35,17 +36,12 @@ SOURCE = Path(__file__).resolve().parent / "native" / "paged_decode.cpp"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120.0
-DISABLE_ENV = "KVSERVE_NATIVE_KERNELS"
 
 logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get("KVSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvserve"
+    return Path.home() / ".cache" / "kvserve"
 
 
 def _cpu_signature() -> str:
@@ -101,13 +97,11 @@ def _build(compiler: str, target: Path) -> None:
 @functools.lru_cache(maxsize=1)
 def load_native() -> ctypes.CDLL | None:
     """The kernels' library, built if this host has none cached; None where it cannot be."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
     import torch  # noqa: F401  (its libgomp must be loaded first: see the module docstring)
 
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
-        logger.warning("no C++ compiler found (CXX, c++, g++): CPU attention gathers blocks")
+        logger.warning("no C++ compiler on the PATH (c++, g++): CPU attention gathers blocks")
         return None
     try:
         target = _library_path(compiler)
