@@ -114,8 +114,8 @@ def check_model_name(config: WorkerConfig, tp_size: int | None = None) -> Worker
         if config.attention_backend == "triton":
             raise UsageError(
                 f"--kv-cache-dtype {config.kv_cache_dtype} with --attention-backend triton: "
-                "expected --attention-backend auto, blocks or reference (the Triton kernels "
-                "read 16- and 32-bit caches only)"
+                "expected --attention-backend auto, native, blocks or reference (the Triton "
+                "kernels read 16- and 32-bit caches only)"
             )
     return config
 

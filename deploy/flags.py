@@ -246,8 +246,9 @@ WORKER_FLAGS = [
     Flag(
         ("--attention-backend",),
         ("attention_backend",),
-        "how a checkpoint's attention reads the paged KV cache: blocks (auto) gathers whole "
-        "blocks, reference one row per token, triton (CUDA) reads the block table in place",
+        "how a checkpoint's attention reads the paged KV cache: native (auto on the CPU) "
+        "attends decode rows in place with a compiled kernel, blocks (auto elsewhere) gathers "
+        "whole blocks, reference one row per token, triton (CUDA) reads the block table in place",
     ),
     Flag(
         ("--enforce-eager",),

@@ -174,7 +174,7 @@ class WorkerConfig(_Config, frozen=True):
     # how a checkpoint's layers read the paged cache (worker/attention_backends/backend.py):
     # auto and blocks gather whole blocks; reference one row per token; triton (CUDA) reads
     # the block table in place
-    attention_backend: Literal["auto", "reference", "blocks", "triton"] = "auto"
+    attention_backend: Literal["auto", "reference", "blocks", "native", "triton"] = "auto"
     # torch threads of a CPU rank; None: the host's cores shared out over its ranks
     cpu_threads: PositiveInt | None = None
     # run every step eagerly: no CUDA graphs of decode steps (worker/graph_runner.py), as vLLM's

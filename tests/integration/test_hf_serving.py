@@ -223,13 +223,15 @@ def test_a_killed_rank_costs_latency_not_tokens_on_a_checkpoint(
 # Each new family once, at the TP size its deployment runs (test_hf_generate runs each at TP 1
 # and 2 in-process): the layer counts of the cases the issue names, windows of 8 tokens (the
 # prompts are ~50), Gemma 3 five sliding layers to one global. The pools hold 4-token blocks,
-# barely more than one request of --max-model-len 96 needs (Gemma's two groups need twice
-# Phi-3's), so that four concurrent ~75-token chats, sharing their prompt's blocks, preempt.
+# one more than one request of --max-model-len 96 needs (each group of a hybrid holds its own:
+# Gemma 2's three groups of one layer need three times Phi-3's one, Gemma 3's six six times), so
+# that eight concurrent ~75-token chats, sharing their prompt's blocks, preempt.
 FAMILIES = {  # arch -> (layers, TP, blocks in the pool)
-    "gemma2": (3, 1, 50),
-    "gemma3": (6, 2, 50),
+    "gemma2": (3, 1, 73),
+    "gemma3": (6, 2, 145),
     "phi3": (2, 2, 26),
 }
+NUM_CHATS = 8
 COMPLETION_PROMPT = "The scheduler reads the block and the cache evicts"
 SMALL_POOL_FLAGS = ("--block-size", "4", "--max-model-len", "96", "--enable-prefix-caching")
 CHUNKED_PREFILL_FLAGS = ("--max-num-batched-tokens", "16")
@@ -272,11 +274,11 @@ def test_gemma_and_phi3_serve_transformers_greedy_text(
     def complete() -> str:
         return client.completions.create(prompt=COMPLETION_PROMPT, **greedy).choices[0].text
 
-    with ThreadPoolExecutor(5) as pool_of_clients:  # at once: the pool cannot hold them all
-        completion_future = pool_of_clients.submit(complete)
-        chats = list(pool_of_clients.map(chat, range(4)))
+    with ThreadPoolExecutor(NUM_CHATS + 1) as clients:  # at once: the pool cannot hold them all
+        completion_future = clients.submit(complete)
+        chats = list(clients.map(chat, range(NUM_CHATS)))
         completion = completion_future.result()
-    assert chats == [chat_text] * 4
+    assert chats == [chat_text] * NUM_CHATS
     assert completion == completion_text
     assert chat(0) == chat_text  # the prompt's blocks are cached by now
     assert _metric(url, "vllm:prefix_cache_hits") > 0

@@ -19,6 +19,8 @@ from protocol.kv_cache_spec import (
 from worker.attention import PagedKV, StepLayout
 from worker.attention_backends.backend import resolve_attention_backend
 from worker.attention_backends.block_gather import BlockGatherAttention
+from worker.attention_backends.native_build import load_native
+from worker.attention_backends.native_cpu import NativeCPUAttention
 from worker.attention_backends.reference import ReferenceAttention
 from worker.block_table import MultiGroupBlockTable
 from worker.kv_cache import allocate_kv_caches
@@ -204,8 +206,58 @@ def test_unknown_and_misplaced_backends_are_refused() -> None:
         resolve_attention_backend("flash", CPU)
     with pytest.raises(ValueError, match="'triton' runs on CUDA devices only"):
         resolve_attention_backend("triton", CPU)
-    assert resolve_attention_backend("auto", CPU) is BlockGatherAttention
+    assert resolve_attention_backend("auto", CPU) is NativeCPUAttention
+    assert resolve_attention_backend("blocks", CPU) is BlockGatherAttention
     assert resolve_attention_backend("reference", CPU) is ReferenceAttention
     from worker.attention_backends.triton_backend import TritonBackend
 
     assert resolve_attention_backend("triton", torch.device("cuda", 0)) is TritonBackend
+
+
+@pytest.mark.parametrize("logits_only", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_native_kernel_attends_as_the_reference(seed: int, logits_only: bool) -> None:
+    """Decode rows go through the compiled kernel (reading the padded sliding pages in place),
+    prompt chunks through `blocks`: together, the reference's attention."""
+    assert load_native() is not None, "the host's C++ compiler must build the kernel"
+    ours = _run(NativeCPUAttention, seed, torch.float32, logits_only)
+    theirs = _run(ReferenceAttention, seed, torch.float32, logits_only)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_native_kernel_reads_bfloat16_pages_as_blocks_does(seed: int) -> None:
+    """Both widen the bf16 pages to float32 and attend in float32: equal up to summation order."""
+    ours = _run(NativeCPUAttention, seed, torch.bfloat16, True)
+    theirs = _run(BlockGatherAttention, seed, torch.bfloat16, True)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def test_the_native_kernel_runs_on_decode_rows_and_soft_caps() -> None:
+    """A step of decodes only: every row is the kernel's (the gather path never runs), and a
+    soft cap gives the reference's capped attention."""
+    seed = 11
+    layout, tables = _schedule(seed)
+    decodes = StepLayout(
+        rows=layout.rows,
+        first_positions=layout.first_positions + layout.num_queries - 1,
+        num_queries=np.ones_like(layout.num_queries),
+        token_offsets=np.arange(len(layout.rows)),
+        logits_reqs=np.arange(len(layout.rows)),
+        num_prompt_tokens=layout.num_prompt_tokens,
+    )
+    config = KVCacheConfig(NUM_BLOCKS, GROUPS)
+    outputs = []
+    for backend in (NativeCPUAttention, ReferenceAttention):
+        generator = torch.Generator().manual_seed(seed)
+        kv_caches = allocate_kv_caches(config, 1, CPU)
+        for cache in kv_caches.values():
+            cache.copy_(torch.randn(cache.shape, generator=generator))
+        attention = backend(PagedKV(kv_caches, config, tables, decodes, CPU))
+        if backend is NativeCPUAttention:
+            attention._gather = None  # type: ignore[method-assign]  # must never gather
+        q = torch.randn(len(decodes.rows), NUM_HEADS, HEAD_DIM, generator=generator)
+        outputs.append(attention.attend("full.0", q, HEAD_DIM**-0.5, False, softcap=0.5))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

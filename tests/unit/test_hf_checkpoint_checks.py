@@ -322,7 +322,11 @@ def test_gemma_layer_types_default_as_transformers_derives_them(
     expected = read_hf_config(str(families["gemma3"]))
     assert (config.rope, config.sliding_rope) == (expected.rope, expected.sliding_rope)
     groups = get_model_info(str(families["gemma3"]), 4, "float32").kv_cache_groups
-    assert [len(g.layer_names) for g in groups] == [1, 5]
+    # groups of the fewest layers a kind has (1 full layer): the full group, then five windows
+    assert [len(g.layer_names) for g in groups] == [1] * 6
+    assert [type(g.spec).__name__ for g in groups] == ["FullAttentionSpec"] + [
+        "SlidingWindowSpec"
+    ] * 5
     assert groups[1].spec == SlidingWindowSpec(4, 2, 16, "float32", sliding_window=6)
 
 

@@ -119,48 +119,60 @@ def test_greedy_tokens_equal_transformers_generate(
     assert_greedy_matches(case, result, references)
 
 
+# Pools just large enough for one request of each case (a hybrid's groups each hold blocks: its
+# kinds split into groups of equal size, kv_groups.py); Gemma 3's six groups take 8-token steps,
+# so that one request needs fewer blocks than two hold
+HYBRID_POOLS = {
+    "qwen3-mixed-layers": (32, 16),
+    "gemma2-alternating": (40, 16),
+    "gemma3-five-to-one": (40, 8),
+}
+
+
 @pytest.mark.parametrize(
-    ("case", "num_blocks"),
+    ("case", "num_blocks", "step_tokens"),
     [
-        ("qwen3-mixed-layers", 24),
-        ("mistral-window-8", 16),
-        ("qwen3-moe", 20),
-        ("mixtral", 20),
-        ("gemma2-alternating", 24),
-        ("gemma3-five-to-one", 24),
-        ("phi3-partial-longrope", 16),
+        ("qwen3-mixed-layers", *HYBRID_POOLS["qwen3-mixed-layers"]),
+        ("mistral-window-8", 16, 16),
+        ("qwen3-moe", 20, 16),
+        ("mixtral", 20, 16),
+        ("gemma2-alternating", *HYBRID_POOLS["gemma2-alternating"]),
+        ("gemma3-five-to-one", *HYBRID_POOLS["gemma3-five-to-one"]),
+        ("phi3-partial-longrope", 16, 16),
     ],
 )
-def test_greedy_tokens_survive_preemption(checkpoints: dict, case: str, num_blocks: int) -> None:
+def test_greedy_tokens_survive_preemption(
+    checkpoints: dict, case: str, num_blocks: int, step_tokens: int
+) -> None:
     folder, references = checkpoints[case]
-    work = workload(folder, num_blocks, max_num_batched_tokens=16, async_scheduling=True)
+    work = workload(folder, num_blocks, max_num_batched_tokens=step_tokens, async_scheduling=True)
     result = run_workload(work, single_rank_group(), CPU)
     assert result.num_preemptions > 0
     assert_greedy_matches(case, result, references)
 
 
 @pytest.mark.parametrize(
-    ("case", "num_blocks", "enable_prefix_caching"),
+    ("case", "num_blocks", "step_tokens", "enable_prefix_caching"),
     [
-        ("qwen3-mixed-layers", 24, True),
-        ("qwen2-biases", 200, False),
-        ("qwen3-moe", 20, True),
-        ("mixtral", 20, True),
-        ("gemma2-alternating", 24, True),
-        ("gemma3-five-to-one", 24, True),
-        ("phi3-partial-longrope", 16, True),
+        ("qwen3-mixed-layers", *HYBRID_POOLS["qwen3-mixed-layers"], True),
+        ("qwen2-biases", 200, 16, False),
+        ("qwen3-moe", 20, 16, True),
+        ("mixtral", 20, 16, True),
+        ("gemma2-alternating", *HYBRID_POOLS["gemma2-alternating"], True),
+        ("gemma3-five-to-one", *HYBRID_POOLS["gemma3-five-to-one"], True),
+        ("phi3-partial-longrope", 16, 16, True),
     ],
 )
 def test_tp2_greedy_tokens_equal_transformers_generate(
-    checkpoints: dict, case: str, num_blocks: int, enable_prefix_caching: bool
+    checkpoints: dict, case: str, num_blocks: int, step_tokens: int, enable_prefix_caching: bool
 ) -> None:
     """Both ranks drive their own EngineCore in lockstep; identical logits keep them there.
-    The hybrid's pool of 24 blocks preempts; the other runs without prefix caching."""
+    The small pools preempt; qwen2 runs without prefix caching."""
     folder, references = checkpoints[case]
     work = workload(
         folder,
         num_blocks,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=step_tokens,
         async_scheduling=True,
         enable_prefix_caching=enable_prefix_caching,
     )
@@ -181,12 +193,13 @@ def test_near_ties_are_rare(checkpoints: dict) -> None:
 
 
 def test_gemma_window_blocks_are_freed_as_the_context_passes_them(checkpoints: dict) -> None:
-    """Gemma 3's five sliding layers form one group that the sliding-window manager runs: once
-    the context is a window past a block, the block goes back to the pool, and get_stats'
-    kv_cache_usage counts only the blocks still held. The full-attention group keeps them all."""
+    """Gemma 3's five sliding layers form five groups (of one layer, as its one full layer does)
+    that sliding-window managers run: once the context is a window past a block, the block goes
+    back to the pool, and get_stats' kv_cache_usage counts only the blocks still held. The
+    full-attention group keeps them all."""
     folder, references = checkpoints["gemma3-five-to-one"]
     prompt_idx = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))  # 28 tokens
-    num_blocks, block_size, chunk = 64, 4, 12
+    num_blocks, block_size, chunk = 128, 4, 12
     work = Workload(
         str(folder),
         block_size,
@@ -199,19 +212,21 @@ def test_gemma_window_blocks_are_freed_as_the_context_passes_them(checkpoints: d
     )
     core, _ = build_rank(work, single_rank_group(), CPU)
     coordinator = core.scheduler.kv_cache_manager.coordinator
-    full, sliding = coordinator.single_type_managers
-    assert isinstance(full, FullAttentionManager) and isinstance(sliding, SlidingWindowManager)
-    window = sliding.sliding_window
-    tokens, held = [], []  # held: per step, (full blocks, live window blocks, window span)
+    full, *slidings = coordinator.single_type_managers
+    assert isinstance(full, FullAttentionManager) and len(slidings) == 5
+    assert all(isinstance(sliding, SlidingWindowManager) for sliding in slidings)
+    window = slidings[0].sliding_window
+    tokens, held = [], []  # held: per step, (full blocks, live blocks of one window, its span)
     while core.scheduler.has_unfinished_requests():
         for client_outputs in core.step().values():
             for output in client_outputs.outputs:
                 tokens.extend(output.new_token_ids)
-        full_blocks, window_blocks = coordinator.get_blocks("1")
-        live = sum(not block.is_null for block in window_blocks)
-        held.append((len(full_blocks), live, len(window_blocks)))
+        full_blocks, *window_groups = coordinator.get_blocks("1")
+        lives = [sum(not block.is_null for block in blocks) for blocks in window_groups]
+        assert len(set(lives)) == 1, lives  # the five windows move together
+        held.append((len(full_blocks), lives[0], len(window_groups[0])))
         usage = core.get_stats()["kv_cache_usage"]
-        assert round(usage * (num_blocks - 1)) == len(full_blocks) + live, (usage, held[-1])
+        assert round(usage * (num_blocks - 1)) == len(full_blocks) + sum(lives), (usage, held)
     assert tokens == references[prompt_idx][0]
     full_blocks, live, span = held[-2]  # the last step finished the request and freed it all
     # the full group holds a block of every 4 tokens the request has (36 by then)

@@ -4,7 +4,11 @@ call to write their K/V and attend.
 Backends (`--attention-backend`):
 - `reference`: one gathered row per context token, then SDPA (reference.py). Every other path is
   checked against it.
-- `blocks`: whole blocks gathered, then SDPA under a mask (block_gather.py); the default.
+- `blocks`: whole blocks gathered, then SDPA under a mask (block_gather.py); the default off the
+  CPU.
+- `native`: `blocks`, with single-query rows attended by a compiled kernel that reads the pages
+  in place (native_cpu.py; CPU only); the default on the CPU. Built at first use with the host's
+  C++ compiler; without one it is `blocks`.
 - `triton`: paged kernels that read the block table in place (CUDA only; triton_backend.py). It
   also takes a DeviceStep, the step buffers' inputs computed on the device (worker/step_buffers.py).
 
@@ -18,7 +22,7 @@ import torch
 
 from worker.attention import PagedKV
 
-ATTENTION_BACKENDS = ("auto", "reference", "blocks", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "blocks", "native", "triton")
 
 
 class StepAttention(Protocol):
@@ -48,7 +52,8 @@ AttentionBackend = Callable[[PagedKV], StepAttention]
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend `name` builds each step's StepAttention with; `auto` is `blocks`.
+    """The backend `name` builds each step's StepAttention with; `auto` is `native` on the CPU
+    and `blocks` elsewhere.
 
     `triton` must be asked for: its kernels are checked against the reference under Triton's
     interpreter, and `auto` takes them once a GPU run has checked them too.
@@ -67,6 +72,16 @@ def resolve_attention_backend(name: str, device: torch.device) -> AttentionBacke
         from worker.attention_backends.triton_backend import TritonBackend
 
         return TritonBackend
+    if name == "native" or (name == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(
+                f"attention backend 'native' runs on the CPU only, not on {device.type}"
+            )
+        from worker.attention_backends.native_build import load_native
+        from worker.attention_backends.native_cpu import NativeCPUAttention
+
+        load_native()  # built now, at start-up, rather than in the first step
+        return NativeCPUAttention
     from worker.attention_backends.block_gather import BlockGatherAttention
 
     return BlockGatherAttention

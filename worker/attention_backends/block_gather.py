@@ -12,7 +12,7 @@ in bfloat16 than in float32 at a 16-row decode step (5.1 against 1.0 ms a layer,
 project's 2-core host), and the result is cast back.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,6 +42,10 @@ class BlockChunk:
     # the mask is exactly query i reading entries 0..i (a prompt's first chunk under full
     # attention): SDPA then skips the masked half instead of computing and hiding it
     is_causal: bool = False
+    # One query per sequence: each reads entries [start, end) of its blocks' concatenation
+    # (int32 [S]), what its mask says in two numbers, for kernels that read blocks in place
+    starts: np.ndarray | None = None
+    ends: np.ndarray | None = None
 
 
 class BlockGatherAttention:
@@ -83,6 +87,8 @@ class BlockGatherAttention:
         dtype = torch.float32 if on_cpu and q.dtype in HALF_DTYPES else q.dtype
         out = q.new_zeros((num_tokens, num_heads * head_dim))  # [T, H_r * head_dim]
         for chunk in self._group_chunks(self.kv.layer_to_group[layer_name], logits_only):
+            if self._attend_in_place(cache, chunk, q, scale, softcap, out):
+                continue
             num_seqs = chunk.query_idx.shape[0]
             shape = (num_seqs, -1, num_kv_heads, head_dim)
             k_ctx = self._gather(keys, chunk.block_ids, 0, dtype).view(shape)  # [S, L, KV_r, hd]
@@ -100,6 +106,19 @@ class BlockGatherAttention:
             rows = result.transpose(1, 2).reshape(-1, num_heads * head_dim)
             out[chunk.query_idx.reshape(-1)] = rows.to(out.dtype)
         return out
+
+    def _attend_in_place(
+        self,
+        cache: torch.Tensor,
+        chunk: BlockChunk,
+        q: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        out: torch.Tensor,
+    ) -> bool:
+        """A subclass's kernel that reads `chunk`'s blocks in place, writing its rows of `out`;
+        False: gather and attend here."""
+        return False
 
     def _gather(
         self, blocks: torch.Tensor, block_ids: torch.Tensor, kind: int, dtype: torch.dtype
@@ -164,20 +183,21 @@ class BlockGatherAttention:
         num_blocks = positions // block_size - first_blocks + 1
         per_chunk = max(1, CHUNK_BUDGET // (int(num_blocks.max()) * block_size))
         chunks = []
+        starts = (tail_starts - first_blocks * block_size).astype(np.int32)
+        ends = (positions - first_blocks * block_size + 1).astype(np.int32)
         for lo in range(0, len(reqs), per_chunk):
             part = slice(lo, lo + per_chunk)
-            chunks.append(
-                self._chunk(
-                    table,
-                    spec,
-                    layout.rows[reqs[part]],
-                    first_blocks[part],
-                    int(num_blocks[part].max()),
-                    positions[part, None],  # [S, 1]
-                    token_idx[part, None],
-                    layout.num_prompt_tokens[reqs[part]],
-                )
+            chunk = self._chunk(
+                table,
+                spec,
+                layout.rows[reqs[part]],
+                first_blocks[part],
+                int(num_blocks[part].max()),
+                positions[part, None],  # [S, 1]
+                token_idx[part, None],
+                layout.num_prompt_tokens[reqs[part]],
             )
+            chunks.append(replace(chunk, starts=starts[part], ends=ends[part]))
         return chunks
 
     def _prefill_chunks(
