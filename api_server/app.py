@@ -23,8 +23,9 @@ from starlette.types import Receive, Scope, Send
 
 from api_server.chat_output import ChatParsing
 from api_server.engine_pool import EnginePool
-from api_server.engine_requests import EngineJob, chat_job, completion_jobs, new_response_id
+from api_server.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
 from api_server.errors import ApiError
+from api_server.generation_config import load_generation_defaults, log_generation_defaults
 from api_server.ignored_fields import IgnoredFields
 from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
 from api_server.kv_scorer import KVScoreWeights
@@ -89,6 +90,7 @@ class ApiSettings:
     tool_call_parser: str | None = None  # --tool-call-parser: hermes, llama3_json or mistral
     is_auto_tool_choice_enabled: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1
+    generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
 
 
 class ApiState:
@@ -98,6 +100,9 @@ class ApiState:
         self.settings = settings
         self.served_names = settings.served_model_names or (settings.model,)
         self.tokenizer = load_tokenizer(settings.model, settings.tokenizer, settings.chat_template)
+        mode = settings.generation_config
+        self.generation_defaults = load_generation_defaults(mode, settings.model)
+        log_generation_defaults(self.generation_defaults, mode)
         self.created = int(time.time())
         self.ignored_fields = IgnoredFields()  # unknown body fields, each logged once
         self.chat_parsing = ChatParsing(
@@ -210,10 +215,18 @@ async def completions(state: ApiState, request: Request) -> Response:
     shape = ResponseShape(
         new_response_id("cmpl"), serving.model, False, has_usage_per_chunk=body.has_usage_per_chunk
     )
-    max_model_len = serving.pool.max_model_len
+    max_model_len, vocab_size = serving.pool.max_model_len, serving.pool.vocab_size
     jobs = await _build_jobs(
         num_body_bytes,
-        partial(completion_jobs, body, serving.tokenizer, shape.response_id, max_model_len),
+        partial(
+            completion_jobs,
+            body,
+            serving.tokenizer,
+            shape.response_id,
+            max_model_len,
+            vocab_size,
+            serving.generation_defaults,
+        ),
     )
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
 
@@ -227,13 +240,18 @@ async def chat_completions(state: ApiState, request: Request) -> Response:
     shape = ResponseShape(
         response_id, serving.model, True, has_usage_per_chunk=body.has_usage_per_chunk
     )
-    max_model_len = serving.pool.max_model_len
+    max_model_len, vocab_size = serving.pool.max_model_len, serving.pool.vocab_size
 
     def build() -> list[EngineJob]:
-        job = chat_job(
-            body, serving.tokenizer, shape.response_id, max_model_len, state.chat_parsing
+        return chat_jobs(
+            body,
+            serving.tokenizer,
+            shape.response_id,
+            max_model_len,
+            state.chat_parsing,
+            vocab_size=vocab_size,
+            defaults=serving.generation_defaults,
         )
-        return [job]
 
     jobs = await _build_jobs(num_body_bytes, build)
     return await _respond(request, serving, jobs, shape, body.stream, body.include_usage)
@@ -370,7 +388,9 @@ def create_app(settings: ApiSettings) -> Starlette:
         pool.start()
         state.metrics = ApiMetrics(pool, set(ROUTES))
         served = state.served_names[0]
-        state.serving = Serving(pool, state.tokenizer, served, state.metrics.token_latency)
+        state.serving = Serving(
+            pool, state.tokenizer, served, state.metrics.token_latency, state.generation_defaults
+        )
         logger.info(
             "serving %s from %d engine(s), routed by %s",
             served,

@@ -16,6 +16,7 @@ from api_server.kv_event_subscriber import (
     subscribable_endpoint,
 )
 from api_server.kv_scorer import KVScoreWeights
+from api_server.parallel_sampling import ChoiceGroup
 from api_server.request_router import (
     DEFAULT_ROUTER_POLICY,
     RequestHasher,
@@ -316,6 +317,18 @@ class EnginePool:
         ]
         return min(lengths) if lengths else None  # type: ignore[type-var]
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The smallest vocabulary among the engines that reported theirs: a token id inside it
+        is inside every engine's. None before any engine answered."""
+        sizes = [
+            info["vocab_size"]
+            for handle in self.handles
+            if (info := handle.client.model_info) is not None
+            and isinstance(info.get("vocab_size"), int)
+        ]
+        return min(sizes) if sizes else None  # type: ignore[type-var]
+
     async def get_stats(self) -> list[dict[str, object] | None]:
         """Each engine's get_stats, or None for one that did not answer in STATS_TIMEOUT_S."""
 
@@ -332,15 +345,31 @@ class EnginePool:
         return list(await asyncio.gather(*(one(handle) for handle in self.handles)))
 
     async def generate(
-        self, request: EngineCoreRequest, prompt_token_ids: list[int], num_tokens: int
+        self,
+        request: EngineCoreRequest,
+        prompt_token_ids: list[int],
+        num_tokens: int,
+        group: ChoiceGroup | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """Route a request, yield its outputs; a request left early (its consumer disconnected or
-        was cancelled) is aborted in its engine, so that its blocks are freed."""
+        was cancelled) is aborted in its engine, so that its blocks are freed. A request of a
+        `group` (the choices of one prompt) goes where the group's first went, while that
+        engine is routable, so that they share its prompt blocks."""
         is_available = [handle.is_routable for handle in self.handles]
-        index = None if self.subscriber is None else self.subscriber.index
-        decision = self.router.choose(
-            prompt_token_ids, num_tokens, request.cache_salt, is_available, index, self.is_indexed()
-        )
+        if group is not None and group.engine_idx is not None and is_available[group.engine_idx]:
+            decision = self.router.follow(group.engine_idx, prompt_token_ids, num_tokens)
+        else:
+            index = None if self.subscriber is None else self.subscriber.index
+            decision = self.router.choose(
+                prompt_token_ids,
+                num_tokens,
+                request.cache_salt,
+                is_available,
+                index,
+                self.is_indexed(),
+            )
+        if group is not None:
+            group.engine_idx = decision.engine_idx
         handle = self.handles[decision.engine_idx]
         is_finished = is_decoding = False
         try:

@@ -1,6 +1,7 @@
 """ChoiceLogprobs: the engine's TokenLogprobs of one choice in OpenAI's two shapes, completions'
 `{tokens, token_logprobs, top_logprobs, text_offset}` and chat's `{content: [{token, logprob,
-bytes, top_logprobs}]}`, one fragment per streamed chunk or the whole at the end.
+bytes, top_logprobs}]}`, one fragment per streamed chunk or the whole at the end; and a
+prompt's logprobs in vLLM's prompt_logprobs shape.
 """
 
 import math
@@ -72,3 +73,54 @@ class ChoiceLogprobs:
 
     def whole(self) -> dict[str, list]:
         return self._whole
+
+    def whole_after_prompt(
+        self, prompt_token_ids: list[int], prompt_logprobs: TokenLogprobs
+    ) -> dict[str, list]:
+        """Completions' whole logprobs led by the echoed prompt's (vLLM's echo with logprobs):
+        the first prompt token has none (null), each other its own and the top N; text_offset
+        counts the prompt tokens' texts, then the output's as before, shifted past them."""
+        if self.is_chat or len(prompt_logprobs.token_ids) != len(prompt_token_ids) - 1:
+            raise ValueError(
+                f"{len(prompt_logprobs.token_ids)} prompt logprob rows for a completion prompt of "
+                f"{len(prompt_token_ids)} tokens: expected one fewer"
+            )
+        texts = self.tokenizer.token_texts(prompt_token_ids)
+        offsets = [0]
+        for text in texts[:-1]:
+            offsets.append(offsets[-1] + len(text))
+        prompt_part = ChoiceLogprobs(self.tokenizer, False, self.num_top).push(prompt_logprobs)
+        shift = offsets[-1] + len(texts[-1])
+        whole = self._whole
+        return {
+            "tokens": [texts[0], *prompt_part["tokens"], *whole["tokens"]],
+            "token_logprobs": [None, *prompt_part["token_logprobs"], *whole["token_logprobs"]],
+            "top_logprobs": [None, *prompt_part["top_logprobs"], *whole["top_logprobs"]],
+            "text_offset": [*offsets, *(offset + shift for offset in whole["text_offset"])],
+        }
+
+
+def prompt_logprobs_json(
+    tokenizer: PromptTokenizer, entries: TokenLogprobs
+) -> list[dict[str, dict[str, object]] | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing scores it), then per
+    token a map from token id to {logprob, rank, decoded_token}: the prompt token itself (its
+    rank in the distribution) and the top N (ranks 1..N)."""
+    shaped: list[dict[str, dict[str, object]] | None] = [None]
+    rows = zip(entries.token_ids, entries.logprobs, entries.sampled_token_ranks, strict=True)
+    for token_ids, values, rank in rows:
+        if not token_ids or len(token_ids) != len(values):
+            raise ValueError(
+                f"a prompt logprob row of {len(token_ids)} ids and {len(values)} values: "
+                "expected the prompt token first and as many values as ids"
+            )
+        texts = tokenizer.token_texts(token_ids)
+        ranks = [rank, *range(1, len(token_ids))]
+        entry: dict[str, dict[str, object]] = {}
+        for token_id, text, value, token_rank in zip(token_ids, texts, values, ranks, strict=True):
+            entry.setdefault(
+                str(token_id),
+                {"logprob": _finite(value), "rank": token_rank, "decoded_token": text},
+            )
+        shaped.append(entry)
+    return shaped

@@ -10,6 +10,7 @@ import msgspec
 
 from api_server.errors import ApiError, bad_param, decode_error, quoted
 from api_server.ignored_fields import IgnoredFields
+from api_server.parallel_sampling import MAX_CHOICES_PER_PROMPT
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; a chat's is what fits max_model_len
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -57,7 +58,7 @@ class _GenerationRequest(_Lenient, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
-    n: int = 1
+    n: int = 1  # independent choices per prompt, from one prefill (engine_requests.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0  # vLLM's extra parameter: lower runs first under the priority policy
@@ -68,14 +69,15 @@ class _GenerationRequest(_Lenient, kw_only=True):
     add_special_tokens: bool | None = None
     # Known, and accepted only at the value that asks for the default behaviour
     best_of: int | None = None  # null or n
-    # Completions: the prompt's text before the output (without logprobs, as the prompt's are
-    # not computed); chat (vLLM's meaning, echoing the last message): false
+    # Completions: the prompt's text before the output (with logprobs, the prompt's lead the
+    # output's, streamed: no); chat (vLLM's meaning, echoing the last message): false
     echo: bool = False
-    logit_bias: dict[str, float] | None = None  # null or {}
+    # OpenAI's: token id (a string of an int, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None  # {"type": "text"}: no structured outputs
-    prompt_logprobs: int | None = None  # vLLM's: null
-    allowed_token_ids: list[int] | None = None  # vLLM's: null
-    bad_words: list[str] | None = None  # vLLM's: null or []
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top N
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output never contains
     use_beam_search: bool = False  # vLLM's: false
     truncate_prompt_tokens: int | None = None  # vLLM's: null
     # vLLM's structured outputs, old spellings and new: null, as kvserve has none yet
@@ -87,8 +89,8 @@ class _GenerationRequest(_Lenient, kw_only=True):
 
     def check_supported(self) -> None:
         """ApiError naming the first parameter kvserve cannot honour at the value given."""
-        if self.n != 1:
-            raise bad_param("n", f"n={self.n} is not supported: expected 1")
+        if not 1 <= self.n <= MAX_CHOICES_PER_PROMPT:
+            raise bad_param("n", f"n={self.n}: expected 1 to {MAX_CHOICES_PER_PROMPT}")
         self._check_defaults()
         if self.stream_options is not None and not self.stream:
             raise bad_param("stream_options", "only allowed with stream=true")
@@ -110,20 +112,16 @@ class _GenerationRequest(_Lenient, kw_only=True):
         behaviour it would have without the parameter."""
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", self.best_of, f"null or n ({self.n})")
-        if self.logit_bias:
-            raise _unsupported("logit_bias", self.logit_bias, "null or {}")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_param(
                 "response_format",
                 f"type {self.response_format.type!r} is not supported (kvserve has no "
                 "structured outputs yet): expected null or {'type': 'text'}",
             )
-        if self.prompt_logprobs is not None:
-            raise _unsupported("prompt_logprobs", self.prompt_logprobs, "null")
-        if self.allowed_token_ids is not None:
-            raise _unsupported("allowed_token_ids", self.allowed_token_ids, "null")
-        if self.bad_words:
-            raise _unsupported("bad_words", self.bad_words, "null or []")
+        if self.prompt_logprobs is not None and self.stream:
+            raise _unsupported(
+                "prompt_logprobs", self.prompt_logprobs, "null with stream=true, as vLLM has it"
+            )
         if self.use_beam_search:
             raise _unsupported("use_beam_search", self.use_beam_search, "false")
         if self.truncate_prompt_tokens is not None:
@@ -164,11 +162,11 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.stream:
             raise bad_param(
                 "echo",
-                "echo=true with logprobs would need the prompt's logprobs, which kvserve does not "
-                "compute: expected echo=false or logprobs=null",
+                "echo=true with logprobs is not streamed (the prompt's logprobs come with the "
+                "first token): expected echo=false, logprobs=null or stream=false",
             )
         if self.suffix:
             raise bad_param("suffix", "suffix is not supported: expected null")

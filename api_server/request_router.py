@@ -129,6 +129,16 @@ class RequestRouter:
         self.decisions[engine_idx] += 1
         return Decision(engine_idx, predicted, num_prefill, num_tokens, num_prompt, is_first_block)
 
+    def follow(self, engine_idx: int, prompt_token_ids: list[int], num_tokens: int) -> Decision:
+        """A request that must go where an earlier one went (a choice of `n`, sharing the first
+        choice's prompt blocks): counted as waiting there, its whole prompt as prefill."""
+        if not 0 <= engine_idx < self.num_engines:
+            raise ValueError(f"engine {engine_idx}: expected 0..{self.num_engines - 1}")
+        num_prompt = len(prompt_token_ids)
+        self.load.add(engine_idx, num_prompt, num_prompt, num_tokens)
+        self.decisions[engine_idx] += 1
+        return Decision(engine_idx, None, num_prompt, num_tokens, num_prompt)
+
     def _pick(
         self,
         prompt_token_ids: list[int],

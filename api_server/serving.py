@@ -15,12 +15,13 @@ from api_server.chat_output import ChatOutputParser
 from api_server.engine_pool import EnginePool
 from api_server.engine_requests import EngineJob, engine_refusal
 from api_server.errors import ApiError
-from api_server.logprobs import ChoiceLogprobs
+from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
+from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
 from api_server.metrics import TokenLatency
 from api_server.stop_strings import StopStringMatcher
 from api_server.tokenizer import PromptTokenizer, TextDetokenizer
 from engine_client.errors import EngineConnectionLost, EngineDeadError, FrameTooLargeError
-from protocol.client_messages import EngineCoreOutput, FinishReason
+from protocol.client_messages import EngineCoreOutput, FinishReason, TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
 JSON = msgspec.json.Encoder()
@@ -53,11 +54,18 @@ class ChoiceState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     chat_output: ChatOutputParser | None = None  # reasoning and tool calls parsed from the text
+    # usage counts a prompt once, however many choices (n) it has: false for all but the first
+    is_prompt_counted: bool = True
+    prompt_logprobs: TokenLogprobs | None = None  # the engine's, from the first output
+    # echo with logprobs: the prompt's ids, whose logprobs lead the output's; None otherwise
+    echo_prompt_ids: list[int] | None = None
 
     def absorb(self, output: EngineCoreOutput) -> ChoicePiece:
         """The piece this output adds; a stop string found in it ends the choice ("stop")."""
         self.num_output_tokens += len(output.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         text = self.detokenizer.push(_visible_ids(output))
         if output.finish_reason is not None:
             text += self.detokenizer.finish()
@@ -130,7 +138,7 @@ class ResponseShape:
 
 def _whole_choice(shape: ResponseShape, state: ChoiceState) -> dict:
     text = "".join(state.text)
-    logprobs = None if state.logprobs is None else state.logprobs.whole()
+    logprobs = _whole_logprobs(state)
     parser, finish_reason = state.chat_output, state.finish_reason
     if parser is None:
         return shape.choice(state.index, text, finish_reason, is_chunk=False, logprobs=logprobs)
@@ -138,6 +146,15 @@ def _whole_choice(shape: ResponseShape, state: ChoiceState) -> dict:
     if finish_reason is not None:
         finish_reason = parser.finish_reason(finish_reason)
     return shape.choice(state.index, text, finish_reason, False, logprobs, message)
+
+
+def _whole_logprobs(state: ChoiceState) -> dict | None:
+    """A choice's logprobs; led by its prompt's when it echoes the prompt with logprobs."""
+    if state.logprobs is None:
+        return None
+    if state.echo_prompt_ids is None or state.prompt_logprobs is None:
+        return state.logprobs.whole()
+    return state.logprobs.whole_after_prompt(state.echo_prompt_ids, state.prompt_logprobs)
 
 
 def _chunk_choice(shape: ResponseShape, state: ChoiceState, piece: ChoicePiece) -> dict:
@@ -151,7 +168,9 @@ def _chunk_choice(shape: ResponseShape, state: ChoiceState, piece: ChoicePiece) 
 
 
 def usage(states: list[ChoiceState]) -> dict:
-    num_prompt = sum(state.num_prompt_tokens for state in states)
+    """OpenAI's usage: each prompt counted once, every choice's output; cached_tokens sums what
+    each choice read from the prefix cache (with n > 1, the prompt blocks the first computed)."""
+    num_prompt = sum(state.num_prompt_tokens for state in states if state.is_prompt_counted)
     num_output = sum(state.num_output_tokens for state in states)
     return {
         "prompt_tokens": num_prompt,
@@ -177,16 +196,18 @@ class Serving:
         tokenizer: PromptTokenizer,
         model: str,
         token_latency: TokenLatency | None = None,
+        generation_defaults: GenerationDefaults = NO_DEFAULTS,  # --generation-config's
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
         self.token_latency = token_latency  # TTFT and inter-token latency, when metrics are on
+        self.generation_defaults = generation_defaults  # for the fields a request leaves unset
 
     async def _outputs(self, job: EngineJob) -> AsyncIterator[EngineCoreOutput]:
         if not self.pool.has_healthy_engine:
             raise ApiError(503, "no engine is serving: retry later", code="engine_unavailable")
-        outputs = self.pool.generate(job.request, job.prompt_token_ids, job.num_tokens)
+        outputs = self.pool.generate(job.request, job.prompt_token_ids, job.num_tokens, job.group)
         latency, last_s = self.token_latency, time.monotonic()
         is_first = True
         try:
@@ -219,6 +240,8 @@ class Serving:
             StopStringMatcher(job.stops, job.is_stop_shown),
             job.request.sampling_params.min_tokens,
             logprobs,
+            is_prompt_counted=job.is_prompt_counted,
+            echo_prompt_ids=job.prompt_token_ids if job.is_echo_scored else None,
         )
         if job.echo_text:
             state.text.append(job.echo_text)
@@ -244,7 +267,21 @@ class Serving:
         choices = [_whole_choice(shape, s) for s in states]
         response = shape.envelope(choices, is_chunk=False)
         response["usage"] = usage(states)
+        if jobs[0].has_prompt_logprobs:  # vLLM's places: per choice, or the chat's response
+            shaped = [self._prompt_logprobs(state) for state in states]
+            if shape.is_chat:
+                response["prompt_logprobs"] = shaped[0]
+            else:
+                for choice, prompt_logprobs in zip(choices, shaped, strict=True):
+                    choice["prompt_logprobs"] = prompt_logprobs
         return response
+
+    def _prompt_logprobs(self, state: ChoiceState) -> list | None:
+        """The choice's prompt logprobs in vLLM's shape; None when the engine sent none (the
+        choice ended before its first token)."""
+        if state.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(self.tokenizer, state.prompt_logprobs)
 
     async def _collect_all(self, jobs: list[EngineJob], is_chat: bool) -> list[ChoiceState]:
         try:

@@ -240,6 +240,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "or the template itself; default the tokenizer's (the byte format for a built-in model)",
     )
     parser.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        default="auto",
+        help="sampling defaults for the fields a request leaves unset: auto reads the "
+        "checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens as max_tokens), vllm ignores it, DIR reads that "
+        "folder's; default %(default)s",
+    )
+    parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="accept a request's own `chat_template`; default off: such a request gets a 400",
@@ -389,6 +398,7 @@ def _api_settings(
     extra["tool_call_parser"] = args.tool_call_parser
     extra["is_auto_tool_choice_enabled"] = args.enable_auto_tool_choice
     extra["reasoning_parser"] = args.reasoning_parser
+    extra["generation_config"] = _generation_config(args.generation_config, base_worker.model)
     return ApiSettings(
         engine_addresses=tuple(args.engine_address or [engine_config.client_address]),
         model=base_worker.model,
@@ -397,6 +407,17 @@ def _api_settings(
         tokenizer=args.tokenizer,
         **extra,
     )
+
+
+def _generation_config(value: str, model: str) -> str:
+    """--generation-config, checked now so that a bad one is a usage error (exit 2)."""
+    from api_server.generation_config import load_generation_defaults
+
+    try:
+        load_generation_defaults(value, model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return value
 
 
 def _chat_template_source(value: str) -> str:

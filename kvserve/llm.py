@@ -14,15 +14,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from api_server.chat_template import TemplateValue
+from api_server.engine_requests import bad_words_token_ids
+from api_server.generation_config import load_generation_defaults, log_generation_defaults
+from api_server.logprobs import prompt_logprobs_json
+from api_server.parallel_sampling import choice_seed
 from api_server.serving import ChoiceState
 from api_server.stop_strings import StopStringMatcher
-from api_server.tokenizer import load_tokenizer
+from api_server.tokenizer import PromptTokenizer, load_tokenizer
 from deploy.launch import EXIT_OK, Deployment, check_addresses, worker_configs
 from engine_client.errors import EngineDeadError
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from kvserve.engine_args import offline_configs
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.progress import BatchProgress
 from kvserve.prompts import (
     Message,
@@ -32,9 +36,9 @@ from kvserve.prompts import (
     normalize_prompts,
     params_per_prompt,
 )
-from kvserve.sampling_params import SamplingParams, engine_params
+from kvserve.sampling_params import SamplingParams, engine_params, num_choices
 from protocol.bounds import checked_copy
-from protocol.client_messages import EngineCoreRequest, FinishReason
+from protocol.client_messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from protocol.sampling import SamplingParams as EngineSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,16 +50,51 @@ SUPERVISOR_JOIN_MARGIN_S = 15.0  # beyond the engine's drain: the launcher's own
 
 
 def _request_output(
-    req_id: str,
+    tokenizer: PromptTokenizer,
+    req_ids: list[str],
     prompt: PromptInput,
     prompt_token_ids: list[int],
-    state: ChoiceState,
+    states: dict[str, ChoiceState],
     generated: dict[str, list[int]],
 ) -> RequestOutput:
-    """One finished request, shaped as vLLM shapes it."""
-    text = "".join(state.text)
-    completion = CompletionOutput(0, text, generated[req_id], state.finish_reason)
-    return RequestOutput(req_id, prompt.text, prompt_token_ids, [completion])
+    """One finished prompt, shaped as vLLM shapes it: one CompletionOutput per choice, in
+    choice order, under the first choice's request id."""
+    completions = [
+        CompletionOutput(
+            states[req_id].index,
+            "".join(states[req_id].text),
+            generated[req_id],
+            states[req_id].finish_reason,
+        )
+        for req_id in req_ids
+    ]
+    first = states[req_ids[0]].prompt_logprobs  # the same prompt scored for every choice
+    prompt_logprobs = None if first is None else _prompt_logprobs(tokenizer, first)
+    return RequestOutput(
+        req_ids[0], prompt.text, prompt_token_ids, completions, True, prompt_logprobs
+    )
+
+
+def _prompt_logprobs(
+    tokenizer: PromptTokenizer, entries: TokenLogprobs
+) -> list[dict[int, Logprob] | None]:
+    """The server's prompt_logprobs shape, keyed by int ids with vLLM's Logprob values."""
+    shaped: list[dict[int, Logprob] | None] = []
+    for entry in prompt_logprobs_json(tokenizer, entries):
+        if entry is None:
+            shaped.append(None)
+            continue
+        shaped.append(
+            {
+                int(token_id): Logprob(
+                    float(value["logprob"]),  # type: ignore[arg-type]
+                    int(value["rank"]),  # type: ignore[call-overload]
+                    str(value["decoded_token"]),
+                )
+                for token_id, value in entry.items()
+            }
+        )
+    return shaped
 
 
 class LLM:
@@ -76,11 +115,16 @@ class LLM:
         tokenizer: str | None = None,
         log_level: str = "WARNING",
         start_timeout_s: float = START_TIMEOUT_S,
+        generation_config: str = "auto",
         **overrides: object,
     ) -> None:
         """Args:
         tokenizer: a folder holding tokenizer.json; default the checkpoint's own (the shipped
             byte-level one for a built-in model).
+        generation_config: as `kvserve serve --generation-config`: "auto" takes the
+            checkpoint's generation_config.json sampling defaults into
+            get_default_sampling_params() (what a call without sampling_params uses), "vllm"
+            ignores the file, a folder reads its file.
         overrides: engine, cache, scheduler or worker config fields by name
             (`gpu_memory_utilization=0.5`, `max_num_seqs=64`, `device="cpu"`, ...).
         """
@@ -88,6 +132,8 @@ class LLM:
         self._client: EngineClient | None = None
         self._req_ids = itertools.count()
         self.tokenizer = load_tokenizer(model, tokenizer)
+        self.generation_defaults = load_generation_defaults(generation_config, model)
+        log_generation_defaults(self.generation_defaults, generation_config)
         # /tmp, not $TMPDIR: a Unix socket's path must stay within 107 bytes
         self._folder = tempfile.TemporaryDirectory(prefix="kvserve-llm-", dir="/tmp")
         try:
@@ -142,6 +188,12 @@ class LLM:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine was not serving after {timeout_s} s")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without any uses: kvserve's defaults, with the
+        generation config's (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens) over them, as vLLM's LLM gives them."""
+        return SamplingParams(**self.generation_defaults.applied())  # type: ignore[arg-type]
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -151,7 +203,7 @@ class LLM:
         """One RequestOutput per prompt, in prompt order. The prompts are all sent at once,
         so the engine batches them."""
         inputs = normalize_prompts(prompts)
-        params = params_per_prompt(sampling_params, len(inputs))
+        params = params_per_prompt(self._params_or_default(sampling_params), len(inputs))
         token_ids = [
             self.tokenizer.encode(one.text) if one.token_ids is None else one.token_ids
             for one in inputs
@@ -182,8 +234,13 @@ class LLM:
             PromptInput(self.tokenizer.decode(ids, skip_special_tokens=False), None)
             for ids in token_ids
         ]
-        params = params_per_prompt(sampling_params, len(inputs))
+        params = params_per_prompt(self._params_or_default(sampling_params), len(inputs))
         return self._run(inputs, token_ids, params, use_tqdm)
+
+    def _params_or_default(
+        self, params: EngineSamplingParams | Sequence[EngineSamplingParams] | None
+    ) -> EngineSamplingParams | Sequence[EngineSamplingParams]:
+        return self.get_default_sampling_params() if params is None else params
 
     def _run(
         self,
@@ -194,13 +251,16 @@ class LLM:
     ) -> list[RequestOutput]:
         if self._client is None:
             raise RuntimeError("this LLM is closed: expected a new one")
-        requests = [
-            self._request(str(next(self._req_ids)), ids, one, idx)
+        # a prompt's n choices are n requests sent together (api_server/parallel_sampling.py)
+        choices = [
+            self._choices(ids, one, idx)
             for idx, (ids, one) in enumerate(zip(token_ids, params, strict=True))
         ]
+        requests = [request for prompt_choices in choices for request in prompt_choices]
         states = {
-            request.req_id: self._choice_state(ids, one)
-            for request, ids, one in zip(requests, token_ids, params, strict=True)
+            request.req_id: self._choice_state(ids, one, index)
+            for prompt_choices, ids, one in zip(choices, token_ids, params, strict=True)
+            for index, request in enumerate(prompt_choices)
         }
         generated: dict[str, list[int]] = {request.req_id: [] for request in requests}
         for request in requests:
@@ -216,31 +276,46 @@ class LLM:
                 self._client.abort(unfinished)
             raise
         return [
-            _request_output(request.req_id, one, ids, states[request.req_id], generated)
-            for request, one, ids in zip(requests, inputs, token_ids, strict=True)
+            _request_output(
+                self.tokenizer, [r.req_id for r in prompt_choices], one, ids, states, generated
+            )
+            for prompt_choices, one, ids in zip(choices, inputs, token_ids, strict=True)
         ]
 
-    @staticmethod
-    def _request(
-        req_id: str, token_ids: list[int], params: EngineSamplingParams, idx: int
-    ) -> EngineCoreRequest:
-        """The request of prompt `idx`, every bound checked before anything is sent."""
+    def _choices(
+        self, token_ids: list[int], params: EngineSamplingParams, idx: int
+    ) -> list[EngineCoreRequest]:
+        """The requests of prompt `idx`, one per choice, every bound checked before anything
+        is sent."""
         if not token_ids:
             raise ValueError(f"prompt {idx}: no tokens: expected at least one")
-        request = make_request(req_id, token_ids, engine_params(params))
+        overrides: dict[str, object] = {}
+        if isinstance(params, SamplingParams) and params.bad_words:
+            overrides["bad_words_token_ids"] = bad_words_token_ids(params.bad_words, self.tokenizer)
         try:
-            return checked_copy(request)
+            return [
+                checked_copy(
+                    make_request(
+                        str(next(self._req_ids)),
+                        token_ids,
+                        engine_params(params, seed=choice_seed(params.seed, index), **overrides),
+                    )
+                )
+                for index in range(num_choices(params))
+            ]
         except ValueError as exc:  # msgspec.ValidationError is one
             raise ValueError(f"prompt {idx}: {exc}") from None
 
-    def _choice_state(self, token_ids: list[int], params: EngineSamplingParams) -> ChoiceState:
+    def _choice_state(
+        self, token_ids: list[int], params: EngineSamplingParams, index: int
+    ) -> ChoiceState:
         """What the HTTP server keeps per choice: detokenizer, stop strings, min_tokens."""
         is_offline = isinstance(params, SamplingParams)
         stops = params.stop_strings if is_offline else []
         is_stop_shown = params.include_stop_str_in_output if is_offline else False
         skip_special_tokens = params.skip_special_tokens if is_offline else True
         return ChoiceState(
-            0,
+            index,
             len(token_ids),
             self.tokenizer.detokenizer(skip_special_tokens),
             StopStringMatcher(stops, is_stop_shown),

@@ -5,9 +5,18 @@ offline API shapes it. Plain data; nothing here talks to an engine.
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's logprob in a prompt's logprobs, as vLLM's Logprob."""
+
+    logprob: float
+    rank: int  # 1 is the most likely token
+    decoded_token: str
+
+
 @dataclass(slots=True)
 class CompletionOutput:
-    """One generated continuation of a prompt (kvserve generates one per prompt, index 0)."""
+    """One generated continuation of a prompt: choice `index` of its SamplingParams.n."""
 
     index: int
     text: str  # detokenized, stop string and stop token not shown
@@ -25,3 +34,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # SamplingParams.prompt_logprobs's: None for the first token, then each token's own and its
+    # top N by token id; None when not asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -1,8 +1,11 @@
 """SamplingParams of the offline API: the engine's own (protocol/sampling.py) with the fields
 vLLM's SamplingParams has that the front end applies rather than the engine: stop strings,
-include_stop_str_in_output, skip_special_tokens, and `n` (1 only). `engine_params` strips them.
+include_stop_str_in_output, skip_special_tokens, bad_words (text, tokenized by the LLM) and `n`
+(choices per prompt, each an engine request; api_server/parallel_sampling.py). `engine_params`
+strips them.
 """
 
+from api_server.parallel_sampling import MAX_CHOICES_PER_PROMPT
 from protocol import sampling
 from protocol.bounds import checked_copy
 
@@ -14,10 +17,11 @@ class SamplingParams(sampling.SamplingParams, frozen=True):
     (kvserve's None), and `stop` may be one string. Bounds are checked when a request is built.
     """
 
-    n: int = 1  # completions per prompt; only 1 is offered
+    n: int = 1  # completions per prompt, 1 to MAX_CHOICES_PER_PROMPT
     stop: str | list[str] | None = None  # stop strings, matched on the text as the server does
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = None  # words never generated; the LLM tokenizes them
 
     @property
     def stop_strings(self) -> list[str]:
@@ -26,12 +30,20 @@ class SamplingParams(sampling.SamplingParams, frozen=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-def engine_params(params: sampling.SamplingParams) -> sampling.SamplingParams:
-    """The engine's SamplingParams of `params` (either kind), with every bound checked; a
-    ValueError naming the field otherwise."""
-    if isinstance(params, SamplingParams) and params.n != 1:
-        raise ValueError(f"n={params.n}: expected 1, one completion per prompt")
+def num_choices(params: sampling.SamplingParams) -> int:
+    """`n` of `params` (1 for the engine's own kind); ValueError outside its bounds."""
+    n = params.n if isinstance(params, SamplingParams) else 1
+    if not 1 <= n <= MAX_CHOICES_PER_PROMPT:
+        raise ValueError(f"n={n}: expected 1 to {MAX_CHOICES_PER_PROMPT} completions per prompt")
+    return n
+
+
+def engine_params(params: sampling.SamplingParams, **overrides: object) -> sampling.SamplingParams:
+    """The engine's SamplingParams of `params` (either kind) with `overrides` (a choice's seed,
+    tokenized bad words), every bound checked; a ValueError naming the field otherwise."""
+    num_choices(params)
     values = {name: getattr(params, name) for name in sampling.SamplingParams.__struct_fields__}
+    values.update(overrides)
     if values["top_k"] in (-1, 0):
         values["top_k"] = None  # vLLM's "every token"
     try:

@@ -86,6 +86,9 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     error: str | None = None  # why, when finish_reason is ERROR
     new_logprobs: TokenLogprobs | None = None  # of new_token_ids; None unless it asked for them
+    # Of prompt tokens 1.. (the first has none), each entry the prompt token then its top-N;
+    # on the request's first output only, when it asked for prompt_logprobs
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, tag=True, gc=False):

@@ -23,6 +23,8 @@ class ModelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eos_token_ids: list[int]  # every id that ends a generation (unless ignore_eos); [] for none
     max_model_len: int  # longest sequence (prompt plus output) the model supports, in tokens
     kv_cache_groups: list[KVCacheGroupSpec]  # the model's layers grouped by spec
+    # Why the ranks cannot compute prompt logits (prompt_logprobs); None: they can
+    prompt_logits_refusal: str | None = None
 
 
 class WorkerHello(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -136,6 +138,12 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # int32 disk slots of this step's kv_transfers that hold no valid copy on this rank: a read
     # whose checksum failed (its host destination is then empty too) or a write that failed.
     failed_disk_slots: bytes = b""
+    # One entry per prompt token this step scored for a request that asked for prompt_logprobs
+    # (worker/sampling/prompt_logprobs.py), in `handles` order then position order; each entry
+    # is that token then its request's top-N, as for `logprobs` (raw distribution).
+    prompt_logprobs: bytes = b""  # float32
+    prompt_logprob_token_ids: bytes = b""  # int32, aligned with prompt_logprobs
+    prompt_logprob_ranks: bytes = b""  # int32 per entry: the prompt token's rank
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -39,6 +39,9 @@ class StepLayout:
     token_offsets: np.ndarray  # [R] index of its first token in the flattened batch
     logits_reqs: np.ndarray  # [S] the requests sampled this step (their chunk reaches the end)
     num_prompt_tokens: np.ndarray  # [R] leading tokens that came with it (R-SWA reads them all)
+    # some request needs the logits of prompt tokens (prompt_logprobs): the last layer attends
+    # every query row, not only the sampled ones (`logits_only` is ignored)
+    has_prompt_logits: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +228,7 @@ class PagedKV:
         return self._cached_chunks(group_idx, logits_only, self.cascade_tokens[group_idx])
 
     def _cached_chunks(self, group_idx: int, logits_only: bool, skip: int) -> list[ContextChunk]:
+        logits_only = logits_only and not self.layout.has_prompt_logits
         key = (group_idx, logits_only, skip)
         if key not in self._chunks:
             start = time.perf_counter()

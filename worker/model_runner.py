@@ -41,6 +41,7 @@ from worker.models.registry import build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 from worker.sampling.penalties import TokenHistory
+from worker.sampling.prompt_logprobs import PromptLogitRows, prompt_logit_rows
 from worker.step_buffers import SampledIdsCopy, StepBuffers, StepLimits, StepShape
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class HostStep:
     token_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
     logits_idx: np.ndarray  # [S] int64 token of each sampled request's last query
+    prompt_rows: PromptLogitRows | None = None  # tokens whose logits score a prompt token
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,11 @@ class ModelRunner:
         modelled = time.perf_counter()
         self.ready_at_s = getattr(self.model, "ready_at_s", modelled)
         sampled = np.full(len(scheduled.handles), UNSAMPLED_TOKEN_ID, dtype=np.int32)  # [R]
+        prompt_logprobs = LogprobColumns()
+        if host.prompt_rows is not None:  # their rows follow the sampled ones (_forward)
+            num_sampled = len(host.logits_idx)
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], host.prompt_rows)
+            logits = logits[:num_sampled]
         sampled_ids = self.sampler.sample(logits, sample_reqs)
         self.sampled_ids_copy.start(sampled_ids)
         num_logprobs = sample_reqs.sampling_columns.num_logprobs
@@ -209,7 +216,16 @@ class ModelRunner:
             logprobs.sampled_token_ranks,
             self.timings.model_s,
             failed_disk_slots,
+            prompt_logprobs.logprobs,
+            prompt_logprobs.token_ids,
+            prompt_logprobs.sampled_token_ranks,
         )
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, rows: PromptLogitRows) -> LogprobColumns:
+        """The prompt tokens' logprobs, each row's scored token first (the raw distribution)."""
+        targets = torch.from_numpy(rows.target_ids).to(logits.device)
+        return compute_logprobs(logits, targets, rows.num_logprobs)
 
     def _apply_transfers(self, scheduler_output: SchedulerOutput) -> list[int]:
         """Run the step's tier copies; the disk slots that hold no valid copy on this rank."""
@@ -343,21 +359,43 @@ class ModelRunner:
         logits_reqs = np.flatnonzero(ends == known)  # the others are partial prefill chunks
         logits_idx = offsets[logits_reqs] + counts[logits_reqs] - 1
         num_prompt_tokens = batch.num_prompt_tokens[rows].astype(np.int64)
-        layout = StepLayout(rows, first, counts, offsets, logits_reqs, num_prompt_tokens)
-        host = HostStep(layout, token_ids.astype(np.int64), positions, logits_idx)
+        prompt_rows = None
+        if batch.sampling.num_prompt_logprob_rows:  # some live request asked for them
+            num_prompt_logprobs = batch.sampling.num_prompt_logprobs[rows]
+            prompt_rows = prompt_logit_rows(
+                batch.token_ids,
+                rows,
+                num_prompt_logprobs,
+                num_prompt_tokens,
+                first,
+                counts,
+                offsets,
+            )
+        layout = StepLayout(
+            rows, first, counts, offsets, logits_reqs, num_prompt_tokens, prompt_rows is not None
+        )
+        host = HostStep(layout, token_ids.astype(np.int64), positions, logits_idx, prompt_rows)
         sample_reqs = self._sample_requests(handles, rows[logits_reqs], known, logits_reqs)
         return host, sample_reqs, logits_reqs
 
     def _forward(
         self, host: HostStep, handles: list[int], num_common_prefix_blocks: list[int]
     ) -> tuple[torch.Tensor, float]:
-        """The step's logits [S, V], and the seconds of it spent preparing the model's inputs."""
+        """The step's logits [S + Q, V] (the sampled rows, then the prompt rows), and the seconds
+        of it spent preparing the model's inputs."""
         if self.step_buffers is not None:
+            if host.prompt_rows is not None:  # the engine refuses them: see ModelInfo
+                raise ValueError(f"rank {self.rank} cannot compute prompt logits on step buffers")
             return self._forward_from_buffers(host, self.step_buffers)
         start = time.perf_counter()
         config, tables, layout = self.kv_cache_config, self.input_batch.block_table, host.layout
+        # cascade attention computes the sampled rows only; prompt logits need every row
         cascade_tokens = plan_cascade(
-            num_common_prefix_blocks, config, tables, layout, self.enable_cascade_attention
+            num_common_prefix_blocks,
+            config,
+            tables,
+            layout,
+            self.enable_cascade_attention and host.prompt_rows is None,
         )
         if any(cascade_tokens):
             self.num_cascade_steps += 1
@@ -368,7 +406,10 @@ class ModelRunner:
         device = self.device
         token_ids = torch.from_numpy(host.token_ids).to(device)
         positions = torch.from_numpy(host.positions).to(device)
-        logits_idx = torch.from_numpy(host.logits_idx).to(device)
+        logits_idx = host.logits_idx
+        if host.prompt_rows is not None:
+            logits_idx = np.concatenate((logits_idx, host.prompt_rows.token_idx))
+        logits_idx = torch.from_numpy(logits_idx).to(device)
         prepared = time.perf_counter()
         logits = self.model.forward(token_ids, positions, logits_idx, kv)
         return logits, prepared - start + kv.build_s

@@ -1,10 +1,11 @@
 """Sampler: greedy or seeded temperature sampling from logits, the same on every rank.
 
-Per request, in this order: until it has min_tokens outputs, -inf for its stop and EOS ids (vLLM's
-rule: it cannot stop early); penalties on the logits (worker/sampling/penalties.py), greedy argmax
-or, at temperature > 0, probabilities rounded to a 2**-16 grid, the min-p, top-k and top-p filters
-on that grid (worker/sampling/filters.py), and an inverse-CDF draw. A draw depends only on (seed,
-position of the token being sampled): no generator carries state, so batching, chunking,
+Per request, in this order: its logit rules (allowed_token_ids, bad words, logit_bias;
+worker/sampling/logit_processors.py); until it has min_tokens outputs, -inf for its stop and EOS ids
+(vLLM's rule: it cannot stop early); penalties on the logits (worker/sampling/penalties.py), greedy
+argmax or, at temperature > 0, probabilities rounded to a 2**-16 grid, the min-p, top-k and top-p
+filters on that grid (worker/sampling/filters.py), and an inverse-CDF draw. A draw depends only on
+(seed, position of the token being sampled): no generator carries state, so batching, chunking,
 preemption and TP size cannot change a seeded request's tokens. On the grid the running sums are
 exact, so every rank holding the same logits picks the same token.
 
@@ -31,6 +32,7 @@ from protocol.sampling import SamplingParams
 from worker.sampling.candidates import grid_candidates
 from worker.sampling.columns import SamplingColumns
 from worker.sampling.filters import filter_probabilities
+from worker.sampling.logit_processors import apply_logit_rules
 from worker.sampling.penalties import TokenHistory, apply_penalties
 
 _MASK_64 = (1 << 64) - 1
@@ -131,6 +133,10 @@ class Sampler:
         if columns.needs_history:
             assert batch.history is not None  # checked by SampleBatch
             positions = np.asarray(batch.positions, dtype=np.int64)
+            if columns.logit_rules is not None:
+                rows = np.flatnonzero(columns.logit_rules)
+                params = batch.sampling_params
+                logits = apply_logit_rules(logits, rows, params, batch.history, positions)
             if columns.min_tokens is not None:
                 logits = self._hold_back_stops(logits, batch, batch.history, positions)
             if columns.has_penalties:

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 
+import msgspec
 import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -33,10 +34,16 @@ from protocol.worker_messages import (
     WorkerReady,
 )
 from worker.distributed import TPGroup, init_tp_group, resolve_device
+from worker.graph_runner import uses_step_buffers
 from worker.kv_cache import CudaMemory, memory_at_start
 from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.model import Model
-from worker.models.registry import build_model, get_model_info, resolve_dtypes
+from worker.models.registry import (
+    build_model,
+    get_model_info,
+    prompt_logits_refusal,
+    resolve_dtypes,
+)
 from worker.profiling import measure_num_blocks
 from worker.reply_queue import POLL_RESOLUTION_S, ReplyQueue, sleep_until
 from worker.shm_ring_reader import SHM_FOLDER, ShmRingReader
@@ -124,6 +131,8 @@ class Worker:
         )
         dtype, kv_dtype = resolve_dtypes(config.model, config.dtype, config.kv_cache_dtype, device)
         model_info = get_model_info(config.model, config.block_size, kv_dtype, config.tp_size)
+        refusal = prompt_logits_refusal(config.model, uses_step_buffers(config, device))
+        model_info = msgspec.structs.replace(model_info, prompt_logits_refusal=refusal)
         self.model = build_model(
             config.model,
             self.tp_group,

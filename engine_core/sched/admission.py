@@ -83,8 +83,10 @@ class RequestIntake:
         eos_token_ids: list[int],
         max_num_encoder_tokens: int | None,
         block_hasher: BlockHasher | None,
+        prompt_logits_refusal: str | None = None,  # why the ranks cannot: ModelInfo's
     ) -> None:
         self.admission = Admission(config)
+        self.prompt_logits_refusal = prompt_logits_refusal
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -100,6 +102,11 @@ class RequestIntake:
         `is_live`: whether the client already has a live request with this id."""
         self.admission.check(client_id, request.req_id, num_waiting)
         prompt, params = validate_request(request, self.max_model_len, self.vocab_size, is_live)
+        if params.prompt_logprobs is not None and self.prompt_logits_refusal is not None:
+            raise ValueError(
+                f"bad sampling parameters: prompt_logprobs={params.prompt_logprobs} of "
+                f"{request.req_id!r} cannot be served: {self.prompt_logits_refusal}; expected null"
+            )
         encoder = validate_encoder_tokens(request, self.max_num_encoder_tokens, self.vocab_size)
         return Request(
             scoped_req_id(client_id, request.req_id),

@@ -27,6 +27,9 @@ class InFlightStep:
     is_sampling: list[bool]  # per request: the step reaches its end and samples a real token
     scheduler_output: SchedulerOutput  # the message broadcast for this step
     has_logprobs: bool = False  # some request live when it was scheduled asked for logprobs
+    # per request, (first position, count) of its chunk; None: no live request asked for
+    # prompt logprobs when it was scheduled
+    chunks: list[tuple[int, int]] | None = None
 
     def check_reply(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput

@@ -37,6 +37,13 @@ def check_scheduler(scheduler: "Scheduler") -> None:
     assert scheduler.num_logprob_requests == num_logprob_requests, (
         f"num_logprob_requests is {scheduler.num_logprob_requests}, expected {num_logprob_requests}"
     )
+    num_prompt_logprob_requests = sum(
+        request.prompt_logprobs is not None for request in scheduler.requests.values()
+    )
+    assert scheduler.num_prompt_logprob_requests == num_prompt_logprob_requests, (
+        f"num_prompt_logprob_requests is {scheduler.num_prompt_logprob_requests}, expected "
+        f"{num_prompt_logprob_requests}"
+    )
     scheduler.admission.check_invariants([r.client_id for r in scheduler.requests.values()])
     scheduler.waiting.check_invariants()
     scheduler.kv_cache_manager.check_invariants()

@@ -15,6 +15,7 @@ from engine_core.kv_cache.hashing import (
     ExtraKey,
     first_block_extra_keys,
 )
+from engine_core.sched.prompt_logprobs import PromptLogprobs
 from protocol.buffers import pack_int32
 from protocol.client_messages import FinishReason
 from protocol.sampling import SamplingParams
@@ -79,6 +80,7 @@ class Request:
         "num_prompt_tokens",
         "num_tokens_sent",
         "priority",
+        "prompt_logprobs",
         "req_id",
         "sampling_params",
         "status",
@@ -134,6 +136,8 @@ class Request:
         # Tokens scheduled to be sampled whose values have not come back yet (0 or 1 in the
         # synchronous loop, up to 2 with asynchronous scheduling); the workers already hold them.
         self.num_output_placeholders = 0
+        # its prompt_logprobs so far, gathered from the replies; None unless it asked for them
+        self.prompt_logprobs = None if sampling_params.prompt_logprobs is None else PromptLogprobs()
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()

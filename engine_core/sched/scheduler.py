@@ -16,6 +16,7 @@ from engine_core.sched.client_outputs import final_outputs, group_by_client, rej
 from engine_core.sched.in_flight_step import InFlightStep, StepsInFlight
 from engine_core.sched.invariants import check_scheduler
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
+from engine_core.sched.prompt_logprobs import read_prompt_logprobs
 from engine_core.sched.queues import create_request_queue
 from engine_core.sched.reply_logprobs import read_reply_logprobs
 from engine_core.sched.request import Request, RequestStatus
@@ -86,6 +87,7 @@ class Scheduler:
             model_info.eos_token_ids,
             max_num_encoder_tokens(kv_cache_config.kv_cache_groups),
             make_block_hasher(cache_config, self.block_size),
+            model_info.prompt_logits_refusal,
         )
         self.admission = self.intake.admission
         self.requests: dict[str, Request] = {}  # by scoped_req_id
@@ -99,6 +101,7 @@ class Scheduler:
         self.steps_in_flight = StepsInFlight(2 if scheduler_config.async_scheduling else 1)
         self.num_preemptions = 0
         self.num_logprob_requests = 0  # live requests that asked for logprobs
+        self.num_prompt_logprob_requests = 0  # live requests that asked for prompt logprobs
         self.check_each_plan = False  # walk each step's plan before it is built (debugging)
 
     # ---- admission and aborts -------------------------------------------------------------
@@ -116,6 +119,7 @@ class Scheduler:
             return rejection(request.req_id, str(exc))
         self.requests[req_id] = state
         self.num_logprob_requests += state.sampling_params.logprobs is not None
+        self.num_prompt_logprob_requests += state.prompt_logprobs is not None
         self.admission.on_admitted(client_id)
         self.waiting.add_request(state)
         return None
@@ -223,6 +227,12 @@ class Scheduler:
         )
         # Advance only once the message is built: it carries each request's state before the step.
         num_tokens = plan.new_num_tokens + plan.running_num_tokens + plan.resumed_num_tokens
+        # each request's chunk (first position, count), for its prompt logprobs in the reply
+        chunks = (
+            [(r.num_computed_tokens, n) for r, n in zip(requests, num_tokens, strict=True)]
+            if self.num_prompt_logprob_requests
+            else None
+        )
         is_sampling = []
         for request, num_new_tokens in zip(requests, num_tokens, strict=True):
             num_computed = request.num_computed_tokens + num_new_tokens
@@ -239,7 +249,9 @@ class Scheduler:
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
         has_logprobs = self.num_logprob_requests > 0
         steps_in_flight.add(
-            InFlightStep(self._step_id, requests, handles, is_sampling, output, has_logprobs)
+            InFlightStep(
+                self._step_id, requests, handles, is_sampling, output, has_logprobs, chunks
+            )
         )
         return output
 
@@ -319,7 +331,12 @@ class Scheduler:
         reserves_full_prompt = config.reserve_full_prompt and self._aligned_chunks is None
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
-            computed_blocks, num_computed = kv_cache_manager.get_computed_blocks(request)
+            if request.prompt_logprobs is None or request.prompt_logprobs.is_complete(
+                request.num_prompt_tokens
+            ):
+                computed_blocks, num_computed = kv_cache_manager.get_computed_blocks(request)
+            else:  # cached tokens have no logits (prompt_logprobs.py): compute every one
+                computed_blocks, num_computed = kv_cache_manager.empty_kv_cache_blocks, 0
             if computed_blocks.is_waiting_for_disk:  # its disk hits arrive in a step or two
                 break
             num_new_tokens = request.num_tokens - num_computed
@@ -399,6 +416,8 @@ class Scheduler:
             )
         else:
             logprobs = [None] * len(step.requests)
+        if step.chunks is not None:
+            self._gather_prompt_logprobs(model_runner_output, step.requests, step.chunks)
         outputs: defaultdict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         finished: list[Request] = []
         finished_while_preempted: list[Request] = []
@@ -424,6 +443,7 @@ class Scheduler:
                 if status is not _RUNNING:  # preempted while the step ran: it waits in the queue
                     finished_while_preempted.append(request)
                 request.status = finished_status
+            prompt_logprobs = request.prompt_logprobs
             outputs[request.client_id].append(
                 EngineCoreOutput(
                     request.client_req_id,
@@ -432,6 +452,9 @@ class Scheduler:
                     request.num_cached_tokens,
                     None,
                     token_logprobs,
+                    None
+                    if prompt_logprobs is None or prompt_logprobs.is_sent
+                    else prompt_logprobs.take(),  # complete: the prompt's last chunk sampled
                 )
             )
         if finished:
@@ -442,12 +465,32 @@ class Scheduler:
                 self._free_request(request, request.status)
         return group_by_client(outputs)
 
+    def _gather_prompt_logprobs(
+        self, output: ModelRunnerOutput, requests: list[Request], chunks: list[tuple[int, int]]
+    ) -> None:
+        """Add the reply's prompt logprobs to their requests (prompt_logprobs.py); those of a
+        request that finished meanwhile are dropped."""
+        entries = read_prompt_logprobs(
+            output,
+            [request.sampling_params.prompt_logprobs for request in requests],
+            chunks,
+            [request.num_prompt_tokens for request in requests],
+        )
+        for request, (first_position, _), request_entries in zip(
+            requests, chunks, entries, strict=True
+        ):
+            prompt_logprobs = request.prompt_logprobs
+            if request_entries is None or prompt_logprobs is None or prompt_logprobs.is_sent:
+                continue
+            prompt_logprobs.add(first_position + 1, request_entries)
+
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that is out of the queues: release blocks, forget it."""
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.req_id]
         self.num_logprob_requests -= request.sampling_params.logprobs is not None
+        self.num_prompt_logprob_requests -= request.prompt_logprobs is not None
         self.admission.on_finished(request.client_id)
         if request.num_tokens_sent:
             self._finished_handles.append(request.handle)

@@ -49,13 +49,26 @@ def validate_request(
     # min_tokens > max_tokens cannot reach here: SamplingParams.__post_init__ refuses it on every
     # construction and convert, so _checked_sampling_params reports it as a bad sampling parameter
     params = _checked_sampling_params(request.sampling_params)
-    for token_id in params.stop_token_ids:
-        if token_id >= vocab_size:
-            raise ValueError(
-                f"stop token id {token_id} of {request.req_id!r} is out of the vocabulary: "
-                f"expected 0 <= id < {vocab_size}"
-            )
+    _check_sampling_ids(params, request.req_id, vocab_size)
     return prompt, params
+
+
+def _check_sampling_ids(params: SamplingParams, req_id: str, vocab_size: int) -> None:
+    """ValueError naming the field and the first of its token ids past the vocabulary (the
+    declared bounds already refuse negative ones)."""
+    fields: list[tuple[str, list[int]]] = [
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", list(params.logit_bias or ())),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+        ("bad_words", [token_id for word in params.bad_words_token_ids or [] for token_id in word]),
+    ]
+    for name, token_ids in fields:
+        for token_id in token_ids:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"{name} token id {token_id} of {req_id!r} is out of the vocabulary: "
+                    f"expected 0 <= id < {vocab_size}"
+                )
 
 
 def max_num_encoder_tokens(kv_cache_groups: list[KVCacheGroupSpec]) -> int | None:

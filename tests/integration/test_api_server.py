@@ -139,8 +139,8 @@ def test_openai_client_chat_batches_models_and_refusals(served: str) -> None:
     assert [model.id for model in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="n=10000"):
+        client.completions.create(model=MODEL, prompt="x", n=10000)
     with pytest.raises(openai.BadRequestError, match="vocabulary"):
         client.completions.create(model=MODEL, prompt=[1, 2, 600])
     with pytest.raises(openai.AuthenticationError):
@@ -152,7 +152,7 @@ def test_openai_client_chat_batches_models_and_refusals(served: str) -> None:
     ("body", "status", "param"),
     [
         (b'{"prompt": "x",', 400, None),
-        (b'{"prompt": "x", "logit_bias": {"1": 5}}', 400, "logit_bias"),
+        (b'{"prompt": "x", "logit_bias": {"100000": 5}}', 400, "logit_bias"),
         (b'{"prompt": "x", "max_tokens": "8"}', 400, "max_tokens"),
         (b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
         (b'{"prompt": {"text": "x"}}', 400, "prompt"),

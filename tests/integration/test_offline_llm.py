@@ -175,3 +175,65 @@ def test_a_deployment_that_cannot_start_raises_at_once_and_leaves_no_child(
     with pytest.raises(RuntimeError, match="exited while starting"):
         LLM(str(checkpoint), device="cpu", kv_cache_memory_bytes=1 << 16, start_timeout_s=600)
     assert time.monotonic() - start_s < STARTUP_TIMEOUT_S
+
+
+@pytest.mark.timeout(300)
+def test_n_choices_bad_words_and_generation_config_defaults(
+    checkpoint: Path, tmp_path: Path, no_new_children: None
+) -> None:
+    """n seeded choices per prompt repeat run after run (choice 0 is the n=1 answer); bad words
+    never appear; a call without sampling params takes the generation config's defaults; prompt
+    logprobs come back as vLLM's."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 5}')
+    prompt = "the capital of France is"
+    sampled = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=8, ignore_eos=True)
+    with LLM(
+        str(checkpoint),
+        device="cpu",
+        start_timeout_s=STARTUP_TIMEOUT_S,
+        generation_config=str(tmp_path),
+    ) as llm:
+        (first,) = llm.generate(prompt, sampled, use_tqdm=False)
+        (again,) = llm.generate(prompt, sampled, use_tqdm=False)
+        (one,) = llm.generate(
+            prompt, SamplingParams(**{**_fields(sampled), "n": 1}), use_tqdm=False
+        )
+        defaults = llm.get_default_sampling_params()
+        (default,) = llm.generate(prompt, use_tqdm=False)
+        greedy = SamplingParams(max_tokens=5, temperature=0.0)
+        (plain,) = llm.generate(prompt, greedy, use_tqdm=False)
+        banned_id, word = _a_whole_word(llm, plain.outputs[0].token_ids)
+        banned = SamplingParams(**{**_fields(greedy), "bad_words": [word]})
+        (without,) = llm.generate(prompt, banned, use_tqdm=False)
+        scored = SamplingParams(max_tokens=1, prompt_logprobs=2)
+        (with_prompt,) = llm.generate(prompt, scored, use_tqdm=False)
+    assert [out.index for out in first.outputs] == [0, 1, 2]
+    token_ids = [out.token_ids for out in first.outputs]
+    assert len({tuple(ids) for ids in token_ids}) > 1
+    assert [out.token_ids for out in again.outputs] == token_ids
+    assert one.outputs[0].token_ids == token_ids[0]
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    assert default.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert banned_id not in without.outputs[0].token_ids
+    entries = with_prompt.prompt_logprobs
+    assert entries is not None and entries[0] is None
+    assert len(entries) == len(with_prompt.prompt_token_ids)
+    for token_id, entry in zip(with_prompt.prompt_token_ids[1:], entries[1:], strict=True):
+        assert entry is not None and entry[token_id].logprob <= 0.0
+        assert sorted(logprob.rank for logprob in entry.values())[:2] == [1, 2]
+    assert first.prompt_logprobs is None
+    assert without.outputs[0].token_ids != plain.outputs[0].token_ids
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
+def _a_whole_word(llm: LLM, token_ids: list[int]) -> tuple[int, str]:
+    """A generated id whose text, as a bad word, tokenizes back to that one id."""
+    for token_id in token_ids:
+        word = llm.tokenizer.decode([token_id]).strip()
+        spellings = (word, " " + word)
+        if word and any(llm.tokenizer.encode(t, False) == [token_id] for t in spellings):
+            return token_id, word
+    raise AssertionError(f"no generated id of {token_ids} is a whole word")

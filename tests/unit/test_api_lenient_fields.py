@@ -134,18 +134,21 @@ def test_a_known_parameter_at_its_default_is_accepted(extra: dict) -> None:
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
-        ({"n": 2}, "n", ["n=2", "expected 1"]),
+        ({"n": 10000}, "n", ["n=10000", "expected 1 to 128"]),
         ({"best_of": 2}, "best_of", ["best_of=2", "expected null or n (1)"]),
-        ({"logit_bias": {"50256": -100}}, "logit_bias", ["'50256': -100", "expected null or {}"]),
+        ({"logit_bias": {"five": -100}}, "logit_bias", ["key 'five'", "expected a token id"]),
         ({"response_format": {"type": "json_object"}}, "response_format", ["'json_object'"]),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
             "response_format",
             ["'json_schema'", "expected null or {'type': 'text'}"],
         ),
-        ({"prompt_logprobs": 0}, "prompt_logprobs", ["prompt_logprobs=0", "expected null"]),
-        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["[1, 2]", "expected null"]),
-        ({"bad_words": ["no"]}, "bad_words", ["['no']", "expected null or []"]),
+        (
+            {"prompt_logprobs": 0, "stream": True},
+            "prompt_logprobs",
+            ["prompt_logprobs=0", "expected null with stream=true"],
+        ),
+        ({"allowed_token_ids": []}, "allowed_token_ids", ["empty list"]),
         ({"use_beam_search": True}, "use_beam_search", ["use_beam_search=True"]),
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", ["=8", "expected null"]),
         ({"guided_json": {"type": "object"}}, "guided_json", ["structured outputs"]),
@@ -163,10 +166,13 @@ def test_a_known_parameter_kvserve_cannot_honour_is_a_400_naming_it(
         assert all(word in error.message for word in words), error.message
 
 
-def test_echo_with_logprobs_is_a_400_as_the_prompts_are_not_computed() -> None:
-    error = _refusal({"prompt": "x", "echo": True, "logprobs": 1})
+def test_echo_with_logprobs_is_a_400_when_streamed() -> None:
+    """The prompt's logprobs come with the first token, after the echoed text was streamed."""
+    error = _refusal({"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
     assert (error.status, error.param) == (400, "echo")
-    assert "expected echo=false or logprobs=null" in error.message
+    assert "expected echo=false, logprobs=null or stream=false" in error.message
+    _, params = _prompt_and_params({"prompt": "x", "echo": True, "logprobs": 1})
+    assert params.prompt_logprobs == 1  # not streamed: the prompt is scored
 
 
 @pytest.mark.parametrize(

@@ -156,3 +156,26 @@ def test_bad_parser_flags_exit_2_naming_the_flag(
         kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_generation_config_defaults_reach_the_front_end(tmp_path: Path) -> None:
+    """--generation-config DIR reads that folder's file; vllm (and a built-in model's auto)
+    applies none."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
+    settings = _settings("--model", "tiny-llama", "--generation-config", str(tmp_path))
+    assert ApiState(settings).generation_defaults.applied() == {"temperature": 0.6, "top_p": 0.95}
+    for value in ("vllm", "auto"):
+        settings = _settings("--model", "tiny-llama", "--generation-config", value)
+        assert ApiState(settings).generation_defaults.applied() == {}
+
+
+def test_a_bad_generation_config_exits_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from deploy.cli import kvserve_main
+
+    missing = str(tmp_path / "missing")
+    with pytest.raises(SystemExit) as exited:
+        kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", "--generation-config", missing])
+    assert exited.value.code == 2
+    assert f"--generation-config {missing}: expected 'auto', 'vllm'" in capsys.readouterr().err

@@ -35,7 +35,11 @@ def _request(req_id: str, prompt: bytes, **params: object) -> EngineCoreRequest:
         (b"\x01\x02\x03", {}, ["3 bytes", "multiple of 4"]),
         (pack_int32([1]), {"max_tokens": 0}, ["sampling parameters", "max_tokens"]),
         (pack_int32([1]), {"temperature": -1.0}, ["sampling parameters", "temperature"]),
-        (pack_int32([1]), {"stop_token_ids": [99]}, ["stop token id 99", "< 64"]),
+        (pack_int32([1]), {"stop_token_ids": [99]}, ["stop_token_ids token id 99", "< 64"]),
+        (pack_int32([1]), {"logit_bias": {3: 1.0, 64: 2.0}}, ["logit_bias token id 64", "< 64"]),
+        (pack_int32([1]), {"allowed_token_ids": [1, 70]}, ["allowed_token_ids token id 70"]),
+        (pack_int32([1]), {"bad_words_token_ids": [[2], [3, 64]]}, ["bad_words token id 64"]),
+        (pack_int32([1]), {"logit_bias": {3: 101.0}}, ["sampling parameters", "logit_bias"]),
     ],
 )
 def test_bad_input_is_rejected_with_a_reason(

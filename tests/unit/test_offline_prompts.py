@@ -17,7 +17,7 @@ from kvserve.prompts import (
     normalize_prompts,
     params_per_prompt,
 )
-from kvserve.sampling_params import engine_params
+from kvserve.sampling_params import engine_params, num_choices
 from protocol import sampling
 
 
@@ -76,8 +76,11 @@ def test_vllm_spellings_reach_the_engine_as_kvserve_params() -> None:
 def test_out_of_bounds_params_are_refused_before_sending() -> None:
     with pytest.raises(ValueError, match="sampling parameters"):
         engine_params(SamplingParams(temperature=-1.0))
-    with pytest.raises(ValueError, match="n=2: expected 1"):
-        engine_params(SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n=0: expected 1 to 128"):
+        engine_params(SamplingParams(n=0))
+    with pytest.raises(ValueError, match="n=129: expected 1 to 128"):
+        num_choices(SamplingParams(n=129))
+    assert num_choices(SamplingParams(n=4)) == 4
 
 
 def test_overrides_land_in_their_config(tmp_path: Path) -> None:
@@ -119,8 +122,10 @@ def test_outputs_have_vllms_fields() -> None:
         "prompt_token_ids",
         "outputs",
         "finished",
+        "prompt_logprobs",
     ]
     assert output.finished and output.outputs[0].logprobs is None
+    assert output.prompt_logprobs is None
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
         "index",
         "text",

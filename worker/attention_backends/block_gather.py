@@ -140,6 +140,7 @@ class BlockGatherAttention:
         return self._workspace[key]
 
     def _group_chunks(self, group_idx: int, logits_only: bool) -> list[BlockChunk]:
+        logits_only = logits_only and not self.kv.layout.has_prompt_logits  # every row's logits
         key = (group_idx, logits_only)
         if key not in self._chunks:
             self._chunks[key] = self._build_chunks(group_idx, logits_only)

@@ -143,3 +143,15 @@ def build_model(
     if name == TINY_MAMBA_HYBRID.name:
         return TinyMambaHybrid(TINY_MAMBA_HYBRID, tp_group, seed, device)
     return TinyLlama(TINY_LLAMAS[name], tp_group, seed, device)
+
+
+def prompt_logits_refusal(model: str, uses_step_buffers: bool) -> str | None:
+    """Why a rank of `model` cannot compute prompt logits; None when it can. A model's last
+    layer must attend every query row on request: tiny-llama's and a checkpoint's do, through
+    the paged reference or block-gather attention; the Triton step buffers and graphs keep one
+    logits row per request, and the other built-in models compute sequence-level logits."""
+    if uses_step_buffers:
+        return "the Triton attention backend keeps one logits row per request"
+    if is_checkpoint(model) or model in TINY_LLAMAS:
+        return None
+    return f"the built-in model {model} computes logits of sampled tokens only"

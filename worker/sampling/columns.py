@@ -22,6 +22,12 @@ def _has_filter(params: SamplingParams) -> bool:
     )
 
 
+def has_logit_rules(params: SamplingParams) -> bool:
+    """Whether a request sets a rule of worker/sampling/logit_processors.py (an empty
+    logit_bias sets none)."""
+    return bool(params.logit_bias or params.allowed_token_ids or params.bad_words_token_ids)
+
+
 def _has_penalty(params: SamplingParams) -> bool:
     return (
         params.presence_penalty != 0.0
@@ -44,6 +50,8 @@ class SamplingColumns:
     repetition_penalty: np.ndarray | None = None  # float64 [S]; 1 is none
     num_logprobs: np.ndarray | None = None  # int64 [S]; NO_LOGPROBS for an entry without
     min_tokens: np.ndarray | None = None  # int64 [S]; None: no entry holds back its stop ids
+    # bool [S]: the entry sets logit_bias, allowed_token_ids or bad words (logit_processors.py)
+    logit_rules: np.ndarray | None = None
 
     @property
     def has_filters(self) -> bool:
@@ -55,8 +63,12 @@ class SamplingColumns:
 
     @property
     def needs_history(self) -> bool:
-        """Penalties read the sequences; min_tokens counts their outputs."""
-        return self.repetition_penalty is not None or self.min_tokens is not None
+        """Penalties and bad words read the sequences; min_tokens counts their outputs."""
+        return (
+            self.repetition_penalty is not None
+            or self.min_tokens is not None
+            or self.logit_rules is not None
+        )
 
     @classmethod
     def from_params(cls, sampling_params: Sequence[SamplingParams]) -> "SamplingColumns":
@@ -84,11 +96,16 @@ class SamplingTable:
         self.repetition_penalty = np.ones(num_rows, dtype=np.float64)  # [rows]
         self.num_logprobs = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)  # [rows]
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)  # [rows]
+        self.logit_rules = np.zeros(num_rows, dtype=np.bool_)  # [rows]
+        # prompt_logprobs per row, NO_LOGPROBS for none; the runner reads it, not the sampler
+        self.num_prompt_logprobs = np.full(num_rows, NO_LOGPROBS, dtype=np.int64)  # [rows]
         self.num_random_rows = 0  # temperature > 0
         self.num_filtered_rows = 0  # temperature > 0 and some filter set
         self.num_penalized_rows = 0
         self.num_logprob_rows = 0
         self.num_min_tokens_rows = 0  # min_tokens > 0
+        self.num_logit_rule_rows = 0  # logit_bias, allowed_token_ids or bad words
+        self.num_prompt_logprob_rows = 0
 
     def add_row(self, row: int, params: SamplingParams) -> None:
         self.temperature[row] = params.temperature
@@ -100,6 +117,9 @@ class SamplingTable:
         self.repetition_penalty[row] = params.repetition_penalty
         self.num_logprobs[row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         self.min_tokens[row] = params.min_tokens
+        self.logit_rules[row] = has_logit_rules(params)
+        prompt_logprobs = params.prompt_logprobs
+        self.num_prompt_logprobs[row] = NO_LOGPROBS if prompt_logprobs is None else prompt_logprobs
         self._count(params, 1)
 
     def remove_row(self, row: int, params: SamplingParams) -> None:
@@ -134,6 +154,7 @@ class SamplingTable:
             repetition_penalty=self.repetition_penalty[rows] if penalized else None,
             num_logprobs=self.num_logprobs[rows] if self.num_logprob_rows else None,
             min_tokens=self.min_tokens[rows] if self.num_min_tokens_rows else None,
+            logit_rules=self.logit_rules[rows] if self.num_logit_rule_rows else None,
         )
 
     def _count(self, params: SamplingParams, delta: int) -> None:
@@ -142,6 +163,8 @@ class SamplingTable:
         self.num_penalized_rows += delta * _has_penalty(params)
         self.num_logprob_rows += delta * (params.logprobs is not None)
         self.num_min_tokens_rows += delta * (params.min_tokens > 0)
+        self.num_logit_rule_rows += delta * has_logit_rules(params)
+        self.num_prompt_logprob_rows += delta * (params.prompt_logprobs is not None)
 
     def _reset(self, row: int) -> None:
         neutral = _NEUTRAL
@@ -167,6 +190,8 @@ class SamplingTable:
             sum(_has_penalty(params) for params in live_params),
             sum(params.logprobs is not None for params in live_params),
             sum(params.min_tokens > 0 for params in live_params),
+            sum(has_logit_rules(params) for params in live_params),
+            sum(params.prompt_logprobs is not None for params in live_params),
         )
         held = (
             self.num_random_rows,
@@ -174,6 +199,8 @@ class SamplingTable:
             self.num_penalized_rows,
             self.num_logprob_rows,
             self.num_min_tokens_rows,
+            self.num_logit_rule_rows,
+            self.num_prompt_logprob_rows,
         )
         assert held == counts, f"sampling feature counts are {held}, expected {counts}"
 
@@ -188,6 +215,8 @@ _COLUMN_NAMES = (
     "repetition_penalty",
     "num_logprobs",
     "min_tokens",
+    "logit_rules",
+    "num_prompt_logprobs",
 )
 _NEUTRAL = {
     "temperature": 0.0,
@@ -199,4 +228,6 @@ _NEUTRAL = {
     "repetition_penalty": 1.0,
     "num_logprobs": NO_LOGPROBS,
     "min_tokens": 0,
+    "logit_rules": False,
+    "num_prompt_logprobs": NO_LOGPROBS,
 }
