@@ -34,6 +34,8 @@ class StructuredOutputs(msgspec.Struct, frozen=True, array_like=True, forbid_unk
     regex: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_SPEC_BYTES)] | None = None
     choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: Annotated[str, msgspec.Meta(max_length=MAX_STRUCTURED_SPEC_BYTES)] | None = None
+    # json and json_object: no whitespace between the JSON's tokens (vLLM's option of this name)
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         kinds = [
