@@ -29,7 +29,9 @@ from protocol.sampling import MAX_TOKENS_LIMIT, SamplingParams
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 BUSY_PREFIXES = ("engine busy", "client busy")
 # Engine rejections that a client's own values caused (see engine_core/sched/validation.py)
-BAD_REQUEST_PATTERN = re.compile(r"prompt|vocabulary|sampling parameters|max_model_len")
+BAD_REQUEST_PATTERN = re.compile(
+    r"prompt|vocabulary|sampling parameters|max_model_len|structured outputs"
+)
 PARAM_PATTERN = re.compile(r"`\$\.(?:sampling_params\[(\d+)\]|(\w+))")
 
 
@@ -130,6 +132,7 @@ def _sampling_params(
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logprobs=num_logprobs,
+            structured_outputs=body.structured_outputs_spec(),  # a 400 of its own when bad
         )
     except ValueError as exc:  # __post_init__: min_tokens above max_tokens
         raise bad_param("min_tokens", str(exc)) from None

@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 # and an indentation of up to 7 spaces still fit).
 MAX_JSON_WHITESPACE = 8
 # The character class of xgrammar's length-bounded JSON string, and JSON's own (EBNF text)
-_XGRAMMAR_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
+_XGRAMMAR_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
 COMPILE_THREADS = 2  # xgrammar's threads per compile (this engine runs beside its ranks)
 COMPILE_CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept for requests that repeat them
 
@@ -49,7 +49,7 @@ class StructuredOutputManager:
     def __init__(
         self, vocabulary: TokenizerVocabulary, vocab_size: int, stop_token_ids: Sequence[int]
     ) -> None:
-        import xgrammar  # noqa: PLC0415 -- loads torch: only engines that constrain pay for it
+        import xgrammar
 
         if vocabulary.num_tokens > vocab_size:
             raise ValueError(

@@ -150,7 +150,10 @@ def _engine(async_scheduling: bool) -> tuple[EngineCore, int]:
         "tiny-llama", kv_cache_config, CPU, info.max_model_len, eos_token_ids=info.eos_token_ids
     )
     config = engine_config(
-        16, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, async_scheduling=async_scheduling
+        16,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_MODEL_LEN,
+        async_scheduling=async_scheduling,
     )
     config = msgspec.structs.replace(config, tokenizer=str(TOKENIZER_DIR))
     return EngineCore(config, kv_cache_config, info, runner), info.eos_token_ids[0]
@@ -174,21 +177,19 @@ def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
     core, eos_id = _engine(async_scheduling)
     free_params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = {f"free{idx}": [40 + idx, 71, 99, 12, 250] for idx in range(2)}
+    params = dict.fromkeys(prompts, free_params)
+    kinds: dict[str, str] = {}
     for idx, (kind, spec) in enumerate(CONSTRAINED * 2):
-        prompts[f"{kind}{idx}"] = [60 + idx, 33, 120]
-    params: dict[str, SamplingParams] = {}
+        req_id = f"{kind}{idx}"
+        prompts[req_id] = [60 + idx, 33, 120]
+        kinds[req_id] = kind
+        params[req_id] = SamplingParams(  # greedy first, then sampled
+            max_tokens=200, temperature=0.0 if idx < 3 else 1.0, seed=11, structured_outputs=spec
+        )
     for req_id, prompt in prompts.items():
-        if req_id.startswith("free"):
-            params[req_id] = free_params
-        else:
-            kind, spec = CONSTRAINED[int(req_id.removeprefix(req_id.rstrip("0123456789"))) % 3]
-            temperature = 0.0 if int(req_id[-1]) < 3 else 1.0  # greedy and sampled alike
-            params[req_id] = SamplingParams(
-                max_tokens=200, temperature=temperature, seed=11, structured_outputs=spec
-            )
         request = EngineCoreRequest(req_id, pack_int32(prompt), params[req_id], 0.0)
         assert core.add_request(request) is None
-    handles = {request.client_req_id: request.handle for request in core.scheduler.requests.values()}
+    handles = {r.client_req_id: r.handle for r in core.scheduler.requests.values()}
     tokens: dict[str, list[int]] = {req_id: [] for req_id in prompts}
     finish: dict[str, str] = {}
     most_in_flight = 0
@@ -203,16 +204,20 @@ def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
         most_in_flight = max(most_in_flight, core.scheduler.num_steps_in_flight)
     assert most_in_flight == 2 * async_scheduling, "free requests keep their lookahead"
     for req_id, prompt in prompts.items():
-        if req_id.startswith("free"):
+        if req_id not in kinds:
             expected = reference_generate(
-                "tiny-llama", prompt, free_params, max_model_len=MAX_MODEL_LEN, handle=handles[req_id]
+                "tiny-llama",
+                prompt,
+                free_params,
+                max_model_len=MAX_MODEL_LEN,
+                handle=handles[req_id],
             )
             assert tokens[req_id] == expected, req_id
             continue
         assert finish[req_id] == "STOP", (req_id, finish[req_id], bytes(tokens[req_id]))
         assert tokens[req_id][-1] == eos_id
         text = bytes(tokens[req_id][:-1]).decode()
-        _check_text(req_id.rstrip("0123456789"), text)
+        _check_text(kinds[req_id], text)
     assert not core.scheduler.requests
     assert not core.scheduler.structured_output_manager.matchers
 
