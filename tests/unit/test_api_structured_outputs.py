@@ -39,7 +39,7 @@ def _spec(body: bytes, decoder=CHAT_DECODER) -> StructuredOutputs | None:
                     "type": "json_schema",
                     "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
                 }
-            },  # noqa: E501
+            },
             StructuredOutputs(json=SCHEMA_TEXT),
         ),
         ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
@@ -54,7 +54,7 @@ def _spec(body: bytes, decoder=CHAT_DECODER) -> StructuredOutputs | None:
         (
             {"structured_outputs": {"grammar": 'root ::= "a"'}},
             StructuredOutputs(grammar='root ::= "a"'),
-        ),  # noqa: E501
+        ),
         ({"guided_json": SCHEMA}, StructuredOutputs(json=SCHEMA_TEXT)),
         ({"guided_regex": "[0-9]{2}"}, StructuredOutputs(regex="[0-9]{2}")),
         ({"guided_choice": ["x"]}, StructuredOutputs(choice=["x"])),
@@ -89,19 +89,19 @@ def test_completions_take_them_too() -> None:
             {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
             "guided_choice",
             "one",
-        ),  # noqa: E501
+        ),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
         (
             {"structured_outputs": {"structural_tag": {}}},
             "structured_outputs.structural_tag",
             "not",
-        ),  # noqa: E501
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", "'xml'"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
         (
             '"response_format": {"type": "json_schema", "json_schema": {"schema": '
             + DEEP_SCHEMA
-            + "}}",  # noqa: E501
+            + "}}",
             "response_format.json_schema.schema",
             "levels deep",
         ),
