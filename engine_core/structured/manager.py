@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 MAX_JSON_WHITESPACE = 8
 # The character class of xgrammar's length-bounded JSON string, and JSON's own (EBNF text)
 _XGRAMMAR_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
+_JSON_STRING_CHAR = r"[^\"\\\0-\x1f\ud800-\udfff]"
+# its unbounded JSON string's character class, which lets the same surrogates through
+_XGRAMMAR_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 COMPILE_THREADS = 2  # xgrammar's threads per compile (this engine runs beside its ranks)
 COMPILE_CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept for requests that repeat them
 
@@ -95,15 +97,18 @@ class StructuredOutputManager:
 
         xgrammar writes a string with maxLength or minLength as a run of any character but a
         quote, a backslash, CR or LF: other control characters (U+0000-U+001F), which JSON
-        forbids unescaped, would pass, and a random-weight model does write them. The rule's
-        character class is narrowed to refuse every one of them.
+        forbids unescaped, would pass, and so would the UTF-8 bytes of a lone surrogate, which
+        no decoder accepts (each of its bytes becomes a U+FFFD, breaking maxLength too); a
+        random-weight model writes both. The rule's character class is narrowed to refuse them, and
+        so is that of an unbounded string, which lets the surrogates through.
         """
         grammar = self._xgrammar.Grammar.from_json_schema(
             '{"type": "object"}' if spec.json is None else spec.json,
             any_whitespace=not spec.disable_any_whitespace,
             max_whitespace_cnt=MAX_JSON_WHITESPACE,
         )
-        return str(grammar).replace(_XGRAMMAR_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+        ebnf = str(grammar).replace(_XGRAMMAR_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+        return ebnf.replace(_XGRAMMAR_STRING_CHAR, _JSON_STRING_CHAR)
 
     def add_request(self, handle: int, spec: StructuredOutputs) -> None:
         """Compile `spec` and start a matcher for the request; ValueError when it cannot."""

@@ -79,14 +79,24 @@ def test_choice_grammar_matches_each_choice_exactly(manager: StructuredOutputMan
     manager.remove_request(2)
 
 
-def test_bounded_json_strings_refuse_control_characters(manager: StructuredOutputManager) -> None:
-    """xgrammar alone lets a maxLength string hold raw U+0000-U+001F, which JSON forbids."""
+def test_bounded_json_strings_refuse_control_characters_and_surrogates(
+    manager: StructuredOutputManager,
+) -> None:
+    """xgrammar alone lets a maxLength string hold raw U+0000-U+001F, which JSON forbids, and
+    the bytes of a lone surrogate, which are no UTF-8 at all."""
     schema = {"type": "string", "maxLength": 4}
     manager.add_request(4, StructuredOutputs(json=json.dumps(schema)))
     assert manager.accept_token(4, ord('"'))
     allowed = _allowed_ids(manager.grammar_bitmask([4], [0]), 0, VOCAB_SIZE)
     assert ord("a") in allowed and ord('"') in allowed
     assert not set(range(32)) & set(allowed)
+    assert manager.accept_token(4, 0xED), "the lead byte of U+D000..U+D7FF"
+    assert 0x9F in _allowed_ids(manager.grammar_bitmask([4], [0]), 0, VOCAB_SIZE)
+    assert not manager.accept_token(4, 0xA0), "U+D800..U+DFFF are surrogates, never characters"
+    manager.remove_request(4)
+    manager.add_request(4, StructuredOutputs(json='{"type": "string"}'))
+    assert manager.accept_token(4, ord('"')) and manager.accept_token(4, 0xED)
+    assert not manager.accept_token(4, 0xA0), "nor in an unbounded string"
     manager.remove_request(4)
 
 
