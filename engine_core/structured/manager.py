@@ -145,9 +145,13 @@ class StructuredOutputManager:
             self.matchers[handle].fill_next_token_bitmask(bitmask, row)  # type: ignore[attr-defined]
         return GrammarBitmask(pack_int32(list(req_idxs)), bitmask.tobytes())
 
-    def check_invariants(self, live_handles: set[int]) -> None:
-        extra = set(self.matchers) - live_handles
-        assert not extra, f"grammar matchers of requests no longer live: {sorted(extra)}"
+    def check_invariants(self, constrained_handles: set[int]) -> None:
+        """`constrained_handles`: the live constrained requests, each of which has a matcher."""
+        matchers = set(self.matchers)
+        assert matchers == constrained_handles, (
+            f"grammar matchers for {sorted(matchers)}, constrained requests "
+            f"{sorted(constrained_handles)}"
+        )
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
