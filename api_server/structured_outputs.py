@@ -107,6 +107,8 @@ def check_structured_outputs(spec: StructuredOutputs, field_name: str) -> None:
         raise bad_param(field_name, f"{len(spec.choice)} choices: expected 1 to {MAX_CHOICES}")
     if spec.choice is not None and not all(spec.choice):
         raise bad_param(field_name, "an empty choice: expected each choice to be non-empty")
+    if spec.choice is not None and any("\0" in choice for choice in spec.choice):
+        raise bad_param(field_name, "a choice holds a NUL character: expected none")
     import xgrammar
 
     try:

@@ -155,15 +155,25 @@ class StructuredOutputManager:
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose only sentences are `choices`, each exactly."""
-    alternatives = " | ".join(_ebnf_string(choice) for choice in choices)
-    return f"root ::= {alternatives}"
+    """An EBNF grammar whose only sentences are `choices`, each exactly; ValueError for a choice
+    holding NUL, which xgrammar's strings cannot (it ends them there)."""
+    if any("\0" in choice for choice in choices):
+        raise ValueError("a choice holds a NUL character, which no grammar string can")
+    return "root ::= " + " | ".join(_ebnf_string(choice) for choice in choices)
 
 
 def _ebnf_string(text: str) -> str:
-    """`text` as an EBNF string literal (JSON's escapes are xgrammar's)."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t") + '"'
+    """`text` as an EBNF string literal: quote and backslash escaped, and control characters as
+    \\uXXXX (xgrammar's \\x takes every hex digit that follows, so "\\x01a" would be 0x1a)."""
+    pieces = []
+    for char in text:
+        if char in '"\\':
+            pieces.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            pieces.append(f"\\u{ord(char):04x}")
+        else:
+            pieces.append(char)
+    return '"' + "".join(pieces) + '"'
 
 
 def _kind(spec: StructuredOutputs) -> str:

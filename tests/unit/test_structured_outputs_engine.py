@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
 VOCAB_SIZE = 512  # tiny-llama's, past the byte tokenizer's 263 tokens
 EOS_ID = 257  # <|eos|>
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 160
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,9 @@ def test_bitmask_allows_what_the_regex_allows_and_ends_on_eos(
 
 def test_choice_grammar_matches_each_choice_exactly(manager: StructuredOutputManager) -> None:
     assert choice_grammar(['say "hi"', "a\\b"]) == 'root ::= "say \\"hi\\"" | "a\\\\b"'
+    assert choice_grammar(["\x01a\n"]) == 'root ::= "\\u0001a\\u000a"'
+    with pytest.raises(ValueError, match="NUL"):
+        choice_grammar(["a\x00"])
     manager.add_request(2, StructuredOutputs(choice=["yes", "no"]))
     assert _allowed_ids(manager.grammar_bitmask([2], [0]), 0, VOCAB_SIZE) == [ord("n"), ord("y")]
     manager.remove_request(2)
@@ -153,14 +156,16 @@ CONSTRAINED = [
 ]
 
 
-def _engine(async_scheduling: bool) -> tuple[EngineCore, int]:
-    info = get_model_info("tiny-llama", 16)
-    kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
+def _engine(
+    async_scheduling: bool, num_blocks: int = 40, block_size: int = 16
+) -> tuple[EngineCore, int]:
+    info = get_model_info("tiny-llama", block_size)
+    kv_cache_config = KVCacheConfig(num_blocks, info.kv_cache_groups)
     runner = model_runner(
         "tiny-llama", kv_cache_config, CPU, info.max_model_len, eos_token_ids=info.eos_token_ids
     )
     config = engine_config(
-        16,
+        block_size,
         max_num_batched_tokens=64,
         max_model_len=MAX_MODEL_LEN,
         async_scheduling=async_scheduling,
@@ -184,7 +189,7 @@ def _check_text(kind: str, text: str) -> None:
 def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
     async_scheduling: bool,
 ) -> None:
-    core, eos_id = _engine(async_scheduling)
+    core, eos_id = _engine(async_scheduling, num_blocks=42, block_size=4)  # preempts
     free_params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = {f"free{idx}": [40 + idx, 71, 99, 12, 250] for idx in range(2)}
     params = dict.fromkeys(prompts, free_params)
@@ -194,7 +199,7 @@ def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
         prompts[req_id] = [60 + idx, 33, 120]
         kinds[req_id] = kind
         params[req_id] = SamplingParams(  # greedy first, then sampled
-            max_tokens=200, temperature=0.0 if idx < 3 else 1.0, seed=11, structured_outputs=spec
+            max_tokens=150, temperature=0.0 if idx < 3 else 1.0, seed=11, structured_outputs=spec
         )
     for req_id, prompt in prompts.items():
         request = EngineCoreRequest(req_id, pack_int32(prompt), params[req_id], 0.0)
@@ -213,6 +218,7 @@ def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
                     finish[output.req_id] = output.finish_reason.name
         most_in_flight = max(most_in_flight, core.scheduler.num_steps_in_flight)
     assert most_in_flight == 2 * async_scheduling, "free requests keep their lookahead"
+    assert core.scheduler.num_preemptions > 0, "the pool should force a preemption"
     for req_id, prompt in prompts.items():
         if req_id not in kinds:
             expected = reference_generate(
@@ -250,3 +256,37 @@ def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
     params = SamplingParams(structured_outputs=StructuredOutputs(choice=["a"]))
     rejected = core.add_request(EngineCoreRequest("r", pack_int32([1, 2]), params, 0.0))
     assert rejected is not None and "--tokenizer" in rejected.outputs[0].error
+
+
+def test_a_token_the_grammar_refuses_fails_only_its_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks that ignored the bitmask (a bug) sample a token the grammar refuses: that request
+    ends with an error naming the token, and the unconstrained one beside it runs on exactly."""
+    monkeypatch.setattr(
+        "worker.model_runner.apply_grammar_bitmask", lambda logits, bitmask, rows: logits
+    )
+    core, _ = _engine(False)
+    free_params = SamplingParams(max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(  # a choice the model would never write unforced
+        max_tokens=12, structured_outputs=StructuredOutputs(choice=["\x01\x02\x03"])
+    )
+    for req_id, params in (("free", free_params), ("bad", constrained)):
+        request = EngineCoreRequest(req_id, pack_int32([50, 60, 70]), params, 0.0)
+        assert core.add_request(request) is None
+    handle = core.scheduler.requests[next(iter(core.scheduler.requests))].handle
+    tokens: dict[str, list[int]] = {"free": [], "bad": []}
+    errors: dict[str, str | None] = {}
+    while core.has_work():
+        for outputs in core.step().values():
+            for output in outputs.outputs:
+                tokens[output.req_id].extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    errors[output.req_id] = output.error
+    assert "grammar refused sampled token" in errors["bad"] and len(tokens["bad"]) == 1
+    assert errors["free"] is None
+    expected = reference_generate(
+        "tiny-llama", [50, 60, 70], free_params, max_model_len=MAX_MODEL_LEN, handle=handle
+    )
+    assert tokens["free"] == expected
+    assert not core.scheduler.structured_output_manager.matchers
