@@ -71,9 +71,7 @@ def structured_outputs_of(
     if structured_outputs is not None:
         asked.append(("structured_outputs", _from_vllm_object(structured_outputs)))
     if bytes(guided_json) not in _ABSENT:
-        asked.append(
-            ("guided_json", _spec("guided_json", json=_schema_text("guided_json", guided_json)))
-        )
+        asked.append(("guided_json", _spec("guided_json", json=_schema_text(guided_json))))
     for name, kind, value in (
         ("guided_regex", "regex", guided_regex),
         ("guided_choice", "choice", guided_choice),
@@ -109,6 +107,7 @@ def check_structured_outputs(spec: StructuredOutputs, field_name: str) -> None:
         raise bad_param(field_name, "an empty choice: expected each choice to be non-empty")
     if spec.choice is not None and any("\0" in choice for choice in spec.choice):
         raise bad_param(field_name, "a choice holds a NUL character: expected none")
+    # imported here: xgrammar loads torch, which only a server asked for structured outputs needs
     import xgrammar
 
     try:
@@ -136,7 +135,7 @@ def _from_response_format(response_format: ResponseFormat) -> StructuredOutputs:
             "response_format.json_schema",
             "type 'json_schema' needs json_schema.schema: expected a JSON schema object",
         )
-    schema = _schema_text("response_format.json_schema.schema", json_schema.schema)
+    schema = _schema_text(json_schema.schema)
     return _spec("response_format", json=schema)
 
 
@@ -145,7 +144,7 @@ def _from_vllm_object(request: StructuredOutputsRequest) -> StructuredOutputs:
         raise bad_param("structured_outputs.structural_tag", "structural tags are not supported")
     kinds: dict[str, object] = {}
     if bytes(request.json) not in _ABSENT:
-        kinds["json"] = _schema_text("structured_outputs.json", request.json)
+        kinds["json"] = _schema_text(request.json)
     if request.json_object:
         kinds["json_object"] = True
     for kind, value in (
@@ -174,13 +173,12 @@ def _spec(field_name: str, **fields: object) -> StructuredOutputs:
         raise bad_param(field_name, str(exc)) from None
 
 
-def _schema_text(field_name: str, raw: msgspec.Raw) -> str:
+def _schema_text(raw: msgspec.Raw) -> str:
     """A schema given as an object, or as its JSON text (vLLM takes both), as JSON text."""
     data = bytes(raw)
     if data[:1] == b'"':  # the schema's text inside a JSON string
         data = msgspec.json.decode(data, type=str).encode()
-    _check_json_schema_text(field_name, data.decode())
-    return data.decode()
+    return data.decode()  # checked with the rest by check_structured_outputs
 
 
 def _check_json_schema_text(field_name: str, text: str) -> None:

@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from engine_core.structured.vocabulary import (
 from protocol.buffers import pack_int32
 from protocol.sampling import StructuredOutputs
 from protocol.worker_messages import GrammarBitmask, ModelInfo
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class StructuredOutputManager:
     def __init__(
         self, vocabulary: TokenizerVocabulary, vocab_size: int, stop_token_ids: Sequence[int]
     ) -> None:
+        # imported here: xgrammar loads torch, which only an engine that constrains needs
         import xgrammar
 
         if vocabulary.num_tokens > vocab_size:
@@ -74,10 +79,10 @@ class StructuredOutputManager:
             cache_enabled=True,
             cache_limit_bytes=COMPILE_CACHE_BYTES,
         )
-        self.matchers: dict[int, object] = {}  # handle -> xgrammar.GrammarMatcher
+        self.matchers: dict[int, xgrammar.GrammarMatcher] = {}  # by request handle
         self._bitmask = np.zeros((0, self.bitmask_width), dtype=np.int32)  # grown on demand
 
-    def compile(self, spec: StructuredOutputs) -> object:
+    def compile(self, spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":
         """The compiled grammar of `spec`; ValueError naming the kind and xgrammar's reason."""
         compiler = self._compiler
         try:
@@ -125,13 +130,13 @@ class StructuredOutputManager:
         """Advance the request's matcher by its sampled token; False when the grammar refuses it
         (the bitmask should have made that impossible)."""
         matcher = self.matchers[handle]
-        if matcher.is_terminated():  # type: ignore[attr-defined]
+        if matcher.is_terminated():
             return False
-        return bool(matcher.accept_token(token_id))  # type: ignore[attr-defined]
+        return bool(matcher.accept_token(token_id))
 
     def is_terminated(self, handle: int) -> bool:
         """The grammar is complete and has accepted its stop token: the request is done."""
-        return bool(self.matchers[handle].is_terminated())  # type: ignore[attr-defined]
+        return bool(self.matchers[handle].is_terminated())
 
     def grammar_bitmask(self, handles: Sequence[int], req_idxs: Sequence[int]) -> GrammarBitmask:
         """The allowed next tokens of each request in `handles`, for the step rows `req_idxs`
@@ -142,7 +147,7 @@ class StructuredOutputManager:
         bitmask = self._bitmask[:num_rows]  # [num_rows, bitmask_width]
         bitmask.fill(-1)  # every bit set: fill_next_token_bitmask clears the refused ones
         for row, handle in enumerate(handles):
-            self.matchers[handle].fill_next_token_bitmask(bitmask, row)  # type: ignore[attr-defined]
+            self.matchers[handle].fill_next_token_bitmask(bitmask, row)
         return GrammarBitmask(pack_int32(list(req_idxs)), bitmask.tobytes())
 
     def check_invariants(self, constrained_handles: set[int]) -> None:
