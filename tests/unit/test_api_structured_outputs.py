@@ -80,7 +80,7 @@ def test_completions_take_them_too() -> None:
         ({"structured_outputs": {"grammar": "root ::= b"}}, "structured_outputs", "compile"),
         ({"guided_json": "{bad"}, "guided_json", "not JSON"),
         ({"guided_json": [1]}, "guided_json", "expected an object"),
-        ({"guided_regex": "a" * (5 << 20)}, "guided_regex", "expected at most 1048576"),
+        ({"guided_regex": "a" * (5 << 20)}, "guided_regex", "expected at most 65536"),
         ({"structured_outputs": {"regex": "a" * (5 << 20)}}, "structured_outputs", "bytes"),
         ({"guided_choice": []}, "guided_choice", "0 choices"),
         ({"guided_choice": [""]}, "guided_choice", "empty choice"),
