@@ -15,7 +15,6 @@ import numpy as np
 from engine_core.structured.vocabulary import (
     TOKENIZER_FILE,
     TokenizerVocabulary,
-    VocabType,
     read_tokenizer_vocabulary,
 )
 from protocol.buffers import pack_int32
@@ -71,7 +70,7 @@ class StructuredOutputManager:
         self.bitmask_width = math.ceil(vocab_size / 32)
         tokenizer_info = xgrammar.TokenizerInfo(
             vocabulary.encoded_vocab,
-            _XGRAMMAR_VOCAB_TYPES[vocabulary.vocab_type](xgrammar),
+            xgrammar.VocabType[vocabulary.vocab_type.name],  # the same three names
             vocab_size=vocab_size,
             stop_token_ids=list(stop_token_ids),
             add_prefix_space=vocabulary.add_prefix_space,
@@ -196,13 +195,6 @@ def _kind(spec: StructuredOutputs) -> str:
     if spec.grammar is not None:
         return "grammar"
     return "json_object"
-
-
-_XGRAMMAR_VOCAB_TYPES = {
-    VocabType.RAW: lambda xgrammar: xgrammar.VocabType.RAW,
-    VocabType.BYTE_FALLBACK: lambda xgrammar: xgrammar.VocabType.BYTE_FALLBACK,
-    VocabType.BYTE_LEVEL: lambda xgrammar: xgrammar.VocabType.BYTE_LEVEL,
-}
 
 
 def build_structured_output_manager(

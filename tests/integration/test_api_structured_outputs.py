@@ -7,9 +7,11 @@ greedy client beside them gets exactly its tokens.
 """
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -47,12 +49,23 @@ CHOICES = ["Paris", "London", "Berlin"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), CheckpointSpec(arch="qwen3"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[str]:
     """`kvserve serve --model DIR` on a tiny qwen3 checkpoint; its base URL."""
     folder = tmp_path_factory.mktemp("structured")
-    checkpoint = make_checkpoint(folder / "qwen3", CheckpointSpec(arch="qwen3"))
+    with _serve(folder, checkpoint, ["--async-scheduling"]) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serve(folder: Path, checkpoint: Path, extra_args: list[str]) -> Iterator[str]:
+    """`kvserve serve --model DIR` with `extra_args`, stopped (and no child left) on leaving."""
     port, master_port = free_tcp_ports(2)
-    args = ["serve", "--model", str(checkpoint), "--device", "cpu", "--async-scheduling"]
+    args = ["serve", "--model", str(checkpoint), "--device", "cpu", *extra_args]
     args += ["--port", str(port), "--master-port", str(master_port), "--log-level", "INFO"]
     args += ["--max-request-body-bytes", str(BODY_LIMIT_BYTES)]
     args += ["--client-address", f"ipc://{folder}/client.sock"]
@@ -216,3 +229,36 @@ def _deep_schema_param(url: str, model: str, deep: str) -> str:
         urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S)
     assert raised.value.code == 400
     return json.loads(raised.value.read())["error"]["param"]
+
+
+@pytest.mark.timeout(420)
+def test_two_ranks_apply_the_same_bitmask(
+    tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
+) -> None:
+    """At TP=2 both ranks mask and sample alike (a disagreement would fail the engine), and the
+    replies follow their grammars."""
+    folder = tmp_path_factory.mktemp("structured-tp2")
+    with _serve(folder, checkpoint, ["-tp", "2"]) as url:
+        client = _client(url)
+        (model,) = [card.id for card in client.models.list().data]
+        for idx in range(4):
+            reply = client.chat.completions.create(
+                model=model,
+                messages=_messages(idx),
+                max_tokens=MAX_TOKENS,
+                temperature=0.7,
+                seed=idx,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "person", "schema": SCHEMA},
+                },
+            )
+            assert reply.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+            choice = client.completions.create(
+                model=model,
+                prompt="City:",
+                max_tokens=16,
+                extra_body={"guided_choice": CHOICES},
+            )
+            assert choice.choices[0].text in CHOICES

@@ -17,7 +17,7 @@ from in_process_engine import engine_config, model_runner
 from api_server.build_tokenizer import TOKENIZER_DIR
 from engine_core.core import EngineCore
 from engine_core.structured.manager import StructuredOutputManager, choice_grammar
-from engine_core.structured.vocabulary import VocabType, read_tokenizer_vocabulary
+from engine_core.structured.vocabulary import VocabType, _decoding_of, read_tokenizer_vocabulary
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest
 from protocol.kv_cache_spec import KVCacheConfig
@@ -51,6 +51,31 @@ def test_byte_tokenizer_vocabulary_is_byte_level() -> None:
     vocabulary = read_tokenizer_vocabulary(TOKENIZER_DIR)
     assert vocabulary.vocab_type is VocabType.BYTE_LEVEL
     assert vocabulary.num_tokens == 263 and vocabulary.encoded_vocab[257] == "<|eos|>"
+
+
+@pytest.mark.parametrize(
+    ("decoder", "expected"),
+    [
+        ({"type": "ByteLevel"}, (VocabType.BYTE_LEVEL, False)),
+        (  # a Llama-2 / sentencepiece decoder: byte fallback, "▁" for space, the prefix stripped
+            {
+                "type": "Sequence",
+                "decoders": [
+                    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                    {"type": "ByteFallback"},
+                    {"type": "Fuse"},
+                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+                ],
+            },
+            (VocabType.BYTE_FALLBACK, True),
+        ),
+        ({"type": "Metaspace", "prepend_scheme": "never"}, (VocabType.RAW, False)),
+        (None, (VocabType.RAW, False)),
+    ],
+    ids=["byte-level", "byte-fallback", "metaspace", "none"],
+)
+def test_vocabulary_type_follows_the_decoder(decoder: dict | None, expected: tuple) -> None:
+    assert _decoding_of(decoder) == expected
 
 
 def test_bitmask_allows_what_the_regex_allows_and_ends_on_eos(
