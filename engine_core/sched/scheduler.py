@@ -126,8 +126,10 @@ class Scheduler:
             if manager is None:
                 error = (
                     "structured outputs need the tokenizer's vocabulary, and this engine has "
-                    "none: start it with --tokenizer DIR (a folder holding tokenizer.json)"
+                    "none: serve a checkpoint folder holding tokenizer.json, or start the engine "
+                    "through `kvserve serve` or `LLM`, which name the tokenizer"
                 )
+                logger.warning("rejected request %r: %s", request.req_id, error)
                 return rejection(request.req_id, error)
             try:
                 manager.add_request(state.handle, spec)

@@ -280,7 +280,7 @@ def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
     core = EngineCore(engine_config(16, max_model_len=64), kv_cache_config, info, runner)
     params = SamplingParams(structured_outputs=StructuredOutputs(choice=["a"]))
     rejected = core.add_request(EngineCoreRequest("r", pack_int32([1, 2]), params, 0.0))
-    assert rejected is not None and "--tokenizer" in rejected.outputs[0].error
+    assert rejected is not None and "tokenizer.json" in rejected.outputs[0].error
 
 
 def test_a_token_the_grammar_refuses_fails_only_its_request(
