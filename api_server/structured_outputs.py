@@ -11,12 +11,14 @@ import re
 import msgspec
 
 from api_server.errors import bad_param
-from protocol.sampling import MAX_CHOICES, MAX_STRUCTURED_SPEC_BYTES, StructuredOutputs
+from protocol.sampling import (
+    MAX_CHOICES,
+    MAX_JSON_SCHEMA_DEPTH,
+    MAX_STRUCTURED_SPEC_BYTES,
+    StructuredOutputs,
+    json_nesting_depth,
+)
 
-MAX_JSON_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema; real ones stay far below
-# a JSON text's strings, and its brackets: what nesting depth is counted over
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(rb"[\[\]{}]")
 _ABSENT = (b"", b"null")  # a Raw field left out, or given as null
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:,]', re.DOTALL)
 # The fields a deep body is blamed on, by their key paths; any other, by its top-level key
@@ -188,7 +190,7 @@ def _check_json_schema_text(field_name: str, text: str) -> None:
             field_name,
             f"a schema of {len(data)} bytes: expected at most {MAX_STRUCTURED_SPEC_BYTES}",
         )
-    depth = _nesting_depth(data, MAX_JSON_SCHEMA_DEPTH)
+    depth = json_nesting_depth(text, MAX_JSON_SCHEMA_DEPTH)
     if depth > MAX_JSON_SCHEMA_DEPTH:
         raise bad_param(
             field_name,
@@ -201,22 +203,6 @@ def _check_json_schema_text(field_name: str, text: str) -> None:
         raise bad_param(field_name, f"the schema is not JSON: {exc}") from None
     if not isinstance(schema, dict | bool):
         raise bad_param(field_name, f"a schema of type {type(schema).__name__}: expected an object")
-
-
-def _nesting_depth(data: bytes, limit: int) -> int:
-    """The deepest nesting of objects and arrays in JSON text, counted until it passes `limit`
-    (outside strings; unbalanced text is left for the parser to refuse)."""
-    depth = deepest = 0
-    for bracket in _BRACKETS.findall(_JSON_STRING.sub(b"", data)):
-        if bracket in (b"{", b"["):
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    break
-        else:
-            depth -= 1
-    return deepest
 
 
 def _first_line(exc: Exception) -> str:

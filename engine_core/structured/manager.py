@@ -18,7 +18,7 @@ from engine_core.structured.vocabulary import (
     read_tokenizer_vocabulary,
 )
 from protocol.buffers import pack_int32
-from protocol.sampling import StructuredOutputs
+from protocol.sampling import MAX_JSON_SCHEMA_DEPTH, StructuredOutputs, json_nesting_depth
 from protocol.worker_messages import GrammarBitmask, ModelInfo
 
 if TYPE_CHECKING:
@@ -88,6 +88,13 @@ class StructuredOutputManager:
     def compile(self, spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":
         """The compiled grammar of `spec`; ValueError naming the kind and xgrammar's reason."""
         compiler = self._compiler
+        if spec.json is not None:  # checked before xgrammar spends minutes on a deep one
+            depth = json_nesting_depth(spec.json, MAX_JSON_SCHEMA_DEPTH)
+            if depth > MAX_JSON_SCHEMA_DEPTH:
+                raise ValueError(
+                    f"structured outputs: json does not compile: nested more than "
+                    f"{MAX_JSON_SCHEMA_DEPTH} levels deep"
+                )
         try:
             if spec.json is not None or spec.json_object:
                 return compiler.compile_grammar(self._json_grammar(spec))

@@ -18,6 +18,9 @@ import openai
 import pytest
 
 from bench.make_checkpoint import CheckpointSpec, make_checkpoint
+from engine_client.request import make_request
+from engine_client.sync_client import EngineClient
+from protocol.sampling import SamplingParams, StructuredOutputs
 from tests.integration.conftest import (
     checked_processes,
     free_tcp_ports,
@@ -46,6 +49,7 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{1,6}-[0-9]{2,4}"
 CHOICES = ["Paris", "London", "Berlin"]
+ENGINE_FOLDERS: dict[str, Path] = {}  # a served URL -> the folder of its engine's sockets
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +59,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[str]:
-    """`kvserve serve --model DIR` on a tiny qwen3 checkpoint; its base URL."""
+    """`kvserve serve --model DIR` on a tiny qwen3 checkpoint; its base URL (the engine's client
+    socket is `ipc://{ENGINE_FOLDERS[url]}/client.sock`)."""
     folder = tmp_path_factory.mktemp("structured")
     with _serve(folder, checkpoint, ["--async-scheduling"]) as url:
+        ENGINE_FOLDERS[url] = folder
         yield url
 
 
@@ -207,6 +213,33 @@ def test_bad_constraints_are_400s_naming_the_field_beside_an_exact_client(served
         return await task
 
     assert asyncio.run(run()) == expected, "the greedy client's tokens changed"
+
+
+@pytest.mark.timeout(300)
+def test_a_grammar_the_engine_cannot_compile_fails_only_its_request(served: str) -> None:
+    """A client of the engine itself (no front end to check it first) sends grammars that do not
+    compile: each fails at admission with the reason, and a greedy request beside them is exact."""
+    client = _client(served)
+    (model,) = [card.id for card in client.models.list().data]
+    expected = _greedy_ids(client, model)
+    bad = [
+        StructuredOutputs(grammar="root ::= missing"),
+        StructuredOutputs(regex="(open"),
+        # 1,000 levels: 25 KB, which xgrammar alone would take about a minute to convert
+        StructuredOutputs(json='{"type": "array", "items": ' * 1_000 + "{}" + "}" * 1_000),
+    ]
+    address = f"ipc://{ENGINE_FOLDERS[served]}/client.sock"
+    with EngineClient(address, HTTP_TIMEOUT_S) as engine:
+        for idx, spec in enumerate(bad):
+            params = SamplingParams(max_tokens=8, structured_outputs=spec)
+            engine.add_request(make_request(f"bad-{idx}", [1, 2, 3], params))
+        beside = asyncio.run(asyncio.to_thread(_greedy_ids, client, model))
+        results = engine.run_until_finished([f"bad-{idx}" for idx in range(len(bad))])
+    for result in results.values():
+        assert result.finish_reason == "error" and not result.token_ids
+        assert "does not compile" in (result.error or ""), result.error
+    assert "nested more than 64 levels" in (results["bad-2"].error or "")
+    assert beside == expected, "the greedy client's tokens changed"
 
 
 def _deep_schema_param(url: str, model: str, deep: str) -> str:

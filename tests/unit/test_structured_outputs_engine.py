@@ -139,8 +139,12 @@ def test_bounded_json_strings_refuse_control_characters_and_surrogates(
             StructuredOutputs(json='{"properties": {"a": ' * 10_000 + "{}" + "}}" * 10_000),
             "json does not compile",
         ),
+        (  # a minute of xgrammar's time, were the depth not checked first
+            StructuredOutputs(json='{"type": "array", "items": ' * 1_000 + "{}" + "}" * 1_000),
+            "nested more than 64 levels deep",
+        ),
     ],
-    ids=["bad-json", "unbalanced", "bad-regex", "bad-grammar", "10000-levels"],
+    ids=["bad-json", "unbalanced", "bad-regex", "bad-grammar", "10000-levels", "1000-levels"],
 )
 def test_a_spec_that_cannot_compile_is_a_value_error_naming_its_kind(
     manager: StructuredOutputManager, spec: StructuredOutputs, problem: str
