@@ -166,6 +166,20 @@ def test_rank_masks_refused_ids_and_leaves_raw_logits() -> None:
     assert apply_grammar_bitmask(logits, None, np.array([0])) is logits
     with pytest.raises(ValueError, match="not all sampled"):
         apply_grammar_bitmask(logits, bitmask, np.array([1, 4, 6]))
+    narrow = GrammarBitmask(pack_int32([0]), np.full((1, 1), -1, dtype=np.int32).tobytes())
+    masked = apply_grammar_bitmask(logits, narrow, np.array([0]))
+    assert not torch.isinf(masked[0, :32]).any() and torch.isinf(masked[0, 32:]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rank_masks_cuda_logits_as_it_masks_cpu_ones() -> None:
+    rng = np.random.default_rng(0)
+    words = rng.integers(-(2**31), 2**31, size=(2, 5), dtype=np.int64).astype(np.int32)
+    bitmask = GrammarBitmask(pack_int32([0, 2]), words.tobytes())
+    logits = torch.randn(3, 150, dtype=torch.float32)
+    expected = apply_grammar_bitmask(logits, bitmask, np.array([0, 1, 2]))
+    on_device = apply_grammar_bitmask(logits.cuda().bfloat16(), bitmask, np.array([0, 1, 2]))
+    assert torch.equal(torch.isinf(on_device.cpu()), torch.isinf(expected))
 
 
 JSON_SCHEMA = {

@@ -37,14 +37,14 @@ def apply_grammar_bitmask(
             "whole number of words per row"
         )
     vocab_size = logits.shape[1]
-    bitmask = torch.from_numpy(words.reshape(len(req_idxs), -1).copy())  # [N, W] int32
-    allowed = (bitmask[:, :, None] >> _BIT_SHIFTS) & 1  # [N, W, 32]
+    device = logits.device
+    # the packed words go to the device (V/8 bytes a row), and are unpacked there
+    bitmask = torch.from_numpy(words.reshape(len(req_idxs), -1).copy()).to(device)  # [N, W]
+    allowed = (bitmask[:, :, None] >> _BIT_SHIFTS.to(device)) & 1  # [N, W, 32]
     allowed = allowed.reshape(len(req_idxs), -1)[:, :vocab_size].to(torch.bool)  # [N, <=V]
     if allowed.shape[1] < vocab_size:  # a bitmask narrower than the logits allows nothing past
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    device = logits.device
     row_index = torch.from_numpy(rows.astype(np.int64)).to(device)
     masked = logits.clone()
-    refused = ~allowed.to(device)
-    masked[row_index] = masked[row_index].masked_fill(refused, -torch.inf)
+    masked[row_index] = masked[row_index].masked_fill(~allowed, -torch.inf)
     return masked
