@@ -33,7 +33,9 @@ from protocol.sampling import MAX_TOKENS_LIMIT, SamplingParams
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 BUSY_PREFIXES = ("engine busy", "client busy")
 # Engine rejections that a client's own values caused (see engine_core/sched/validation.py)
-BAD_REQUEST_PATTERN = re.compile(r"prompt|vocabulary|sampling parameters|max_model_len")
+BAD_REQUEST_PATTERN = re.compile(
+    r"prompt|vocabulary|sampling parameters|max_model_len|structured outputs"
+)
 # The SamplingParams fields of token rules, as they are built once per body (the choices share them)
 TokenRules = dict[str, object]
 # The engine names the sampling field whose token id is out of the vocabulary (validation.py)
@@ -158,6 +160,7 @@ def _sampling_params(
             repetition_penalty=_or(body.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=num_logprobs,
             prompt_logprobs=_num_prompt_logprobs(body, num_logprobs),
+            structured_outputs=body.structured_outputs_spec(),  # a 400 of its own when bad
             **rules,  # type: ignore[arg-type]  # checked with every bound by _checked
         )
     except ValueError as exc:  # __post_init__: min_tokens above max_tokens

@@ -11,6 +11,14 @@ import msgspec
 from api_server.errors import ApiError, bad_param, decode_error, quoted
 from api_server.ignored_fields import IgnoredFields
 from api_server.parallel_sampling import MAX_CHOICES_PER_PROMPT
+from api_server.structured_outputs import (
+    MAX_JSON_SCHEMA_DEPTH,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    structured_outputs_of,
+    too_deep_param,
+)
+from protocol.sampling import StructuredOutputs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; a chat's is what fits max_model_len
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -28,11 +36,6 @@ class _Lenient(msgspec.Struct, omit_defaults=True):
 class StreamOptions(_Lenient):
     include_usage: bool = False  # a last chunk with usage and no choices
     continuous_usage_stats: bool = False  # usage on every chunk too (vLLM's extension)
-
-
-class ResponseFormat(_Lenient):
-    type: str  # "text", "json_object" or "json_schema"; only "text" is served
-    json_schema: dict[str, JsonValue] | None = None  # the schema of "json_schema" (refused)
 
 
 def _unsupported(param: str, value: object, expected: str) -> ApiError:
@@ -74,18 +77,18 @@ class _GenerationRequest(_Lenient, kw_only=True):
     echo: bool = False
     # OpenAI's: token id (a string of an int, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None  # {"type": "text"}: no structured outputs
+    response_format: ResponseFormat | None = None  # json_object, json_schema: structured outputs
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top N
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output never contains
     use_beam_search: bool = False  # vLLM's: false
     truncate_prompt_tokens: int | None = None  # vLLM's: null
-    # vLLM's structured outputs, old spellings and new: null, as kvserve has none yet
-    guided_json: JsonValue = None
+    # vLLM's structured outputs, new spelling and old (api_server/structured_outputs.py)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: msgspec.Raw = msgspec.Raw()  # a schema, as an object or its JSON text
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, JsonValue] | None = None
 
     def check_supported(self) -> None:
         """ApiError naming the first parameter kvserve cannot honour at the value given."""
@@ -112,12 +115,6 @@ class _GenerationRequest(_Lenient, kw_only=True):
         behaviour it would have without the parameter."""
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", self.best_of, f"null or n ({self.n})")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_param(
-                "response_format",
-                f"type {self.response_format.type!r} is not supported (kvserve has no "
-                "structured outputs yet): expected null or {'type': 'text'}",
-            )
         if self.prompt_logprobs is not None and self.stream:
             raise _unsupported(
                 "prompt_logprobs", self.prompt_logprobs, "null with stream=true, as vLLM has it"
@@ -126,16 +123,17 @@ class _GenerationRequest(_Lenient, kw_only=True):
             raise _unsupported("use_beam_search", self.use_beam_search, "false")
         if self.truncate_prompt_tokens is not None:
             raise _unsupported("truncate_prompt_tokens", self.truncate_prompt_tokens, "null")
-        structured = {
-            "guided_json": self.guided_json,
-            "guided_regex": self.guided_regex,
-            "guided_choice": self.guided_choice,
-            "guided_grammar": self.guided_grammar,
-            "structured_outputs": self.structured_outputs,
-        }
-        for param, value in structured.items():
-            if value is not None:
-                raise _unsupported(param, value, "null, as kvserve has no structured outputs yet")
+
+    def structured_outputs_spec(self) -> StructuredOutputs | None:
+        """The constraint the request asks for, checked (a 400 naming the field if bad)."""
+        return structured_outputs_of(
+            self.response_format,
+            self.structured_outputs,
+            self.guided_json,
+            self.guided_regex,
+            self.guided_choice,
+            self.guided_grammar,
+        )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -328,6 +326,10 @@ def parse_body(
         parsed = decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise decode_error(exc) from None
+    except RecursionError:  # msgspec's own bound on nesting, even in a field it only skips
+        param = too_deep_param(body)
+        message = f"nested more than {MAX_JSON_SCHEMA_DEPTH} levels deep: expected at most that"
+        raise ApiError(400, f"{param}: {message}", param=param) from None
     if ignored is not None:
         ignored.note(body, decoder.type)
     return parsed

@@ -345,6 +345,9 @@ def serve_command(args: argparse.Namespace) -> int:
     worker_extra = {} if worker_curve is None else {"curve": msgspec.to_builtins(worker_curve)}
     base_worker = build_config(args, LAUNCH_WORKER_FLAGS, WorkerConfig, **worker_extra)
     check_model_name(base_worker, engine_config.tp_size)
+    engine_config = with_structured_outputs_vocabulary(
+        engine_config, args.tokenizer, base_worker.model
+    )
     is_launching = not args.engine_address
     if is_launching:
         check_kv_budget(engine_config, base_worker)
@@ -418,6 +421,20 @@ def _generation_config(value: str, model: str) -> str:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return value
+
+
+def with_structured_outputs_vocabulary(
+    engine_config: EngineConfig, tokenizer: str | None, model: str
+) -> EngineConfig:
+    """The engine's config naming the tokenizer whose vocabulary structured outputs compile
+    against: the front end's --tokenizer, the shipped byte-level one for a built-in model, or
+    (left None) the checkpoint folder's own, which the engine finds by the model's name."""
+    from api_server.build_tokenizer import TOKENIZER_DIR
+    from worker.models.names import MODEL_NAMES
+
+    if tokenizer is None and model in MODEL_NAMES:
+        tokenizer = str(TOKENIZER_DIR)
+    return msgspec.structs.replace(engine_config, tokenizer=tokenizer)
 
 
 def _chat_template_source(value: str) -> str:

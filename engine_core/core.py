@@ -14,6 +14,7 @@ from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
+from engine_core.structured.manager import build_structured_output_manager
 from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, StatValue
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig
@@ -99,6 +100,9 @@ class EngineCore:
             model_info,
             enable_kv_cache_events=engine_config.kv_events.enable_kv_cache_events,
             limits=limits,
+            structured_output_manager=build_structured_output_manager(
+                engine_config.tokenizer, model_info
+            ),
         )
         self._check_each_step = engine_config.check_invariants
         self.schedule_time_s = 0.0  # total seconds in Scheduler.schedule

@@ -5,6 +5,13 @@ Nothing in the project imports this package; it sits on top, beside deploy/.
 
 from kvserve.llm import LLM
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

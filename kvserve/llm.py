@@ -21,6 +21,7 @@ from api_server.parallel_sampling import choice_seed
 from api_server.serving import ChoiceState
 from api_server.stop_strings import StopStringMatcher
 from api_server.tokenizer import PromptTokenizer, load_tokenizer
+from deploy.commands import with_structured_outputs_vocabulary
 from deploy.launch import EXIT_OK, Deployment, check_addresses, worker_configs
 from engine_client.errors import EngineDeadError
 from engine_client.request import make_request
@@ -142,6 +143,7 @@ class LLM:
                 model, tensor_parallel_size, dtype, max_model_len, seed, folder, overrides
             )
             base_worker = check_addresses(engine_config, base_worker)
+            engine_config = with_structured_outputs_vocabulary(engine_config, tokenizer, model)
         except BaseException:
             self._folder.cleanup()
             raise

@@ -2,10 +2,15 @@
 vLLM's SamplingParams has that the front end applies rather than the engine: stop strings,
 include_stop_str_in_output, skip_special_tokens, bad_words (text, tokenized by the LLM) and `n`
 (choices per prompt, each an engine request; api_server/parallel_sampling.py). `engine_params`
-strips them.
+strips them. StructuredOutputsParams builds the engine's StructuredOutputs as vLLM's class of
+that name is called.
 """
 
+import json as json_text
+
+from api_server.errors import ApiError
 from api_server.parallel_sampling import MAX_CHOICES_PER_PROMPT
+from api_server.structured_outputs import check_structured_outputs
 from protocol import sampling
 from protocol.bounds import checked_copy
 
@@ -30,6 +35,27 @@ class SamplingParams(sampling.SamplingParams, frozen=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def StructuredOutputsParams(
+    json: str | dict | None = None,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    grammar: str | None = None,
+    json_object: bool | None = None,
+    disable_any_whitespace: bool = False,
+) -> sampling.StructuredOutputs:
+    """vLLM's `StructuredOutputsParams(...)`: exactly one constraint; `json` a schema as a dict
+    or as its JSON text. ValueError when not exactly one is given."""
+    schema = json_text.dumps(json) if isinstance(json, dict) else json
+    return sampling.StructuredOutputs(
+        json=schema,
+        json_object=bool(json_object),
+        regex=regex,
+        choice=choice,
+        grammar=grammar,
+        disable_any_whitespace=disable_any_whitespace,
+    )
+
+
 def num_choices(params: sampling.SamplingParams) -> int:
     """`n` of `params` (1 for the engine's own kind); ValueError outside its bounds."""
     n = params.n if isinstance(params, SamplingParams) else 1
@@ -46,6 +72,11 @@ def engine_params(params: sampling.SamplingParams, **overrides: object) -> sampl
     values.update(overrides)
     if values["top_k"] in (-1, 0):
         values["top_k"] = None  # vLLM's "every token"
+    if values["structured_outputs"] is not None:
+        try:  # what the server checks before it submits: the size, nesting and grammar
+            check_structured_outputs(values["structured_outputs"], "structured_outputs")
+        except ApiError as exc:
+            raise ValueError(f"sampling parameters: {exc.message}") from None
     try:
         return checked_copy(sampling.SamplingParams(**values))
     except ValueError as exc:  # msgspec.ValidationError is one, as min_tokens > max_tokens is

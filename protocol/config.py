@@ -129,6 +129,9 @@ class EngineConfig(_Config, frozen=True):
     worker_rejoin_timeout_s: Seconds = 120.0  # for a new generation to be Ready after a fault
     # Same-host ranks take each step over a shared-memory ring rather than ZMQ (DESIGN.md §1).
     enable_shm_ring: bool = True
+    # The folder of the tokenizer.json whose vocabulary structured outputs compile against (read
+    # once at start-up); None: the checkpoint folder's, and none for a built-in model
+    tokenizer: str | None = None
 
 
 class WorkerConfig(_Config, frozen=True):

@@ -104,6 +104,18 @@ class KVTransfers(msgspec.Struct, frozen=True, array_like=True):
     host_to_device: bytes = b""  # (host slot, block id): a lower-tier hit is copied in
 
 
+class GrammarBitmask(msgspec.Struct, frozen=True, array_like=True):
+    """The tokens each constrained request of a step may sample (structured outputs).
+
+    Row r of `bitmask` belongs to the request at `req_idxs[r]`, its place in SchedulerOutput
+    order (new requests, then cached ones); only requests that sample this step have a row. Bit
+    i of word w allows token id 32 * w + i; a row is ceil(vocab_size / 32) words wide.
+    """
+
+    req_idxs: bytes  # int32, ascending
+    bitmask: bytes  # int32 little-endian, [len(req_idxs), ceil(vocab_size / 32)] row-major
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """One step's work, broadcast unchanged to every rank."""
 
@@ -119,6 +131,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # step's blocks are allocated (cascade attention reads them once); []: none reported
     num_common_prefix_blocks: list[NumBlocks] = []
     kv_transfers: KVTransfers | None = None  # None: no tier traffic this step
+    grammar_bitmask: GrammarBitmask | None = None  # None: no constrained request samples
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -39,6 +39,7 @@ from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
+from worker.sampling.grammar_bitmask import apply_grammar_bitmask
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 from worker.sampling.penalties import TokenHistory
 from worker.sampling.prompt_logprobs import PromptLogitRows, prompt_logit_rows
@@ -184,7 +185,10 @@ class ModelRunner:
             num_sampled = len(host.logits_idx)
             prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], host.prompt_rows)
             logits = logits[:num_sampled]
-        sampled_ids = self.sampler.sample(logits, sample_reqs)
+        # A constrained request samples only what its grammar allows; logprobs stay the raw ones.
+        grammar_bitmask = scheduler_output.grammar_bitmask
+        allowed_logits = apply_grammar_bitmask(logits, grammar_bitmask, logits_reqs)
+        sampled_ids = self.sampler.sample(allowed_logits, sample_reqs)
         self.sampled_ids_copy.start(sampled_ids)
         num_logprobs = sample_reqs.sampling_columns.num_logprobs
         logprobs = (  # of the raw logits: the sampler left them as the model gave them

@@ -8,6 +8,8 @@ and the record of the steps in flight. No I/O: the EngineCore carries its messag
 import logging
 from collections import defaultdict
 
+import msgspec
+
 from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import RequestIntake, scoped_req_id
@@ -23,6 +25,7 @@ from engine_core.sched.request import Request, RequestStatus
 from engine_core.sched.step_plan import StepPlan
 from engine_core.sched.stop import check_stop
 from engine_core.sched.validation import max_num_encoder_tokens
+from engine_core.structured.manager import StructuredOutputManager
 from protocol.buffers import pack_int32, unpack_int32
 from protocol.client_messages import (
     EngineCoreOutput,
@@ -59,8 +62,11 @@ class Scheduler:
         model_info: ModelInfo,
         enable_kv_cache_events: bool = False,
         limits: SchedulerLimits | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
+        """`structured_output_manager`: the grammar owner; None refuses constrained requests."""
         self.scheduler_config = scheduler_config
+        self.structured_output_manager = structured_output_manager
         if limits is None:  # the engine passes its startup plan's; in-process callers need not
             limits = resolve_limits(scheduler_config, cache_config, kv_cache_config, model_info)
         self.max_model_len = limits.max_model_len
@@ -117,6 +123,22 @@ class Scheduler:
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)
             return rejection(request.req_id, str(exc))
+        spec = state.sampling_params.structured_outputs
+        if spec is not None:  # compiled before it is queued: a bad grammar is never scheduled
+            manager = self.structured_output_manager
+            if manager is None:
+                error = (
+                    "structured outputs need the tokenizer's vocabulary, and this engine has "
+                    "none: serve a checkpoint folder holding tokenizer.json, or start the engine "
+                    "through `kvserve serve` or `LLM`, which name the tokenizer"
+                )
+                logger.warning("rejected request %r: %s", request.req_id, error)
+                return rejection(request.req_id, error)
+            try:
+                manager.add_request(state.handle, spec)
+            except ValueError as exc:
+                logger.warning("rejected request %r: %s", request.req_id, exc)
+                return rejection(request.req_id, str(exc))
         self.requests[req_id] = state
         self.num_logprob_requests += state.sampling_params.logprobs is not None
         self.num_prompt_logprob_requests += state.prompt_logprobs is not None
@@ -245,6 +267,8 @@ class Scheduler:
             samples = num_computed >= num_known + num_placeholders
             request.num_output_placeholders = num_placeholders + samples
             is_sampling.append(samples)
+        if self.structured_output_manager is not None and self.structured_output_manager.matchers:
+            output = self._with_grammar_bitmask(output, requests, is_sampling)
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
         has_logprobs = self.num_logprob_requests > 0
@@ -254,6 +278,22 @@ class Scheduler:
             )
         )
         return output
+
+    def _with_grammar_bitmask(
+        self, output: SchedulerOutput, requests: list[Request], is_sampling: list[bool]
+    ) -> SchedulerOutput:
+        """`output` carrying the allowed tokens of its constrained requests that sample."""
+        assert self.structured_output_manager is not None  # the caller checked
+        handles: list[int] = []
+        req_idxs: list[int] = []
+        for req_idx, (request, samples) in enumerate(zip(requests, is_sampling, strict=True)):
+            if samples and request.sampling_params.structured_outputs is not None:
+                handles.append(request.handle)
+                req_idxs.append(req_idx)
+        if not handles:
+            return output
+        bitmask = self.structured_output_manager.grammar_bitmask(handles, req_idxs)
+        return msgspec.structs.replace(output, grammar_bitmask=bitmask)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Give each running request its next tokens, preempting when blocks run out."""
@@ -276,6 +316,8 @@ class Scheduler:
             num_new_tokens = num_tokens - request.num_computed_tokens
             if num_placeholders and (
                 num_new_tokens <= 0  # nothing to compute until its last token is known
+                # a grammar's next bitmask needs its last token: no lookahead when constrained
+                or request.sampling_params.structured_outputs is not None
                 # its pending token is its last whatever its value: scheduling past it wastes
                 # a slot, and the token sampled there would be dropped
                 or check_stop(request, num_tokens, None) is not None
@@ -435,8 +477,12 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.append_output_token_id(token_id)
             request.num_tokens_sent += 1
-            finish_reason = None
-            finished_status = check_stop(request, len(request.all_token_ids), token_id)
+            finish_reason = error = None
+            finished_status = None
+            if request.sampling_params.structured_outputs is not None:
+                finished_status, error = self._advance_grammar(request, token_id)
+            if finished_status is None:
+                finished_status = check_stop(request, len(request.all_token_ids), token_id)
             if finished_status is not None:
                 finish_reason = finished_status.finish_reason
                 finished.append(request)
@@ -450,7 +496,7 @@ class Scheduler:
                     [token_id],
                     finish_reason,
                     request.num_cached_tokens,
-                    None,
+                    error,
                     token_logprobs,
                     None
                     if prompt_logprobs is None or prompt_logprobs.is_sent
@@ -484,10 +530,30 @@ class Scheduler:
                 continue
             prompt_logprobs.add(first_position + 1, request_entries)
 
+    def _advance_grammar(
+        self, request: Request, token_id: int
+    ) -> tuple[RequestStatus | None, str | None]:
+        """Feed a constrained request's sampled token to its grammar: (FINISHED_STOPPED, None)
+        once the grammar has ended, (FINISHED_ERROR, why) if it refuses the token, else none."""
+        manager = self.structured_output_manager
+        assert manager is not None  # admission refuses constrained requests without one
+        if not manager.accept_token(request.handle, token_id):
+            error = (
+                f"structured outputs: the grammar refused sampled token {token_id} at output "
+                f"position {request.num_output_tokens - 1}"
+            )
+            logger.error("request %r: %s", request.client_req_id, error)
+            return RequestStatus.FINISHED_ERROR, error
+        if manager.is_terminated(request.handle):
+            return RequestStatus.FINISHED_STOPPED, None
+        return None, None
+
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that is out of the queues: release blocks, forget it."""
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_request(request.handle)
         del self.requests[request.req_id]
         self.num_logprob_requests -= request.sampling_params.logprobs is not None
         self.num_prompt_logprob_requests -= request.prompt_logprobs is not None

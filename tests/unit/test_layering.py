@@ -56,9 +56,11 @@ ENGINE_CORE_FOLDERS = {
     # the KV-cache layer, plain Python: the pool knows nothing of scheduling
     "engine_core.kv_cache": (),
     # requests and the scheduler, which asks the KV-cache manager; no processes, no sockets
-    "engine_core.sched": ("engine_core.kv_cache",),
+    "engine_core.sched": ("engine_core.kv_cache", "engine_core.structured"),
+    # the grammar owner of structured outputs: it compiles and matches, and schedules nothing
+    "engine_core.structured": (),
     # EngineCore, the step loop over an Executor: it owns the scheduler and touches no socket
-    "engine_core.core": ("engine_core.sched", "engine_core.kv_cache"),
+    "engine_core.core": ("engine_core.sched", "engine_core.kv_cache", "engine_core.structured"),
     # addresses, binding and CURVE: under every folder that opens a socket, above none
     "engine_core.net": (),
     # metrics and KV events bind through net, and read neither the scheduler nor the pool
@@ -68,6 +70,7 @@ ENGINE_CORE_FOLDERS = {
     # the engine process: the only folder that joins the worker side and the client side
     "engine_core.service": (
         *("engine_core.core", "engine_core.sched", "engine_core.kv_cache"),
+        "engine_core.structured",
         *("engine_core.net", "engine_core.telemetry", "engine_core.workers"),
     ),
 }

@@ -1,0 +1,335 @@
+"""Structured outputs in the engine and on the rank: the grammar owner's bitmask, advance and
+termination; the rank's bitmask application; and the engine's real Scheduler driving a real
+ModelRunner (tiny-llama over the shipped byte tokenizer), where constrained requests follow their
+grammar and end with "stop" while unconstrained ones beside them keep their exact tokens and, with
+asynchronous scheduling, their one-step lookahead.
+"""
+
+import json
+import re
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from in_process_engine import engine_config, model_runner
+
+from api_server.build_tokenizer import TOKENIZER_DIR
+from engine_core.core import EngineCore
+from engine_core.structured.manager import StructuredOutputManager, choice_grammar
+from engine_core.structured.vocabulary import VocabType, _decoding_of, read_tokenizer_vocabulary
+from protocol.buffers import pack_int32
+from protocol.client_messages import EngineCoreRequest
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.sampling import SamplingParams, StructuredOutputs
+from protocol.worker_messages import GrammarBitmask
+from worker.models.fake.reference import reference_generate
+from worker.models.registry import get_model_info
+from worker.sampling.grammar_bitmask import apply_grammar_bitmask
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CPU = torch.device("cpu")
+VOCAB_SIZE = 512  # tiny-llama's, past the byte tokenizer's 263 tokens
+EOS_ID = 257  # <|eos|>
+MAX_MODEL_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def manager() -> StructuredOutputManager:
+    vocabulary = read_tokenizer_vocabulary(TOKENIZER_DIR)
+    return StructuredOutputManager(vocabulary, VOCAB_SIZE, [EOS_ID])
+
+
+def _allowed_ids(bitmask: GrammarBitmask, row: int, vocab_size: int) -> list[int]:
+    words = np.frombuffer(bitmask.bitmask, dtype="<i4").reshape(-1, (vocab_size + 31) // 32)
+    bits = np.unpackbits(words[row].view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size]).tolist()
+
+
+def test_byte_tokenizer_vocabulary_is_byte_level() -> None:
+    vocabulary = read_tokenizer_vocabulary(TOKENIZER_DIR)
+    assert vocabulary.vocab_type is VocabType.BYTE_LEVEL
+    assert vocabulary.num_tokens == 263 and vocabulary.encoded_vocab[257] == "<|eos|>"
+
+
+@pytest.mark.parametrize(
+    ("decoder", "expected"),
+    [
+        ({"type": "ByteLevel"}, (VocabType.BYTE_LEVEL, False)),
+        (  # a Llama-2 / sentencepiece decoder: byte fallback, "▁" for space, the prefix stripped
+            {
+                "type": "Sequence",
+                "decoders": [
+                    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                    {"type": "ByteFallback"},
+                    {"type": "Fuse"},
+                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+                ],
+            },
+            (VocabType.BYTE_FALLBACK, True),
+        ),
+        ({"type": "Metaspace", "prepend_scheme": "never"}, (VocabType.RAW, False)),
+        (None, (VocabType.RAW, False)),
+    ],
+    ids=["byte-level", "byte-fallback", "metaspace", "none"],
+)
+def test_vocabulary_type_follows_the_decoder(decoder: dict | None, expected: tuple) -> None:
+    assert _decoding_of(decoder) == expected
+
+
+def test_bitmask_allows_what_the_regex_allows_and_ends_on_eos(
+    manager: StructuredOutputManager,
+) -> None:
+    manager.add_request(1, StructuredOutputs(regex="a[bc]"))
+    bitmask = manager.grammar_bitmask([1], [3])
+    assert np.frombuffer(bitmask.req_idxs, dtype="<i4").tolist() == [3]
+    assert _allowed_ids(bitmask, 0, VOCAB_SIZE) == [ord("a")]
+    assert manager.accept_token(1, ord("a"))
+    assert _allowed_ids(manager.grammar_bitmask([1], [0]), 0, VOCAB_SIZE) == [ord("b"), ord("c")]
+    assert not manager.accept_token(1, ord("x")), "a token the grammar refuses"
+    assert manager.accept_token(1, ord("c")) and not manager.is_terminated(1)
+    # complete: only the stop token; ids past the tokenizer's (263..511) never
+    assert _allowed_ids(manager.grammar_bitmask([1], [0]), 0, VOCAB_SIZE) == [EOS_ID]
+    assert manager.accept_token(1, EOS_ID) and manager.is_terminated(1)
+    assert not manager.accept_token(1, EOS_ID), "nothing follows the end"
+    manager.remove_request(1)
+    assert 1 not in manager.matchers
+
+
+def test_choice_grammar_matches_each_choice_exactly(manager: StructuredOutputManager) -> None:
+    assert choice_grammar(['say "hi"', "a\\b"]) == 'root ::= "say \\"hi\\"" | "a\\\\b"'
+    assert choice_grammar(["\x01a\n"]) == 'root ::= "\\u0001a\\u000a"'
+    with pytest.raises(ValueError, match="NUL"):
+        choice_grammar(["a\x00"])
+    manager.add_request(2, StructuredOutputs(choice=["yes", "no"]))
+    assert _allowed_ids(manager.grammar_bitmask([2], [0]), 0, VOCAB_SIZE) == [ord("n"), ord("y")]
+    manager.remove_request(2)
+
+
+def test_bounded_json_strings_refuse_control_characters_and_surrogates(
+    manager: StructuredOutputManager,
+) -> None:
+    """xgrammar alone lets a maxLength string hold raw U+0000-U+001F, which JSON forbids, and
+    the bytes of a lone surrogate, which are no UTF-8 at all."""
+    schema = {"type": "string", "maxLength": 4}
+    manager.add_request(4, StructuredOutputs(json=json.dumps(schema)))
+    assert manager.accept_token(4, ord('"'))
+    allowed = _allowed_ids(manager.grammar_bitmask([4], [0]), 0, VOCAB_SIZE)
+    assert ord("a") in allowed and ord('"') in allowed
+    assert not set(range(32)) & set(allowed)
+    assert manager.accept_token(4, 0xED), "the lead byte of U+D000..U+D7FF"
+    assert 0x9F in _allowed_ids(manager.grammar_bitmask([4], [0]), 0, VOCAB_SIZE)
+    assert not manager.accept_token(4, 0xA0), "U+D800..U+DFFF are surrogates, never characters"
+    manager.remove_request(4)
+    manager.add_request(4, StructuredOutputs(json='{"type": "string"}'))
+    assert manager.accept_token(4, ord('"')) and manager.accept_token(4, 0xED)
+    assert not manager.accept_token(4, 0xA0), "nor in an unbounded string"
+    manager.remove_request(4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        (StructuredOutputs(json="{not json"), "json does not compile"),
+        (StructuredOutputs(json='{"type": "object"' + ', "a": {"b": 1}' * 0 + "]"), "json"),
+        (StructuredOutputs(regex="(unclosed"), "regex does not compile"),
+        (StructuredOutputs(grammar="root ::= undefined_rule"), "grammar does not compile"),
+        (
+            StructuredOutputs(json='{"properties": {"a": ' * 10_000 + "{}" + "}}" * 10_000),
+            "json does not compile",
+        ),
+        (  # a minute of xgrammar's time, were the depth not checked first
+            StructuredOutputs(json='{"type": "array", "items": ' * 1_000 + "{}" + "}" * 1_000),
+            "nested more than 64 levels deep",
+        ),
+    ],
+    ids=["bad-json", "unbalanced", "bad-regex", "bad-grammar", "10000-levels", "1000-levels"],
+)
+def test_a_spec_that_cannot_compile_is_a_value_error_naming_its_kind(
+    manager: StructuredOutputManager, spec: StructuredOutputs, problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem):
+        manager.add_request(3, spec)
+    assert 3 not in manager.matchers
+
+
+def test_rank_masks_refused_ids_and_leaves_raw_logits() -> None:
+    logits = torch.zeros(3, 70)
+    words = np.zeros((1, 3), dtype=np.int32)
+    words[0, 1] = 1 << 4  # only id 36
+    bitmask = GrammarBitmask(pack_int32([5]), words.tobytes())
+    masked = apply_grammar_bitmask(logits, bitmask, np.array([1, 5, 6]))
+    assert torch.isinf(masked[1]).sum() == 69 and masked[1, 36] == 0
+    assert not torch.isinf(masked[0]).any() and not torch.isinf(masked[2]).any()
+    assert not torch.isinf(logits).any(), "the raw logits feed logprobs"
+    assert apply_grammar_bitmask(logits, None, np.array([0])) is logits
+    with pytest.raises(ValueError, match="not all sampled"):
+        apply_grammar_bitmask(logits, bitmask, np.array([1, 4, 6]))
+    narrow = GrammarBitmask(pack_int32([0]), np.full((1, 1), -1, dtype=np.int32).tobytes())
+    masked = apply_grammar_bitmask(logits, narrow, np.array([0]))
+    assert not torch.isinf(masked[0, :32]).any() and torch.isinf(masked[0, 32:]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rank_masks_cuda_logits_as_it_masks_cpu_ones() -> None:
+    rng = np.random.default_rng(0)
+    words = rng.integers(-(2**31), 2**31, size=(2, 5), dtype=np.int64).astype(np.int32)
+    bitmask = GrammarBitmask(pack_int32([0, 2]), words.tobytes())
+    logits = torch.randn(3, 150, dtype=torch.float32)
+    expected = apply_grammar_bitmask(logits, bitmask, np.array([0, 1, 2]))
+    on_device = apply_grammar_bitmask(logits.cuda().bfloat16(), bitmask, np.array([0, 1, 2]))
+    assert torch.equal(torch.isinf(on_device.cpu()), torch.isinf(expected))
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog"]},
+        "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+    },
+    "required": ["name", "kind", "tags"],
+    "additionalProperties": False,
+}
+CONSTRAINED = [
+    ("regex", StructuredOutputs(regex=r"[a-z]{2,5}-[0-9]{1,3}")),
+    ("choice", StructuredOutputs(choice=["alpha", "beta", "gamma"])),
+    ("json", StructuredOutputs(json=json.dumps(JSON_SCHEMA))),
+]
+
+
+def _engine(
+    async_scheduling: bool, num_blocks: int = 40, block_size: int = 16
+) -> tuple[EngineCore, int]:
+    info = get_model_info("tiny-llama", block_size)
+    kv_cache_config = KVCacheConfig(num_blocks, info.kv_cache_groups)
+    runner = model_runner(
+        "tiny-llama", kv_cache_config, CPU, info.max_model_len, eos_token_ids=info.eos_token_ids
+    )
+    config = engine_config(
+        block_size,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_MODEL_LEN,
+        async_scheduling=async_scheduling,
+    )
+    config = msgspec.structs.replace(config, tokenizer=str(TOKENIZER_DIR))
+    return EngineCore(config, kv_cache_config, info, runner), info.eos_token_ids[0]
+
+
+def _check_text(kind: str, text: str) -> None:
+    if kind == "regex":
+        assert re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", text), text
+    elif kind == "choice":
+        assert text in ("alpha", "beta", "gamma"), text
+    else:
+        value = json.loads(text)
+        assert set(value) == {"name", "kind", "tags"} and value["kind"] in ("cat", "dog"), text
+        assert len(value["name"]) <= 6 and len(value["tags"]) <= 2, text
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
+    async_scheduling: bool,
+) -> None:
+    core, eos_id = _engine(async_scheduling, num_blocks=42, block_size=4)  # preempts
+    free_params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = {f"free{idx}": [40 + idx, 71, 99, 12, 250] for idx in range(2)}
+    params = dict.fromkeys(prompts, free_params)
+    kinds: dict[str, str] = {}
+    for idx, (kind, spec) in enumerate(CONSTRAINED * 2):
+        req_id = f"{kind}{idx}"
+        prompts[req_id] = [60 + idx, 33, 120]
+        kinds[req_id] = kind
+        params[req_id] = SamplingParams(  # greedy first, then sampled
+            max_tokens=150, temperature=0.0 if idx < 3 else 1.0, seed=11, structured_outputs=spec
+        )
+    for req_id, prompt in prompts.items():
+        request = EngineCoreRequest(req_id, pack_int32(prompt), params[req_id], 0.0)
+        assert core.add_request(request) is None
+    handles = {r.client_req_id: r.handle for r in core.scheduler.requests.values()}
+    tokens: dict[str, list[int]] = {req_id: [] for req_id in prompts}
+    finish: dict[str, str] = {}
+    most_in_flight = 0
+    for _ in range(2000):
+        if not core.has_work():
+            break
+        for outputs in core.step().values():
+            for output in outputs.outputs:
+                tokens[output.req_id].extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    finish[output.req_id] = output.finish_reason.name
+        most_in_flight = max(most_in_flight, core.scheduler.num_steps_in_flight)
+    assert most_in_flight == 2 * async_scheduling, "free requests keep their lookahead"
+    assert core.scheduler.num_preemptions > 0, "the pool should force a preemption"
+    for req_id, prompt in prompts.items():
+        if req_id not in kinds:
+            expected = reference_generate(
+                "tiny-llama",
+                prompt,
+                free_params,
+                max_model_len=MAX_MODEL_LEN,
+                handle=handles[req_id],
+            )
+            assert tokens[req_id] == expected, req_id
+            continue
+        assert finish[req_id] == "STOP", (req_id, finish[req_id], bytes(tokens[req_id]))
+        assert tokens[req_id][-1] == eos_id
+        text = bytes(tokens[req_id][:-1]).decode()
+        _check_text(kinds[req_id], text)
+    assert not core.scheduler.requests
+    assert not core.scheduler.structured_output_manager.matchers
+
+
+def test_engine_rejects_a_grammar_that_does_not_compile_before_scheduling() -> None:
+    core, _ = _engine(False)
+    params = SamplingParams(structured_outputs=StructuredOutputs(regex="(unclosed"))
+    rejected = core.add_request(EngineCoreRequest("bad", pack_int32([1, 2]), params, 0.0))
+    assert rejected is not None
+    (output,) = rejected.outputs
+    assert output.finish_reason.name == "ERROR" and "regex does not compile" in output.error
+    assert not core.scheduler.requests and not core.has_work()
+
+
+def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
+    info = get_model_info("tiny-llama", 16)
+    kv_cache_config = KVCacheConfig(8, info.kv_cache_groups)
+    runner = model_runner("tiny-llama", kv_cache_config, CPU, info.max_model_len)
+    core = EngineCore(engine_config(16, max_model_len=64), kv_cache_config, info, runner)
+    params = SamplingParams(structured_outputs=StructuredOutputs(choice=["a"]))
+    rejected = core.add_request(EngineCoreRequest("r", pack_int32([1, 2]), params, 0.0))
+    assert rejected is not None and "tokenizer.json" in rejected.outputs[0].error
+
+
+def test_a_token_the_grammar_refuses_fails_only_its_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks that ignored the bitmask (a bug) sample a token the grammar refuses: that request
+    ends with an error naming the token, and the unconstrained one beside it runs on exactly."""
+    monkeypatch.setattr(
+        "worker.model_runner.apply_grammar_bitmask", lambda logits, bitmask, rows: logits
+    )
+    core, _ = _engine(False)
+    free_params = SamplingParams(max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(  # a choice the model would never write unforced
+        max_tokens=12, structured_outputs=StructuredOutputs(choice=["\x01\x02\x03"])
+    )
+    for req_id, params in (("free", free_params), ("bad", constrained)):
+        request = EngineCoreRequest(req_id, pack_int32([50, 60, 70]), params, 0.0)
+        assert core.add_request(request) is None
+    handle = core.scheduler.requests[next(iter(core.scheduler.requests))].handle
+    tokens: dict[str, list[int]] = {"free": [], "bad": []}
+    errors: dict[str, str | None] = {}
+    while core.has_work():
+        for outputs in core.step().values():
+            for output in outputs.outputs:
+                tokens[output.req_id].extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    errors[output.req_id] = output.error
+    assert "grammar refused sampled token" in errors["bad"] and len(tokens["bad"]) == 1
+    assert errors["free"] is None
+    expected = reference_generate(
+        "tiny-llama", [50, 60, 70], free_params, max_model_len=MAX_MODEL_LEN, handle=handle
+    )
+    assert tokens["free"] == expected
+    assert not core.scheduler.structured_output_manager.matchers
