@@ -4,10 +4,9 @@ random-weight checkpoint whose chat template renders tools, assistant calls and 
 the prompt of a chat with tools and a call history is transformers' own, the reply has
 OpenAI's shape (streamed deltas add up to it), and tool_choice naming no tool is a 400.
 
-The replies of random weights never call a tool by themselves. The tests that force calls
-(tool_choice required or named, and a hermes reply forced by a regex) need the engine's
-structured outputs, which are merged separately: they are strict xfails until then, so that
-their passing is noticed and the mark removed.
+The replies of random weights never call a tool by themselves: the tests that call tools force
+them with structured outputs (tool_choice required or named, and a hermes reply forced by a
+regex), so every call's arguments parse and match the tool's schema.
 """
 
 import json
@@ -35,10 +34,6 @@ STARTUP_TIMEOUT_S = 180.0  # torch imports, the checkpoint and the KV budget, on
 HTTP_TIMEOUT_S = 60.0
 MAX_TOKENS = 24
 FORCED_MAX_TOKENS = 200  # room for a constrained call: bounded strings and enums
-NEEDS_STRUCTURED_OUTPUTS = pytest.mark.xfail(
-    reason="needs the engine's structured outputs (xgrammar), merged separately",
-    strict=True,
-)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +147,6 @@ def _check_calls(calls: list[tuple[str, str]], parallel: bool) -> None:
         jsonschema.validate(json.loads(arguments), schemas[name])  # type: ignore[arg-type]
 
 
-@NEEDS_STRUCTURED_OUTPUTS
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("is_stream", [False, True], ids=["whole", "streamed"])
 def test_required_tool_calls_fit_their_tools(
@@ -187,7 +181,6 @@ def test_required_tool_calls_fit_their_tools(
     _check_calls(calls, parallel=False)
 
 
-@NEEDS_STRUCTURED_OUTPUTS
 @pytest.mark.timeout(420)
 def test_a_named_tool_choice_calls_that_function(served: tuple[openai.OpenAI, str]) -> None:
     client, _ = served
@@ -204,7 +197,6 @@ def test_a_named_tool_choice_calls_that_function(served: tuple[openai.OpenAI, st
     _check_calls([(call.function.name, call.function.arguments)], parallel=False)
 
 
-@NEEDS_STRUCTURED_OUTPUTS
 @pytest.mark.timeout(420)
 def test_a_hermes_reply_is_parsed_into_tool_calls(served: tuple[openai.OpenAI, str]) -> None:
     """A regex makes the random model write a hermes call; the parser turns it into one."""
