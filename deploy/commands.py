@@ -6,7 +6,9 @@ The engine flags and model check live here, as `kvserve-core` (cli.py) imports t
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -363,8 +365,6 @@ def serve_command(args: argparse.Namespace) -> int:
 def _api_settings(
     args: argparse.Namespace, engine_config: EngineConfig, base_worker: WorkerConfig
 ) -> "ApiSettings":
-    from pathlib import Path
-
     from api_server.app import ApiSettings
     from api_server.kv_scorer import KVScoreWeights
     from api_server.request_router import RouterPolicy
@@ -427,20 +427,47 @@ def with_structured_outputs_vocabulary(
     engine_config: EngineConfig, tokenizer: str | None, model: str
 ) -> EngineConfig:
     """The engine's config naming the tokenizer whose vocabulary structured outputs compile
-    against: the front end's --tokenizer, the shipped byte-level one for a built-in model, or
-    (left None) the checkpoint folder's own, which the engine finds by the model's name."""
+    against: the front end's --tokenizer, the shipped byte-level one for a built-in model, the
+    tokenizer a GGUF file's metadata describes (rebuilt as the front end builds it, written once
+    to a folder of its own), or (left None) the checkpoint folder's own, which the engine finds
+    by the model's name."""
     from api_server.build_tokenizer import TOKENIZER_DIR
     from worker.models.names import MODEL_NAMES
 
     if tokenizer is None and model in MODEL_NAMES:
         tokenizer = str(TOKENIZER_DIR)
+    elif tokenizer is None and model.endswith(".gguf") and Path(model).is_file():
+        tokenizer = str(_gguf_tokenizer_folder(model))
     return msgspec.structs.replace(engine_config, tokenizer=tokenizer)
+
+
+def _gguf_tokenizer_folder(model: str) -> Path:
+    """A folder holding the tokenizer.json of GGUF file `model`, under ~/.cache/kvserve, named by
+    the file's path, size and modification time."""
+    import hashlib
+
+    from api_server.gguf_tokenizer import gguf_tokenizer
+
+    stat = Path(model).stat()
+    key = f"{Path(model).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    folder = (
+        Path.home()
+        / ".cache"
+        / "kvserve"
+        / "gguf-tokenizers"
+        / hashlib.sha256(key).hexdigest()[:20]
+    )
+    if not (folder / "tokenizer.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer, _ = gguf_tokenizer(model)
+        temporary = folder / f"tokenizer.json.{os.getpid()}"
+        tokenizer.save(str(temporary))
+        os.replace(temporary, folder / "tokenizer.json")
+    return folder
 
 
 def _chat_template_source(value: str) -> str:
     """--chat-template's text: the file it names or, as vLLM also takes, a template itself."""
-    from pathlib import Path
-
     from api_server.chat_template import ChatTemplate, ChatTemplateError
 
     path = Path(value)

@@ -89,3 +89,20 @@ def test_chat_and_completion_equal_transformers_on_the_same_file(
     )
     prompt_ids = tokenizer(PROMPT)["input_ids"]
     assert completion.choices[0].text == _greedy_text(gguf_file, prompt_ids)
+
+
+@pytest.mark.timeout(420)
+def test_structured_outputs_compile_against_the_files_vocabulary(served: openai.OpenAI) -> None:
+    """The engine has no tokenizer.json beside a GGUF file: the front end hands it the one the
+    file's metadata describes, so a constrained request is served."""
+    (model,) = [card.id for card in served.models.list().data]
+    choices = ["the quick fox", "hello there"]
+    reply = served.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert reply.choices[0].text in choices
+    assert reply.choices[0].finish_reason == "stop"
