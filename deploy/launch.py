@@ -7,13 +7,16 @@ it, then kills it. Ctrl-C or SIGTERM stops the engine, which stops the workers. 
 spawn start method and are named `engine-core`, `worker-R`.
 """
 
+import atexit
 import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
@@ -64,6 +67,16 @@ def with_pool_host_memory_limit(config: EngineConfig) -> EngineConfig:
     return _replace(config, max_pool_host_memory_bytes=limit)
 
 
+def with_kv_transfer_address(config: EngineConfig) -> EngineConfig:
+    """A prefill engine's config with --kv-transfer-address defaulted to a private ipc folder
+    (0700, removed when this process exits), for decode engines on this host."""
+    if config.kv_role != "prefill" or config.kv_transfer_address is not None:
+        return config
+    folder = tempfile.mkdtemp(prefix="kvserve-kv-transfer-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return _replace(config, kv_transfer_address=f"ipc://{folder}")
+
+
 def enable_nccl_async_errors() -> None:
     """Set before torch.distributed forms a group; a value the user set is kept."""
     name, value = NCCL_ASYNC_ERROR_HANDLING
@@ -75,7 +88,7 @@ def engine_entry(config: EngineConfig, log_level: str) -> None:
     setup_logging("engine", log_level)
     from engine_core.service.engine_process import run
 
-    sys.exit(run(with_pool_host_memory_limit(config)))
+    sys.exit(run(with_kv_transfer_address(with_pool_host_memory_limit(config))))
 
 
 def worker_entry(config: WorkerConfig, log_level: str) -> None:

@@ -10,14 +10,25 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, runtime_checkable
 
+import msgspec
+
+from engine_core.kv_transfer.pins import KVTransferPins
+from engine_core.kv_transfer.pulls import KVTransferPulls
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
-from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, StatValue
+from protocol.client_messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    StatValue,
+)
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
+from protocol.kv_transfer import KVTransferOrders, kv_transfer_layout
 from protocol.stats import BlockResidencyStats, SchedulerStats, stat_values
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
@@ -108,27 +119,86 @@ class EngineCore:
             self.scheduler.kv_cache_manager.enable_block_metrics(
                 engine_config.cache.kv_cache_metrics_sample
             )
+        # Disaggregated prefill and decode (DESIGN.md §12): a prefill engine pins blocks for
+        # decode engines, a decode engine pulls them; an engine of role "both" does neither.
+        self.kv_transfer_layout = kv_transfer_layout(
+            model_info.name, kv_cache_config, engine_config.tp_size
+        )
+        pool = self.scheduler.kv_cache_manager.block_pool
+        block_size = self.scheduler.block_size
+        self.kv_pins: KVTransferPins | None = None
+        self.kv_pulls: KVTransferPulls | None = None
+        if engine_config.kv_role == "prefill":
+            timeout_s = engine_config.kv_transfer_timeout_s
+            self.kv_pins = KVTransferPins(pool, block_size, timeout_s, self.kv_transfer_layout)
+        elif engine_config.kv_role == "decode":
+            self.kv_pulls = KVTransferPulls(pool, block_size, self.kv_transfer_layout)
+        holders = self.scheduler.kv_cache_manager.coordinator.block_holders
+        for agent in (self.kv_pins, self.kv_pulls):
+            if agent is not None:
+                holders.append(agent.held_blocks)
+        # outputs made between steps (a parked request refused once its pull settled), sent
+        # with the next step's
+        self._deferred_outputs: dict[bytes, list[EngineCoreOutput]] = {}
 
     def add_request(
         self, request: EngineCoreRequest, client_id: bytes = b""
     ) -> EngineCoreOutputs | None:
-        """Queue a request; a rejection output for its client when the input is bad."""
-        return self.scheduler.add_request(request, client_id)
+        """Queue a request; a rejection output for its client when the input is bad.
+
+        On a decode engine a request with a KV transfer handle is parked until its pull settles;
+        on a prefill engine a do_remote_decode request will be pinned (KVTransferPins)."""
+        scheduler = self.scheduler
+        if request.kv_transfer_handle is not None and self.kv_pulls is not None:
+            req_id = scoped_req_id(client_id, request.req_id)
+            is_live = self.is_live(client_id, request.req_id)
+            try:  # a request it would refuse is refused now, by scheduler.add_request below
+                hashed = scheduler.intake.build(request, client_id, len(scheduler.waiting), is_live)
+            except ValueError:
+                hashed = None
+            if hashed is not None and self.kv_pulls.park(req_id, hashed, request, client_id):
+                return None
+        refusal = scheduler.add_request(request, client_id)
+        if refusal is None and request.do_remote_decode and self.kv_pins is not None:
+            self.kv_pins.want(scoped_req_id(client_id, request.req_id))
+        return refusal
 
     def abort_requests(
         self, req_ids: list[str], client_id: bytes = b""
     ) -> dict[bytes, EngineCoreOutputs]:
         """Abort a client's own live requests between steps, by the ids that client gave them;
         ids it does not hold are ignored. Final outputs by client."""
-        return self.scheduler.abort_client_requests(client_id, req_ids)
+        outputs = self.scheduler.abort_client_requests(client_id, req_ids)
+        for req_id in req_ids:
+            self._abort_parked(scoped_req_id(client_id, req_id), None, outputs)
+        return self._with_transfer_handles(outputs)
 
     def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Abort every live request of a client that left or stopped reading, freeing blocks."""
-        return self.scheduler.abort_client(client_id, error)
+        outputs = self.scheduler.abort_client(client_id, error)
+        if self.kv_pulls is not None:
+            for req_id, parked in list(self.kv_pulls.parked.items()):
+                if parked.client_id == client_id:
+                    self._abort_parked(req_id, error, outputs)
+        return self._with_transfer_handles(outputs)
+
+    def _abort_parked(
+        self, req_id: str, error: str | None, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> None:
+        """Abort a request parked for its pull, adding its final output to `outputs`."""
+        if self.kv_pulls is None or (parked := self.kv_pulls.abort(req_id)) is None:
+            return
+        final = EngineCoreOutput(parked.request.req_id, [], FinishReason.ABORT, 0, error)
+        batch = outputs.get(parked.client_id)
+        previous = batch.outputs if batch is not None else []
+        outputs[parked.client_id] = EngineCoreOutputs([*previous, final])
 
     def is_live(self, client_id: bytes, req_id: str) -> bool:
         """Whether the client holds a live request it named `req_id`."""
-        return scoped_req_id(client_id, req_id) in self.scheduler.requests
+        scoped = scoped_req_id(client_id, req_id)
+        if self.kv_pulls is not None and self.kv_pulls.is_live(scoped):
+            return True
+        return scoped in self.scheduler.requests
 
     def has_work(self) -> bool:
         """Requests to run, finished ones the workers must still be told to drop, or a step
@@ -139,11 +209,16 @@ class EngineCore:
             or scheduler.has_finished_requests()
             or scheduler.num_steps_in_flight > 0
             or self._send_error is not None
+            or self._has_transfer_orders()
+            or bool(self._deferred_outputs)
         )
 
     def client_ids(self) -> list[bytes]:
         """The clients that hold live requests."""
-        return list(self.scheduler.admission.num_live_by_client)
+        client_ids = list(self.scheduler.admission.num_live_by_client)
+        if self.kv_pulls is not None:
+            client_ids += [parked.client_id for parked in self.kv_pulls.parked.values()]
+        return list(dict.fromkeys(client_ids))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -172,18 +247,24 @@ class EngineCore:
         scheduler = self.scheduler
         if self._pipeline is not None:
             return self._step_pipelined(self._pipeline)
-        if not scheduler.has_unfinished_requests() and not scheduler.has_finished_requests():
-            return {}
+        if not (
+            scheduler.has_unfinished_requests()
+            or scheduler.has_finished_requests()
+            or self._has_transfer_orders()
+        ):
+            return self._take_deferred_outputs({})
         start = perf_counter()
         scheduler_output = scheduler.schedule()
         scheduled = perf_counter()
-        model_runner_output = self.executor.execute_model(scheduler_output)
+        sent_output = self._with_transfer_orders(scheduler_output)
+        model_runner_output = self.executor.execute_model(sent_output)
         executed = perf_counter()
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.schedule_time_s += scheduled - start
         self.update_time_s += perf_counter() - executed
         if self._check_each_step:
-            scheduler.check_invariants()
+            self.check_invariants()
         return outputs
 
     def _step_pipelined(self, pipeline: PipelinedExecutor) -> dict[bytes, EngineCoreOutputs]:
@@ -203,9 +284,10 @@ class EngineCore:
         model_runner_output = pipeline.collect(step.step_id)
         collected = perf_counter()
         outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
+        outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:
-            self.scheduler.check_invariants()
+            self.check_invariants()
         try:
             self._submit_next(pipeline)
         except Exception as exc:  # step N is applied: its outputs go out first
@@ -215,11 +297,141 @@ class EngineCore:
     def _submit_next(self, pipeline: PipelinedExecutor) -> None:
         """Schedule and send the next step, when there is anything to run or to tell the ranks."""
         scheduler = self.scheduler
-        if scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+        if (
+            scheduler.has_unfinished_requests()
+            or scheduler.has_finished_requests()
+            or self._has_transfer_orders()
+        ):
             start = perf_counter()
             scheduler_output = scheduler.schedule()
             self.schedule_time_s += perf_counter() - start
-            pipeline.submit(scheduler_output)
+            pipeline.submit(self._with_transfer_orders(scheduler_output))
+
+    # -- disaggregated prefill and decode (DESIGN.md §12) ----------------------------------------
+
+    def _has_transfer_orders(self) -> bool:
+        """Pins, unpins or pulls that the ranks must get with a step, even an empty one."""
+        pins, pulls = self.kv_pins, self.kv_pulls
+        return (pins is not None and pins.has_orders()) or (
+            pulls is not None and pulls.has_orders()
+        )
+
+    def _with_transfer_orders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step as sent: with the pins of the do_remote_decode requests it samples first,
+        and every pending unpin and pull. The scheduler's record keeps the step as it built it."""
+        pins, pulls = self.kv_pins, self.kv_pulls
+        if pins is not None and pins.wanted:
+            step = self.scheduler.steps_in_flight.newest()
+            manager = self.scheduler.kv_cache_manager
+            for request, is_sampling in zip(step.requests, step.is_sampling, strict=True):
+                if is_sampling and request.req_id in pins.wanted:
+                    block_ids = manager.get_block_ids(request.req_id)[0]
+                    pins.on_first_sample_scheduled(
+                        request.req_id, request.num_prompt_tokens, block_ids
+                    )
+        pin_orders = pins.take_orders() if pins is not None else None
+        pull_orders = pulls.take_orders(scheduler_output.step_id) if pulls is not None else None
+        if pin_orders is None and pull_orders is None:
+            return scheduler_output
+        orders = pin_orders or KVTransferOrders()
+        if pull_orders is not None:
+            orders = msgspec.structs.replace(orders, pulls=pull_orders.pulls)
+        return msgspec.structs.replace(scheduler_output, kv_transfer_orders=orders)
+
+    def _after_transfer_reply(
+        self, model_runner_output: ModelRunnerOutput, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Settle the pulls the step carried (queueing their requests), and give each prefill
+        request that ended holding its blocks its handle."""
+        pulls = self.kv_pulls
+        if pulls is not None and pulls.parked:
+            settled = pulls.on_step_reply(
+                model_runner_output.step_id,
+                model_runner_output.failed_kv_pulls,
+                model_runner_output.kv_pull_bytes,
+            )
+            for parked in settled:
+                refusal = self.scheduler.add_request(parked.request, parked.client_id)
+                if refusal is not None:
+                    self._defer(parked.client_id, refusal)
+        return self._take_deferred_outputs(self._with_transfer_handles(outputs))
+
+    def _with_transfer_handles(
+        self, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Each do_remote_decode request's last output, with its handle when its blocks are held
+        for a decode engine; a request that ended otherwise drops its pin."""
+        pins = self.kv_pins
+        if pins is None or not pins.wanted:
+            return outputs
+        for client_id, batch in outputs.items():
+            if not any(out.finish_reason is not None for out in batch.outputs):
+                continue
+            changed = []
+            for output in batch.outputs:
+                req_id = scoped_req_id(client_id, output.req_id)
+                if output.finish_reason is not None and req_id in pins.wanted:
+                    num_tokens = len(output.new_token_ids)
+                    handle = pins.on_finished(req_id, output.finish_reason, num_tokens)
+                    if handle is not None:
+                        output = msgspec.structs.replace(output, kv_transfer_handle=handle)
+                changed.append(output)
+            outputs[client_id] = msgspec.structs.replace(batch, outputs=changed)
+        return outputs
+
+    def _defer(self, client_id: bytes, batch: EngineCoreOutputs) -> None:
+        self._deferred_outputs.setdefault(client_id, []).extend(batch.outputs)
+
+    def _take_deferred_outputs(
+        self, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> dict[bytes, EngineCoreOutputs]:
+        if not self._deferred_outputs:
+            return outputs
+        for client_id, deferred in self._deferred_outputs.items():
+            batch = outputs.get(client_id)
+            outputs[client_id] = EngineCoreOutputs([*(batch.outputs if batch else []), *deferred])
+        self._deferred_outputs = {}
+        return outputs
+
+    def release_kv_transfer(self, transfer_id: int, secret: str) -> tuple[bool, str | None]:
+        """The front end's word that a handle's decode side is done: free its blocks."""
+        if self.kv_pins is None:
+            return False, "this engine is not a prefill engine: it holds no KV transfers"
+        return self.kv_pins.release(transfer_id, secret)
+
+    def expire_kv_transfers(self) -> int:
+        """Free the blocks of transfers whose deadline passed; how many."""
+        return self.kv_pins.expire() if self.kv_pins is not None else 0
+
+    def set_kv_transfer_endpoints(self, endpoints: list[str | None]) -> None:
+        """Each rank's transfer server, as its WorkerReady named it (a prefill engine's)."""
+        if self.kv_pins is not None:
+            named = [endpoint for endpoint in endpoints if endpoint is not None]
+            self.kv_pins.endpoints = named if len(named) == len(endpoints) else []
+
+    def kv_transfer_stats(self) -> dict[str, StatValue]:
+        """P/D figures for get_stats: the role, blocks held, transfers pinned, pulled, failed."""
+        stats: dict[str, StatValue] = {"kv_role": self.engine_config.kv_role}
+        if (pins := self.kv_pins) is not None:
+            stats |= {
+                "kv_transfer_held_blocks": pins.num_held_blocks,
+                "kv_transfer_held": len(pins.held),
+                "kv_transfer_handles": pins.num_handles,
+                "kv_transfer_released": pins.num_released,
+                "kv_transfer_expired": pins.num_expired,
+                "kv_transfer_refused_releases": pins.num_refused_releases,
+            }
+        if (pulls := self.kv_pulls) is not None:
+            pull_stats = pulls.stats
+            stats |= {
+                "kv_transfer_parked": len(pulls.parked),
+                "kv_transfer_pulls": pull_stats.num_pulls,
+                "kv_transfer_failed_pulls": pull_stats.num_failed,
+                "kv_transfer_skipped_pulls": pull_stats.num_skipped,
+                "kv_transfer_pulled_blocks": pull_stats.num_blocks,
+                "kv_transfer_pulled_bytes": pull_stats.num_bytes,
+            }
+        return stats
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -252,7 +464,14 @@ class EngineCore:
         self._send_error = None
         if isinstance(self._pipeline, SerialPipeline):
             self._pipeline.forget()  # a WorkerGroup drops a retired generation's replies itself
+        if self.kv_pins is not None:  # the pinned pages were the old ranks'
+            self.kv_pins.forget_all()
+        parked = self.kv_pulls.fail_all() if self.kv_pulls is not None else []
         self.scheduler.requeue_for_new_workers()
+        for one in parked:  # no pull completes: they compute their prompts on the new ranks
+            refusal = self.scheduler.add_request(one.request, one.client_id)
+            if refusal is not None:
+                self._defer(one.client_id, refusal)
 
     @property
     def next_step_id(self) -> int:
@@ -262,10 +481,19 @@ class EngineCore:
         """Fail every unfinished request with `error`, e.g. when a worker died."""
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
         self._send_error = None
-        return self.scheduler.fail_all(error)
+        outputs = self.scheduler.fail_all(error)
+        if self.kv_pulls is not None:
+            for one in self.kv_pulls.fail_all():
+                final = EngineCoreOutput(one.request.req_id, [], FinishReason.ERROR, 0, error)
+                self._defer(one.client_id, EngineCoreOutputs([final]))
+        return self._take_deferred_outputs(self._with_transfer_handles(outputs))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        if self.kv_pins is not None:
+            self.kv_pins.check_invariants()
+        if self.kv_pulls is not None:
+            self.kv_pulls.check_invariants()
 
     # -- what the server reads and builds; it never reaches the scheduler or the pool itself -----
 

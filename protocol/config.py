@@ -19,6 +19,10 @@ BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=64)]
 HashAlgo = Literal["sha256", "xxhash"]  # the prefix-caching block hash algorithms
 HASH_ALGOS: tuple[HashAlgo, ...] = get_args(HashAlgo)
+# An engine's part in disaggregated prefill and decode (DESIGN.md §12): a prefill engine holds a
+# request's blocks for a decode engine once its prompt is computed; a decode engine pulls them.
+KVRole = Literal["prefill", "decode", "both"]
+KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
 DEFAULT_HASH_SEED = "kvserve"
 
 
@@ -129,6 +133,12 @@ class EngineConfig(_Config, frozen=True):
     worker_rejoin_timeout_s: Seconds = 120.0  # for a new generation to be Ready after a fault
     # Same-host ranks take each step over a shared-memory ring rather than ZMQ (DESIGN.md §1).
     enable_shm_ring: bool = True
+    kv_role: KVRole = "both"  # both: serves requests whole, and neither holds nor pulls blocks
+    # A prefill engine holds a request's blocks for its decode engine at most this long
+    kv_transfer_timeout_s: Seconds = 30.0
+    # Where a prefill engine's ranks serve pulls: "ipc://FOLDER" or "tcp://HOST" (each rank takes
+    # a free port); None: ipc in a fresh private folder (decode ranks on this host only)
+    kv_transfer_address: str | None = None
 
 
 class WorkerConfig(_Config, frozen=True):

@@ -9,6 +9,7 @@ from typing import Annotated
 import msgspec
 
 from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec
+from protocol.kv_transfer import KVTransferOrders
 from protocol.sampling import SamplingParams
 
 Rank = Annotated[int, msgspec.Meta(ge=0)]
@@ -51,6 +52,9 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # it attached to the KVCacheConfig's ring as a reader; False for a rank the config named
     # as one: it could not, and takes its steps over ZMQ (the engine releases its reader slot)
     is_shm_ring_attached: bool = False
+    # where this rank serves pulls of its pinned blocks (a prefill engine's rank, when the
+    # KVCacheConfig named a kv_transfer_address); None: it serves none
+    kv_transfer_endpoint: str | None = None
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -117,6 +121,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # step's blocks are allocated (cascade attention reads them once); []: none reported
     num_common_prefix_blocks: list[NumBlocks] = []
     kv_transfers: KVTransfers | None = None  # None: no tier traffic this step
+    kv_transfer_orders: KVTransferOrders | None = None  # P/D pins and pulls; None: none
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -136,6 +141,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # int32 disk slots of this step's kv_transfers that hold no valid copy on this rank: a read
     # whose checksum failed (its host destination is then empty too) or a write that failed.
     failed_disk_slots: bytes = b""
+    # transfer ids of this step's kv_transfer_orders pulls that did not complete on this rank
+    failed_kv_pulls: list[int] = []
+    kv_pull_bytes: int = 0  # bytes this rank pulled in this step
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

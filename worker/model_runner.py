@@ -20,6 +20,7 @@ from protocol.config import WorkerConfig
 from protocol.kv_cache_spec import (
     KVCacheConfig,
 )
+from protocol.kv_transfer import kv_transfer_layout
 from protocol.worker_messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -33,8 +34,9 @@ from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
 from worker.graph_runner import GraphRunner, decode_buckets, graph_refusal, uses_step_buffers
 from worker.input_batch import InputBatch, ParkedRequest
-from worker.kv_cache import allocate_kv_caches, check_kv_caches
+from worker.kv_cache import allocate_kv_caches, check_kv_caches, shared_kv_tensors
 from worker.kv_tiers import KVTiers, build_kv_tiers
+from worker.kv_transfer import KVTransferRank
 from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
@@ -112,9 +114,13 @@ class ModelRunner:
         # a step's largest sizes: prepare each step into StepBuffers, for a model that reads
         # them (a checkpoint on the Triton backend); None: a PagedKV per step
         step_limits: StepLimits | None = None,
+        # moves pages between engines for P/D (worker/kv_transfer.py); None: steps carry no
+        # transfer orders
+        kv_transfer: KVTransferRank | None = None,
     ) -> None:
         self.model = model
         self.kv_tiers = kv_tiers
+        self.kv_transfer = kv_transfer
         # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
         # each request reads it through its own table. The engine's counts are checked either way.
         self.enable_cascade_attention = enable_cascade_attention
@@ -153,6 +159,7 @@ class ModelRunner:
         start = time.perf_counter()
         # copy-outs, then copy-ins, all before the forward (DESIGN.md §3.5)
         failed_disk_slots = pack_int32(self._apply_transfers(scheduler_output))
+        failed_kv_pulls, kv_pull_bytes = self._apply_transfer_orders(scheduler_output)
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
         handles = pack_int32(scheduled.handles)
@@ -168,6 +175,8 @@ class ModelRunner:
                 b"",
                 scheduler_output.generation,
                 failed_disk_slots=failed_disk_slots,
+                failed_kv_pulls=failed_kv_pulls,
+                kv_pull_bytes=kv_pull_bytes,
             )
         host, sample_reqs, logits_reqs = self._prepare(scheduled)
         prepared = time.perf_counter()
@@ -209,6 +218,8 @@ class ModelRunner:
             logprobs.sampled_token_ranks,
             self.timings.model_s,
             failed_disk_slots,
+            failed_kv_pulls,
+            kv_pull_bytes,
         )
 
     def _apply_transfers(self, scheduler_output: SchedulerOutput) -> list[int]:
@@ -222,6 +233,19 @@ class ModelRunner:
                 f"{self.rank} was given none"
             )
         return self.kv_tiers.apply(transfers)
+
+    def _apply_transfer_orders(self, scheduler_output: SchedulerOutput) -> tuple[list[int], int]:
+        """P/D pins and pulls (DESIGN.md §12), after the tier copies and before the forward:
+        the transfer ids whose pull failed on this rank, and the bytes pulled."""
+        orders = scheduler_output.kv_transfer_orders
+        if orders is None:
+            return [], 0
+        if self.kv_transfer is None:
+            raise ValueError(
+                f"step {scheduler_output.step_id} carries KV transfer orders, but rank "
+                f"{self.rank} has no transfer agent"
+            )
+        return self.kv_transfer.apply(orders)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""
@@ -477,6 +501,7 @@ def build_model_runner(
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)
     info = get_model_info(config.model, config.block_size, kv_dtype, tp_group.tp_size)
+    kv_transfer = build_kv_transfer(config, kv_cache_config, kv_caches, tp_group.tp_size, info.name)
     limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs)
     runner = ModelRunner(
         model,
@@ -492,6 +517,7 @@ def build_model_runner(
         eos_token_ids=info.eos_token_ids,
         kv_tiers=kv_tiers,
         step_limits=limits if uses_step_buffers(config, device) else None,
+        kv_transfer=kv_transfer,
     )
     refusal = graph_refusal(config, device, tp_group)
     if refusal is None:  # capture happens now, before the first step; its memory was counted
@@ -499,3 +525,22 @@ def build_model_runner(
     elif device.type == "cuda":
         logger.info("decode steps run eagerly: %s", refusal)
     return runner
+
+
+def build_kv_transfer(
+    config: WorkerConfig,
+    kv_cache_config: KVCacheConfig,
+    kv_caches: dict[str, torch.Tensor],
+    tp_size: int,
+    model_name: str,
+) -> KVTransferRank | None:
+    """This rank's P/D agent (DESIGN.md §12), serving pulls when the engine named an address;
+    None for a model whose KV cannot move (several groups; the engine refuses P/D roles then)."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        return None
+    layout = kv_transfer_layout(model_name, kv_cache_config, tp_size)
+    pages = shared_kv_tensors(kv_cache_config, kv_caches, tp_size)
+    kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve)
+    if kv_cache_config.kv_transfer_address is not None:
+        kv_transfer.serve(kv_cache_config.kv_transfer_address, kv_cache_config.generation)
+    return kv_transfer

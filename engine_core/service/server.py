@@ -35,6 +35,7 @@ from protocol.stats import EngineStats, stat_values
 logger = logging.getLogger(__name__)
 
 METRICS_UPDATE_S = 0.5  # how often the gauges follow the scheduler's stats
+KV_TRANSFER_EXPIRY_S = 0.1  # how often a prefill engine frees the transfers past their deadline
 IDLE_POLL_MS = 100  # how long an idle loop sleeps in poll; client input wakes it at once
 BACKLOG_RETRY_MS = 5  # how often an idle loop retries a slow client's backlog
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -73,7 +74,7 @@ class EngineServer:
         self._poller.register(router.sock, zmq.POLLIN)
         self._worker_items: list[zmq.Socket | int] = []
         self._watch_workers()
-        self._next_metrics_time = self._next_probe_time = 0.0
+        self._next_metrics_time = self._next_probe_time = self._next_expiry_time = 0.0
         self._last_stats_time = time.monotonic()
         self._next_stats_time = self._last_stats_time + config.log_stats_interval_s
         self._num_steps = self._num_steps_logged = 0
@@ -125,6 +126,9 @@ class EngineServer:
         if has_work or self.core.has_work():
             self._step()
         now = time.monotonic()
+        if now >= self._next_expiry_time:
+            self._next_expiry_time = now + KV_TRANSFER_EXPIRY_S
+            self.core.expire_kv_transfers()  # their unpins make the next step go out
         if now >= self._next_probe_time:
             self._next_probe_time = now + PROBE_INTERVAL_S
             self.router.probe(self.core.client_ids())
@@ -177,6 +181,7 @@ class EngineServer:
         self.recovery.recover(self.core, self.workers, error, self._serve_clients_while_waiting)
         self._publish_kv_events()  # AllBlocksCleared: the new ranks' caches hold nothing
         self._watch_workers()
+        self.core.set_kv_transfer_endpoints(self.workers.kv_transfer_endpoints)
         return True
 
     def _serve_clients_while_waiting(self) -> None:
@@ -297,14 +302,27 @@ class EngineServer:
             "get_load": lambda: (True, self.core.make_load(), None),
         }
         method = methods.get(call.method)
+        if call.method == "release_kv_transfer":
+            return self._release_kv_transfer(call)
         if method is None:
-            error = f"unknown utility method {call.method!r}: expected one of {sorted(methods)}"
+            names = sorted([*methods, "release_kv_transfer"])
+            error = f"unknown utility method {call.method!r}: expected one of {names}"
             return UtilityResult(call.call_id, False, error=error)
         if call.args:
             error = f"{call.method} takes no arguments, got {len(call.args)}"
             return UtilityResult(call.call_id, False, error=error)
         ok, value, error = method()
         return UtilityResult(call.call_id, ok, value, error)
+
+    def _release_kv_transfer(self, call: UtilityCall) -> UtilityResult:
+        """`release_kv_transfer(transfer_id, secret)`: a decode engine answered for the handle,
+        so its blocks may go to the prefix cache now rather than at the deadline."""
+        match call.args:
+            case [int() as transfer_id, str() as secret] if not isinstance(transfer_id, bool):
+                ok, error = self.core.release_kv_transfer(transfer_id, secret)
+                return UtilityResult(call.call_id, ok, ok, error)
+        error = f"release_kv_transfer takes (transfer_id: int, secret: str), got {call.args!r}"
+        return UtilityResult(call.call_id, False, error=error)
 
     def _reset_prefix_cache(self) -> tuple[bool, StatValue, str | None]:
         ok, reason = self.core.reset_prefix_cache()
@@ -330,10 +348,14 @@ class EngineServer:
         params = hash_params(self.config.cache, [group.spec.block_size for group in groups])
         events = self.config.kv_events
         is_publishing = events.enable_kv_cache_events
+        layout = msgspec.structs.asdict(self.core.kv_transfer_layout)
         return msgspec.structs.asdict(params) | {
             "kv_events_endpoint": events.endpoint if is_publishing else None,
             "kv_events_replay_endpoint": events.replay_endpoint if is_publishing else None,
             "kv_events_topic": events.topic,
+            # P/D (DESIGN.md §12): the role, and the layout a prefill/decode pair must share
+            "kv_role": self.config.kv_role,
+            **{f"kv_layout_{name}": value for name, value in layout.items()},
         }
 
     def _stats(self) -> dict[str, StatValue]:
@@ -351,7 +373,7 @@ class EngineServer:
             num_worker_restarts=self.recovery.num_restarts if self.recovery is not None else 0,
             rank_forward_s=self.workers.rank_forward_time_s,
         )
-        return stat_values(stats)
+        return stat_values(stats) | self.core.kv_transfer_stats()
 
     def check_invariants(self) -> None:
         """The loop's own counters and the invariants of what it drives; the core walks its own

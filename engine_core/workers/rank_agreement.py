@@ -41,6 +41,19 @@ def with_every_failed_disk_slot(outputs: list[ModelRunnerOutput]) -> ModelRunner
     return msgspec.structs.replace(reference, failed_disk_slots=pack_int32(sorted(failed)))
 
 
+def with_every_failed_kv_pull(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """The reply carrying the P/D pulls that failed on any rank, and the bytes all ranks pulled.
+
+    Each rank pulls its own shard of a block, so a pull is complete only where every rank's is.
+    """
+    reference = outputs[0]
+    if not any(out.failed_kv_pulls or out.kv_pull_bytes for out in outputs):
+        return reference
+    failed = sorted({transfer_id for out in outputs for transfer_id in out.failed_kv_pulls})
+    num_bytes = sum(out.kv_pull_bytes for out in outputs)
+    return msgspec.structs.replace(reference, failed_kv_pulls=failed, kv_pull_bytes=num_bytes)
+
+
 def describe_message(message: WorkerToEngine) -> str:
     """A short name of a message for an error: its type, and the step of a reply."""
     match message:
