@@ -409,6 +409,10 @@ class EngineCore:
             named = [endpoint for endpoint in endpoints if endpoint is not None]
             self.kv_pins.endpoints = named if len(named) == len(endpoints) else []
 
+    def take_kv_pull_seconds(self) -> list[float]:
+        """Parked-to-pulled times of a decode engine's pulls since the last call."""
+        return self.kv_pulls.take_pull_seconds() if self.kv_pulls is not None else []
+
     def kv_transfer_stats(self) -> dict[str, StatValue]:
         """P/D figures for get_stats: the role, blocks held, transfers pinned, pulled, failed."""
         stats: dict[str, StatValue] = {"kv_role": self.engine_config.kv_role}

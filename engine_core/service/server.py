@@ -138,6 +138,9 @@ class EngineServer:
             self._next_metrics_time = now + METRICS_UPDATE_S
             self.metrics.on_stats(self.core.make_stats())
             self.metrics.on_block_residency(self.core.take_block_residency())
+            self.metrics.kv_transfer.on_stats(
+                self.core.kv_transfer_stats(), self.core.take_kv_pull_seconds()
+            )
 
     def _serve_clients(self, timeout_ms: int) -> dict[zmq.Socket | int, int]:
         """The clients' half of one pass, which the handshake of a new worker generation runs
