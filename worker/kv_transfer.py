@@ -17,8 +17,9 @@ thread of its own; on a decode engine's rank, one DEALER per prefill rank it pul
 
 Transports: `ipc://FOLDER` binds a socket file per rank and generation there (same host);
 `tcp://HOST` binds a free port. With the deployment's CURVE keys, the server is a CURVE server
-with the worker keypair every rank shares, and a puller its CURVE client: the pages are
-encrypted, and the secret still decides what a peer may read.
+with the worker keypair every rank shares, its ZAP handler admits only that key (decode ranks
+of the deployment), and a puller is its CURVE client: the pages are encrypted, and the secret
+still decides what an admitted peer may read.
 """
 
 import hmac
@@ -31,6 +32,7 @@ import msgspec
 import numpy as np
 import torch
 import zmq
+from zmq.utils import z85
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import CurveKeys
@@ -78,7 +80,8 @@ class KVTransferRank:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: zmq.Socket | None = None
-        self._thread: threading.Thread | None = None
+        self._zap: zmq.Socket | None = None  # the ZAP handler's socket, with CURVE
+        self._threads: list[threading.Thread] = []  # the server's, and ZAP's with CURVE
         self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint
         self._encoder = msgspec.msgpack.Encoder()
         self._request_decoder = msgspec.msgpack.Decoder(KVPullRequest)
@@ -96,6 +99,8 @@ class KVTransferRank:
 
     def serve(self, address: str, generation: int) -> str:
         """Bind under `address` and serve pulls on a thread; the endpoint as bound."""
+        if self.curve is not None:  # before the server binds, so no peer slips in unchecked
+            self._start_zap(self.curve.public_key)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
@@ -115,10 +120,44 @@ class KVTransferRank:
                 f"kv_transfer_address {address!r}: expected ipc://FOLDER or tcp://HOST"
             )
         self._server, self.endpoint = sock, endpoint
-        self._thread = threading.Thread(target=self._serve, name="kv-transfer", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._serve, name="kv-transfer", daemon=True)
+        thread.start()
+        self._threads.append(thread)
         logger.info("serving KV transfers at %s", endpoint)
         return endpoint
+
+    def _start_zap(self, worker_public_key: str) -> None:
+        """ZAP for this rank's context: admit only peers holding the worker keypair (decode
+        ranks); any other key, client or engine included, is refused before a frame passes."""
+        zap = self.ctx.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind("inproc://zeromq.zap.01")
+        admitted = z85.decode(worker_public_key.encode())
+        self._zap = zap
+        thread = threading.Thread(
+            target=self._answer_zap, args=(admitted,), name="kv-transfer-zap", daemon=True
+        )
+        thread.start()
+        self._threads.append(thread)
+
+    def _answer_zap(self, admitted: bytes) -> None:
+        zap = self._zap
+        assert zap is not None
+        while not self._stop.is_set():
+            try:
+                if not zap.poll(SERVE_POLL_MS):
+                    continue
+                frames = zap.recv_multipart()
+            except zmq.ZMQError:
+                return
+            version, request_id = frames[0], frames[1]
+            mechanism, key = frames[5], frames[6] if len(frames) > 6 else b""
+            is_admitted = mechanism == b"CURVE" and key == admitted
+            if not is_admitted:
+                self.num_refused += 1
+                logger.warning("refused a KV transfer peer with an unknown key")
+            status = [b"200", b"OK"] if is_admitted else [b"400", b"unknown key"]
+            zap.send_multipart([version, request_id, *status, b"", b""])
 
     def _serve(self) -> None:
         sock = self._server
@@ -283,10 +322,12 @@ class KVTransferRank:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(CLOSE_TIMEOUT_S)
+        for thread in self._threads:
+            thread.join(CLOSE_TIMEOUT_S)
         if self._server is not None:
             self._server.close(linger=0)
+        if self._zap is not None:
+            self._zap.close(linger=0)
         for endpoint in list(self._pullers):
             self._drop_puller(endpoint)
         if self._ctx is not None:
