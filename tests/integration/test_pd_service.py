@@ -43,18 +43,23 @@ HTTP_TIMEOUT_S = 90.0
 IDLE_TIMEOUT_S = 20.0
 
 
-def launch_engine(processes: Processes, folder: Path, name: str, *extra: str) -> str:
+def launch_engine(
+    processes: Processes, folder: Path, name: str, *extra: str, tp: int = 1, model: str = MODEL
+) -> str:
     """`kvserve launch` in a session of its own (so that a test can kill the whole of it)."""
     client = f"ipc://{folder}/client-{name}.sock"
-    args = ["launch", "-tp", "1", "--model", MODEL, "--device", "cpu", "--client-address", client]
+    args = ["launch", "-tp", str(tp), "--model", model, "--device", "cpu"]
+    args += ["--client-address", client]
     args += ["--worker-address", f"ipc://{folder}/worker-{name}.sock", "--log-level", "INFO"]
     args += ["--master-port", str(free_tcp_ports(1)[0]), *ENGINE_FLAGS, *extra]
     processes.start(f"launch-{name}", "kvserve_main", args, new_session=True)
     return client
 
 
-def start_front_end(processes: Processes, engines: list[str], port: int) -> str:
-    args = ["serve", "--model", MODEL, "--port", str(port), "--log-level", "INFO"]
+def start_front_end(
+    processes: Processes, engines: list[str], port: int, roles: list[str], model: str = MODEL
+) -> str:
+    args = ["serve", "--model", model, "--port", str(port), "--log-level", "INFO"]
     args += ["--router-policy", "kv"]
     for address in engines:
         args += ["--engine-address", address]
@@ -66,8 +71,8 @@ def start_front_end(processes: Processes, engines: list[str], port: int) -> str:
             engines_stats = httpx.get(f"{url}/router", timeout=2).json()["engines"]
         except (httpx.TransportError, ValueError, KeyError):
             return False
-        roles = [engine["kv_role"] for engine in engines_stats]
-        return roles == ["prefill", "decode"] and all(
+        announced = [engine["kv_role"] for engine in engines_stats]
+        return announced == roles and all(
             engine["is_routable"] and engine["is_following_kv_events"] for engine in engines_stats
         )
 
@@ -95,9 +100,9 @@ def params_of(idx: int) -> SamplingParams:
     return SamplingParams(max_tokens=10, ignore_eos=True)
 
 
-def complete(url: str, idx: int, prompt: list[int]) -> str:
+def complete(url: str, idx: int, prompt: list[int], model: str = MODEL) -> str:
     params = params_of(idx)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": params.max_tokens, "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": params.max_tokens, "ignore_eos": True}
     body |= {"temperature": params.temperature}
     if params.seed is not None:
         body["seed"] = params.seed
@@ -106,14 +111,14 @@ def complete(url: str, idx: int, prompt: list[int]) -> str:
     return answer.json()["choices"][0]["text"]
 
 
-def serve_and_check(url: str, prompts: list[list[int]], first_idx: int) -> None:
+def serve_and_check(url: str, prompts: list[list[int]], first_idx: int, model: str = MODEL) -> None:
     """Every prompt at once through the front end; each text must be the reference's."""
     tokenizer = ByteTokenizer()
     indexed = list(enumerate(prompts, start=first_idx))
     with ThreadPoolExecutor(4) as pool:
-        texts = list(pool.map(lambda item: complete(url, *item), indexed))
+        texts = list(pool.map(lambda item: complete(url, *item, model=model), indexed))
     for (idx, prompt), text in zip(indexed, texts, strict=True):
-        expected = reference_generate(MODEL, prompt, params_of(idx), max_model_len=512)
+        expected = reference_generate(model, prompt, params_of(idx), max_model_len=512)
         assert text == tokenizer.decode(expected), f"request {idx}"
 
 
@@ -156,7 +161,7 @@ def test_one_prefill_one_decode_serve_exact_tokens_through_faults(
     decode = launch_engine(
         processes, ipc_folder, "d", "--kv-role", "decode", *events_flags((ports[2], ports[3]))
     )
-    url = start_front_end(processes, [prefill, decode], ports[4])
+    url = start_front_end(processes, [prefill, decode], ports[4], ["prefill", "decode"])
 
     # 1. Exact tokens, prefix hits on the prefill side, pulls on the decode side.
     prompts = shared_prefix_prompts(6, prefix_len=40, tail_len=9, seed=3)
@@ -203,3 +208,44 @@ def test_one_prefill_one_decode_serve_exact_tokens_through_faults(
     wait_idle(decode, "the decode engine after the prefill engine died")
     stop_process(processes, "api")
     stop_process(processes, "launch-d")
+
+
+@pytest.mark.timeout(600)
+def test_two_prefill_engines_and_one_decode_engine_at_tp_2(
+    processes: Processes, ipc_folder: Path
+) -> None:
+    """2P1D, every engine with two ranks: each decode rank pulls its shard from the same rank
+    of whichever prefill engine held the request; the tokens are one engine's."""
+    model = "checksum"
+    ports = free_tcp_ports(7)
+    engines = [
+        launch_engine(
+            processes,
+            ipc_folder,
+            name,
+            *("--kv-role", role),
+            *events_flags((ports[2 * idx], ports[2 * idx + 1])),
+            tp=2,
+            model=model,
+        )
+        for idx, (name, role) in enumerate((("p0", "prefill"), ("p1", "prefill"), ("d", "decode")))
+    ]
+    url = start_front_end(processes, engines, ports[6], ["prefill", "prefill", "decode"], model)
+    prompts = shared_prefix_prompts(4, prefix_len=40, tail_len=9, seed=7)
+    prompts += shared_prefix_prompts(4, prefix_len=36, tail_len=5, seed=8)
+    serve_and_check(url, prompts, first_idx=0, model=model)
+    prefill_stats = [wait_idle(address, "a prefill engine") for address in engines[:2]]
+    decode_stats = wait_idle(engines[2], "the decode engine")
+    assert sum(stats["kv_transfer_handles"] for stats in prefill_stats) == len(prompts)
+    # a request whose pullable blocks the decode engine already caches (a shared prefix pulled
+    # for an earlier one) pulls nothing
+    num_pulled, num_skipped = (
+        decode_stats["kv_transfer_pulls"],
+        decode_stats["kv_transfer_skipped_pulls"],
+    )
+    assert num_pulled >= 2 and num_pulled + num_skipped == len(prompts), decode_stats
+    assert decode_stats["kv_transfer_failed_pulls"] == 0, decode_stats
+    assert_index_matches(url, engines, "after transfers at TP 2")
+    stop_process(processes, "api")
+    for name in ("p0", "p1", "d"):
+        stop_process(processes, f"launch-{name}")

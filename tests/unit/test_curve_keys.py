@@ -74,7 +74,7 @@ def test_an_exposed_kv_events_socket_is_refused_too() -> None:
 
 def test_an_exposed_kv_transfer_address_of_a_prefill_engine_is_refused_too() -> None:
     exposed = EngineConfig(kv_role="prefill", kv_transfer_address="tcp://10.0.0.1")
-    with pytest.raises(InsecureAddressError, match="--kv-transfer-address tcp://10.0.0.1:0"):
+    with pytest.raises(InsecureAddressError, match=r"--kv-transfer-address tcp://10\.0\.0\.1:0"):
         check_secure(exposed)
     check_secure(EngineConfig(kv_role="prefill", kv_transfer_address="tcp://127.0.0.1"))
     check_secure(EngineConfig(kv_role="decode", kv_transfer_address="tcp://10.0.0.1"))
