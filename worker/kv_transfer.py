@@ -25,6 +25,7 @@ still decides what an admitted peer may read.
 import hmac
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the step deadline
 SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
 CLOSE_TIMEOUT_S = 2.0
+WILDCARD_HOSTS = ("*", "0.0.0.0")
 
 
 class KVPullError(RuntimeError):
@@ -97,8 +99,10 @@ class KVTransferRank:
 
     # -- the prefill side ----------------------------------------------------------------------
 
-    def serve(self, address: str, generation: int) -> str:
-        """Bind under `address` and serve pulls on a thread; the endpoint as bound."""
+    def serve(self, address: str, generation: int, peer_address: str | None = None) -> str:
+        """Bind under `address` and serve pulls on a thread; the endpoint to announce. A
+        wildcard tcp host (`tcp://*`, `tcp://0.0.0.0`) binds every interface and announces the
+        one that routes to `peer_address` (the engine's worker address)."""
         if self.curve is not None:  # before the server binds, so no peer slips in unchecked
             self._start_zap(self.curve.public_key)
         sock = self.ctx.socket(zmq.ROUTER)
@@ -113,7 +117,10 @@ class KVTransferRank:
             sock.bind(endpoint)
         elif address.startswith("tcp://"):
             port = sock.bind_to_random_port(address)
-            endpoint = f"{address}:{port}"
+            host = address.removeprefix("tcp://")
+            if host in WILDCARD_HOSTS:
+                host = routed_host(peer_address)
+            endpoint = f"tcp://{host}:{port}"
         else:
             sock.close()
             raise ValueError(
@@ -339,6 +346,24 @@ class KVTransferRank:
                 assert all(0 < block_id < self.num_blocks for block_id in block_ids), (
                     f"transfer {transfer_id} pins blocks {sorted(block_ids)} outside the pool"
                 )
+
+
+def routed_host(peer_address: str | None) -> str:
+    """This host's address on the interface that routes to the host of `peer_address` (a
+    tcp:// address), found by a UDP connect that sends nothing; the host's name's address
+    otherwise."""
+    if peer_address is not None and peer_address.startswith("tcp://"):
+        peer_host = peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((peer_host, 9))
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _same_secret(expected: str, given: str) -> bool:

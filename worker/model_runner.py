@@ -542,5 +542,6 @@ def build_kv_transfer(
     pages = shared_kv_tensors(kv_cache_config, kv_caches, tp_size)
     kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve)
     if kv_cache_config.kv_transfer_address is not None:
-        kv_transfer.serve(kv_cache_config.kv_transfer_address, kv_cache_config.generation)
+        address = kv_cache_config.kv_transfer_address
+        kv_transfer.serve(address, kv_cache_config.generation, config.engine_address)
     return kv_transfer

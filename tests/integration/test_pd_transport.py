@@ -115,3 +115,15 @@ def test_tcp_pulls_with_curve_admit_only_the_worker_key(
         client.close()
         stranger.close()
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_wildcard_tcp_address_announces_the_host_that_routes_to_the_engine() -> None:
+    server, client = KVTransferRank(0, pages(1), LAYOUT), KVTransferRank(0, pages(2), LAYOUT)
+    try:
+        endpoint = server.serve("tcp://*", generation=1, peer_address="tcp://127.0.0.1:5560")
+        assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+        check_transfer(server, client, endpoint)
+    finally:
+        server.close()
+        client.close()
