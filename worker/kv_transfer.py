@@ -23,6 +23,7 @@ still decides what an admitted peer may read.
 """
 
 import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -349,16 +350,19 @@ class KVTransferRank:
 
 
 def routed_host(peer_address: str | None) -> str:
-    """This host's address on the interface that routes to the host of `peer_address` (a
-    tcp:// address), found by a UDP connect that sends nothing; the host's name's address
-    otherwise."""
+    """This host's address for a rank that binds every interface: the one on the interface that
+    routes to the host of `peer_address` (a tcp:// address; a UDP connect that sends nothing),
+    unless that is a loopback address, then the address the host's name resolves to (a
+    container's own, under Docker or Kubernetes); 127.0.0.1 when neither is known."""
     if peer_address is not None and peer_address.startswith("tcp://"):
         peer_host = peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
                 probe.connect((peer_host, 9))
-                return probe.getsockname()[0]
-        except OSError:
+                host = probe.getsockname()[0]
+            if not ipaddress.ip_address(host).is_loopback:
+                return host
+        except (OSError, ValueError):
             pass
     try:
         return socket.gethostbyname(socket.gethostname())
