@@ -310,10 +310,24 @@ class EngineCore:
     # -- disaggregated prefill and decode (DESIGN.md §12) ----------------------------------------
 
     def _has_transfer_orders(self) -> bool:
-        """Pins, unpins or pulls that the ranks must get with a step, even an empty one."""
+        """Pins, unpins or pulls that the ranks must get with a step, or pulls they run whose
+        ends only a step's reply can bring back: a step must go out, even an empty one."""
         pins, pulls = self.kv_pins, self.kv_pulls
         return (pins is not None and pins.has_orders()) or (
-            pulls is not None and pulls.has_orders()
+            pulls is not None and (pulls.has_orders() or pulls.is_pulling())
+        )
+
+    def is_only_pulling(self) -> bool:
+        """The one work left is hearing the ends of pulls the ranks run: the server paces its
+        empty steps rather than spinning."""
+        scheduler, pulls = self.scheduler, self.kv_pulls
+        return (
+            pulls is not None
+            and pulls.is_pulling()
+            and not pulls.has_orders()
+            and not scheduler.has_unfinished_requests()
+            and not scheduler.has_finished_requests()
+            and scheduler.num_steps_in_flight == 0
         )
 
     def _with_transfer_orders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
@@ -330,7 +344,7 @@ class EngineCore:
                         request.req_id, request.num_prompt_tokens, block_ids
                     )
         pin_orders = pins.take_orders() if pins is not None else None
-        pull_orders = pulls.take_orders(scheduler_output.step_id) if pulls is not None else None
+        pull_orders = pulls.take_orders() if pulls is not None else None
         if pin_orders is None and pull_orders is None:
             return scheduler_output
         orders = pin_orders or KVTransferOrders()
@@ -344,9 +358,9 @@ class EngineCore:
         """Settle the pulls the step carried (queueing their requests), and give each prefill
         request that ended holding its blocks its handle."""
         pulls = self.kv_pulls
-        if pulls is not None and pulls.parked:
+        if pulls is not None and model_runner_output.finished_kv_pulls:
             settled = pulls.on_step_reply(
-                model_runner_output.step_id,
+                model_runner_output.finished_kv_pulls,
                 model_runner_output.failed_kv_pulls,
                 model_runner_output.kv_pull_bytes,
             )

@@ -5,7 +5,8 @@ Four conversations carry it:
   `EngineCoreOutput` of that request, which carries a `KVTransferHandle` when its blocks are held;
 - front end -> decode engine: the same request again with that handle (`kv_transfer_handle`);
 - engine -> its ranks: `KVTransferOrders` riding a `SchedulerOutput` (pins and unpins on a prefill
-  engine, pulls on a decode engine); the ranks answer in `ModelRunnerOutput.failed_kv_pulls`;
+  engine, pulls on a decode engine); each rank runs a pull beside its steps and reports its end
+  once, in a later `ModelRunnerOutput` (`finished_kv_pulls`, `failed_kv_pulls`);
 - decode rank r -> prefill rank r: `KVPullRequest`, answered by `KVPullReply` and the pages.
 
 The contract:
@@ -91,8 +92,10 @@ class KVPin(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVPull(msgspec.Struct, frozen=True, array_like=True):
-    """Decode engine -> its ranks: pull `src_block_ids` of a handle into `dst_block_ids`."""
+    """Decode engine -> its ranks: pull `src_block_ids` of a handle into `dst_block_ids`. No
+    step reads or writes the destination blocks until every rank has reported the pull."""
 
+    pull_id: int  # the decode engine's own, never reused: the ranks report the pull by it
     transfer_id: int  # the handle's
     secret: Secret  # the handle's
     endpoints: list[str]  # the handle's: rank r pulls from endpoints[r]
@@ -103,9 +106,9 @@ class KVPull(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVTransferOrders(msgspec.Struct, frozen=True, array_like=True):
-    """One step's transfer orders. Each rank runs them after the step's tier copies and before
-    its forward: pins and unpins first, then pulls. An unpin rides the first step that could
-    reuse the blocks, so a pull is never served from a block that was given to another request."""
+    """One step's transfer orders. Each rank applies pins and unpins before the step's forward:
+    an unpin rides the first step that could reuse the blocks, so a pull is never served from a
+    block given to another request. Pulls are queued then, and run beside the steps."""
 
     pins: list[KVPin] = []
     unpins: list[int] = []  # transfer ids no longer served

@@ -141,9 +141,11 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # int32 disk slots of this step's kv_transfers that hold no valid copy on this rank: a read
     # whose checksum failed (its host destination is then empty too) or a write that failed.
     failed_disk_slots: bytes = b""
-    # transfer ids of this step's kv_transfer_orders pulls that did not complete on this rank
-    failed_kv_pulls: list[int] = []
-    kv_pull_bytes: int = 0  # bytes this rank pulled in this step
+    # P/D pulls (KVPull.pull_id) that ended on this rank since its previous reply, each reported
+    # once; a pull runs beside the steps, from the step that ordered it
+    finished_kv_pulls: list[int] = []
+    failed_kv_pulls: list[int] = []  # those of finished_kv_pulls that failed
+    kv_pull_bytes: int = 0  # bytes those pulls moved to this rank
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -9,11 +9,14 @@ thread of its own; on a decode engine's rank, one DEALER per prefill rank it pul
   from a block given to another request. A pull is served only when it names a pinned transfer,
   its secret (compared in constant time) and block ids among that transfer's, with this rank's
   number and this rank's KV layout: anything else is refused with the reason, and counted.
-- Pulls are run in the step, before the forward and after the tier copies, as copies into the
-  fresh blocks the engine took for them: the pages arrive as one frame per shared KV tensor and
-  land in the destination blocks through the same [num_blocks, page_bytes] views the tiers copy
-  through (worker/kv_cache.shared_kv_tensors). A pull that fails or waits past PULL_TIMEOUT_S is
-  reported, and its DEALER is dropped so that no late reply is read for a later pull.
+- Pulls are queued by the step that orders them and run on a puller thread beside the steps, as
+  copies into the fresh blocks the engine took for them (no step touches those blocks until the
+  engine has every rank's report): the pages arrive as one frame per shared KV tensor and land
+  in the destination blocks through the same [num_blocks, page_bytes] views the tiers copy
+  through (worker/kv_cache.shared_kv_tensors); on CUDA on a stream of the thread's own, waited
+  for before the pull is reported. Each ended pull is reported once, with the next step's reply.
+  A pull that fails or waits past PULL_TIMEOUT_S is reported failed, and its DEALER is dropped so
+  that no late reply is read for a later pull.
 
 Transports: `ipc://FOLDER` binds a socket file per rank and generation there (same host);
 `tcp://HOST` binds a free port. With the deployment's CURVE keys, the server is a CURVE server
@@ -26,6 +29,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -75,6 +79,7 @@ class KVTransferRank:
         self.rank = rank
         self.device_pages = device_pages  # per shared tensor: [num_blocks, page_bytes] uint8
         self.num_blocks = device_pages[0].shape[0] if device_pages else 0
+        self._is_cuda = bool(device_pages) and device_pages[0].device.type == "cuda"
         self.layout = layout
         self.curve = curve
         self._ctx: zmq.Context | None = None  # made on first use: most ranks never need one
@@ -85,7 +90,12 @@ class KVTransferRank:
         self._server: zmq.Socket | None = None
         self._zap: zmq.Socket | None = None  # the ZAP handler's socket, with CURVE
         self._threads: list[threading.Thread] = []  # the server's, and ZAP's with CURVE
-        self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint
+        self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint; puller thread only
+        self._pull_queue: queue.SimpleQueue[KVPull | None] = queue.SimpleQueue()
+        self._pull_thread: threading.Thread | None = None  # started by the first pull
+        self._done_lock = threading.Lock()
+        # pulls ended since the last take_finished: (pull id, whether it completed, bytes)
+        self._done: list[tuple[int, bool, int]] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._request_decoder = msgspec.msgpack.Decoder(KVPullRequest)
         self._reply_decoder = msgspec.msgpack.Decoder(KVPullReply)
@@ -228,22 +238,52 @@ class KVTransferRank:
 
     # -- the engine's orders, each step --------------------------------------------------------
 
-    def apply(self, orders: KVTransferOrders) -> tuple[list[int], int]:
-        """Pins and unpins, then pulls; the transfer ids whose pull failed, and bytes pulled."""
+    def apply(self, orders: KVTransferOrders) -> None:
+        """Pins and unpins at once (the step thread, before the forward); pulls are queued for
+        the puller thread."""
         if orders.pins or orders.unpins:
             with self._lock:
                 for transfer_id in orders.unpins:
                     self._pins.pop(transfer_id, None)
                 for pin in orders.pins:
                     self._pins[pin.transfer_id] = (pin.secret, list(pin.block_ids))
-        failed, num_bytes = [], 0
         for pull in orders.pulls:
+            if self._pull_thread is None:
+                self._pull_thread = threading.Thread(
+                    target=self._run_pulls, name="kv-pull", daemon=True
+                )
+                self._pull_thread.start()
+            self._pull_queue.put(pull)
+
+    def take_finished(self) -> tuple[list[int], list[int], int]:
+        """The pulls ended since the last call: (their ids, the failed ones, bytes moved)."""
+        with self._done_lock:
+            done, self._done = self._done, []
+        finished = [pull_id for pull_id, _, _ in done]
+        failed = [pull_id for pull_id, is_done, _ in done if not is_done]
+        return finished, failed, sum(num_bytes for _, _, num_bytes in done)
+
+    def _run_pulls(self) -> None:
+        stream = torch.cuda.Stream(self.device_pages[0].device) if self._is_cuda else None
+        while (pull := self._pull_queue.get()) is not None:
             try:
-                num_bytes += self.pull(pull)
+                if stream is None:
+                    num_bytes = self.pull(pull)
+                else:
+                    with torch.cuda.stream(stream):
+                        num_bytes = self.pull(pull)
+                    stream.synchronize()  # the pages are in place before the pull is reported
+                outcome = (pull.pull_id, True, num_bytes)
             except KVPullError as exc:
-                logger.warning("KV pull of transfer %d failed: %s", pull.transfer_id, exc)
-                failed.append(pull.transfer_id)
-        return failed, num_bytes
+                logger.warning(
+                    "KV pull %d (transfer %d) failed: %s", pull.pull_id, pull.transfer_id, exc
+                )
+                outcome = (pull.pull_id, False, 0)
+            except Exception:  # a bug here costs the pull, reported like any failure
+                logger.exception("KV pull %d failed", pull.pull_id)
+                outcome = (pull.pull_id, False, 0)
+            with self._done_lock:
+                self._done.append(outcome)
 
     # -- the decode side -----------------------------------------------------------------------
 
@@ -330,6 +370,9 @@ class KVTransferRank:
 
     def close(self) -> None:
         self._stop.set()
+        if self._pull_thread is not None:
+            self._pull_queue.put(None)  # after the pulls queued before it
+            self._pull_thread.join(PULL_TIMEOUT_S + CLOSE_TIMEOUT_S)
         for thread in self._threads:
             thread.join(CLOSE_TIMEOUT_S)
         if self._server is not None:

@@ -159,7 +159,9 @@ class ModelRunner:
         start = time.perf_counter()
         # copy-outs, then copy-ins, all before the forward (DESIGN.md §3.5)
         failed_disk_slots = pack_int32(self._apply_transfers(scheduler_output))
-        failed_kv_pulls, kv_pull_bytes = self._apply_transfer_orders(scheduler_output)
+        finished_kv_pulls, failed_kv_pulls, kv_pull_bytes = self._apply_transfer_orders(
+            scheduler_output
+        )
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
         handles = pack_int32(scheduled.handles)
@@ -175,6 +177,7 @@ class ModelRunner:
                 b"",
                 scheduler_output.generation,
                 failed_disk_slots=failed_disk_slots,
+                finished_kv_pulls=finished_kv_pulls,
                 failed_kv_pulls=failed_kv_pulls,
                 kv_pull_bytes=kv_pull_bytes,
             )
@@ -218,6 +221,7 @@ class ModelRunner:
             logprobs.sampled_token_ranks,
             self.timings.model_s,
             failed_disk_slots,
+            finished_kv_pulls,
             failed_kv_pulls,
             kv_pull_bytes,
         )
@@ -234,18 +238,22 @@ class ModelRunner:
             )
         return self.kv_tiers.apply(transfers)
 
-    def _apply_transfer_orders(self, scheduler_output: SchedulerOutput) -> tuple[list[int], int]:
-        """P/D pins and pulls (DESIGN.md §12), after the tier copies and before the forward:
-        the transfer ids whose pull failed on this rank, and the bytes pulled."""
+    def _apply_transfer_orders(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[int], list[int], int]:
+        """P/D (DESIGN.md §12): apply the step's pins and unpins and queue its pulls, before the
+        forward; report the pulls that ended since the last step (ids, failed ids, bytes)."""
         orders = scheduler_output.kv_transfer_orders
-        if orders is None:
-            return [], 0
         if self.kv_transfer is None:
-            raise ValueError(
-                f"step {scheduler_output.step_id} carries KV transfer orders, but rank "
-                f"{self.rank} has no transfer agent"
-            )
-        return self.kv_transfer.apply(orders)
+            if orders is not None:
+                raise ValueError(
+                    f"step {scheduler_output.step_id} carries KV transfer orders, but rank "
+                    f"{self.rank} has no transfer agent"
+                )
+            return [], [], 0
+        if orders is not None:
+            self.kv_transfer.apply(orders)
+        return self.kv_transfer.take_finished()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""

@@ -5,7 +5,8 @@ prompt's full blocks are hashed as the scheduler would hash them; the leading on
 caches already stay (referenced, so nothing evicts them meanwhile), and fresh blocks are taken for
 the rest up to the last full block before the prompt's last token (admission would recompute
 that one anyway, for its logits). The next step tells every rank to pull those blocks from its
-peer rank of the prefill engine. When that step is answered:
+peer rank of the prefill engine; the ranks pull beside the steps that follow (no step touches the
+fresh blocks) and each reports the pull's end once. When every rank has reported it:
 
 - every rank pulled: the fresh blocks get their hashes (KV events announce them) and every block
   is freed into the prefix cache, then the request is queued. Admission finds the whole run as a
@@ -44,7 +45,9 @@ class ParkedRequest:
     num_local_blocks: int  # leading blocks of `blocks` that were cached here already
     pull: KVPull
     start_s: float  # time.perf_counter() when it was parked
-    step_id: int | None = None  # the step that carries its pull, once sent
+    is_sent: bool = False  # its pull rode a step to the ranks
+    num_ranks_done: int = 0  # ranks that reported the pull ended
+    is_failed: bool = False  # some rank reported it failed
     is_aborted: bool = False
 
 
@@ -77,7 +80,9 @@ class KVTransferPulls:
         self.block_size = block_size
         self.layout = layout
         self.parked: dict[str, ParkedRequest] = {}
+        self.by_pull_id: dict[int, ParkedRequest] = {}
         self.stats = PullStats()
+        self._next_pull_id = 1
 
     def held_blocks(self) -> list[KVCacheBlock]:
         """Every block a parked request references (the coordinator's invariant counts them)."""
@@ -85,14 +90,18 @@ class KVTransferPulls:
 
     def has_orders(self) -> bool:
         """Pulls not sent to the ranks yet: a step must go out even if nothing runs."""
-        return any(parked.step_id is None for parked in self.parked.values())
+        return any(not parked.is_sent for parked in self.parked.values())
 
-    def take_orders(self, step_id: int) -> KVTransferOrders | None:
-        """The unsent pulls, now riding step `step_id`."""
+    def is_pulling(self) -> bool:
+        """Pulls sent and not yet reported by every rank: steps must keep going to hear them."""
+        return any(parked.is_sent for parked in self.parked.values())
+
+    def take_orders(self) -> KVTransferOrders | None:
+        """The unsent pulls, for the step about to go out."""
         pulls = []
         for parked in self.parked.values():
-            if parked.step_id is None:
-                parked.step_id = step_id
+            if not parked.is_sent:
+                parked.is_sent = True
                 pulls.append(parked.pull)
         return KVTransferOrders(pulls=pulls) if pulls else None
 
@@ -123,7 +132,9 @@ class KVTransferPulls:
             return False
         pool.touch(local)
         fresh = pool.get_new_blocks(num_fresh)
+        pull_id, self._next_pull_id = self._next_pull_id, self._next_pull_id + 1
         pull = KVPull(
+            pull_id,
             handle.transfer_id,
             handle.secret,
             list(handle.endpoints),
@@ -132,9 +143,10 @@ class KVTransferPulls:
             [block.block_id for block in fresh],
             self.layout,
         )
-        self.parked[req_id] = ParkedRequest(
+        parked = ParkedRequest(
             request, client_id, hashed, [*local, *fresh], len(local), pull, time.perf_counter()
         )
+        self.parked[req_id] = self.by_pull_id[pull_id] = parked
         return True
 
     def _refusal(self, request: EngineCoreRequest) -> str | None:
@@ -158,17 +170,29 @@ class KVTransferPulls:
         return seconds
 
     def on_step_reply(
-        self, step_id: int, failed_transfer_ids: list[int], num_bytes: int
+        self, finished_pull_ids: list[int], failed_pull_ids: list[int], num_bytes: int
     ) -> list[ParkedRequest]:
-        """Settle the pulls step `step_id` carried; the requests to queue now (aborted ones are
-        settled and dropped)."""
-        done = [p for p in self.parked.values() if p.step_id is not None and p.step_id <= step_id]
-        failed = set(failed_transfer_ids)
+        """Count the ranks' reports of ended pulls (a pull id once per rank); settle each pull
+        every rank has reported, and return the requests to queue now (aborted ones are settled
+        and dropped). A pull completes only if no rank failed it."""
         self.stats.num_bytes += num_bytes
-        for parked in done:
-            del self.parked[parked.hashed.req_id]
-            self._settle(parked, parked.pull.transfer_id not in failed)
-        return [parked for parked in done if not parked.is_aborted]
+        failed = set(failed_pull_ids)
+        settled = []
+        for pull_id in finished_pull_ids:
+            parked = self.by_pull_id.get(pull_id)
+            if parked is None:
+                continue  # settled already (the generation that ran it was lost)
+            parked.num_ranks_done += 1
+            parked.is_failed |= pull_id in failed
+            if parked.num_ranks_done == self.layout.tp_size:
+                self._forget(parked)
+                self._settle(parked, not parked.is_failed)
+                settled.append(parked)
+        return [parked for parked in settled if not parked.is_aborted]
+
+    def _forget(self, parked: ParkedRequest) -> None:
+        del self.parked[parked.hashed.req_id]
+        del self.by_pull_id[parked.pull.pull_id]
 
     def _settle(self, parked: ParkedRequest, is_pulled: bool) -> None:
         blocks, num_local = parked.blocks, parked.num_local_blocks
@@ -193,8 +217,8 @@ class KVTransferPulls:
         if parked is None or parked.is_aborted:
             return None
         parked.is_aborted = True
-        if parked.step_id is None:  # never sent: nothing writes its blocks
-            del self.parked[req_id]
+        if not parked.is_sent:  # nothing writes its blocks
+            self._forget(parked)
             self.block_pool.free_blocks(reversed(parked.blocks))
         return parked
 
@@ -207,12 +231,16 @@ class KVTransferPulls:
         requests, to queue (they compute their prompts on the new generation)."""
         parked = list(self.parked.values())
         self.parked.clear()
+        self.by_pull_id.clear()
         for one in parked:
             self._settle(one, is_pulled=False)
         return [one for one in parked if not one.is_aborted]
 
     def check_invariants(self) -> None:
+        assert len(self.by_pull_id) == len(self.parked), "a parked request without its pull"
         for req_id, parked in self.parked.items():
             assert parked.hashed.req_id == req_id, f"{req_id} parked as {parked.hashed.req_id}"
+            assert self.by_pull_id[parked.pull.pull_id] is parked, f"{req_id}'s pull id"
+            assert parked.num_ranks_done < self.layout.tp_size, f"{req_id}'s pull is settled"
             for block in parked.blocks:
                 assert block.ref_cnt >= 1, f"{req_id} holds a free block {block}"

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_UPDATE_S = 0.5  # how often the gauges follow the scheduler's stats
 KV_TRANSFER_EXPIRY_S = 0.1  # how often a prefill engine frees the transfers past their deadline
+KV_PULL_POLL_MS = 2  # an otherwise idle decode engine's step rate while its ranks pull
 IDLE_POLL_MS = 100  # how long an idle loop sleeps in poll; client input wakes it at once
 BACKLOG_RETRY_MS = 5  # how often an idle loop retries a slow client's backlog
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -120,7 +121,10 @@ class EngineServer:
     def _serve_once(self) -> None:
         has_work = self.core.has_work()
         backlog_ms = BACKLOG_RETRY_MS if self.router.backlogs else IDLE_POLL_MS
-        events = self._serve_clients(0 if has_work else backlog_ms)
+        if has_work and self.core.is_only_pulling():  # empty steps, paced, hear the pulls end
+            events = self._serve_clients(min(backlog_ms, KV_PULL_POLL_MS))
+        else:
+            events = self._serve_clients(0 if has_work else backlog_ms)
         if any(item in events for item in self._worker_items):
             self.workers.check_idle_events(self.core.num_steps_in_flight)
         if has_work or self.core.has_work():

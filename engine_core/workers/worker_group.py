@@ -19,7 +19,7 @@ from engine_core.workers.rank_agreement import (
     describe_disagreement,
     describe_message,
     with_every_failed_disk_slot,
-    with_every_failed_kv_pull,
+    with_every_kv_pull_report,
 )
 from engine_core.workers.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
 from engine_core.workers.step_transport import StepTransport
@@ -284,7 +284,7 @@ class WorkerGroup:
         if disagreement:  # a new generation would diverge again: a bug, not a fault
             raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
         self.rank_forward_time_s += min(output.forward_s for output in outputs)
-        return with_every_failed_kv_pull([with_every_failed_disk_slot(outputs), *outputs[1:]])
+        return with_every_kv_pull_report([with_every_failed_disk_slot(outputs), *outputs[1:]])
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:
         """Every rank's ModelRunnerOutput for `step_id`, in rank order, within the step deadline."""

@@ -7,6 +7,7 @@ other CURVE keys is refused by the rank's ZAP handler before a frame passes; a s
 costs the pull a timeout.
 """
 
+import time
 from pathlib import Path
 
 import msgspec
@@ -42,13 +43,33 @@ def pages(seed: int) -> list[torch.Tensor]:
 
 
 def pull_of(endpoint: str, first: int, src: list[int], dst: list[int], **changes: object) -> KVPull:
-    pull = KVPull(1, SECRET, [endpoint], first, src, dst, LAYOUT)
+    pull = KVPull(0, 1, SECRET, [endpoint], first, src, dst, LAYOUT)
     return msgspec.structs.replace(pull, **changes)
+
+
+def run_pulls(rank: KVTransferRank, pulls: list[KVPull]) -> tuple[list[int], int]:
+    """Order `pulls` (numbered 1, 2, ...) as a step would, and wait until the puller thread
+    reported each: the failed ones' numbers, and the bytes moved."""
+    numbered = [msgspec.structs.replace(pull, pull_id=idx + 1) for idx, pull in enumerate(pulls)]
+    rank.apply(KVTransferOrders(pulls=numbered))
+    finished: list[int] = []
+    failed: list[int] = []
+    num_bytes = 0
+    deadline = time.monotonic() + 30
+    while len(finished) < len(pulls):
+        assert time.monotonic() < deadline, f"pulls {finished} of {len(pulls)} reported"
+        done, done_failed, done_bytes = rank.take_finished()
+        finished += done
+        failed += done_failed
+        num_bytes += done_bytes
+        time.sleep(0.01)
+    assert sorted(finished) == list(range(1, len(pulls) + 1))
+    return sorted(failed), num_bytes
 
 
 def check_transfer(server: KVTransferRank, client: KVTransferRank, endpoint: str) -> None:
     server.apply(KVTransferOrders(pins=[KVPin(1, SECRET, [3, 7, 5, 9])]))
-    failed, num_bytes = client.apply(KVTransferOrders(pulls=[pull_of(endpoint, 1, [7, 5], [2, 4])]))
+    failed, num_bytes = run_pulls(client, [pull_of(endpoint, 1, [7, 5], [2, 4])])
     assert failed == [] and num_bytes == 2 * PAGE_BYTES * NUM_TENSORS
     for served, pulled in zip(server.device_pages, client.device_pages, strict=True):
         assert torch.equal(pulled[[2, 4]], served[[7, 5]])
@@ -60,10 +81,10 @@ def check_transfer(server: KVTransferRank, client: KVTransferRank, endpoint: str
         pull_of(endpoint, 0, [3], [6], transfer_id=2),
         pull_of(endpoint, 0, [3], [6], layout=msgspec.structs.replace(LAYOUT, block_size=8)),
     ]
-    failed, _ = client.apply(KVTransferOrders(pulls=refused))
+    failed, _ = run_pulls(client, refused)
     assert len(failed) == len(refused) and server.num_refused == len(refused)
     server.apply(KVTransferOrders(unpins=[1]))
-    failed, _ = client.apply(KVTransferOrders(pulls=[pull_of(endpoint, 0, [3], [6])]))
+    failed, _ = run_pulls(client, [pull_of(endpoint, 0, [3], [6])])
     assert failed == [1]
     assert all(torch.equal(a, b) for a, b in zip(before, client.device_pages, strict=True))
 
@@ -108,7 +129,7 @@ def test_tcp_pulls_with_curve_admit_only_the_worker_key(
         assert server.num_refused == num_refused + 1  # by ZAP, before any frame
         # a server that is gone: the pull times out and reads nothing
         server.close()
-        failed, _ = client.apply(KVTransferOrders(pulls=[pull_of(endpoint, 0, [3], [6])]))
+        failed, _ = run_pulls(client, [pull_of(endpoint, 0, [3], [6])])
         assert failed == [1]
     finally:
         server.close()
