@@ -222,7 +222,9 @@ class EngineCore:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        """Live requests: the scheduler's, and those parked for their pull (a decode engine)."""
+        num_parked = len(self.kv_pulls.parked) if self.kv_pulls is not None else 0
+        return len(self.scheduler.requests) + num_parked
 
     @property
     def kv_cache_usage(self) -> float:
@@ -452,7 +454,8 @@ class EngineCore:
         return stats
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is live, one parked for its pull included."""
+        return self.num_unfinished_requests > 0
 
     def reset_prefix_cache(self) -> tuple[bool, str | None]:
         """Clear the prefix cache; (False, reason) while requests hold blocks."""

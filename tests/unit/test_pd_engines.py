@@ -272,3 +272,26 @@ def test_a_request_that_stops_at_its_first_token_holds_nothing() -> None:
     assert outputs["r0"][-1].finish_reason == FinishReason.STOP
     assert outputs["r0"][-1].kv_transfer_handle is None
     _assert_idle(pair.prefill)
+
+
+def test_parked_requests_are_aborted_failed_and_counted_like_queued_ones() -> None:
+    """A request parked for its pull is live: an abort ends it (its pull, once sent, still
+    settles), a failure of the engine fails it with the reason, and neither leaks a block."""
+    pair = _pair("checksum", 4, 26)
+    handles, requests = _prefill_all(pair, _prompts(3)[1:])
+    decode = pair.decode
+    for req_id, request in requests.items():
+        with_handle = msgspec.structs.replace(request, kv_transfer_handle=handles[req_id])
+        assert decode.add_request(with_handle) is None
+    assert decode.num_unfinished_requests == 2 and decode.is_live(b"", "r0")
+    (aborted,) = decode.abort_requests(["r0"]).values()
+    assert [(out.req_id, out.finish_reason) for out in aborted.outputs] == [
+        ("r0", FinishReason.ABORT)
+    ]
+    decode.step()  # r1's pull goes out
+    (failed,) = decode.fail_all("the ranks are gone").values()
+    assert [(out.req_id, out.finish_reason, out.error) for out in failed.outputs] == [
+        ("r1", FinishReason.ERROR, "the ranks are gone")
+    ]
+    assert not decode.has_unfinished_requests()
+    _assert_idle(decode)
