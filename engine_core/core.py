@@ -10,10 +10,7 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, runtime_checkable
 
-import msgspec
-
-from engine_core.kv_transfer.pins import KVTransferPins
-from engine_core.kv_transfer.pulls import KVTransferPulls
+from engine_core.kv_transfer.agent import KVTransferAgent
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
@@ -28,7 +25,7 @@ from protocol.client_messages import (
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
-from protocol.kv_transfer import KVTransferOrders, kv_transfer_layout
+from protocol.kv_transfer import kv_transfer_layout
 from protocol.stats import BlockResidencyStats, SchedulerStats, stat_values
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
@@ -124,19 +121,11 @@ class EngineCore:
         self.kv_transfer_layout = kv_transfer_layout(
             model_info.name, kv_cache_config, engine_config.tp_size
         )
-        pool = self.scheduler.kv_cache_manager.block_pool
-        block_size = self.scheduler.block_size
-        self.kv_pins: KVTransferPins | None = None
-        self.kv_pulls: KVTransferPulls | None = None
-        if engine_config.kv_role == "prefill":
-            timeout_s = engine_config.kv_transfer_timeout_s
-            self.kv_pins = KVTransferPins(pool, block_size, timeout_s, self.kv_transfer_layout)
-        elif engine_config.kv_role == "decode":
-            self.kv_pulls = KVTransferPulls(pool, block_size, self.kv_transfer_layout)
-        holders = self.scheduler.kv_cache_manager.coordinator.block_holders
-        for agent in (self.kv_pins, self.kv_pulls):
-            if agent is not None:
-                holders.append(agent.held_blocks)
+        manager = self.scheduler.kv_cache_manager
+        self.kv_transfer = KVTransferAgent(
+            engine_config, manager.block_pool, self.scheduler.block_size, self.kv_transfer_layout
+        )
+        manager.coordinator.block_holders.extend(self.kv_transfer.block_holders())
         # outputs made between steps (a parked request refused once its pull settled), sent
         # with the next step's
         self._deferred_outputs: dict[bytes, list[EngineCoreOutput]] = {}
@@ -148,19 +137,19 @@ class EngineCore:
 
         On a decode engine a request with a KV transfer handle is parked until its pull settles;
         on a prefill engine a do_remote_decode request will be pinned (KVTransferPins)."""
-        scheduler = self.scheduler
-        if request.kv_transfer_handle is not None and self.kv_pulls is not None:
+        scheduler, pins, pulls = self.scheduler, self.kv_transfer.pins, self.kv_transfer.pulls
+        if request.kv_transfer_handle is not None and pulls is not None:
             req_id = scoped_req_id(client_id, request.req_id)
             is_live = self.is_live(client_id, request.req_id)
             try:  # a request it would refuse is refused now, by scheduler.add_request below
                 hashed = scheduler.intake.build(request, client_id, len(scheduler.waiting), is_live)
             except ValueError:
                 hashed = None
-            if hashed is not None and self.kv_pulls.park(req_id, hashed, request, client_id):
+            if hashed is not None and pulls.park(req_id, hashed, request, client_id):
                 return None
         refusal = scheduler.add_request(request, client_id)
-        if refusal is None and request.do_remote_decode and self.kv_pins is not None:
-            self.kv_pins.want(scoped_req_id(client_id, request.req_id))
+        if refusal is None and request.do_remote_decode and pins is not None:
+            pins.want(scoped_req_id(client_id, request.req_id))
         return refusal
 
     def abort_requests(
@@ -171,22 +160,23 @@ class EngineCore:
         outputs = self.scheduler.abort_client_requests(client_id, req_ids)
         for req_id in req_ids:
             self._abort_parked(scoped_req_id(client_id, req_id), None, outputs)
-        return self._with_transfer_handles(outputs)
+        return self.kv_transfer.with_handles(outputs)
 
     def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Abort every live request of a client that left or stopped reading, freeing blocks."""
         outputs = self.scheduler.abort_client(client_id, error)
-        if self.kv_pulls is not None:
-            for req_id, parked in list(self.kv_pulls.parked.items()):
+        if (pulls := self.kv_transfer.pulls) is not None:
+            for req_id, parked in list(pulls.parked.items()):
                 if parked.client_id == client_id:
                     self._abort_parked(req_id, error, outputs)
-        return self._with_transfer_handles(outputs)
+        return self.kv_transfer.with_handles(outputs)
 
     def _abort_parked(
         self, req_id: str, error: str | None, outputs: dict[bytes, EngineCoreOutputs]
     ) -> None:
         """Abort a request parked for its pull, adding its final output to `outputs`."""
-        if self.kv_pulls is None or (parked := self.kv_pulls.abort(req_id)) is None:
+        pulls = self.kv_transfer.pulls
+        if pulls is None or (parked := pulls.abort(req_id)) is None:
             return
         final = EngineCoreOutput(parked.request.req_id, [], FinishReason.ABORT, 0, error)
         batch = outputs.get(parked.client_id)
@@ -196,7 +186,7 @@ class EngineCore:
     def is_live(self, client_id: bytes, req_id: str) -> bool:
         """Whether the client holds a live request it named `req_id`."""
         scoped = scoped_req_id(client_id, req_id)
-        if self.kv_pulls is not None and self.kv_pulls.is_live(scoped):
+        if (pulls := self.kv_transfer.pulls) is not None and pulls.is_live(scoped):
             return True
         return scoped in self.scheduler.requests
 
@@ -209,21 +199,22 @@ class EngineCore:
             or scheduler.has_finished_requests()
             or scheduler.num_steps_in_flight > 0
             or self._send_error is not None
-            or self._has_transfer_orders()
+            or self.kv_transfer.needs_step()
             or bool(self._deferred_outputs)
         )
 
     def client_ids(self) -> list[bytes]:
         """The clients that hold live requests."""
         client_ids = list(self.scheduler.admission.num_live_by_client)
-        if self.kv_pulls is not None:
-            client_ids += [parked.client_id for parked in self.kv_pulls.parked.values()]
+        if (pulls := self.kv_transfer.pulls) is not None:
+            client_ids += [parked.client_id for parked in pulls.parked.values()]
         return list(dict.fromkeys(client_ids))
 
     @property
     def num_unfinished_requests(self) -> int:
         """Live requests: the scheduler's, and those parked for their pull (a decode engine)."""
-        num_parked = len(self.kv_pulls.parked) if self.kv_pulls is not None else 0
+        pulls = self.kv_transfer.pulls
+        num_parked = len(pulls.parked) if pulls is not None else 0
         return len(self.scheduler.requests) + num_parked
 
     @property
@@ -252,7 +243,7 @@ class EngineCore:
         if not (
             scheduler.has_unfinished_requests()
             or scheduler.has_finished_requests()
-            or self._has_transfer_orders()
+            or self.kv_transfer.needs_step()
         ):
             return self._take_deferred_outputs({})
         start = perf_counter()
@@ -302,7 +293,7 @@ class EngineCore:
         if (
             scheduler.has_unfinished_requests()
             or scheduler.has_finished_requests()
-            or self._has_transfer_orders()
+            or self.kv_transfer.needs_step()
         ):
             start = perf_counter()
             scheduler_output = scheduler.schedule()
@@ -311,89 +302,40 @@ class EngineCore:
 
     # -- disaggregated prefill and decode (DESIGN.md §12) ----------------------------------------
 
-    def _has_transfer_orders(self) -> bool:
-        """Pins, unpins or pulls that the ranks must get with a step, or pulls they run whose
-        ends only a step's reply can bring back: a step must go out, even an empty one."""
-        pins, pulls = self.kv_pins, self.kv_pulls
-        return (pins is not None and pins.has_orders()) or (
-            pulls is not None and (pulls.has_orders() or pulls.is_pulling())
-        )
-
     def is_only_pulling(self) -> bool:
         """The one work left is hearing the ends of pulls the ranks run: the server paces its
         empty steps rather than spinning."""
-        scheduler, pulls = self.scheduler, self.kv_pulls
+        scheduler = self.scheduler
         return (
-            pulls is not None
-            and pulls.is_pulling()
-            and not pulls.has_orders()
+            self.kv_transfer.is_pulling_only()
             and not scheduler.has_unfinished_requests()
             and not scheduler.has_finished_requests()
             and scheduler.num_steps_in_flight == 0
         )
 
     def _with_transfer_orders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        """The step as sent: with the pins of the do_remote_decode requests it samples first,
-        and every pending unpin and pull. The scheduler's record keeps the step as it built it."""
-        pins, pulls = self.kv_pins, self.kv_pulls
-        if pins is not None and pins.wanted:
-            step = self.scheduler.steps_in_flight.newest()
-            manager = self.scheduler.kv_cache_manager
-            for request, is_sampling in zip(step.requests, step.is_sampling, strict=True):
-                if is_sampling and request.req_id in pins.wanted:
-                    block_ids = manager.get_block_ids(request.req_id)[0]
-                    pins.on_first_sample_scheduled(
-                        request.req_id, request.num_prompt_tokens, block_ids
-                    )
-        pin_orders = pins.take_orders() if pins is not None else None
-        pull_orders = pulls.take_orders() if pulls is not None else None
-        if pin_orders is None and pull_orders is None:
+        """The step as sent, with its P/D orders; the scheduler's record keeps it as built."""
+        kv_transfer = self.kv_transfer
+        if kv_transfer.pins is None and kv_transfer.pulls is None:
             return scheduler_output
-        orders = pin_orders or KVTransferOrders()
-        if pull_orders is not None:
-            orders = msgspec.structs.replace(orders, pulls=pull_orders.pulls)
-        return msgspec.structs.replace(scheduler_output, kv_transfer_orders=orders)
+        step = self.scheduler.steps_in_flight.newest()
+        manager = self.scheduler.kv_cache_manager
+        return kv_transfer.with_orders(
+            scheduler_output,
+            list(zip(step.requests, step.is_sampling, strict=True)),
+            lambda req_id: manager.get_block_ids(req_id)[0],
+        )
 
     def _after_transfer_reply(
         self, model_runner_output: ModelRunnerOutput, outputs: dict[bytes, EngineCoreOutputs]
     ) -> dict[bytes, EngineCoreOutputs]:
-        """Settle the pulls the step carried (queueing their requests), and give each prefill
-        request that ended holding its blocks its handle."""
-        pulls = self.kv_pulls
-        if pulls is not None and model_runner_output.finished_kv_pulls:
-            settled = pulls.on_step_reply(
-                model_runner_output.finished_kv_pulls,
-                model_runner_output.failed_kv_pulls,
-                model_runner_output.kv_pull_bytes,
-            )
-            for parked in settled:
-                refusal = self.scheduler.add_request(parked.request, parked.client_id)
-                if refusal is not None:
-                    self._defer(parked.client_id, refusal)
-        return self._take_deferred_outputs(self._with_transfer_handles(outputs))
-
-    def _with_transfer_handles(
-        self, outputs: dict[bytes, EngineCoreOutputs]
-    ) -> dict[bytes, EngineCoreOutputs]:
-        """Each do_remote_decode request's last output, with its handle when its blocks are held
-        for a decode engine; a request that ended otherwise drops its pin."""
-        pins = self.kv_pins
-        if pins is None or not pins.wanted:
-            return outputs
-        for client_id, batch in outputs.items():
-            if not any(out.finish_reason is not None for out in batch.outputs):
-                continue
-            changed = []
-            for output in batch.outputs:
-                req_id = scoped_req_id(client_id, output.req_id)
-                if output.finish_reason is not None and req_id in pins.wanted:
-                    num_tokens = len(output.new_token_ids)
-                    handle = pins.on_finished(req_id, output.finish_reason, num_tokens)
-                    if handle is not None:
-                        output = msgspec.structs.replace(output, kv_transfer_handle=handle)
-                changed.append(output)
-            outputs[client_id] = msgspec.structs.replace(batch, outputs=changed)
-        return outputs
+        """Queue the requests whose pulls settled, and give each prefill request that ended
+        holding its blocks its handle."""
+        for parked in self.kv_transfer.settle(model_runner_output):
+            refusal = self.scheduler.add_request(parked.request, parked.client_id)
+            if refusal is not None:
+                self._defer(parked.client_id, refusal)
+        return self._take_deferred_outputs(self.kv_transfer.with_handles(outputs))
 
     def _defer(self, client_id: bytes, batch: EngineCoreOutputs) -> None:
         self._deferred_outputs.setdefault(client_id, []).extend(batch.outputs)
@@ -408,50 +350,6 @@ class EngineCore:
             outputs[client_id] = EngineCoreOutputs([*(batch.outputs if batch else []), *deferred])
         self._deferred_outputs = {}
         return outputs
-
-    def release_kv_transfer(self, transfer_id: int, secret: str) -> tuple[bool, str | None]:
-        """The front end's word that a handle's decode side is done: free its blocks."""
-        if self.kv_pins is None:
-            return False, "this engine is not a prefill engine: it holds no KV transfers"
-        return self.kv_pins.release(transfer_id, secret)
-
-    def expire_kv_transfers(self) -> int:
-        """Free the blocks of transfers whose deadline passed; how many."""
-        return self.kv_pins.expire() if self.kv_pins is not None else 0
-
-    def set_kv_transfer_endpoints(self, endpoints: list[str | None]) -> None:
-        """Each rank's transfer server, as its WorkerReady named it (a prefill engine's)."""
-        if self.kv_pins is not None:
-            named = [endpoint for endpoint in endpoints if endpoint is not None]
-            self.kv_pins.endpoints = named if len(named) == len(endpoints) else []
-
-    def take_kv_pull_seconds(self) -> list[float]:
-        """Parked-to-pulled times of a decode engine's pulls since the last call."""
-        return self.kv_pulls.take_pull_seconds() if self.kv_pulls is not None else []
-
-    def kv_transfer_stats(self) -> dict[str, StatValue]:
-        """P/D figures for get_stats: the role, blocks held, transfers pinned, pulled, failed."""
-        stats: dict[str, StatValue] = {"kv_role": self.engine_config.kv_role}
-        if (pins := self.kv_pins) is not None:
-            stats |= {
-                "kv_transfer_held_blocks": pins.num_held_blocks,
-                "kv_transfer_held": len(pins.held),
-                "kv_transfer_handles": pins.num_handles,
-                "kv_transfer_released": pins.num_released,
-                "kv_transfer_expired": pins.num_expired,
-                "kv_transfer_refused_releases": pins.num_refused_releases,
-            }
-        if (pulls := self.kv_pulls) is not None:
-            pull_stats = pulls.stats
-            stats |= {
-                "kv_transfer_parked": len(pulls.parked),
-                "kv_transfer_pulls": pull_stats.num_pulls,
-                "kv_transfer_failed_pulls": pull_stats.num_failed,
-                "kv_transfer_skipped_pulls": pull_stats.num_skipped,
-                "kv_transfer_pulled_blocks": pull_stats.num_blocks,
-                "kv_transfer_pulled_bytes": pull_stats.num_bytes,
-            }
-        return stats
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is live, one parked for its pull included."""
@@ -485,9 +383,7 @@ class EngineCore:
         self._send_error = None
         if isinstance(self._pipeline, SerialPipeline):
             self._pipeline.forget()  # a WorkerGroup drops a retired generation's replies itself
-        if self.kv_pins is not None:  # the pinned pages were the old ranks'
-            self.kv_pins.forget_all()
-        parked = self.kv_pulls.fail_all() if self.kv_pulls is not None else []
+        parked = self.kv_transfer.forget_all()  # the pinned and pulled pages were the old ranks'
         self.scheduler.requeue_for_new_workers()
         for one in parked:  # no pull completes: they compute their prompts on the new ranks
             refusal = self.scheduler.add_request(one.request, one.client_id)
@@ -503,18 +399,15 @@ class EngineCore:
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
         self._send_error = None
         outputs = self.scheduler.fail_all(error)
-        if self.kv_pulls is not None:
-            for one in self.kv_pulls.fail_all():
+        if (pulls := self.kv_transfer.pulls) is not None:
+            for one in pulls.fail_all():
                 final = EngineCoreOutput(one.request.req_id, [], FinishReason.ERROR, 0, error)
                 self._defer(one.client_id, EngineCoreOutputs([final]))
-        return self._take_deferred_outputs(self._with_transfer_handles(outputs))
+        return self._take_deferred_outputs(self.kv_transfer.with_handles(outputs))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        if self.kv_pins is not None:
-            self.kv_pins.check_invariants()
-        if self.kv_pulls is not None:
-            self.kv_pulls.check_invariants()
+        self.kv_transfer.check_invariants()
 
     # -- what the server reads and builds; it never reaches the scheduler or the pool itself -----
 

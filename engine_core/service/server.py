@@ -132,7 +132,7 @@ class EngineServer:
         now = time.monotonic()
         if now >= self._next_expiry_time:
             self._next_expiry_time = now + KV_TRANSFER_EXPIRY_S
-            self.core.expire_kv_transfers()  # their unpins make the next step go out
+            self.core.kv_transfer.expire()  # their unpins make the next step go out
         if now >= self._next_probe_time:
             self._next_probe_time = now + PROBE_INTERVAL_S
             self.router.probe(self.core.client_ids())
@@ -142,9 +142,8 @@ class EngineServer:
             self._next_metrics_time = now + METRICS_UPDATE_S
             self.metrics.on_stats(self.core.make_stats())
             self.metrics.on_block_residency(self.core.take_block_residency())
-            self.metrics.kv_transfer.on_stats(
-                self.core.kv_transfer_stats(), self.core.take_kv_pull_seconds()
-            )
+            kv_transfer = self.core.kv_transfer
+            self.metrics.kv_transfer.on_stats(kv_transfer.stats(), kv_transfer.take_pull_seconds())
 
     def _serve_clients(self, timeout_ms: int) -> dict[zmq.Socket | int, int]:
         """The clients' half of one pass, which the handshake of a new worker generation runs
@@ -188,7 +187,7 @@ class EngineServer:
         self.recovery.recover(self.core, self.workers, error, self._serve_clients_while_waiting)
         self._publish_kv_events()  # AllBlocksCleared: the new ranks' caches hold nothing
         self._watch_workers()
-        self.core.set_kv_transfer_endpoints(self.workers.kv_transfer_endpoints)
+        self.core.kv_transfer.set_endpoints(self.workers.kv_transfer_endpoints)
         return True
 
     def _serve_clients_while_waiting(self) -> None:
@@ -326,7 +325,7 @@ class EngineServer:
         so its blocks may go to the prefix cache now rather than at the deadline."""
         match call.args:
             case [int() as transfer_id, str() as secret] if not isinstance(transfer_id, bool):
-                ok, error = self.core.release_kv_transfer(transfer_id, secret)
+                ok, error = self.core.kv_transfer.release(transfer_id, secret)
                 return UtilityResult(call.call_id, ok, ok, error)
         error = f"release_kv_transfer takes (transfer_id: int, secret: str), got {call.args!r}"
         return UtilityResult(call.call_id, False, error=error)
@@ -380,7 +379,7 @@ class EngineServer:
             num_worker_restarts=self.recovery.num_restarts if self.recovery is not None else 0,
             rank_forward_s=self.workers.rank_forward_time_s,
         )
-        return stat_values(stats) | self.core.kv_transfer_stats()
+        return stat_values(stats) | self.core.kv_transfer.stats()
 
     def check_invariants(self) -> None:
         """The loop's own counters and the invariants of what it drives; the core walks its own

@@ -1,5 +1,5 @@
 """Prometheus metrics of disaggregated prefill and decode (DESIGN.md §12), fed from the engine's
-`kv_transfer_stats` totals: a prefill engine's held blocks and handles, a decode engine's pulls,
+`KVTransferAgent.stats` totals: a prefill engine's held blocks and handles, a decode engine's pulls,
 their bytes, latency and failures. An engine of role "both" reports none of them."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -8,7 +8,7 @@ from protocol.client_messages import StatValue
 
 PULL_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# (stat key, metric name, help): each counter follows one total of kv_transfer_stats
+# (stat key, metric name, help): each counter follows one total of KVTransferAgent.stats
 COUNTED = (
     ("kv_transfer_handles", "kvserve:kv_transfer_handles", "handles given out by a prefill engine"),
     ("kv_transfer_released", "kvserve:kv_transfer_released", "held transfers released early"),

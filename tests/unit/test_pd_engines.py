@@ -94,7 +94,7 @@ def _pair(model: str, block_size: int, decode_blocks: int, async_scheduling: boo
     )
     assert isinstance(decode_rank, JoinedRank)
     decode_rank.peer = prefill_rank
-    prefill.set_kv_transfer_endpoints([ENDPOINT])
+    prefill.kv_transfer.set_endpoints([ENDPOINT])
     return Pair(prefill, decode, prefill_rank, decode_rank)
 
 
@@ -152,7 +152,7 @@ def _decode_all(
     _run(pair.decode, outputs)
     for handle in handles.values():
         if handle is not None:
-            pair.prefill.release_kv_transfer(handle.transfer_id, handle.secret)
+            pair.prefill.kv_transfer.release(handle.transfer_id, handle.secret)
     _run(pair.prefill, {})  # the unpins go out
     return outputs
 
@@ -189,14 +189,14 @@ def test_one_prefill_one_decode_serve_the_single_engine_tokens(
     handles, requests = _prefill_all(pair, prompts)
     assert all(handle is not None for handle in handles.values())
     assert pair.prefill.scheduler.make_stats().prefix_cache.hits > 0
-    assert pair.prefill.kv_pins is not None and pair.prefill.kv_pins.num_held_blocks > 0
+    pins = pair.prefill.kv_transfer.pins
+    assert pins is not None and pins.num_held_blocks > 0
     outputs = _decode_all(pair, requests, handles)
     _assert_reference(model, prompts, outputs)
-    pulls = pair.decode.kv_pulls
+    pulls = pair.decode.kv_transfer.pulls
     assert pulls is not None and pulls.stats.num_pulls > 0 and pulls.stats.num_failed == 0
     assert pair.decode.scheduler.num_preemptions > 0, "the small decode pool should preempt"
     assert any(outs[0].num_cached_tokens > 0 for outs in outputs.values())
-    pins = pair.prefill.kv_pins
     assert pins.num_released == len(handles) and pins.num_held_blocks == 0
     assert pair.prefill_rank.num_served == pulls.stats.num_pulls
     _assert_idle(pair.prefill)
@@ -215,15 +215,15 @@ def test_forged_stale_and_lost_handles_cost_the_transfer_not_the_tokens() -> Non
     handles["r0"] = msgspec.structs.replace(h0, secret="0" * 32)  # forged
     other_blocks = [block_id + 1 for block_id in h1.block_ids]  # blocks it does not own
     handles["r1"] = msgspec.structs.replace(h1, block_ids=other_blocks)
-    assert pair.prefill.release_kv_transfer(h2.transfer_id, h2.secret) == (True, None)
+    assert pair.prefill.kv_transfer.release(h2.transfer_id, h2.secret) == (True, None)
     _run(pair.prefill, {})  # the unpin reaches the rank: r2's handle is now stale
     outputs = _decode_all(pair, requests, handles)
     _assert_reference("checksum", prompts, outputs)
-    pins = pair.prefill.kv_pins
+    pins = pair.prefill.kv_transfer.pins
     # the releases of the forged secret and of r2, released already, are refused
     assert pins is not None and pins.num_refused_releases == 2
-    assert pair.prefill.release_kv_transfer(h0.transfer_id, h0.secret) == (True, None)
-    pulls = pair.decode.kv_pulls
+    assert pair.prefill.kv_transfer.release(h0.transfer_id, h0.secret) == (True, None)
+    pulls = pair.decode.kv_transfer.pulls
     assert pulls is not None and pulls.stats.num_failed == 3
     assert pair.prefill_rank.num_refused == 3
     # the prefill rank is gone: the next request's pull fails and it is computed here
@@ -242,21 +242,21 @@ def test_a_handle_never_pulled_is_freed_at_its_deadline() -> None:
     the ranks stop serving them."""
     pair = _pair("checksum", 4, 40)
     now = [0.0]
-    pins = pair.prefill.kv_pins
+    pins = pair.prefill.kv_transfer.pins
     assert pins is not None
     pins.clock = lambda: now[0]
     handles, _ = _prefill_all(pair, _prompts(3))
     assert pins.num_held_blocks > 0 and len(pins.held) == 3
-    assert pair.prefill.expire_kv_transfers() == 0
+    assert pair.prefill.kv_transfer.expire() == 0
     now[0] += 5.0
-    assert pair.prefill.expire_kv_transfers() == 3
+    assert pair.prefill.kv_transfer.expire() == 3
     assert pair.prefill.has_work(), "the unpins must go out with a step"
     _run(pair.prefill, {})
     assert pins.num_expired == 3 and pins.num_held_blocks == 0
     _assert_idle(pair.prefill)
     handle = handles["r0"]
     assert handle is not None
-    assert pair.prefill.release_kv_transfer(handle.transfer_id, handle.secret)[0] is False
+    assert pair.prefill.kv_transfer.release(handle.transfer_id, handle.secret)[0] is False
 
 
 def test_a_request_that_stops_at_its_first_token_holds_nothing() -> None:
