@@ -261,3 +261,48 @@ def test_two_prefill_engines_and_one_decode_engine_at_tp_2(
     stop_process(processes, "api")
     for name in ("p0", "p1", "d"):
         stop_process(processes, f"launch-{name}")
+
+
+@pytest.mark.timeout(600)
+def test_a_decode_engine_killed_mid_stream_is_an_engine_loss(
+    processes: Processes, ipc_folder: Path
+) -> None:
+    """The decode engine dies while it streams: its requests end with an error, as with any
+    lost engine, and leave no block held on the prefill engine; later requests are served whole
+    by the prefill engine, exactly."""
+    ports = free_tcp_ports(5)
+    prefill = launch_engine(
+        processes, ipc_folder, "p", "--kv-role", "prefill", *events_flags((ports[0], ports[1]))
+    )
+    decode = launch_engine(
+        processes, ipc_folder, "d", "--kv-role", "decode", *events_flags((ports[2], ports[3]))
+    )
+    url = start_front_end(processes, [prefill, decode], ports[4], ["prefill", "decode"])
+    prompts = shared_prefix_prompts(4, prefix_len=30, tail_len=10, seed=13)
+    body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+    def long_request(prompt: list[int]) -> int:
+        try:
+            answer = httpx.post(
+                f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=HTTP_TIMEOUT_S
+            )
+        except httpx.TransportError:
+            return 0
+        return answer.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(long_request, prompt) for prompt in prompts]
+        wait_for(
+            lambda: engine_stats(decode)["num_running_reqs"] > 0,
+            HTTP_TIMEOUT_S,
+            "the decode engine streaming",
+        )
+        os.killpg(processes.procs["launch-d"].pid, signal.SIGKILL)
+        statuses = [answer.result(timeout=HTTP_TIMEOUT_S) for answer in answers]
+    processes.procs["launch-d"].wait(10)
+    assert all(status != 200 for status in statuses), statuses
+    stats = wait_idle(prefill, "the prefill engine once its decode engine died")
+    assert stats["kv_transfer_handles"] == len(prompts)
+    serve_and_check(url, shared_prefix_prompts(3, prefix_len=20, tail_len=6, seed=14), 40)
+    stop_process(processes, "api")
+    stop_process(processes, "launch-p")
