@@ -26,11 +26,9 @@ still decides what an admitted peer may read.
 """
 
 import hmac
-import ipaddress
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 
@@ -38,7 +36,6 @@ import msgspec
 import numpy as np
 import torch
 import zmq
-from zmq.utils import z85
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import CurveKeys
@@ -49,13 +46,13 @@ from protocol.kv_transfer import (
     KVTransferLayout,
     KVTransferOrders,
 )
+from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
 
 logger = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the step deadline
 SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
 CLOSE_TIMEOUT_S = 2.0
-WILDCARD_HOSTS = ("*", "0.0.0.0")
 
 
 class KVPullError(RuntimeError):
@@ -88,8 +85,8 @@ class KVTransferRank:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: zmq.Socket | None = None
-        self._zap: zmq.Socket | None = None  # the ZAP handler's socket, with CURVE
-        self._threads: list[threading.Thread] = []  # the server's, and ZAP's with CURVE
+        self._zap: TransferZap | None = None  # with CURVE: admits the worker key alone
+        self._threads: list[threading.Thread] = []  # the server's
         self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint; puller thread only
         self._pull_queue: queue.SimpleQueue[KVPull | None] = queue.SimpleQueue()
         self._pull_thread: threading.Thread | None = None  # started by the first pull
@@ -115,7 +112,7 @@ class KVTransferRank:
         wildcard tcp host (`tcp://*`, `tcp://0.0.0.0`) binds every interface and announces the
         one that routes to `peer_address` (the engine's worker address)."""
         if self.curve is not None:  # before the server binds, so no peer slips in unchecked
-            self._start_zap(self.curve.public_key)
+            self._zap = TransferZap(self.ctx, self.curve.public_key, self._on_zap_refusal)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
@@ -144,38 +141,8 @@ class KVTransferRank:
         logger.info("serving KV transfers at %s", endpoint)
         return endpoint
 
-    def _start_zap(self, worker_public_key: str) -> None:
-        """ZAP for this rank's context: admit only peers holding the worker keypair (decode
-        ranks); any other key, client or engine included, is refused before a frame passes."""
-        zap = self.ctx.socket(zmq.REP)
-        zap.setsockopt(zmq.LINGER, 0)
-        zap.bind("inproc://zeromq.zap.01")
-        admitted = z85.decode(worker_public_key.encode())
-        self._zap = zap
-        thread = threading.Thread(
-            target=self._answer_zap, args=(admitted,), name="kv-transfer-zap", daemon=True
-        )
-        thread.start()
-        self._threads.append(thread)
-
-    def _answer_zap(self, admitted: bytes) -> None:
-        zap = self._zap
-        assert zap is not None
-        while not self._stop.is_set():
-            try:
-                if not zap.poll(SERVE_POLL_MS):
-                    continue
-                frames = zap.recv_multipart()
-            except zmq.ZMQError:
-                return
-            version, request_id = frames[0], frames[1]
-            mechanism, key = frames[5], frames[6] if len(frames) > 6 else b""
-            is_admitted = mechanism == b"CURVE" and key == admitted
-            if not is_admitted:
-                self.num_refused += 1
-                logger.warning("refused a KV transfer peer with an unknown key")
-            status = [b"200", b"OK"] if is_admitted else [b"400", b"unknown key"]
-            zap.send_multipart([version, request_id, *status, b"", b""])
+    def _on_zap_refusal(self) -> None:
+        self.num_refused += 1
 
     def _serve(self) -> None:
         sock = self._server
@@ -378,7 +345,7 @@ class KVTransferRank:
         if self._server is not None:
             self._server.close(linger=0)
         if self._zap is not None:
-            self._zap.close(linger=0)
+            self._zap.close()
         for endpoint in list(self._pullers):
             self._drop_puller(endpoint)
         if self._ctx is not None:
@@ -390,27 +357,6 @@ class KVTransferRank:
                 assert all(0 < block_id < self.num_blocks for block_id in block_ids), (
                     f"transfer {transfer_id} pins blocks {sorted(block_ids)} outside the pool"
                 )
-
-
-def routed_host(peer_address: str | None) -> str:
-    """This host's address for a rank that binds every interface: the one on the interface that
-    routes to the host of `peer_address` (a tcp:// address; a UDP connect that sends nothing),
-    unless that is a loopback address, then the address the host's name resolves to (a
-    container's own, under Docker or Kubernetes); 127.0.0.1 when neither is known."""
-    if peer_address is not None and peer_address.startswith("tcp://"):
-        peer_host = peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((peer_host, 9))
-                host = probe.getsockname()[0]
-            if not ipaddress.ip_address(host).is_loopback:
-                return host
-        except (OSError, ValueError):
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _same_secret(expected: str, given: str) -> bool:
