@@ -88,7 +88,8 @@ class KVTransferRank:
         self._zap: TransferZap | None = None  # with CURVE: admits the worker key alone
         self._threads: list[threading.Thread] = []  # the server's
         self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint; puller thread only
-        self._pull_queue: queue.SimpleQueue[KVPull | None] = queue.SimpleQueue()
+        # (pull, on CUDA the event after the ordering step's tier copies), None to stop
+        self._pull_queue: queue.SimpleQueue[tuple[KVPull, object] | None] = queue.SimpleQueue()
         self._pull_thread: threading.Thread | None = None  # started by the first pull
         self._done_lock = threading.Lock()
         # pulls ended since the last take_finished: (pull id, whether it completed, bytes)
@@ -214,13 +215,21 @@ class KVTransferRank:
                     self._pins.pop(transfer_id, None)
                 for pin in orders.pins:
                     self._pins[pin.transfer_id] = (pin.secret, list(pin.block_ids))
+        if not orders.pulls:
+            return
+        if self._pull_thread is None:
+            self._pull_thread = threading.Thread(
+                target=self._run_pulls, name="kv-pull", daemon=True
+            )
+            self._pull_thread.start()
+        # On CUDA the step's tier copies run on a side stream that the current one waits for: a
+        # fresh block may be a page the tiers are still copying out, so the pull waits for them.
+        copied = None
+        if self._is_cuda:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device_pages[0].device))
         for pull in orders.pulls:
-            if self._pull_thread is None:
-                self._pull_thread = threading.Thread(
-                    target=self._run_pulls, name="kv-pull", daemon=True
-                )
-                self._pull_thread.start()
-            self._pull_queue.put(pull)
+            self._pull_queue.put((pull, copied))
 
     def take_finished(self) -> tuple[list[int], list[int], int]:
         """The pulls ended since the last call: (their ids, the failed ones, bytes moved)."""
@@ -232,12 +241,14 @@ class KVTransferRank:
 
     def _run_pulls(self) -> None:
         stream = torch.cuda.Stream(self.device_pages[0].device) if self._is_cuda else None
-        while (pull := self._pull_queue.get()) is not None:
+        while (item := self._pull_queue.get()) is not None:
+            pull, copied = item
             try:
                 if stream is None:
                     num_bytes = self.pull(pull)
                 else:
                     with torch.cuda.stream(stream):
+                        stream.wait_event(copied)  # type: ignore[arg-type]
                         num_bytes = self.pull(pull)
                     stream.synchronize()  # the pages are in place before the pull is reported
                 outcome = (pull.pull_id, True, num_bytes)
