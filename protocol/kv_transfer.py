@@ -127,12 +127,18 @@ class KVPullRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     first_block_idx: int
     block_ids: BlockIds
     layout: KVTransferLayout  # the puller's; the server refuses a different one, naming the field
+    # the puller shares this host's /dev/shm (it came over ipc://): the pages may come in a
+    # shared memory segment rather than in frames
+    via_shm: bool = False
 
 
 class KVPullReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Prefill rank -> decode rank: followed by one frame of pages per shared KV tensor when
-    `ok` (block after block in the request's order); `error` says why otherwise."""
+    """Prefill rank -> decode rank: when `ok`, the pages, one run per shared KV tensor (block
+    after block in the request's order), either in one frame per tensor following this one or,
+    when `shm_name` is set, in that segment under /dev/shm, which the puller removes once read;
+    `error` says why otherwise."""
 
     ok: bool
     error: str | None = None
-    num_bytes: int = 0  # of the page frames together
+    num_bytes: int = 0  # of the pages together
+    shm_name: str | None = None  # the segment holding them; None: they follow in frames

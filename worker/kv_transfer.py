@@ -26,6 +26,7 @@ still decides what an admitted peer may read.
 """
 
 import hmac
+import itertools
 import logging
 import os
 import queue
@@ -47,6 +48,7 @@ from protocol.kv_transfer import (
     KVTransferOrders,
 )
 from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
+from worker.kv_transfer_shm import ShmPages, read_pages
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class KVTransferRank:
         self._stop = threading.Event()
         self._server: zmq.Socket | None = None
         self._zap: TransferZap | None = None  # with CURVE: admits the worker key alone
+        self._shm = ShmPages(rank)  # pages for same-host pullers
         self._threads: list[threading.Thread] = []  # the server's
         self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint; puller thread only
         # (pull, on CUDA the event after the ordering step's tier copies), None to stop
@@ -196,6 +199,9 @@ class KVTransferRank:
             ]
         self.num_served += 1
         num_bytes = sum(page.nbytes for page in pages)
+        if request.via_shm:
+            name = self._shm.put(pages)
+            return [self._encoder.encode(KVPullReply(True, None, num_bytes, name))]
         head = self._encoder.encode(KVPullReply(True, None, num_bytes))
         return [head, *(page.tobytes() for page in pages)]
 
@@ -284,6 +290,7 @@ class KVTransferRank:
             pull.first_block_idx,
             pull.src_block_ids,
             pull.layout,
+            via_shm=endpoint.startswith("ipc://"),
         )
         return self._write(self.exchange(endpoint, self._encoder.encode(request)), dst)
 
@@ -315,18 +322,30 @@ class KVTransferRank:
             raise KVPullError(f"malformed reply: {exc}") from None
         if not reply.ok:
             raise KVPullError(f"refused: {reply.error}")
-        pages = frames[1:]
-        if len(pages) != len(self.device_pages):
-            raise KVPullError(f"{len(pages)} page frames, expected {len(self.device_pages)}")
+        sizes = [len(dst) * device_pages.shape[1] for device_pages in self.device_pages]
+        if reply.shm_name is None:
+            pages = frames[1:]
+            if [len(page) for page in pages] != sizes:
+                raise KVPullError(
+                    f"page frames of {[len(p) for p in pages]} bytes, expected {sizes}"
+                )
+            self._copy_in([np.frombuffer(page, dtype=np.uint8) for page in pages], dst)
+            return sum(sizes)
+        try:
+            data = np.frombuffer(read_pages(reply.shm_name, sum(sizes)), dtype=np.uint8)
+        except ValueError as exc:
+            raise KVPullError(str(exc)) from None
+        offsets = np.cumsum([0, *sizes])
+        self._copy_in([data[start:end] for start, end in itertools.pairwise(offsets)], dst)
+        return sum(sizes)
+
+    def _copy_in(self, runs: list[np.ndarray], dst: np.ndarray) -> None:
+        """Each shared tensor's run of pages into the destination blocks."""
         index = torch.from_numpy(dst)
-        for data, device_pages in zip(pages, self.device_pages, strict=True):
-            expected = len(dst) * device_pages.shape[1]
-            if len(data) != expected:
-                raise KVPullError(f"a page frame of {len(data)} bytes, expected {expected}")
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            src = src.view(len(dst), device_pages.shape[1]).to(device_pages.device)
-            device_pages.index_copy_(0, index.to(device_pages.device), src)
-        return sum(len(data) for data in pages)
+        for run, device_pages in zip(runs, self.device_pages, strict=True):
+            # a writable copy of a read-only frame's bytes
+            src = torch.from_numpy(run.copy()).view(len(dst), device_pages.shape[1])
+            device_pages.index_copy_(0, index.to(device_pages.device), src.to(device_pages.device))
 
     def _puller(self, endpoint: str) -> zmq.Socket:
         sock = self._pullers.get(endpoint)
@@ -357,6 +376,7 @@ class KVTransferRank:
             self._server.close(linger=0)
         if self._zap is not None:
             self._zap.close()
+        self._shm.close()
         for endpoint in list(self._pullers):
             self._drop_puller(endpoint)
         if self._ctx is not None:

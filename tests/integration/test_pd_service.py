@@ -301,6 +301,11 @@ def test_a_decode_engine_killed_mid_stream_is_an_engine_loss(
         statuses = [answer.result(timeout=HTTP_TIMEOUT_S) for answer in answers]
     processes.procs["launch-d"].wait(10)
     assert all(status != 200 for status in statuses), statuses
+    wait_for(
+        lambda: not httpx.get(f"{url}/router", timeout=2).json()["engines"][1]["is_routable"],
+        HTTP_TIMEOUT_S,
+        "the front end marking the decode engine down",
+    )
     stats = wait_idle(prefill, "the prefill engine once its decode engine died")
     assert stats["kv_transfer_handles"] == len(prompts)
     serve_and_check(url, shared_prefix_prompts(3, prefix_len=20, tail_len=6, seed=14), 40)

@@ -73,6 +73,10 @@ def check_transfer(server: KVTransferRank, client: KVTransferRank, endpoint: str
     assert failed == [] and num_bytes == 2 * PAGE_BYTES * NUM_TENSORS
     for served, pulled in zip(server.device_pages, client.device_pages, strict=True):
         assert torch.equal(pulled[[2, 4]], served[[7, 5]])
+    # over ipc the pages came through a /dev/shm segment, which the puller removed
+    assert server._shm.num_made == endpoint.startswith("ipc://")
+    server._shm.sweep()
+    assert not server._shm.made
     before = [tensor.clone() for tensor in client.device_pages]
     refused = [
         pull_of(endpoint, 0, [7, 5], [6, 8]),  # not where they were pinned
