@@ -45,10 +45,8 @@ class ShmPages:
         try:
             os.ftruncate(fd, max(total, 1))
             with mmap.mmap(fd, max(total, 1)) as segment:
-                offset = 0
-                for page in pages:
-                    segment[offset : offset + page.nbytes] = page.tobytes()
-                    offset += page.nbytes
+                for page in pages:  # one after the other, from the start
+                    segment.write(np.ascontiguousarray(page).data)
         except BaseException:
             os.unlink(path)
             raise
