@@ -10,6 +10,7 @@ idle. Faults: a forged handle, a handle released before the pull, and one never 
 
 import dataclasses
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -22,6 +23,8 @@ from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, Finish
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_transfer import KVTransferHandle, kv_transfer_layout
 from protocol.sampling import SamplingParams
+from tests.unit.hf_checkpoints import hf_greedy, write_checkpoint
+from tests.unit.test_hf_generate import MARGIN_TOL
 from worker.kv_cache import shared_kv_tensors
 from worker.kv_transfer import KVPullError, KVTransferRank
 from worker.models.fake.reference import reference_generate
@@ -295,3 +298,39 @@ def test_parked_requests_are_aborted_failed_and_counted_like_queued_ones() -> No
     ]
     assert not decode.has_unfinished_requests()
     _assert_idle(decode)
+
+
+def test_a_real_checkpoint_through_prefill_and_decode_matches_transformers(
+    tmp_path: Path,
+) -> None:
+    """A random float32 llama checkpoint: the decode engine's greedy tokens, computed over the
+    pulled KV, are transformers' generate()'s, up to a step whose top-2 margin is a near-tie."""
+    model = write_checkpoint(tmp_path / "llama", "llama", seed=3)
+    folder = str(tmp_path / "llama")
+    pair = _pair(folder, 16, 64)
+    prompts = [[token % 256 for token in prompt[:40]] for prompt in _prompts(4)]  # its vocabulary
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    requests = {}
+    for idx, prompt in enumerate(prompts):
+        request = EngineCoreRequest(f"r{idx}", pack_int32(prompt), params, float(idx))
+        requests[request.req_id] = request
+        first = msgspec.structs.replace(params, max_tokens=1)
+        prefill_request = msgspec.structs.replace(
+            request, sampling_params=first, do_remote_decode=True
+        )
+        assert pair.prefill.add_request(prefill_request) is None
+    prefilled: dict[str, list[EngineCoreOutput]] = {}
+    _run(pair.prefill, prefilled)
+    handles = {req_id: outs[-1].kv_transfer_handle for req_id, outs in prefilled.items()}
+    outputs = _decode_all(pair, requests, handles)
+    pulls = pair.decode.kv_transfer.pulls
+    assert pulls is not None and pulls.stats.num_pulls > 0 and pulls.stats.num_failed == 0
+    for idx, prompt in enumerate(prompts):
+        served = [token for out in outputs[f"r{idx}"] for token in out.new_token_ids]
+        expected, margins = hf_greedy(model, prompt, len(served))
+        first_diff = next(
+            (j for j, (a, b) in enumerate(zip(served, expected, strict=True)) if a != b), None
+        )
+        assert first_diff is None or margins[first_diff] < MARGIN_TOL, (served, expected)
+    _assert_idle(pair.prefill)
+    _assert_idle(pair.decode)
