@@ -17,9 +17,7 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import (
-    KVCacheConfig,
-)
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from protocol.kv_transfer import kv_transfer_layout
 from protocol.worker_messages import (
     CachedRequestData,
@@ -543,9 +541,10 @@ def build_kv_transfer(
     model_name: str,
 ) -> KVTransferRank | None:
     """This rank's P/D agent (DESIGN.md §12), serving pulls when the engine named an address;
-    None for a model whose KV cannot move (several groups; the engine refuses P/D roles then)."""
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        return None
+    None for a model whose KV cannot move yet (other than one full-attention group)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].spec, FullAttentionSpec):
+        return None  # the engine refuses --kv-role prefill or decode for such a model
     layout = kv_transfer_layout(model_name, kv_cache_config, tp_size)
     pages = shared_kv_tensors(kv_cache_config, kv_caches, tp_size)
     kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve)
