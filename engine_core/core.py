@@ -270,7 +270,7 @@ class EngineCore:
         steps_in_flight = self.scheduler.steps_in_flight
         if not steps_in_flight:  # the first step of a burst runs while the next one is planned
             self._submit_next(pipeline)
-            return {}
+            return self._take_deferred_outputs({})
         if len(steps_in_flight) == 1:
             self._submit_next(pipeline)
         step = steps_in_flight.oldest()
