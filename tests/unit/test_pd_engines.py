@@ -334,3 +334,31 @@ def test_a_real_checkpoint_through_prefill_and_decode_matches_transformers(
         assert first_diff is None or margins[first_diff] < MARGIN_TOL, (served, expected)
     _assert_idle(pair.prefill)
     _assert_idle(pair.decode)
+
+
+def test_a_lost_worker_generation_drops_pins_and_requeues_parked_requests() -> None:
+    """The pages were the old ranks': a prefill engine forgets its pins (their handles refused
+    from then on), a decode engine fails its pulls and queues their requests to compute."""
+    pair = _pair("checksum", 4, 26)
+    handles, requests = _prefill_all(pair, _prompts(3)[1:])
+    pins = pair.prefill.kv_transfer.pins
+    assert pins is not None and pins.num_held_blocks > 0
+    pair.prefill.requeue_for_new_workers()
+    assert pins.num_held_blocks == 0 and not pins.held
+    handle = handles["r0"]
+    assert handle is not None
+    assert pair.prefill.kv_transfer.release(handle.transfer_id, handle.secret)[0] is False
+    pair.prefill.check_invariants()
+    decode = pair.decode
+    for req_id, request in requests.items():
+        with_handle = msgspec.structs.replace(request, kv_transfer_handle=handles[req_id])
+        assert decode.add_request(with_handle) is None
+    pulls = decode.kv_transfer.pulls
+    assert pulls is not None and len(pulls.parked) == 2 and not decode.scheduler.requests
+    decode.requeue_for_new_workers()
+    assert not pulls.parked and pulls.stats.num_failed == 2
+    assert sorted(request.client_req_id for request in decode.scheduler.requests.values()) == [
+        "r0",
+        "r1",
+    ]
+    decode.check_invariants()
