@@ -146,6 +146,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     finished_kv_pulls: list[int] = []
     failed_kv_pulls: list[int] = []  # those of finished_kv_pulls that failed
     kv_pull_bytes: int = 0  # bytes those pulls moved to this rank
+    # pulls of this rank's pinned blocks it refused since its previous reply (a forged, stale or
+    # foreign handle, another layout, a peer with other CURVE keys)
+    num_refused_kv_pulls: int = 0
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

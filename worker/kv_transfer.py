@@ -102,6 +102,7 @@ class KVTransferRank:
         self._reply_decoder = msgspec.msgpack.Decoder(KVPullReply)
         self.num_served = 0  # pulls served
         self.num_refused = 0  # pulls refused: unknown or stale transfer, wrong secret or blocks
+        self._num_refused_reported = 0  # of num_refused, those take_refused already reported
 
     @property
     def ctx(self) -> zmq.Context:
@@ -244,6 +245,12 @@ class KVTransferRank:
         finished = [pull_id for pull_id, _, _ in done]
         failed = [pull_id for pull_id, is_done, _ in done if not is_done]
         return finished, failed, sum(num_bytes for _, _, num_bytes in done)
+
+    def take_refused(self) -> int:
+        """Pulls this rank refused since the last call (the server and ZAP threads count)."""
+        num_refused = self.num_refused
+        delta, self._num_refused_reported = num_refused - self._num_refused_reported, num_refused
+        return delta
 
     def _run_pulls(self) -> None:
         stream = torch.cuda.Stream(self.device_pages[0].device) if self._is_cuda else None

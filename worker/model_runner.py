@@ -160,6 +160,8 @@ class ModelRunner:
         finished_kv_pulls, failed_kv_pulls, kv_pull_bytes = self._apply_transfer_orders(
             scheduler_output
         )
+        kv_transfer = self.kv_transfer
+        num_refused_kv_pulls = kv_transfer.take_refused() if kv_transfer is not None else 0
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
         handles = pack_int32(scheduled.handles)
@@ -178,6 +180,7 @@ class ModelRunner:
                 finished_kv_pulls=finished_kv_pulls,
                 failed_kv_pulls=failed_kv_pulls,
                 kv_pull_bytes=kv_pull_bytes,
+                num_refused_kv_pulls=num_refused_kv_pulls,
             )
         host, sample_reqs, logits_reqs = self._prepare(scheduled)
         prepared = time.perf_counter()
@@ -222,6 +225,7 @@ class ModelRunner:
             finished_kv_pulls,
             failed_kv_pulls,
             kv_pull_bytes,
+            num_refused_kv_pulls,
         )
 
     def _apply_transfers(self, scheduler_output: SchedulerOutput) -> list[int]:

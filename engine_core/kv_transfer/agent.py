@@ -90,7 +90,10 @@ class KVTransferAgent:
     # -- what a reply and its outputs carry ----------------------------------------------------
 
     def settle(self, model_runner_output: ModelRunnerOutput) -> list[ParkedRequest]:
-        """The parked requests whose pulls every rank has now reported: to queue."""
+        """The parked requests whose pulls every rank has now reported: to queue. A prefill
+        engine counts the pulls its ranks refused."""
+        if self.pins is not None:
+            self.pins.num_refused_pulls += model_runner_output.num_refused_kv_pulls
         pulls = self.pulls
         if pulls is None or not model_runner_output.finished_kv_pulls:
             return []
@@ -166,6 +169,7 @@ class KVTransferAgent:
                 "kv_transfer_released": pins.num_released,
                 "kv_transfer_expired": pins.num_expired,
                 "kv_transfer_refused_releases": pins.num_refused_releases,
+                "kv_transfer_refused_pulls": pins.num_refused_pulls,
             }
         if (pulls := self.pulls) is not None:
             pull_stats = pulls.stats

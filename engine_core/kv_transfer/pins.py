@@ -75,6 +75,7 @@ class KVTransferPins:
         self.num_released = 0  # freed by the front end's release
         self.num_expired = 0  # freed at their deadline: the decode side never pulled
         self.num_refused_releases = 0  # a release naming no held transfer, or a wrong secret
+        self.num_refused_pulls = 0  # pulls the ranks refused (a forged, stale or foreign handle)
 
     @property
     def num_held_blocks(self) -> int:

@@ -17,6 +17,12 @@ COUNTED = (
         "kvserve:kv_transfer_expired",
         "held transfers freed at --kv-transfer-timeout-s: their decode side never pulled",
     ),
+    (
+        "kv_transfer_refused_pulls",
+        "kvserve:kv_transfer_refused_pulls",
+        "pulls a prefill engine's ranks refused: a forged, stale or foreign handle, another "
+        "layout, or a peer with other CURVE keys",
+    ),
     ("kv_transfer_pulls", "kvserve:kv_transfer_pulls", "pulls completed on every rank"),
     (
         "kv_transfer_failed_pulls",

@@ -189,6 +189,7 @@ def test_one_prefill_one_decode_serve_exact_tokens_through_faults(
     assert engine_stats(prefill)["kv_transfer_held_blocks"] > 0
     stats = wait_idle(prefill, "the prefill engine, once the unpulled handle expired")
     assert stats["kv_transfer_expired"] == 1, stats
+    assert stats["kv_transfer_refused_pulls"] == 1, stats  # the forged one, counted there too
     wait_idle(decode, "the decode engine")
 
     # 3. The prefill engine is killed (its whole session) while requests are in flight: every

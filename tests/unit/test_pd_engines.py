@@ -229,6 +229,7 @@ def test_forged_stale_and_lost_handles_cost_the_transfer_not_the_tokens() -> Non
     pulls = pair.decode.kv_transfer.pulls
     assert pulls is not None and pulls.stats.num_failed == 3
     assert pair.prefill_rank.num_refused == 3
+    assert pins.num_refused_pulls == 3  # the ranks' refusals, reported with the prefill steps
     # the prefill rank is gone: the next request's pull fails and it is computed here
     fresh = [[token + 1 for token in prompt] for prompt in prompts[:2]]
     handles, requests = _prefill_all(pair, fresh)
