@@ -7,7 +7,7 @@ it, then kills it. Ctrl-C or SIGTERM stops the engine, which stops the workers. 
 spawn start method and are named `engine-core`, `worker-R`.
 """
 
-import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
@@ -67,14 +68,19 @@ def with_pool_host_memory_limit(config: EngineConfig) -> EngineConfig:
     return _replace(config, max_pool_host_memory_bytes=limit)
 
 
-def with_kv_transfer_address(config: EngineConfig) -> EngineConfig:
+@contextlib.contextmanager
+def kv_transfer_address_for(config: EngineConfig) -> Iterator[EngineConfig]:
     """A prefill engine's config with --kv-transfer-address defaulted to a private ipc folder
-    (0700, removed when this process exits), for decode engines on this host."""
+    (0700, for decode engines on this host), removed when the block ends; the config as given
+    otherwise. (An engine under `kvserve launch` ends through os._exit: no atexit runs there.)"""
     if config.kv_role != "prefill" or config.kv_transfer_address is not None:
-        return config
+        yield config
+        return
     folder = tempfile.mkdtemp(prefix="kvserve-kv-transfer-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return _replace(config, kv_transfer_address=f"ipc://{folder}")
+    try:
+        yield _replace(config, kv_transfer_address=f"ipc://{folder}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def enable_nccl_async_errors() -> None:
@@ -88,7 +94,9 @@ def engine_entry(config: EngineConfig, log_level: str) -> None:
     setup_logging("engine", log_level)
     from engine_core.service.engine_process import run
 
-    sys.exit(run(with_kv_transfer_address(with_pool_host_memory_limit(config))))
+    with kv_transfer_address_for(with_pool_host_memory_limit(config)) as engine_config:
+        code = run(engine_config)
+    sys.exit(code)
 
 
 def worker_entry(config: WorkerConfig, log_level: str) -> None:

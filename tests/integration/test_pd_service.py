@@ -52,6 +52,8 @@ def launch_engine(
     args += ["--client-address", client]
     args += ["--worker-address", f"ipc://{folder}/worker-{name}.sock", "--log-level", "INFO"]
     args += ["--master-port", str(free_tcp_ports(1)[0]), *ENGINE_FLAGS, *extra]
+    if "prefill" in extra:  # its ranks' transfer sockets beside the test's other sockets
+        args += ["--kv-transfer-address", f"ipc://{folder}"]
     processes.start(f"launch-{name}", "kvserve_main", args, new_session=True)
     return client
 
