@@ -9,6 +9,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from api_server.disaggregated import (
+    DisaggregatedFlow,
+    announced_layout,
+    announced_role,
+    describe_layout_mismatch,
+)
 from api_server.kv_event_subscriber import (
     DEFAULT_SILENT_LIMIT_S,
     KVEventSubscriber,
@@ -56,6 +62,10 @@ class EngineHandle:
         self.hash_params: HashParams | None = None  # announced in routing_info
         self.hash_mismatch: str | None = None  # why its hashes differ from the pool's: not routed
         self.reports_load = True  # until it answers get_load as an unknown call (per connection)
+        # P/D (api_server/disaggregated.py): its announced role, and why it cannot pair with
+        # the prefill engines (its KV layout differs, the field named); None: it can
+        self.kv_role = "both"
+        self.kv_layout_mismatch: str | None = None
 
     async def reconnect(self) -> None:
         """A fresh client: a client that saw its engine disconnect stays dead."""
@@ -79,6 +89,7 @@ class EngineHandle:
                 logger.warning("engine at %s announces no routing info: %s", self.address, exc)
                 info = {}
             self.routing_info = info if isinstance(info, dict) else {}
+            self.kv_role = announced_role(self.routing_info)
             try:
                 if not isinstance(info, dict):
                     raise ValueError(f"get_routing_info of {self.address} answered {info!r}")
@@ -175,6 +186,7 @@ class EnginePool:
         self._curve = curve
         self._silent_limit_s = silent_limit_s
         self._health_task: asyncio.Task[None] | None = None
+        self.disaggregated = DisaggregatedFlow(self)
 
     def start(self) -> None:
         self.subscriber = KVEventSubscriber(len(self.handles), self._curve, self._silent_limit_s)
@@ -187,6 +199,7 @@ class EnginePool:
                 await self._health_task
         if self.subscriber is not None:
             await self.subscriber.close()
+        await self.disaggregated.close()
         for handle in self.handles:
             await handle.client.close()
 
@@ -208,7 +221,42 @@ class EnginePool:
         for engine_idx, handle in enumerate(self.handles):
             if handle.is_healthy and handle.routing_info is not None:
                 self._adopt_routing_info(engine_idx, handle)
+        self._check_kv_layouts()
         return answers
+
+    def _check_kv_layouts(self) -> None:
+        """Refuse, by the field they disagree on, decode engines that cannot pull from the
+        prefill engines (the first prefill engine's layout, in flag order, is the fleet's)."""
+        prefill = [h for h in self.handles if h.kv_role == "prefill" and h.routing_info]
+        reference = announced_layout(prefill[0].routing_info) if prefill else None
+        for handle in self.handles:
+            mismatch = None
+            if reference is not None and handle.kv_role != "both" and handle.routing_info:
+                layout = announced_layout(handle.routing_info)
+                mismatch = describe_layout_mismatch(reference, layout)
+            if mismatch != handle.kv_layout_mismatch:
+                handle.kv_layout_mismatch = mismatch
+                if mismatch is not None:
+                    logger.error(
+                        "engine at %s (kv role %s) cannot pair with prefill engine %s: KV "
+                        "layouts differ (%s); not used for P/D",
+                        handle.address,
+                        handle.kv_role,
+                        prefill[0].address,
+                        mismatch,
+                    )
+
+    def pd_engines(self) -> tuple[list[int], list[int]] | None:
+        """(prefill, decode) engine indexes that can serve a request in two phases now, or
+        None when no routable pair with one KV layout exists."""
+        usable = [
+            idx
+            for idx, handle in enumerate(self.handles)
+            if handle.is_routable and handle.kv_layout_mismatch is None
+        ]
+        prefill = [idx for idx in usable if self.handles[idx].kv_role == "prefill"]
+        decode = [idx for idx in usable if self.handles[idx].kv_role == "decode"]
+        return (prefill, decode) if prefill and decode else None
 
     async def _check_engine(self, engine_idx: int, handle: EngineHandle) -> bool:
         """One engine's health check, then its load report: the router's own share of that
@@ -274,6 +322,8 @@ class EnginePool:
         for idx, handle in enumerate(self.handles):
             engine: dict[str, object] = {
                 "address": handle.address,
+                "kv_role": handle.kv_role,
+                "kv_layout_mismatch": handle.kv_layout_mismatch,
                 "is_routable": handle.is_routable,
                 "hash_mismatch": handle.hash_mismatch,
                 "decisions": router.decisions[idx],
@@ -299,7 +349,13 @@ class EnginePool:
                         key.hex() for key in subscriber.index.engine_keys(idx)
                     )
             engines.append(engine)
-        return {"router_policy": router.policy.value, "engines": engines}
+        flow = self.disaggregated
+        return {
+            "router_policy": router.policy.value,
+            "engines": engines,
+            "pd_requests": flow.num_requests,
+            "pd_recomputed_requests": flow.num_recomputed,
+        }
 
     @property
     def has_healthy_engine(self) -> bool:
@@ -354,7 +410,18 @@ class EnginePool:
         """Route a request, yield its outputs; a request left early (its consumer disconnected or
         was cancelled) is aborted in its engine, so that its blocks are freed. A request of a
         `group` (the choices of one prompt) goes where the group's first went, while that
-        engine is routable, so that they share its prompt blocks."""
+        engine is routable, so that they share its prompt blocks. With a prefill and a decode
+        engine available, it goes through both (api_server/disaggregated.py); the choices of a
+        group then each take that path, and share the prefill engine's cache as its KV score
+        finds it."""
+        pd_engines = self.pd_engines()
+        if pd_engines is not None and request.sampling_params.max_tokens > 1:
+            prefill_idxs, decode_idxs = pd_engines
+            async for output in self.disaggregated.generate(
+                request, prompt_token_ids, num_tokens, prefill_idxs, decode_idxs
+            ):
+                yield output
+            return
         is_available = [handle.is_routable for handle in self.handles]
         if group is not None and group.engine_idx is not None and is_available[group.engine_idx]:
             decision = self.router.follow(group.engine_idx, prompt_token_ids, num_tokens)

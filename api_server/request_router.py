@@ -139,6 +139,29 @@ class RequestRouter:
         self.decisions[engine_idx] += 1
         return Decision(engine_idx, None, num_prompt, num_tokens, num_prompt)
 
+    def choose_by_load(
+        self, prompt_token_ids: list[int], num_tokens: int, is_available: list[bool]
+    ) -> Decision:
+        """The available engine with the least outstanding work (what a decode engine is chosen
+        by under P/D, whatever the policy: its cache holds little it could reuse). Counts the
+        request as waiting there, its whole prompt as prefill."""
+        candidates = [idx for idx in range(self.num_engines) if is_available[idx]]
+        if not candidates:
+            raise LookupError(f"no engine available among {self.num_engines}")
+        load = self.load
+        engine_idx = min(
+            candidates,
+            key=lambda idx: (
+                load.scored_running_decodes(idx) + load.num_waiting[idx],
+                load.outstanding_tokens[idx],
+                idx,
+            ),
+        )
+        num_prompt = len(prompt_token_ids)
+        load.add(engine_idx, num_prompt, num_prompt, num_tokens)
+        self.decisions[engine_idx] += 1
+        return Decision(engine_idx, None, num_prompt, num_tokens, num_prompt)
+
     def _pick(
         self,
         prompt_token_ids: list[int],

@@ -91,10 +91,12 @@ def core_main(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         parser.error(str(exc))
     setup_logging("engine", args.log_level)
-    from deploy.launch import with_pool_host_memory_limit
+    from deploy.launch import kv_transfer_address_for, with_pool_host_memory_limit
     from engine_core.service.engine_process import run
 
-    exit_with(run(with_pool_host_memory_limit(config)))
+    with kv_transfer_address_for(with_pool_host_memory_limit(config)) as engine_config:
+        code = run(engine_config)
+    exit_with(code)
 
 
 def worker_main(argv: list[str] | None = None) -> None:

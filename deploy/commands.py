@@ -531,7 +531,8 @@ def stats_command(args: argparse.Namespace) -> int:
         for idx, engine in enumerate(stats["engines"]):
             print(
                 f"engine {idx} {engine['address']}: {engine.get('index_blocks', 0)} blocks "
-                f"indexed, {engine['decisions']} requests routed"
+                f"indexed, {engine['decisions']} requests routed, kv role "
+                f"{engine.get('kv_role', 'both')}"
             )
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0

@@ -67,6 +67,24 @@ ENGINE_FLAGS = [
         "send steps to same-host ranks over a shared-memory ring (--no-enable-shm-ring: ZMQ)",
     ),
     Flag(
+        ("--kv-role",),
+        ("kv_role",),
+        "disaggregated prefill and decode: prefill (compute prompts, hold their KV blocks for "
+        "decode engines), decode (pull them, then generate) or both (serve requests whole)",
+    ),
+    Flag(
+        ("--kv-transfer-timeout-s",),
+        ("kv_transfer_timeout_s",),
+        "seconds a prefill engine holds a request's blocks for its decode engine at most",
+    ),
+    Flag(
+        ("--kv-transfer-address",),
+        ("kv_transfer_address",),
+        "where a prefill engine's ranks serve their blocks: ipc://FOLDER, or tcp://HOST for "
+        "decode engines on other hosts (a free port each; CURVE as the worker socket); "
+        "default a private ipc folder",
+    ),
+    Flag(
         ("--check-invariants",),
         ("check_invariants",),
         "walk the block pool after every step (slow)",

@@ -7,14 +7,18 @@ it, then kills it. Ctrl-C or SIGTERM stops the engine, which stops the workers. 
 spawn start method and are named `engine-core`, `worker-R`.
 """
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
@@ -64,6 +68,21 @@ def with_pool_host_memory_limit(config: EngineConfig) -> EngineConfig:
     return _replace(config, max_pool_host_memory_bytes=limit)
 
 
+@contextlib.contextmanager
+def kv_transfer_address_for(config: EngineConfig) -> Iterator[EngineConfig]:
+    """A prefill engine's config with --kv-transfer-address defaulted to a private ipc folder
+    (0700, for decode engines on this host), removed when the block ends; the config as given
+    otherwise. (An engine under `kvserve launch` ends through os._exit: no atexit runs there.)"""
+    if config.kv_role != "prefill" or config.kv_transfer_address is not None:
+        yield config
+        return
+    folder = tempfile.mkdtemp(prefix="kvserve-kv-transfer-")
+    try:
+        yield _replace(config, kv_transfer_address=f"ipc://{folder}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def enable_nccl_async_errors() -> None:
     """Set before torch.distributed forms a group; a value the user set is kept."""
     name, value = NCCL_ASYNC_ERROR_HANDLING
@@ -75,7 +94,9 @@ def engine_entry(config: EngineConfig, log_level: str) -> None:
     setup_logging("engine", log_level)
     from engine_core.service.engine_process import run
 
-    sys.exit(run(with_pool_host_memory_limit(config)))
+    with kv_transfer_address_for(with_pool_host_memory_limit(config)) as engine_config:
+        code = run(engine_config)
+    sys.exit(code)
 
 
 def worker_entry(config: WorkerConfig, log_level: str) -> None:

@@ -10,15 +10,23 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, runtime_checkable
 
+from engine_core.kv_transfer.agent import KVTransferAgent
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
 from engine_core.structured.manager import build_structured_output_manager
-from protocol.client_messages import EngineCoreOutputs, EngineCoreRequest, StatValue
+from protocol.client_messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    StatValue,
+)
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
+from protocol.kv_transfer import kv_transfer_layout
 from protocol.stats import BlockResidencyStats, SchedulerStats, stat_values
 from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
@@ -112,27 +120,79 @@ class EngineCore:
             self.scheduler.kv_cache_manager.enable_block_metrics(
                 engine_config.cache.kv_cache_metrics_sample
             )
+        # Disaggregated prefill and decode (DESIGN.md §12): a prefill engine pins blocks for
+        # decode engines, a decode engine pulls them; an engine of role "both" does neither.
+        self.kv_transfer_layout = kv_transfer_layout(
+            model_info.name, kv_cache_config, engine_config.tp_size
+        )
+        manager = self.scheduler.kv_cache_manager
+        self.kv_transfer = KVTransferAgent(
+            engine_config, manager.block_pool, self.scheduler.block_size, self.kv_transfer_layout
+        )
+        manager.coordinator.block_holders.extend(self.kv_transfer.block_holders())
+        # outputs made between steps (a parked request refused once its pull settled), sent
+        # with the next step's
+        self._deferred_outputs: dict[bytes, list[EngineCoreOutput]] = {}
 
     def add_request(
         self, request: EngineCoreRequest, client_id: bytes = b""
     ) -> EngineCoreOutputs | None:
-        """Queue a request; a rejection output for its client when the input is bad."""
-        return self.scheduler.add_request(request, client_id)
+        """Queue a request; a rejection output for its client when the input is bad.
+
+        On a decode engine a request with a KV transfer handle is parked until its pull settles;
+        on a prefill engine a do_remote_decode request will be pinned (KVTransferPins)."""
+        scheduler, pins, pulls = self.scheduler, self.kv_transfer.pins, self.kv_transfer.pulls
+        if request.kv_transfer_handle is not None and pulls is not None:
+            req_id = scoped_req_id(client_id, request.req_id)
+            is_live = self.is_live(client_id, request.req_id)
+            try:  # a request it would refuse is refused now, by scheduler.add_request below
+                hashed = scheduler.intake.build(request, client_id, len(scheduler.waiting), is_live)
+            except ValueError:
+                hashed = None
+            if hashed is not None and pulls.park(req_id, hashed, request, client_id):
+                return None
+        refusal = scheduler.add_request(request, client_id)
+        if refusal is None and request.do_remote_decode and pins is not None:
+            pins.want(scoped_req_id(client_id, request.req_id))
+        return refusal
 
     def abort_requests(
         self, req_ids: list[str], client_id: bytes = b""
     ) -> dict[bytes, EngineCoreOutputs]:
         """Abort a client's own live requests between steps, by the ids that client gave them;
         ids it does not hold are ignored. Final outputs by client."""
-        return self.scheduler.abort_client_requests(client_id, req_ids)
+        outputs = self.scheduler.abort_client_requests(client_id, req_ids)
+        for req_id in req_ids:
+            self._abort_parked(scoped_req_id(client_id, req_id), None, outputs)
+        return self.kv_transfer.with_handles(outputs)
 
     def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
         """Abort every live request of a client that left or stopped reading, freeing blocks."""
-        return self.scheduler.abort_client(client_id, error)
+        outputs = self.scheduler.abort_client(client_id, error)
+        if (pulls := self.kv_transfer.pulls) is not None:
+            for req_id, parked in list(pulls.parked.items()):
+                if parked.client_id == client_id:
+                    self._abort_parked(req_id, error, outputs)
+        return self.kv_transfer.with_handles(outputs)
+
+    def _abort_parked(
+        self, req_id: str, error: str | None, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> None:
+        """Abort a request parked for its pull, adding its final output to `outputs`."""
+        pulls = self.kv_transfer.pulls
+        if pulls is None or (parked := pulls.abort(req_id)) is None:
+            return
+        final = EngineCoreOutput(parked.request.req_id, [], FinishReason.ABORT, 0, error)
+        batch = outputs.get(parked.client_id)
+        previous = batch.outputs if batch is not None else []
+        outputs[parked.client_id] = EngineCoreOutputs([*previous, final])
 
     def is_live(self, client_id: bytes, req_id: str) -> bool:
         """Whether the client holds a live request it named `req_id`."""
-        return scoped_req_id(client_id, req_id) in self.scheduler.requests
+        scoped = scoped_req_id(client_id, req_id)
+        if (pulls := self.kv_transfer.pulls) is not None and pulls.is_live(scoped):
+            return True
+        return scoped in self.scheduler.requests
 
     def has_work(self) -> bool:
         """Requests to run, finished ones the workers must still be told to drop, or a step
@@ -143,15 +203,23 @@ class EngineCore:
             or scheduler.has_finished_requests()
             or scheduler.num_steps_in_flight > 0
             or self._send_error is not None
+            or self.kv_transfer.needs_step()
+            or bool(self._deferred_outputs)
         )
 
     def client_ids(self) -> list[bytes]:
         """The clients that hold live requests."""
-        return list(self.scheduler.admission.num_live_by_client)
+        client_ids = list(self.scheduler.admission.num_live_by_client)
+        if (pulls := self.kv_transfer.pulls) is not None:
+            client_ids += [parked.client_id for parked in pulls.parked.values()]
+        return list(dict.fromkeys(client_ids))
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        """Live requests: the scheduler's, and those parked for their pull (a decode engine)."""
+        pulls = self.kv_transfer.pulls
+        num_parked = len(pulls.parked) if pulls is not None else 0
+        return len(self.scheduler.requests) + num_parked
 
     @property
     def kv_cache_usage(self) -> float:
@@ -176,18 +244,24 @@ class EngineCore:
         scheduler = self.scheduler
         if self._pipeline is not None:
             return self._step_pipelined(self._pipeline)
-        if not scheduler.has_unfinished_requests() and not scheduler.has_finished_requests():
-            return {}
+        if not (
+            scheduler.has_unfinished_requests()
+            or scheduler.has_finished_requests()
+            or self.kv_transfer.needs_step()
+        ):
+            return self._take_deferred_outputs({})
         start = perf_counter()
         scheduler_output = scheduler.schedule()
         scheduled = perf_counter()
-        model_runner_output = self.executor.execute_model(scheduler_output)
+        sent_output = self._with_transfer_orders(scheduler_output)
+        model_runner_output = self.executor.execute_model(sent_output)
         executed = perf_counter()
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.schedule_time_s += scheduled - start
         self.update_time_s += perf_counter() - executed
         if self._check_each_step:
-            scheduler.check_invariants()
+            self.check_invariants()
         return outputs
 
     def _step_pipelined(self, pipeline: PipelinedExecutor) -> dict[bytes, EngineCoreOutputs]:
@@ -200,16 +274,17 @@ class EngineCore:
         steps_in_flight = self.scheduler.steps_in_flight
         if not steps_in_flight:  # the first step of a burst runs while the next one is planned
             self._submit_next(pipeline)
-            return {}
+            return self._take_deferred_outputs({})
         if len(steps_in_flight) == 1:
             self._submit_next(pipeline)
         step = steps_in_flight.oldest()
         model_runner_output = pipeline.collect(step.step_id)
         collected = perf_counter()
         outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
+        outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:
-            self.scheduler.check_invariants()
+            self.check_invariants()
         try:
             self._submit_next(pipeline)
         except Exception as exc:  # step N is applied: its outputs go out first
@@ -219,14 +294,70 @@ class EngineCore:
     def _submit_next(self, pipeline: PipelinedExecutor) -> None:
         """Schedule and send the next step, when there is anything to run or to tell the ranks."""
         scheduler = self.scheduler
-        if scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+        if (
+            scheduler.has_unfinished_requests()
+            or scheduler.has_finished_requests()
+            or self.kv_transfer.needs_step()
+        ):
             start = perf_counter()
             scheduler_output = scheduler.schedule()
             self.schedule_time_s += perf_counter() - start
-            pipeline.submit(scheduler_output)
+            pipeline.submit(self._with_transfer_orders(scheduler_output))
+
+    # -- disaggregated prefill and decode (DESIGN.md §12) ----------------------------------------
+
+    def is_only_pulling(self) -> bool:
+        """The one work left is hearing the ends of pulls the ranks run: the server paces its
+        empty steps rather than spinning."""
+        scheduler = self.scheduler
+        return (
+            self.kv_transfer.is_pulling_only()
+            and not scheduler.has_unfinished_requests()
+            and not scheduler.has_finished_requests()
+            and scheduler.num_steps_in_flight == 0
+        )
+
+    def _with_transfer_orders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step as sent, with its P/D orders; the scheduler's record keeps it as built."""
+        kv_transfer = self.kv_transfer
+        if kv_transfer.pins is None and kv_transfer.pulls is None:
+            return scheduler_output
+        step = self.scheduler.steps_in_flight.newest()
+        manager = self.scheduler.kv_cache_manager
+        return kv_transfer.with_orders(
+            scheduler_output,
+            list(zip(step.requests, step.is_sampling, strict=True)),
+            lambda req_id: manager.get_block_ids(req_id)[0],
+        )
+
+    def _after_transfer_reply(
+        self, model_runner_output: ModelRunnerOutput, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> dict[bytes, EngineCoreOutputs]:
+        """Queue the requests whose pulls settled, and give each prefill request that ended
+        holding its blocks its handle."""
+        for parked in self.kv_transfer.settle(model_runner_output):
+            refusal = self.scheduler.add_request(parked.request, parked.client_id)
+            if refusal is not None:
+                self._defer(parked.client_id, refusal)
+        return self._take_deferred_outputs(self.kv_transfer.with_handles(outputs))
+
+    def _defer(self, client_id: bytes, batch: EngineCoreOutputs) -> None:
+        self._deferred_outputs.setdefault(client_id, []).extend(batch.outputs)
+
+    def _take_deferred_outputs(
+        self, outputs: dict[bytes, EngineCoreOutputs]
+    ) -> dict[bytes, EngineCoreOutputs]:
+        if not self._deferred_outputs:
+            return outputs
+        for client_id, deferred in self._deferred_outputs.items():
+            batch = outputs.get(client_id)
+            outputs[client_id] = EngineCoreOutputs([*(batch.outputs if batch else []), *deferred])
+        self._deferred_outputs = {}
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is live, one parked for its pull included."""
+        return self.num_unfinished_requests > 0
 
     def reset_prefix_cache(self) -> tuple[bool, str | None]:
         """Clear the prefix cache; (False, reason) while requests hold blocks."""
@@ -256,7 +387,12 @@ class EngineCore:
         self._send_error = None
         if isinstance(self._pipeline, SerialPipeline):
             self._pipeline.forget()  # a WorkerGroup drops a retired generation's replies itself
+        parked = self.kv_transfer.forget_all()  # the pinned and pulled pages were the old ranks'
         self.scheduler.requeue_for_new_workers()
+        for one in parked:  # no pull completes: they compute their prompts on the new ranks
+            refusal = self.scheduler.add_request(one.request, one.client_id)
+            if refusal is not None:
+                self._defer(one.client_id, refusal)
 
     @property
     def next_step_id(self) -> int:
@@ -266,10 +402,16 @@ class EngineCore:
         """Fail every unfinished request with `error`, e.g. when a worker died."""
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
         self._send_error = None
-        return self.scheduler.fail_all(error)
+        outputs = self.scheduler.fail_all(error)
+        if (pulls := self.kv_transfer.pulls) is not None:
+            for one in pulls.fail_all():
+                final = EngineCoreOutput(one.request.req_id, [], FinishReason.ERROR, 0, error)
+                self._defer(one.client_id, EngineCoreOutputs([final]))
+        return self._take_deferred_outputs(self.kv_transfer.with_handles(outputs))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        self.kv_transfer.check_invariants()
 
     # -- what the server reads and builds; it never reaches the scheduler or the pool itself -----
 

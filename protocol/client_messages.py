@@ -8,6 +8,7 @@ from typing import Annotated
 
 import msgspec
 
+from protocol.kv_transfer import KVTransferHandle
 from protocol.sampling import SamplingParams
 
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -43,6 +44,11 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fi
     cache_salt: CacheSalt | None = None  # isolates this request's prefix-cache entries
     # int32 little-endian: an encoder-decoder model's encoder input; None for decoder-only models
     encoder_token_ids: bytes | None = None
+    # P/D (protocol/kv_transfer.py): on a prefill engine, hold the prompt's blocks for a decode
+    # engine once the first token is sampled, and name them in the final output's handle
+    do_remote_decode: bool = False
+    # on a decode engine: pull the prompt's KV from this handle before computing the rest
+    kv_transfer_handle: KVTransferHandle | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
@@ -89,6 +95,8 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Of prompt tokens 1.. (the first has none), each entry the prompt token then its top-N;
     # on the request's first output only, when it asked for prompt_logprobs
     prompt_logprobs: TokenLogprobs | None = None
+    # A do_remote_decode request's last output, when the prefill engine holds its blocks
+    kv_transfer_handle: KVTransferHandle | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, frozen=True, tag=True, gc=False):

@@ -19,6 +19,10 @@ BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=64)]
 HashAlgo = Literal["sha256", "xxhash"]  # the prefix-caching block hash algorithms
 HASH_ALGOS: tuple[HashAlgo, ...] = get_args(HashAlgo)
+# An engine's part in disaggregated prefill and decode (DESIGN.md §12): a prefill engine holds a
+# request's blocks for a decode engine once its prompt is computed; a decode engine pulls them.
+KVRole = Literal["prefill", "decode", "both"]
+KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
 DEFAULT_HASH_SEED = "kvserve"
 
 
@@ -132,6 +136,12 @@ class EngineConfig(_Config, frozen=True):
     # The folder of the tokenizer.json whose vocabulary structured outputs compile against (read
     # once at start-up); None: the checkpoint folder's, and none for a built-in model
     tokenizer: str | None = None
+    kv_role: KVRole = "both"  # both: serves requests whole, and neither holds nor pulls blocks
+    # A prefill engine holds a request's blocks for its decode engine at most this long
+    kv_transfer_timeout_s: Seconds = 30.0
+    # Where a prefill engine's ranks serve pulls: "ipc://FOLDER" or "tcp://HOST" (each rank takes
+    # a free port); None: ipc in a fresh private folder (decode ranks on this host only)
+    kv_transfer_address: str | None = None
 
 
 class WorkerConfig(_Config, frozen=True):

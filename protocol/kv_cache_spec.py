@@ -191,6 +191,10 @@ class KVCacheConfig(msgspec.Struct, frozen=True, tag=True, array_like=True):
     num_host_slots: int = 0
     num_disk_slots: int = 0
     disk_dir: str | None = None
+    # A prefill engine's ranks serve pulls of pinned blocks (DESIGN.md §12) at an endpoint under
+    # this address: "ipc://FOLDER" (a socket file per rank there) or "tcp://HOST" (a free port);
+    # None: the rank serves none
+    kv_transfer_address: str | None = None
 
 
 def cdiv(numerator: int, denominator: int) -> int:

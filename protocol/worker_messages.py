@@ -9,6 +9,7 @@ from typing import Annotated
 import msgspec
 
 from protocol.kv_cache_spec import KVCacheConfig, KVCacheGroupSpec
+from protocol.kv_transfer import KVTransferOrders
 from protocol.sampling import SamplingParams
 
 Rank = Annotated[int, msgspec.Meta(ge=0)]
@@ -53,6 +54,9 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # it attached to the KVCacheConfig's ring as a reader; False for a rank the config named
     # as one: it could not, and takes its steps over ZMQ (the engine releases its reader slot)
     is_shm_ring_attached: bool = False
+    # where this rank serves pulls of its pinned blocks (a prefill engine's rank, when the
+    # KVCacheConfig named a kv_transfer_address); None: it serves none
+    kv_transfer_endpoint: str | None = None
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -132,6 +136,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     num_common_prefix_blocks: list[NumBlocks] = []
     kv_transfers: KVTransfers | None = None  # None: no tier traffic this step
     grammar_bitmask: GrammarBitmask | None = None  # None: no constrained request samples
+    kv_transfer_orders: KVTransferOrders | None = None  # P/D pins and pulls; None: none
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -157,6 +162,14 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     prompt_logprobs: bytes = b""  # float32
     prompt_logprob_token_ids: bytes = b""  # int32, aligned with prompt_logprobs
     prompt_logprob_ranks: bytes = b""  # int32 per entry: the prompt token's rank
+    # P/D pulls (KVPull.pull_id) that ended on this rank since its previous reply, each reported
+    # once; a pull runs beside the steps, from the step that ordered it
+    finished_kv_pulls: list[int] = []
+    failed_kv_pulls: list[int] = []  # those of finished_kv_pulls that failed
+    kv_pull_bytes: int = 0  # bytes those pulls moved to this rank
+    # pulls of this rank's pinned blocks it refused since its previous reply (a forged, stale or
+    # foreign handle, another layout, a peer with other CURVE keys)
+    num_refused_kv_pulls: int = 0
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -17,9 +17,8 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import (
-    KVCacheConfig,
-)
+from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from protocol.kv_transfer import kv_transfer_layout
 from protocol.worker_messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -33,8 +32,9 @@ from worker.distributed import TPGroup
 from worker.encoder_inputs import EncoderInputs
 from worker.graph_runner import GraphRunner, decode_buckets, graph_refusal, uses_step_buffers
 from worker.input_batch import InputBatch, ParkedRequest
-from worker.kv_cache import allocate_kv_caches, check_kv_caches
+from worker.kv_cache import allocate_kv_caches, check_kv_caches, shared_kv_tensors
 from worker.kv_tiers import KVTiers, build_kv_tiers
+from worker.kv_transfer import KVTransferRank
 from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
@@ -115,9 +115,13 @@ class ModelRunner:
         # a step's largest sizes: prepare each step into StepBuffers, for a model that reads
         # them (a checkpoint on the Triton backend); None: a PagedKV per step
         step_limits: StepLimits | None = None,
+        # moves pages between engines for P/D (worker/kv_transfer.py); None: steps carry no
+        # transfer orders
+        kv_transfer: KVTransferRank | None = None,
     ) -> None:
         self.model = model
         self.kv_tiers = kv_tiers
+        self.kv_transfer = kv_transfer
         # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
         # each request reads it through its own table. The engine's counts are checked either way.
         self.enable_cascade_attention = enable_cascade_attention
@@ -156,6 +160,11 @@ class ModelRunner:
         start = time.perf_counter()
         # copy-outs, then copy-ins, all before the forward (DESIGN.md §3.5)
         failed_disk_slots = pack_int32(self._apply_transfers(scheduler_output))
+        finished_kv_pulls, failed_kv_pulls, kv_pull_bytes = self._apply_transfer_orders(
+            scheduler_output
+        )
+        kv_transfer = self.kv_transfer
+        num_refused_kv_pulls = kv_transfer.take_refused() if kv_transfer is not None else 0
         scheduled = self._update_states(scheduler_output)
         self.last_step_id = scheduler_output.step_id
         handles = pack_int32(scheduled.handles)
@@ -171,6 +180,10 @@ class ModelRunner:
                 b"",
                 scheduler_output.generation,
                 failed_disk_slots=failed_disk_slots,
+                finished_kv_pulls=finished_kv_pulls,
+                failed_kv_pulls=failed_kv_pulls,
+                kv_pull_bytes=kv_pull_bytes,
+                num_refused_kv_pulls=num_refused_kv_pulls,
             )
         host, sample_reqs, logits_reqs = self._prepare(scheduled)
         prepared = time.perf_counter()
@@ -223,6 +236,10 @@ class ModelRunner:
             prompt_logprobs.logprobs,
             prompt_logprobs.token_ids,
             prompt_logprobs.sampled_token_ranks,
+            finished_kv_pulls,
+            failed_kv_pulls,
+            kv_pull_bytes,
+            num_refused_kv_pulls,
         )
 
     @staticmethod
@@ -242,6 +259,23 @@ class ModelRunner:
                 f"{self.rank} was given none"
             )
         return self.kv_tiers.apply(transfers)
+
+    def _apply_transfer_orders(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[int], list[int], int]:
+        """P/D (DESIGN.md §12): apply the step's pins and unpins and queue its pulls, before the
+        forward; report the pulls that ended since the last step (ids, failed ids, bytes)."""
+        orders = scheduler_output.kv_transfer_orders
+        if self.kv_transfer is None:
+            if orders is not None:
+                raise ValueError(
+                    f"step {scheduler_output.step_id} carries KV transfer orders, but rank "
+                    f"{self.rank} has no transfer agent"
+                )
+            return [], [], 0
+        if orders is not None:
+            self.kv_transfer.apply(orders)
+        return self.kv_transfer.take_finished()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:
         """Apply the step's deltas in the contract's order; return the scheduled requests."""
@@ -522,6 +556,7 @@ def build_model_runner(
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)
     info = get_model_info(config.model, config.block_size, kv_dtype, tp_group.tp_size)
+    kv_transfer = build_kv_transfer(config, kv_cache_config, kv_caches, tp_group.tp_size, info.name)
     limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs)
     runner = ModelRunner(
         model,
@@ -537,6 +572,7 @@ def build_model_runner(
         eos_token_ids=info.eos_token_ids,
         kv_tiers=kv_tiers,
         step_limits=limits if uses_step_buffers(config, device) else None,
+        kv_transfer=kv_transfer,
     )
     refusal = graph_refusal(config, device, tp_group)
     if refusal is None:  # capture happens now, before the first step; its memory was counted
@@ -544,3 +580,24 @@ def build_model_runner(
     elif device.type == "cuda":
         logger.info("decode steps run eagerly: %s", refusal)
     return runner
+
+
+def build_kv_transfer(
+    config: WorkerConfig,
+    kv_cache_config: KVCacheConfig,
+    kv_caches: dict[str, torch.Tensor],
+    tp_size: int,
+    model_name: str,
+) -> KVTransferRank | None:
+    """This rank's P/D agent (DESIGN.md §12), serving pulls when the engine named an address;
+    None for a model whose KV cannot move yet (other than one full-attention group)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].spec, FullAttentionSpec):
+        return None  # the engine refuses --kv-role prefill or decode for such a model
+    layout = kv_transfer_layout(model_name, kv_cache_config, tp_size)
+    pages = shared_kv_tensors(kv_cache_config, kv_caches, tp_size)
+    kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve)
+    if kv_cache_config.kv_transfer_address is not None:
+        address = kv_cache_config.kv_transfer_address
+        kv_transfer.serve(address, kv_cache_config.generation, config.engine_address)
+    return kv_transfer

@@ -186,8 +186,13 @@ class Worker:
         # full collection walks them all (about 0.1 s on a CPU rank) and stalls every rank's step
         gc.collect()
         gc.freeze()
+        kv_transfer = self.runner.kv_transfer
         ready = WorkerReady(
-            self.config.rank, kv_cache_config.num_blocks, self.generation, is_attached
+            self.config.rank,
+            kv_cache_config.num_blocks,
+            self.generation,
+            is_attached,
+            kv_transfer.endpoint if kv_transfer is not None else None,
         )
         self.sock.send(self.encoder.encode(ready))
         logger.info(
@@ -381,6 +386,11 @@ class Worker:
         """Remove this rank's disk tier file: no later generation reads it."""
         if self.runner is not None and self.runner.kv_tiers is not None:
             self.runner.kv_tiers.close()
+
+    def close_kv_transfer(self) -> None:
+        """Stop serving and pulling KV transfers (P/D): the rank is leaving."""
+        if self.runner is not None and self.runner.kv_transfer is not None:
+            self.runner.kv_transfer.close()
 
     def close_ring(self) -> None:
         if self.ring is not None:

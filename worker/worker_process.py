@@ -64,6 +64,7 @@ def run(config: WorkerConfig) -> int:
     finally:
         worker.close_stream()
         worker.close_tiers()
+        worker.close_kv_transfer()
         worker.close_ring()
         sock.disable_monitor()
         monitor.close(linger=0)

@@ -5,7 +5,7 @@ decides one hit length that every group can honour. It never hashes tokens or si
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_metrics import BlockMetricsHook
@@ -57,6 +57,9 @@ class KVCacheCoordinator(ABC):
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
+        # References held outside the request tables (P/D pins and pulls, engine_core/
+        # kv_transfer/): each callable lists its blocks, one entry per reference
+        self.block_holders: list[Callable[[], Iterable[KVCacheBlock]]] = []
         # None caches every full block; an interval thins the window groups' (retention.py).
         self.retention_interval = retention_interval
         self._sparse_group_ids = sparse_retention_group_ids(retention_interval, kv_cache_config)
@@ -207,10 +210,21 @@ class KVCacheCoordinator(ABC):
     ) -> list[int]:
         """Per group, the leading blocks of the request's table that every running request
         holds; 0 for groups whose attention does not read a plain shared prefix."""
-        return [
+        counts = [
             manager.get_num_common_prefix_blocks(running_request_id, num_running_requests)
             for manager in self.single_type_managers
         ]
+        if self.block_holders and any(counts):
+            # a holder's reference counts like a running request's: a run may not cross a
+            # block a holder references, or it could pass one a running request lacks
+            held = {block.block_id for holder in self.block_holders for block in holder()}
+            for group_idx, manager in enumerate(self.single_type_managers):
+                blocks = manager.req_to_blocks.get(running_request_id, [])
+                for idx in range(counts[group_idx]):
+                    if blocks[idx].block_id in held:
+                        counts[group_idx] = idx
+                        break
+        return counts
 
     def get_blocks(self, req_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's whole table in every group (empty lists for an unknown request)."""
@@ -256,10 +270,13 @@ class KVCacheCoordinator(ABC):
                 for block in blocks:
                     if not block.is_null:
                         num_refs[block.block_id] += 1
+        for holder in self.block_holders:
+            for block in holder():
+                num_refs[block.block_id] += 1
         for block in self.block_pool.blocks[1:]:
             assert block.ref_cnt == num_refs[block.block_id], (
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                f"{num_refs[block.block_id]} request tables list it"
+                f"{num_refs[block.block_id]} request tables and holders list it"
             )
 
 

@@ -33,6 +33,9 @@ def bound_addresses(config: EngineConfig) -> list[tuple[str, str]]:
     if kv_events.enable_kv_cache_events:
         for address in filter(None, [kv_events.endpoint, kv_events.replay_endpoint]):
             addresses.append(("--kv-events-config", address))
+    transfer = config.kv_transfer_address
+    if config.kv_role == "prefill" and transfer is not None and transfer.startswith("tcp://"):
+        addresses.append(("--kv-transfer-address", f"{transfer}:0"))  # its ranks bind a port
     return addresses
 
 

@@ -92,6 +92,12 @@ class StepsInFlight:
         assert len(self._steps) < self.max_num_steps, f"step {step.step_id}: no room in flight"
         self._steps.append(step)
 
+    def newest(self) -> InFlightStep:
+        """The step scheduled last."""
+        if not self._steps:
+            raise RuntimeError("no step is in flight")
+        return self._steps[-1]
+
     def oldest(self) -> InFlightStep:
         """The step the next reply must answer."""
         if not self._steps:

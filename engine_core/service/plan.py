@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine_core.kv_cache.kv_tiers import describe_unsupported_tiers
 from engine_core.kv_cache.spec import KVCacheGroupSpec, describe_capacity, plan_kv_cache
+from engine_core.kv_transfer.layout import describe_unsupported_layout
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from protocol.config import CacheConfig, EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
@@ -56,13 +57,31 @@ def plan_engine(
         num_host_slots=num_host_slots,
         num_disk_slots=num_disk_slots,
         disk_dir=config.cache.kv_offload_disk_dir if num_disk_slots else None,
+        kv_transfer_address=config.kv_transfer_address if config.kv_role == "prefill" else None,
     )
+    check_kv_role(config, kv_cache_config)
     check_pool_host_memory(kv_cache_config.num_blocks, config.max_pool_host_memory_bytes)
     limits = resolve_limits(config.scheduler, config.cache, kv_cache_config, model_info)
     summary = describe_capacity(
         kv_cache_config, limits.max_model_len, limits.num_blocks_per_request
     )
     return EnginePlan(kv_cache_config, limits, list(num_blocks_per_rank), summary)
+
+
+def check_kv_role(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
+    """FlagValueError when this engine cannot take its part in P/D (DESIGN.md §12)."""
+    if config.kv_role == "both":
+        return
+    reason = describe_unsupported_layout(kv_cache_config)
+    if reason is not None:
+        raise FlagValueError(f"--kv-role {config.kv_role}: {reason}")
+    if config.kv_role == "prefill" and config.kv_transfer_address is None:
+        raise FlagValueError("--kv-role prefill needs --kv-transfer-address (deploy/ fills it in)")
+    if config.kv_role == "decode" and not config.cache.enable_prefix_caching:
+        raise FlagValueError(
+            "--kv-role decode needs prefix caching (pulled blocks join the prefix cache): "
+            "drop --no-enable-prefix-caching"
+        )
 
 
 def plan_tier_slots(

@@ -35,6 +35,8 @@ from protocol.stats import EngineStats, stat_values
 logger = logging.getLogger(__name__)
 
 METRICS_UPDATE_S = 0.5  # how often the gauges follow the scheduler's stats
+KV_TRANSFER_EXPIRY_S = 0.1  # how often a prefill engine frees the transfers past their deadline
+KV_PULL_POLL_MS = 2  # an otherwise idle decode engine's step rate while its ranks pull
 IDLE_POLL_MS = 100  # how long an idle loop sleeps in poll; client input wakes it at once
 BACKLOG_RETRY_MS = 5  # how often an idle loop retries a slow client's backlog
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -73,7 +75,7 @@ class EngineServer:
         self._poller.register(router.sock, zmq.POLLIN)
         self._worker_items: list[zmq.Socket | int] = []
         self._watch_workers()
-        self._next_metrics_time = self._next_probe_time = 0.0
+        self._next_metrics_time = self._next_probe_time = self._next_expiry_time = 0.0
         self._last_stats_time = time.monotonic()
         self._next_stats_time = self._last_stats_time + config.log_stats_interval_s
         self._num_steps = self._num_steps_logged = 0
@@ -119,12 +121,18 @@ class EngineServer:
     def _serve_once(self) -> None:
         has_work = self.core.has_work()
         backlog_ms = BACKLOG_RETRY_MS if self.router.backlogs else IDLE_POLL_MS
-        events = self._serve_clients(0 if has_work else backlog_ms)
+        if has_work and self.core.is_only_pulling():  # empty steps, paced, hear the pulls end
+            events = self._serve_clients(min(backlog_ms, KV_PULL_POLL_MS))
+        else:
+            events = self._serve_clients(0 if has_work else backlog_ms)
         if any(item in events for item in self._worker_items):
             self.workers.check_idle_events(self.core.num_steps_in_flight)
         if has_work or self.core.has_work():
             self._step()
         now = time.monotonic()
+        if now >= self._next_expiry_time:
+            self._next_expiry_time = now + KV_TRANSFER_EXPIRY_S
+            self.core.kv_transfer.expire()  # their unpins make the next step go out
         if now >= self._next_probe_time:
             self._next_probe_time = now + PROBE_INTERVAL_S
             self.router.probe(self.core.client_ids())
@@ -134,6 +142,8 @@ class EngineServer:
             self._next_metrics_time = now + METRICS_UPDATE_S
             self.metrics.on_stats(self.core.make_stats())
             self.metrics.on_block_residency(self.core.take_block_residency())
+            kv_transfer = self.core.kv_transfer
+            self.metrics.kv_transfer.on_stats(kv_transfer.stats(), kv_transfer.take_pull_seconds())
 
     def _serve_clients(self, timeout_ms: int) -> dict[zmq.Socket | int, int]:
         """The clients' half of one pass, which the handshake of a new worker generation runs
@@ -177,6 +187,7 @@ class EngineServer:
         self.recovery.recover(self.core, self.workers, error, self._serve_clients_while_waiting)
         self._publish_kv_events()  # AllBlocksCleared: the new ranks' caches hold nothing
         self._watch_workers()
+        self.core.kv_transfer.set_endpoints(self.workers.kv_transfer_endpoints)
         return True
 
     def _serve_clients_while_waiting(self) -> None:
@@ -297,14 +308,27 @@ class EngineServer:
             "get_load": lambda: (True, self.core.make_load(), None),
         }
         method = methods.get(call.method)
+        if call.method == "release_kv_transfer":
+            return self._release_kv_transfer(call)
         if method is None:
-            error = f"unknown utility method {call.method!r}: expected one of {sorted(methods)}"
+            names = sorted([*methods, "release_kv_transfer"])
+            error = f"unknown utility method {call.method!r}: expected one of {names}"
             return UtilityResult(call.call_id, False, error=error)
         if call.args:
             error = f"{call.method} takes no arguments, got {len(call.args)}"
             return UtilityResult(call.call_id, False, error=error)
         ok, value, error = method()
         return UtilityResult(call.call_id, ok, value, error)
+
+    def _release_kv_transfer(self, call: UtilityCall) -> UtilityResult:
+        """`release_kv_transfer(transfer_id, secret)`: a decode engine answered for the handle,
+        so its blocks may go to the prefix cache now rather than at the deadline."""
+        match call.args:
+            case [int() as transfer_id, str() as secret] if not isinstance(transfer_id, bool):
+                ok, error = self.core.kv_transfer.release(transfer_id, secret)
+                return UtilityResult(call.call_id, ok, ok, error)
+        error = f"release_kv_transfer takes (transfer_id: int, secret: str), got {call.args!r}"
+        return UtilityResult(call.call_id, False, error=error)
 
     def _reset_prefix_cache(self) -> tuple[bool, StatValue, str | None]:
         ok, reason = self.core.reset_prefix_cache()
@@ -330,10 +354,14 @@ class EngineServer:
         params = hash_params(self.config.cache, [group.spec.block_size for group in groups])
         events = self.config.kv_events
         is_publishing = events.enable_kv_cache_events
+        layout = msgspec.structs.asdict(self.core.kv_transfer_layout)
         return msgspec.structs.asdict(params) | {
             "kv_events_endpoint": events.endpoint if is_publishing else None,
             "kv_events_replay_endpoint": events.replay_endpoint if is_publishing else None,
             "kv_events_topic": events.topic,
+            # P/D (DESIGN.md §12): the role, and the layout a prefill/decode pair must share
+            "kv_role": self.config.kv_role,
+            **{f"kv_layout_{name}": value for name, value in layout.items()},
         }
 
     def _stats(self) -> dict[str, StatValue]:
@@ -351,7 +379,7 @@ class EngineServer:
             num_worker_restarts=self.recovery.num_restarts if self.recovery is not None else 0,
             rank_forward_s=self.workers.rank_forward_time_s,
         )
-        return stat_values(stats)
+        return stat_values(stats) | self.core.kv_transfer.stats()
 
     def check_invariants(self) -> None:
         """The loop's own counters and the invariants of what it drives; the core walks its own

@@ -51,7 +51,13 @@ def start_engine_core(config: EngineConfig, workers: WorkerGroup) -> EngineCore:
     workers.send_kv_cache_config(kv_cache_config)
     workers.wait_for_ready(kv_cache_config.num_blocks, deadline)
     logger.info("all %d ranks ready: serving %s", config.tp_size, model_info.name)
-    return EngineCore(config, kv_cache_config, model_info, workers, plan.limits)
+    core = EngineCore(config, kv_cache_config, model_info, workers, plan.limits)
+    core.kv_transfer.set_endpoints(workers.kv_transfer_endpoints)
+    if config.kv_role != "both":
+        logger.info(
+            "kv role %s; ranks serve transfers at %s", config.kv_role, workers.kv_transfer_endpoints
+        )
+    return core
 
 
 def serve_metrics(metrics: EngineMetrics, config: EngineConfig) -> MetricsServer:

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine_core.telemetry.kv_transfer_metrics import KVTransferMetrics
 from protocol.client_messages import EngineCoreOutputs
 from protocol.stats import BlockResidencyStats, SchedulerStats
 
@@ -48,6 +49,7 @@ class EngineMetrics:
             (*LATENCY_BUCKETS_S, 60.0, 120.0, 300.0),
             self.registry,
         )
+        self.kv_transfer = KVTransferMetrics(self.registry)  # P/D, DESIGN.md §12
         self.is_healthy = False
         # (client id, req_id) -> arrival at the engine, then the time of its last token
         self._first_seen: dict[tuple[bytes, str], float] = {}

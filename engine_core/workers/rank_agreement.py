@@ -41,6 +41,26 @@ def with_every_failed_disk_slot(outputs: list[ModelRunnerOutput]) -> ModelRunner
     return msgspec.structs.replace(reference, failed_disk_slots=pack_int32(sorted(failed)))
 
 
+def with_every_kv_pull_report(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """The reply carrying every rank's P/D pull reports together: a pull id once per rank that
+    finished it (and once per rank that failed it), the bytes all ranks pulled, and the pulls
+    of their pinned blocks all ranks refused.
+
+    Each rank pulls its own shard of a block, so the engine settles a pull only once every rank
+    has reported it, which may take several steps: the counts add up across replies.
+    """
+    reference = outputs[0]
+    if not any(out.finished_kv_pulls or out.num_refused_kv_pulls for out in outputs):
+        return reference
+    return msgspec.structs.replace(
+        reference,
+        finished_kv_pulls=[pull_id for out in outputs for pull_id in out.finished_kv_pulls],
+        failed_kv_pulls=[pull_id for out in outputs for pull_id in out.failed_kv_pulls],
+        kv_pull_bytes=sum(out.kv_pull_bytes for out in outputs),
+        num_refused_kv_pulls=sum(out.num_refused_kv_pulls for out in outputs),
+    )
+
+
 def describe_message(message: WorkerToEngine) -> str:
     """A short name of a message for an error: its type, and the step of a reply."""
     match message:

@@ -19,6 +19,7 @@ from engine_core.workers.rank_agreement import (
     describe_disagreement,
     describe_message,
     with_every_failed_disk_slot,
+    with_every_kv_pull_report,
 )
 from engine_core.workers.rank_watch import MONITOR_EVENTS, RankWatch, WorkerGroupError
 from engine_core.workers.step_transport import StepTransport
@@ -92,6 +93,9 @@ class WorkerGroup:
         self.peers: set[bytes] = set()  # every worker identity heard from, refused ones included
         self.refusals: list[str] = []  # why peers were refused during startup
         self.last_step_id = 0
+        # per rank, where it serves pulls of pinned blocks (a prefill engine's, DESIGN.md §12),
+        # as its WorkerReady said; refreshed by every generation
+        self.kv_transfer_endpoints: list[str | None] = [None] * tp_size
         self.encode_time_s = 0.0  # total seconds encoding steps
         self.transport_time_s = 0.0  # total seconds sending steps and waiting for their replies
         # total seconds the least busy rank spent in the model's forward, as the ranks report it
@@ -182,6 +186,7 @@ class WorkerGroup:
                         )
                     check_ready(message, num_blocks, ready_ranks, self.generation)
                     self.transport.on_ready(message.rank, message.is_shm_ring_attached)
+                    self.kv_transfer_endpoints[message.rank] = message.kv_transfer_endpoint
                     ready_ranks.add(message.rank)
                 case _:
                     raise HandshakeError(f"expected WorkerReady, got {type(message).__name__}")
@@ -279,7 +284,7 @@ class WorkerGroup:
         if disagreement:  # a new generation would diverge again: a bug, not a fault
             raise WorkerGroupError(disagreement, "protocol", is_recoverable=False)
         self.rank_forward_time_s += min(output.forward_s for output in outputs)
-        return with_every_failed_disk_slot(outputs)
+        return with_every_kv_pull_report([with_every_failed_disk_slot(outputs), *outputs[1:]])
 
     def gather(self, step_id: int) -> list[ModelRunnerOutput]:
         """Every rank's ModelRunnerOutput for `step_id`, in rank order, within the step deadline."""

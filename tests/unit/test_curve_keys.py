@@ -72,6 +72,14 @@ def test_an_exposed_kv_events_socket_is_refused_too() -> None:
         check_secure(EngineConfig(kv_events=kv_events))
 
 
+def test_an_exposed_kv_transfer_address_of_a_prefill_engine_is_refused_too() -> None:
+    exposed = EngineConfig(kv_role="prefill", kv_transfer_address="tcp://10.0.0.1")
+    with pytest.raises(InsecureAddressError, match=r"--kv-transfer-address tcp://10\.0\.0\.1:0"):
+        check_secure(exposed)
+    check_secure(EngineConfig(kv_role="prefill", kv_transfer_address="tcp://127.0.0.1"))
+    check_secure(EngineConfig(kv_role="decode", kv_transfer_address="tcp://10.0.0.1"))
+
+
 def test_insecure_or_keys_or_loopback_bind_anywhere(tmp_path: Path) -> None:
     check_secure(EngineConfig())  # ipc:// defaults
     check_secure(EngineConfig(worker_address="tcp://127.0.0.1:5560"))

@@ -1,12 +1,20 @@
 """What deploy/ hands the processes for the CUDA path: LOCAL_RANK and --device-index reach the
 worker's config, `kvserve launch` gives each rank its local rank and the engine's step size, and the
-engine's pool host-memory limit defaults to a quarter of physical memory."""
+engine's pool host-memory limit defaults to a quarter of physical memory, and a prefill engine's
+transfer folder to a private one removed after it."""
+
+import os
 
 import pytest
 
 from deploy.cli import worker_config_from, worker_parser
 from deploy.flags import UsageError
-from deploy.launch import physical_memory_bytes, with_pool_host_memory_limit, worker_configs
+from deploy.launch import (
+    kv_transfer_address_for,
+    physical_memory_bytes,
+    with_pool_host_memory_limit,
+    worker_configs,
+)
 from protocol.config import EngineConfig, SchedulerConfig, WorkerConfig
 
 
@@ -47,3 +55,16 @@ def test_the_pool_limit_defaults_to_a_quarter_of_physical_memory() -> None:
     assert config.max_pool_host_memory_bytes == physical_memory_bytes() // 4
     given = EngineConfig(max_pool_host_memory_bytes=12345)
     assert with_pool_host_memory_limit(given).max_pool_host_memory_bytes == 12345
+
+
+def test_a_prefill_engine_gets_a_private_transfer_folder_removed_after_it() -> None:
+    with kv_transfer_address_for(EngineConfig(kv_role="prefill")) as config:
+        assert config.kv_transfer_address is not None
+        folder = config.kv_transfer_address.removeprefix("ipc://")
+        assert os.path.isdir(folder) and oct(os.stat(folder).st_mode & 0o777) == "0o700"
+    assert not os.path.exists(folder)
+    given = EngineConfig(kv_role="prefill", kv_transfer_address="tcp://10.0.0.1")
+    with kv_transfer_address_for(given) as config:
+        assert config is given
+    with kv_transfer_address_for(EngineConfig()) as config:
+        assert config.kv_transfer_address is None

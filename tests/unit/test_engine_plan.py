@@ -1,9 +1,10 @@
 """EnginePlan: the startup decisions made once from the config and the ranks' capacities, and
 each refusal named once, before any rank allocates."""
 
+import msgspec
 import pytest
 
-from engine_core.service.plan import plan_engine
+from engine_core.service.plan import FlagValueError, plan_engine
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from protocol.worker_messages import ModelInfo
@@ -79,3 +80,28 @@ def test_a_whole_prompt_reservation_plans_every_window_block() -> None:
     assert plan.summary == "KV cache holds 128 tokens; max concurrency 2.00 at max_model_len 64"
     with pytest.raises(ValueError, match=r"needs 32 blocks.*leaves 31"):
         plan_engine(_config(tp_size=1), HYBRID, [32])
+
+
+def test_kv_roles_are_refused_where_the_kv_cannot_move_naming_the_flag() -> None:
+    """P/D moves one full-attention group; a decode engine pulls into its prefix cache; a
+    prefill engine's ranks need an address to serve from."""
+    hybrid_groups = [
+        *GROUPS,
+        KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(4, 2, 8, "float32", 8)),
+    ]
+    hybrid = ModelInfo("tiny-hybrid", 64, [], 32, hybrid_groups)
+    prefill = msgspec.structs.replace(
+        _config(), kv_role="prefill", kv_transfer_address="ipc:///tmp/x"
+    )
+    with pytest.raises(FlagValueError, match="--kv-role prefill: the model has 2 KV-cache groups"):
+        plan_engine(prefill, hybrid, [40, 40])
+    plan = plan_engine(prefill, MODEL, [40, 40])
+    assert plan.kv_cache_config.kv_transfer_address == "ipc:///tmp/x"
+    with pytest.raises(FlagValueError, match="--kv-transfer-address"):
+        plan_engine(msgspec.structs.replace(prefill, kv_transfer_address=None), MODEL, [40, 40])
+    decode = msgspec.structs.replace(
+        _config(), kv_role="decode", cache=CacheConfig(block_size=4, enable_prefix_caching=False)
+    )
+    with pytest.raises(FlagValueError, match="--no-enable-prefix-caching"):
+        plan_engine(decode, MODEL, [40, 40])
+    assert plan_engine(_config(), MODEL, [40, 40]).kv_cache_config.kv_transfer_address is None

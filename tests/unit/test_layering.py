@@ -59,8 +59,15 @@ ENGINE_CORE_FOLDERS = {
     "engine_core.sched": ("engine_core.kv_cache", "engine_core.structured"),
     # the grammar owner of structured outputs: it compiles and matches, and schedules nothing
     "engine_core.structured": (),
+    # P/D pins and pulls over the pool; requests as the scheduler builds them, never scheduled
+    "engine_core.kv_transfer": ("engine_core.sched", "engine_core.kv_cache"),
     # EngineCore, the step loop over an Executor: it owns the scheduler and touches no socket
-    "engine_core.core": ("engine_core.sched", "engine_core.kv_cache", "engine_core.structured"),
+    "engine_core.core": (
+        "engine_core.sched",
+        "engine_core.kv_cache",
+        "engine_core.structured",
+        "engine_core.kv_transfer",
+    ),
     # addresses, binding and CURVE: under every folder that opens a socket, above none
     "engine_core.net": (),
     # metrics and KV events bind through net, and read neither the scheduler nor the pool
@@ -71,6 +78,7 @@ ENGINE_CORE_FOLDERS = {
     "engine_core.service": (
         *("engine_core.core", "engine_core.sched", "engine_core.kv_cache"),
         "engine_core.structured",
+        "engine_core.kv_transfer",
         *("engine_core.net", "engine_core.telemetry", "engine_core.workers"),
     ),
 }

@@ -1,0 +1,144 @@
+"""Disaggregated prefill and decode (DESIGN.md §12): the wire of a KV transfer.
+
+Four conversations carry it:
+- front end -> prefill engine: an `EngineCoreRequest` with `do_remote_decode`, and the final
+  `EngineCoreOutput` of that request, which carries a `KVTransferHandle` when its blocks are held;
+- front end -> decode engine: the same request again with that handle (`kv_transfer_handle`);
+- engine -> its ranks: `KVTransferOrders` riding a `SchedulerOutput` (pins and unpins on a prefill
+  engine, pulls on a decode engine); each rank runs a pull beside its steps and reports its end
+  once, in a later `ModelRunnerOutput` (`finished_kv_pulls`, `failed_kv_pulls`);
+- decode rank r -> prefill rank r: `KVPullRequest`, answered by `KVPullReply` and the pages.
+
+The contract:
+- A handle is valid only while its prefill engine holds the blocks: from the output that carries
+  it until the front end releases it (`release_kv_transfer`), or the engine's
+  `--kv-transfer-timeout-s` passes. Its `secret` is 128 random bits the prefill engine drew and
+  gave only to its ranks and to that one output; a pull must name the transfer id, the secret and
+  a run of the pinned block ids exactly as pinned (ids and positions), or it is refused and
+  reads nothing.
+- Both sides must agree on the `KVTransferLayout` (a pair that does not is refused, naming the
+  field). Block ids are each engine's own; pages move rank r to rank r, one page per shared KV
+  tensor of the rank per block, in tensor order.
+- The decode engine pulls only full prompt blocks that its own cache lacks, inserts them in its
+  prefix cache, and admits the request, which then finds them as a prefix hit and computes at
+  least the prompt's last token itself: its tokens are those one engine would have produced. A
+  pull that fails costs only the transfer: the decode engine computes the prompt.
+"""
+
+from typing import Annotated
+
+import msgspec
+
+from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
+
+Secret = Annotated[str, msgspec.Meta(min_length=32, max_length=32, pattern="^[0-9a-f]+$")]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]], msgspec.Meta()]
+KV_TRANSFER_SOCKET_NAME = "kv-transfer"
+
+
+class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What a prefill/decode pair must agree on for one's pages to mean the same to the other."""
+
+    model: str  # the served model's name
+    block_size: int  # tokens per block
+    kv_cache_dtype: str  # the KV pages' element type, e.g. "float32"
+    tp_size: int  # ranks: rank r pulls from rank r
+    page_bytes: int  # bytes one block id costs on one rank, every shared tensor included
+    num_kv_cache_groups: int = 1  # P/D moves single-group models only (for now)
+
+    def mismatch(self, other: "KVTransferLayout") -> str | None:
+        """The first field whose values differ, as `field: mine != theirs`; None if they agree."""
+        for field in self.__struct_fields__:
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                return f"{field}: {mine!r} != {theirs!r}"
+        return None
+
+
+def kv_transfer_layout(
+    model_name: str, kv_cache_config: KVCacheConfig, tp_size: int
+) -> KVTransferLayout:
+    """The layout an engine (and each of its ranks) announces, from the agreed KVCacheConfig."""
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].spec
+    return KVTransferLayout(
+        model=model_name,
+        block_size=spec.block_size,
+        kv_cache_dtype=str(getattr(spec, "dtype", "")),
+        tp_size=tp_size,
+        page_bytes=bytes_per_block(groups, tp_size),
+        num_kv_cache_groups=len(groups),
+    )
+
+
+class KVTransferHandle(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What a decode engine needs to pull a request's prompt KV from the prefill engine."""
+
+    engine_id: str  # the prefill engine's random id, announced in its routing info
+    transfer_id: int  # unique within that engine, never reused
+    secret: Secret  # hex of 16 random bytes; a pull without it reads nothing
+    block_ids: BlockIds  # the prefill engine's blocks of the prompt, in sequence order
+    num_tokens: int  # prompt tokens whose KV those blocks hold
+    endpoints: list[str]  # rank r's transfer server, at index r
+    layout: KVTransferLayout
+
+
+class KVPin(msgspec.Struct, frozen=True, array_like=True):
+    """Prefill engine -> its ranks: serve pulls of these blocks under this transfer id."""
+
+    transfer_id: int
+    secret: Secret
+    block_ids: BlockIds
+
+
+class KVPull(msgspec.Struct, frozen=True, array_like=True):
+    """Decode engine -> its ranks: pull `src_block_ids` of a handle into `dst_block_ids`. No
+    step reads or writes the destination blocks until every rank has reported the pull."""
+
+    pull_id: int  # the decode engine's own, never reused: the ranks report the pull by it
+    transfer_id: int  # the handle's
+    secret: Secret  # the handle's
+    endpoints: list[str]  # the handle's: rank r pulls from endpoints[r]
+    first_block_idx: int  # where src_block_ids start in the handle's block_ids
+    src_block_ids: BlockIds  # the prefill engine's block ids: handle.block_ids from that index
+    dst_block_ids: BlockIds  # this engine's, aligned with src_block_ids
+    layout: KVTransferLayout  # this engine's own; the prefill rank refuses a different one
+
+
+class KVTransferOrders(msgspec.Struct, frozen=True, array_like=True):
+    """One step's transfer orders. Each rank applies pins and unpins before the step's forward:
+    an unpin rides the first step that could reuse the blocks, so a pull is never served from a
+    block given to another request. Pulls are queued then, and run beside the steps."""
+
+    pins: list[KVPin] = []
+    unpins: list[int] = []  # transfer ids no longer served
+    pulls: list[KVPull] = []
+
+
+class KVPullRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Decode rank -> prefill rank: the pages of `block_ids` under a transfer's secret."""
+
+    protocol_version: int
+    rank: int  # the puller's rank; it must be the server's
+    transfer_id: int
+    secret: Secret
+    # the pinned blocks from index first_block_idx on, in order: the server checks both, so a
+    # handle whose block ids were changed reads nothing
+    first_block_idx: int
+    block_ids: BlockIds
+    layout: KVTransferLayout  # the puller's; the server refuses a different one, naming the field
+    # the puller shares this host's /dev/shm (it came over ipc://): the pages may come in a
+    # shared memory segment rather than in frames
+    via_shm: bool = False
+
+
+class KVPullReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Prefill rank -> decode rank: when `ok`, the pages, one run per shared KV tensor (block
+    after block in the request's order), either in one frame per tensor following this one or,
+    when `shm_name` is set, in that segment under /dev/shm, which the puller removes once read;
+    `error` says why otherwise."""
+
+    ok: bool
+    error: str | None = None
+    num_bytes: int = 0  # of the pages together
+    shm_name: str | None = None  # the segment holding them; None: they follow in frames

@@ -1,0 +1,401 @@
+"""KVTransferRank: one rank's side of disaggregated prefill and decode (DESIGN.md §12).
+
+It opens sockets: on a prefill engine's rank, a ROUTER that serves pulls of pinned pages, on a
+thread of its own; on a decode engine's rank, one DEALER per prefill rank it pulls from.
+
+- Pins and unpins come from the rank's engine with the steps (`KVTransferOrders`) and are
+  applied before the step's forward, under the same lock the server holds while it copies pages
+  out. An unpin rides the first step that could reuse the blocks, so a pull is never served
+  from a block given to another request. A pull is served only when it names a pinned transfer,
+  its secret (compared in constant time) and block ids among that transfer's, with this rank's
+  number and this rank's KV layout: anything else is refused with the reason, and counted.
+- Pulls are queued by the step that orders them and run on a puller thread beside the steps, as
+  copies into the fresh blocks the engine took for them (no step touches those blocks until the
+  engine has every rank's report): the pages arrive as one frame per shared KV tensor and land
+  in the destination blocks through the same [num_blocks, page_bytes] views the tiers copy
+  through (worker/kv_cache.shared_kv_tensors); on CUDA on a stream of the thread's own, waited
+  for before the pull is reported. Each ended pull is reported once, with the next step's reply.
+  A pull that fails or waits past PULL_TIMEOUT_S is reported failed, and its DEALER is dropped so
+  that no late reply is read for a later pull.
+
+Transports: `ipc://FOLDER` binds a socket file per rank and generation there (same host);
+`tcp://HOST` binds a free port. With the deployment's CURVE keys, the server is a CURVE server
+with the worker keypair every rank shares, its ZAP handler admits only that key (decode ranks
+of the deployment), and a puller is its CURVE client: the pages are encrypted, and the secret
+still decides what an admitted peer may read.
+"""
+
+import hmac
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from protocol import PROTOCOL_VERSION
+from protocol.config import CurveKeys
+from protocol.kv_transfer import (
+    KVPull,
+    KVPullReply,
+    KVPullRequest,
+    KVTransferLayout,
+    KVTransferOrders,
+)
+from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
+from worker.kv_transfer_shm import ShmPages, read_pages
+
+logger = logging.getLogger(__name__)
+
+PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the step deadline
+SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
+CLOSE_TIMEOUT_S = 2.0
+
+
+class KVPullError(RuntimeError):
+    """A pull that did not complete; the engine computes the prompt instead."""
+
+
+class KVTransferRank:
+    """One rank's transfer server (prefill) and puller (decode).
+
+    Invariants: `_pins` maps each transfer id the engine pinned and has not unpinned to its
+    secret and block ids; pages are read or written only under `_lock` on the server side.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        device_pages: list[torch.Tensor],
+        layout: KVTransferLayout,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self.rank = rank
+        self.device_pages = device_pages  # per shared tensor: [num_blocks, page_bytes] uint8
+        self.num_blocks = device_pages[0].shape[0] if device_pages else 0
+        self._is_cuda = bool(device_pages) and device_pages[0].device.type == "cuda"
+        self.layout = layout
+        self.curve = curve
+        self._ctx: zmq.Context | None = None  # made on first use: most ranks never need one
+        self.endpoint: str | None = None  # where this rank serves pulls; None: it serves none
+        self._pins: dict[int, tuple[str, list[int]]] = {}  # secret, block ids in order
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server: zmq.Socket | None = None
+        self._zap: TransferZap | None = None  # with CURVE: admits the worker key alone
+        self._shm = ShmPages(rank)  # pages for same-host pullers
+        self._threads: list[threading.Thread] = []  # the server's
+        self._pullers: dict[str, zmq.Socket] = {}  # by prefill rank endpoint; puller thread only
+        # (pull, on CUDA the event after the ordering step's tier copies), None to stop
+        self._pull_queue: queue.SimpleQueue[tuple[KVPull, object] | None] = queue.SimpleQueue()
+        self._pull_thread: threading.Thread | None = None  # started by the first pull
+        self._done_lock = threading.Lock()
+        # pulls ended since the last take_finished: (pull id, whether it completed, bytes)
+        self._done: list[tuple[int, bool, int]] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        self._request_decoder = msgspec.msgpack.Decoder(KVPullRequest)
+        self._reply_decoder = msgspec.msgpack.Decoder(KVPullReply)
+        self.num_served = 0  # pulls served
+        self.num_refused = 0  # pulls refused: unknown or stale transfer, wrong secret or blocks
+        self._num_refused_reported = 0  # of num_refused, those take_refused already reported
+
+    @property
+    def ctx(self) -> zmq.Context:
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        return self._ctx
+
+    # -- the prefill side ----------------------------------------------------------------------
+
+    def serve(self, address: str, generation: int, peer_address: str | None = None) -> str:
+        """Bind under `address` and serve pulls on a thread; the endpoint to announce. A
+        wildcard tcp host (`tcp://*`, `tcp://0.0.0.0`) binds every interface and announces the
+        one that routes to `peer_address` (the engine's worker address)."""
+        if self.curve is not None:  # before the server binds, so no peer slips in unchecked
+            self._zap = TransferZap(self.ctx, self.curve.public_key, self._on_zap_refusal)
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.public_key.encode())
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret_key.encode())
+        if address.startswith("ipc://"):
+            name = f"rank{self.rank}-gen{generation}-{os.getpid()}.sock"
+            endpoint = f"{address.rstrip('/')}/{name}"
+            sock.bind(endpoint)
+        elif address.startswith("tcp://"):
+            port = sock.bind_to_random_port(address)
+            host = address.removeprefix("tcp://")
+            if host in WILDCARD_HOSTS:
+                host = routed_host(peer_address)
+            endpoint = f"tcp://{host}:{port}"
+        else:
+            sock.close()
+            raise ValueError(
+                f"kv_transfer_address {address!r}: expected ipc://FOLDER or tcp://HOST"
+            )
+        self._server, self.endpoint = sock, endpoint
+        thread = threading.Thread(target=self._serve, name="kv-transfer", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        logger.info("serving KV transfers at %s", endpoint)
+        return endpoint
+
+    def _on_zap_refusal(self) -> None:
+        self.num_refused += 1
+
+    def _serve(self) -> None:
+        sock = self._server
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(SERVE_POLL_MS):
+                continue
+            try:
+                identity, frame = sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, ValueError):  # a peer that sent other than two frames
+                continue
+            except zmq.ZMQError:
+                return  # closed under us: the rank is stopping
+            try:
+                sock.send_multipart([identity, *self.answer(frame)])
+            except zmq.ZMQError as exc:
+                logger.warning("could not answer a KV pull: %s", exc)
+
+    def answer(self, frame: bytes) -> list[bytes]:
+        """The reply frames to one pull request: refused with the reason, or the pages."""
+        try:
+            request = self._request_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(f"malformed pull: {exc}")
+        if request.protocol_version != PROTOCOL_VERSION:
+            return self._refuse(
+                f"protocol version {request.protocol_version}, expected {PROTOCOL_VERSION}"
+            )
+        if request.rank != self.rank:
+            return self._refuse(f"rank {request.rank} pulled from rank {self.rank}")
+        mismatch = self.layout.mismatch(request.layout)
+        if mismatch is not None:
+            return self._refuse(f"KV layouts differ: {mismatch}")
+        with self._lock:
+            pin = self._pins.get(request.transfer_id)
+            if pin is None or not _same_secret(pin[0], request.secret):
+                return self._refuse(f"no pinned transfer {request.transfer_id} with that secret")
+            first, num_blocks = request.first_block_idx, len(request.block_ids)
+            if first < 0 or pin[1][first : first + num_blocks] != request.block_ids:
+                return self._refuse(
+                    f"blocks {request.block_ids} from index {first} are not transfer "
+                    f"{request.transfer_id}'s"
+                )
+            index = torch.tensor(request.block_ids, dtype=torch.long)
+            pages = [
+                pages.index_select(0, index.to(pages.device)).cpu().numpy()
+                for pages in self.device_pages
+            ]
+        self.num_served += 1
+        num_bytes = sum(page.nbytes for page in pages)
+        if request.via_shm:
+            name = self._shm.put(pages)
+            return [self._encoder.encode(KVPullReply(True, None, num_bytes, name))]
+        head = self._encoder.encode(KVPullReply(True, None, num_bytes))
+        return [head, *(page.tobytes() for page in pages)]
+
+    def _refuse(self, reason: str) -> list[bytes]:
+        self.num_refused += 1
+        logger.warning("refused a KV pull: %s", reason)
+        return [self._encoder.encode(KVPullReply(False, reason))]
+
+    # -- the engine's orders, each step --------------------------------------------------------
+
+    def apply(self, orders: KVTransferOrders) -> None:
+        """Pins and unpins at once (the step thread, before the forward); pulls are queued for
+        the puller thread."""
+        if orders.pins or orders.unpins:
+            with self._lock:
+                for transfer_id in orders.unpins:
+                    self._pins.pop(transfer_id, None)
+                for pin in orders.pins:
+                    self._pins[pin.transfer_id] = (pin.secret, list(pin.block_ids))
+        if not orders.pulls:
+            return
+        if self._pull_thread is None:
+            self._pull_thread = threading.Thread(
+                target=self._run_pulls, name="kv-pull", daemon=True
+            )
+            self._pull_thread.start()
+        # On CUDA the step's tier copies run on a side stream that the current one waits for: a
+        # fresh block may be a page the tiers are still copying out, so the pull waits for them.
+        copied = None
+        if self._is_cuda:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device_pages[0].device))
+        for pull in orders.pulls:
+            self._pull_queue.put((pull, copied))
+
+    def take_finished(self) -> tuple[list[int], list[int], int]:
+        """The pulls ended since the last call: (their ids, the failed ones, bytes moved)."""
+        with self._done_lock:
+            done, self._done = self._done, []
+        finished = [pull_id for pull_id, _, _ in done]
+        failed = [pull_id for pull_id, is_done, _ in done if not is_done]
+        return finished, failed, sum(num_bytes for _, _, num_bytes in done)
+
+    def take_refused(self) -> int:
+        """Pulls this rank refused since the last call (the server and ZAP threads count)."""
+        num_refused = self.num_refused
+        delta, self._num_refused_reported = num_refused - self._num_refused_reported, num_refused
+        return delta
+
+    def _run_pulls(self) -> None:
+        stream = torch.cuda.Stream(self.device_pages[0].device) if self._is_cuda else None
+        while (item := self._pull_queue.get()) is not None:
+            pull, copied = item
+            try:
+                if stream is None:
+                    num_bytes = self.pull(pull)
+                else:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(copied)  # type: ignore[arg-type]
+                        num_bytes = self.pull(pull)
+                    stream.synchronize()  # the pages are in place before the pull is reported
+                outcome = (pull.pull_id, True, num_bytes)
+            except KVPullError as exc:
+                logger.warning(
+                    "KV pull %d (transfer %d) failed: %s", pull.pull_id, pull.transfer_id, exc
+                )
+                outcome = (pull.pull_id, False, 0)
+            except Exception:  # a bug here costs the pull, reported like any failure
+                logger.exception("KV pull %d failed", pull.pull_id)
+                outcome = (pull.pull_id, False, 0)
+            with self._done_lock:
+                self._done.append(outcome)
+
+    # -- the decode side -----------------------------------------------------------------------
+
+    def pull(self, pull: KVPull) -> int:
+        """Copy the pages of `pull.src_block_ids` from the peer rank into `dst_block_ids`;
+        the bytes moved, or KVPullError."""
+        if len(pull.src_block_ids) != len(pull.dst_block_ids):
+            raise KVPullError(f"{len(pull.src_block_ids)} sources for {len(pull.dst_block_ids)}")
+        if self.rank >= len(pull.endpoints):
+            raise KVPullError(f"the handle names {len(pull.endpoints)} ranks, none for {self.rank}")
+        dst = np.asarray(pull.dst_block_ids, dtype=np.int64)
+        if len(dst) and not (dst.min() > 0 and dst.max() < self.num_blocks):
+            raise KVPullError(f"destination blocks {dst.tolist()} outside 1..{self.num_blocks - 1}")
+        endpoint = pull.endpoints[self.rank]
+        request = KVPullRequest(
+            PROTOCOL_VERSION,
+            self.rank,
+            pull.transfer_id,
+            pull.secret,
+            pull.first_block_idx,
+            pull.src_block_ids,
+            pull.layout,
+            via_shm=endpoint.startswith("ipc://"),
+        )
+        return self._write(self.exchange(endpoint, self._encoder.encode(request)), dst)
+
+    def exchange(self, endpoint: str, frame: bytes) -> list[bytes]:
+        """Send one pull request to the server at `endpoint`; its reply frames, or KVPullError.
+        The transport's one seam (tests join two ranks in one process through it)."""
+        sock = self._puller(endpoint)
+        try:
+            return self._request(sock, frame)
+        except KVPullError:
+            self._drop_puller(endpoint)  # a late reply must never answer a later pull
+            raise
+
+    def _request(self, sock: zmq.Socket, frame: bytes) -> list[bytes]:
+        deadline = time.monotonic() + PULL_TIMEOUT_S
+        try:  # queued until the connection is up; a peer that never answers times out below
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            raise KVPullError("the queue to the prefill rank is full") from None
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            raise KVPullError(f"no answer within {PULL_TIMEOUT_S} s")
+        return sock.recv_multipart()
+
+    def _write(self, frames: list[bytes], dst: np.ndarray) -> int:
+        try:
+            reply = self._reply_decoder.decode(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise KVPullError(f"malformed reply: {exc}") from None
+        if not reply.ok:
+            raise KVPullError(f"refused: {reply.error}")
+        sizes = [len(dst) * device_pages.shape[1] for device_pages in self.device_pages]
+        if reply.shm_name is None:
+            pages = frames[1:]
+            if [len(page) for page in pages] != sizes:
+                raise KVPullError(
+                    f"page frames of {[len(p) for p in pages]} bytes, expected {sizes}"
+                )
+            self._copy_in([np.frombuffer(page, dtype=np.uint8) for page in pages], dst)
+            return sum(sizes)
+        try:
+            data = np.frombuffer(read_pages(reply.shm_name, sum(sizes)), dtype=np.uint8)
+        except ValueError as exc:
+            raise KVPullError(str(exc)) from None
+        offsets = np.cumsum([0, *sizes])
+        self._copy_in([data[start:end] for start, end in itertools.pairwise(offsets)], dst)
+        return sum(sizes)
+
+    def _copy_in(self, runs: list[np.ndarray], dst: np.ndarray) -> None:
+        """Each shared tensor's run of pages into the destination blocks."""
+        index = torch.from_numpy(dst)
+        for run, device_pages in zip(runs, self.device_pages, strict=True):
+            # a writable copy of a read-only frame's bytes
+            src = torch.from_numpy(run.copy()).view(len(dst), device_pages.shape[1])
+            device_pages.index_copy_(0, index.to(device_pages.device), src.to(device_pages.device))
+
+    def _puller(self, endpoint: str) -> zmq.Socket:
+        sock = self._pullers.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:  # the prefill rank holds the worker keypair we share
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve.public_key.encode())
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.public_key.encode())
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret_key.encode())
+            sock.connect(endpoint)
+            self._pullers[endpoint] = sock
+        return sock
+
+    def _drop_puller(self, endpoint: str) -> None:
+        sock = self._pullers.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._pull_thread is not None:
+            self._pull_queue.put(None)  # after the pulls queued before it
+            self._pull_thread.join(PULL_TIMEOUT_S + CLOSE_TIMEOUT_S)
+        for thread in self._threads:
+            thread.join(CLOSE_TIMEOUT_S)
+        if self._server is not None:
+            self._server.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        self._shm.close()
+        for endpoint in list(self._pullers):
+            self._drop_puller(endpoint)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            for transfer_id, (_, block_ids) in self._pins.items():
+                assert all(0 < block_id < self.num_blocks for block_id in block_ids), (
+                    f"transfer {transfer_id} pins blocks {sorted(block_ids)} outside the pool"
+                )
+
+
+def _same_secret(expected: str, given: str) -> bool:
+    return hmac.compare_digest(expected.encode(), given.encode())
