@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # SIGTERM (timeout, a CI runner) unwinds like Ctrl-C, so the finally blocks stop the launched
+    # deployment instead of leaving it running
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory(prefix="kvs-hf-", dir="/tmp") as tmp:
         folder = Path(tmp)
         model_dir = args.model or make_checkpoint(folder / "checkpoint", made_spec(args))
