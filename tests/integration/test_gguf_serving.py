@@ -8,10 +8,9 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from tests.integration.conftest import checked_processes, stop_process
-from tests.integration.test_hf_serving import HTTP_TIMEOUT_S, MIN_TOP2_MARGIN, serve
+from tests.integration.test_hf_serving import HTTP_TIMEOUT_S, greedy_reply, serve
 from tests.unit.gguf_files import hf_gguf_model, hf_gguf_tokenizer, write_gguf
 
 pytestmark = pytest.mark.integration
@@ -25,23 +24,9 @@ PROMPT = "hello there, how are you"
 
 
 def _greedy_text(path: Path, prompt_ids: list[int]) -> str:
-    """transformers' greedy continuation, decoded; its top-2 margins must clear MIN_TOP2_MARGIN."""
-    model = hf_gguf_model(path)
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])
-    margin = float((top2[:, 0] - top2[:, 1]).min())
-    assert margin >= MIN_TOP2_MARGIN, f"greedy top-2 margin {margin}: pick another seed"
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    return hf_gguf_tokenizer(path).decode(tokens, skip_special_tokens=True)
+    """transformers' greedy continuation on the same file, decoded."""
+    model, tokenizer = hf_gguf_model(path), hf_gguf_tokenizer(path)
+    return greedy_reply(model, tokenizer, prompt_ids, MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

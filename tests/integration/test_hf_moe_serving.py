@@ -23,13 +23,13 @@ from tests.integration.conftest import (
     stop_process,
     wait_http_healthy,
 )
+from tests.integration.test_hf_serving import greedy_reply
 
 pytestmark = pytest.mark.integration
 
 STARTUP_TIMEOUT_S = 180.0
 HTTP_TIMEOUT_S = 120.0
 MAX_TOKENS = 16
-MIN_TOP2_MARGIN = 1e-3  # every reference step clears it, so float noise cannot flip a token
 SPECS = {
     "qwen3-moe": CheckpointSpec(arch="qwen3-moe", shape=SHAPES["tiny-moe"]),  # mlp_only [0]
     "mixtral": CheckpointSpec(  # seed 0's greedy replies pass a near tie
@@ -59,18 +59,7 @@ class Reference:
 
 
 def greedy_text(model, tokenizer, prompt_ids: list[int]) -> str:  # transformers' objects
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])  # [steps, 2]
-    margin = float((top2[:, 0] - top2[:, 1]).min())
-    assert margin >= MIN_TOP2_MARGIN, f"greedy top-2 margin {margin}: pick another seed"
-    return tokenizer.decode(out.sequences[0, len(prompt_ids) :], skip_special_tokens=True)
+    return greedy_reply(model, tokenizer, prompt_ids, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

@@ -74,18 +74,28 @@ def greedy_text(checkpoint: Path, text: str | None) -> str:
         )
     else:
         prompt = tokenizer(text)["input_ids"]
+    return greedy_reply(model, tokenizer, prompt, MAX_TOKENS)
+
+
+def greedy_reply(
+    model, tokenizer, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False
+) -> str:
+    """transformers' greedy continuation of `prompt_ids` (its objects), decoded as a client sees
+    it; every step's top-2 margin must clear MIN_TOP2_MARGIN, or float noise could flip it."""
+    stop = {"eos_token_id": None, "pad_token_id": 0} if ignore_eos else {}
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_tokens,
             do_sample=False,
             output_scores=True,
             return_dict_in_generate=True,
+            **stop,
         )
     top2 = torch.stack([scores[0].topk(2).values for scores in out.scores])  # [steps, 2]
     margin = float((top2[:, 0] - top2[:, 1]).min())
     assert margin >= MIN_TOP2_MARGIN, f"greedy top-2 margin {margin}: pick another seed"
-    return tokenizer.decode(out.sequences[0, len(prompt) :], skip_special_tokens=True)
+    return tokenizer.decode(out.sequences[0, len(prompt_ids) :], skip_special_tokens=True)
 
 
 def serve(processes: Processes, tmp_path: Path, checkpoint: Path, tp_size: int, *flags: str) -> str:

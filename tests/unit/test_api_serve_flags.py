@@ -76,9 +76,12 @@ def test_router_flags_set_the_policy_and_the_kv_weights() -> None:
         (["--router-decode-weight", "-1"], "--router-decode-weight -1.0: expected >= 0"),
         (["--router-prefill-weight", "nan"], "--router-prefill-weight nan: expected >= 0"),
         (["--router-silent-limit-s", "0"], "--router-silent-limit-s 0.0: expected > 0"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
+        (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice"),
     ],
 )
-def test_bad_router_flags_exit_2_naming_the_flag(
+def test_bad_router_and_parser_flags_exit_2_naming_the_flag(
     flags: list[str], message: str, capsys: pytest.CaptureFixture
 ) -> None:
     from deploy.cli import kvserve_main
@@ -137,25 +140,6 @@ def test_tool_and_reasoning_parser_flags_reach_the_chat_parsing() -> None:
     assert ApiState(_settings("--model", "tiny-llama")).chat_parsing == ChatParsing()
     parser_only = _settings("--model", "tiny-llama", "--tool-call-parser", "mistral")
     assert ApiState(parser_only).chat_parsing == ChatParsing("mistral", False, None)
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-        (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
-        (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice"),
-    ],
-)
-def test_bad_parser_flags_exit_2_naming_the_flag(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture
-) -> None:
-    from deploy.cli import kvserve_main
-
-    with pytest.raises(SystemExit) as exited:
-        kvserve_main(["serve", *ENGINE, "--model", "tiny-llama", *flags])
-    assert exited.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_generation_config_defaults_reach_the_front_end(tmp_path: Path) -> None:
