@@ -10,6 +10,8 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, runtime_checkable
 
+import msgspec
+
 from engine_core.kv_transfer.agent import KVTransferAgent
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
@@ -28,7 +30,12 @@ from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
 from protocol.kv_transfer import kv_transfer_layout
 from protocol.stats import BlockResidencyStats, SchedulerStats, stat_values
-from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
+from protocol.worker_messages import (
+    GrammarBitmask,
+    ModelInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,28 +52,54 @@ class PipelinedExecutor(Executor, Protocol):
 
     def submit(self, scheduler_output: SchedulerOutput) -> None: ...
 
+    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
+        """The bitmask of step `step_id`, submitted with `grammar_bitmask_follows` and not yet
+        collected; sent before any later step."""
+        ...
+
     def collect(self, step_id: int) -> ModelRunnerOutput: ...
 
 
 class SerialPipeline:
     """Gives an in-process executor (a ModelRunner in tests and benchmarks) the submit/collect
-    pair: each step runs when submitted, and its output waits to be collected in order."""
+    pair: each step runs when submitted, and its output waits to be collected in order. A step
+    whose grammar bitmask follows it waits, with every step behind it, until the bitmask comes;
+    it then runs with the bitmask inlined, as a synchronous step would carry it."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self._outputs: deque[ModelRunnerOutput] = deque()
+        self._waiting: deque[SchedulerOutput] = deque()  # behind a step awaiting its bitmask
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.executor.execute_model(scheduler_output)
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self._outputs.append(self.executor.execute_model(scheduler_output))
+        self._waiting.append(scheduler_output)
+        self._run_ready()
+
+    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
+        waiting = self._waiting
+        if not waiting or waiting[0].step_id != step_id or not waiting[0].grammar_bitmask_follows:
+            raise RuntimeError(f"a grammar bitmask for step {step_id}, which awaits none")
+        waiting[0] = msgspec.structs.replace(
+            waiting[0], grammar_bitmask=grammar_bitmask, grammar_bitmask_follows=False
+        )
+        self._run_ready()
+
+    def _run_ready(self) -> None:
+        waiting = self._waiting
+        while waiting and not waiting[0].grammar_bitmask_follows:
+            self._outputs.append(self.executor.execute_model(waiting.popleft()))
 
     def forget(self) -> None:
         """Drop the outputs of steps that will never be collected (a lost generation)."""
         self._outputs.clear()
+        self._waiting.clear()
 
     def collect(self, step_id: int) -> ModelRunnerOutput:
+        if not self._outputs:
+            raise RuntimeError(f"step {step_id} has not run: it awaits its grammar bitmask")
         output = self._outputs.popleft()
         if output.step_id != step_id:
             raise RuntimeError(f"collected step {output.step_id}, expected step {step_id}")
@@ -111,6 +144,7 @@ class EngineCore:
             structured_output_manager=build_structured_output_manager(
                 engine_config.tokenizer, model_info
             ),
+            defers_grammar_bitmask=self._pipeline is not None,
         )
         self._check_each_step = engine_config.check_invariants
         self.schedule_time_s = 0.0  # total seconds in Scheduler.schedule
@@ -281,6 +315,10 @@ class EngineCore:
         model_runner_output = pipeline.collect(step.step_id)
         collected = perf_counter()
         outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
+        # step N+1's constrained rows wait, on the ranks, for the grammars that step N's tokens
+        # just advanced: their bitmask goes out first, before anything else
+        if (deferred := self.scheduler.take_grammar_bitmask()) is not None:
+            pipeline.send_grammar_bitmask(*deferred)
         outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:

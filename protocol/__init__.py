@@ -3,4 +3,4 @@
 Imports only the standard library and msgspec. No sockets, no policy.
 """
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

@@ -137,6 +137,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
     kv_transfers: KVTransfers | None = None  # None: no tier traffic this step
     grammar_bitmask: GrammarBitmask | None = None  # None: no constrained request samples
     kv_transfer_orders: KVTransferOrders | None = None  # P/D pins and pulls; None: none
+    # Asynchronous scheduling: this step's grammar bitmask is sent after it, in a
+    # StepGrammarBitmask, once the engine has the previous step's tokens; each rank runs the
+    # forward, then waits for it before sampling. grammar_bitmask is None then.
+    grammar_bitmask_follows: bool = False
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -179,11 +183,26 @@ class WorkerFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     generation: int | None = None  # the rank's generation, or None before its KVCacheConfig
 
 
+class StepGrammarBitmask(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The grammar bitmask of a step sent with `grammar_bitmask_follows` (asynchronous scheduling).
+
+    Step N+1 is broadcast while the ranks run step N, before the engine knows step N's tokens;
+    a constrained request's next bitmask depends on them. The engine sends this right after it
+    applies step N's reply, and before step N+2, so each rank reads it after step N+1 and before
+    N+2 on the same channel (ring or DEALER). It names the step and its generation; a rank checks
+    both against the step it is about to sample.
+    """
+
+    step_id: int
+    generation: int
+    grammar_bitmask: GrammarBitmask
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str
     is_failure: bool = False  # the deployment failed (a rank died): workers exit non-zero
     generation: int | None = None  # the generation told to exit; None: whoever receives it
 
 
-EngineToWorker = KVCacheConfig | SchedulerOutput | Shutdown
+EngineToWorker = KVCacheConfig | SchedulerOutput | StepGrammarBitmask | Shutdown
 WorkerToEngine = WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed

@@ -21,6 +21,7 @@ from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from protocol.kv_transfer import kv_transfer_layout
 from protocol.worker_messages import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -39,7 +40,7 @@ from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
 from worker.sampler import SampleBatch, Sampler
-from worker.sampling.grammar_bitmask import apply_grammar_bitmask
+from worker.sampling.grammar_bitmask import FollowingGrammarBitmasks, apply_grammar_bitmask
 from worker.sampling.logprobs import LogprobColumns, compute_logprobs
 from worker.sampling.penalties import TokenHistory
 from worker.sampling.prompt_logprobs import PromptLogitRows, prompt_logit_rows
@@ -118,8 +119,12 @@ class ModelRunner:
         # moves pages between engines for P/D (worker/kv_transfer.py); None: steps carry no
         # transfer orders
         kv_transfer: KVTransferRank | None = None,
+        # bitmasks sent after their steps (asynchronous scheduling); None: every step carries
+        # its own, and a step whose bitmask follows is refused
+        following_bitmasks: FollowingGrammarBitmasks | None = None,
     ) -> None:
         self.model = model
+        self.following_bitmasks = following_bitmasks
         self.kv_tiers = kv_tiers
         self.kv_transfer = kv_transfer
         # Read a prefix all of a step's requests share once per layer (worker/cascade.py); off,
@@ -200,6 +205,8 @@ class ModelRunner:
             logits = logits[:num_sampled]
         # A constrained request samples only what its grammar allows; logprobs stay the raw ones.
         grammar_bitmask = scheduler_output.grammar_bitmask
+        if scheduler_output.grammar_bitmask_follows:  # the forward ran while the engine made it
+            grammar_bitmask = self._following_bitmask(scheduler_output)
         allowed_logits = apply_grammar_bitmask(logits, grammar_bitmask, logits_reqs)
         sampled_ids = self.sampler.sample(allowed_logits, sample_reqs)
         self.sampled_ids_copy.start(sampled_ids)
@@ -241,6 +248,14 @@ class ModelRunner:
             kv_pull_bytes,
             num_refused_kv_pulls,
         )
+
+    def _following_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask:
+        if self.following_bitmasks is None:
+            raise ValueError(
+                f"step {scheduler_output.step_id}'s grammar bitmask follows it, but rank "
+                f"{self.rank} has no channel for it"
+            )
+        return self.following_bitmasks.take(scheduler_output.step_id, scheduler_output.generation)
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, rows: PromptLogitRows) -> LogprobColumns:
@@ -573,6 +588,9 @@ def build_model_runner(
         kv_tiers=kv_tiers,
         step_limits=limits if uses_step_buffers(config, device) else None,
         kv_transfer=kv_transfer,
+        # the engine sends a deferred bitmask right after the step before: a rank waits for it
+        # as long as it would for a step
+        following_bitmasks=FollowingGrammarBitmasks(config.engine_timeout_s),
     )
     refusal = graph_refusal(config, device, tp_group)
     if refusal is None:  # capture happens now, before the first step; its memory was counted

@@ -30,6 +30,7 @@ from protocol.worker_messages import (
     ModelInfo,
     SchedulerOutput,
     Shutdown,
+    StepGrammarBitmask,
     WorkerHello,
     WorkerReady,
 )
@@ -230,6 +231,8 @@ class Worker:
                     continue
                 case SchedulerOutput() as step:
                     self.execute(step)
+                case StepGrammarBitmask() as bitmask:
+                    self.take_grammar_bitmask(bitmask)
                 case Shutdown() as shutdown:
                     if dropped := self.replies.drop():
                         logger.debug("dropped %d step replies the engine no longer awaits", dropped)
@@ -247,6 +250,18 @@ class Worker:
         self.last_step_id = step.step_id
         assert self.stream is not None, "a step arrived before the KV cache was allocated"
         self.stream.submit(step)
+
+    def take_grammar_bitmask(self, message: StepGrammarBitmask) -> None:
+        """Hand the step thread the bitmask of the step it runs or will run next: the last one
+        this rank was sent, which said its bitmask follows."""
+        if message.step_id != self.last_step_id or message.generation != self.generation:
+            raise ProtocolError(
+                f"rank {self.config.rank} got the grammar bitmask of step {message.step_id} of "
+                f"generation {message.generation}, expected step {self.last_step_id} of "
+                f"{self.generation}"
+            )
+        assert self.runner is not None and self.runner.following_bitmasks is not None
+        self.runner.following_bitmasks.put(message)
 
     def send_due_replies(self) -> None:
         """Take the step thread's finished replies (raising what failed a step), then send those

@@ -30,6 +30,9 @@ class InFlightStep:
     # per request, (first position, count) of its chunk; None: no live request asked for
     # prompt logprobs when it was scheduled
     chunks: list[tuple[int, int]] | None = None
+    # (handles, step rows) of its constrained requests that sample, when their grammar bitmask
+    # follows the step (asynchronous scheduling); None: it rode the step, or there is none
+    grammar_rows: tuple[list[int], list[int]] | None = None
 
     def check_reply(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -64,6 +67,11 @@ class InFlightStep:
         )
         assert self.scheduler_output.step_id == self.step_id, (
             f"step {self.step_id} holds the message of step {self.scheduler_output.step_id}"
+        )
+        follows = self.scheduler_output.grammar_bitmask_follows
+        assert follows == (self.grammar_rows is not None), (
+            f"step {self.step_id}: grammar_bitmask_follows {follows} with grammar rows "
+            f"{self.grammar_rows}"
         )
 
 

@@ -36,7 +36,12 @@ from protocol.client_messages import (
 from protocol.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.stats import SchedulerStats
-from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
+from protocol.worker_messages import (
+    GrammarBitmask,
+    ModelInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +68,21 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
         limits: SchedulerLimits | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        defers_grammar_bitmask: bool = False,
     ) -> None:
-        """`structured_output_manager`: the grammar owner; None refuses constrained requests."""
+        """`structured_output_manager`: the grammar owner; None refuses constrained requests.
+
+        `defers_grammar_bitmask` (asynchronous scheduling through an executor that can send a
+        step's bitmask after it): a constrained request keeps its one-step lookahead like any
+        other. A step scheduled while an older one is in flight then says
+        `grammar_bitmask_follows`, and the engine sends its bitmask (`take_grammar_bitmask`) once
+        it has applied the older step's reply. Without it, a constrained request is scheduled for
+        its next token only once its last one is back, and every bitmask rides its step.
+        """
         self.scheduler_config = scheduler_config
         self.structured_output_manager = structured_output_manager
+        self.defers_grammar_bitmask = defers_grammar_bitmask
+        self._last_deferred_bitmask_step_id = 0  # the last step whose bitmask followed it
         if limits is None:  # the engine passes its startup plan's; in-process callers need not
             limits = resolve_limits(scheduler_config, cache_config, kv_cache_config, model_info)
         self.max_model_len = limits.max_model_len
@@ -267,33 +283,64 @@ class Scheduler:
             samples = num_computed >= num_known + num_placeholders
             request.num_output_placeholders = num_placeholders + samples
             is_sampling.append(samples)
-        if self.structured_output_manager is not None and self.structured_output_manager.matchers:
-            output = self._with_grammar_bitmask(output, requests, is_sampling)
+        grammar_rows = None
+        manager = self.structured_output_manager
+        if manager is not None and manager.matchers:
+            grammar_rows = self._grammar_rows(requests, is_sampling)
+            if grammar_rows is None:
+                pass
+            elif self.defers_grammar_bitmask and steps_in_flight:
+                # the step in flight may sample a constrained request's last token, which its
+                # bitmask here depends on: the bitmask follows once that step is applied
+                output = msgspec.structs.replace(output, grammar_bitmask_follows=True)
+            else:  # every constrained request's tokens are known: the bitmask rides the step
+                bitmask = manager.grammar_bitmask(*grammar_rows)
+                output = msgspec.structs.replace(output, grammar_bitmask=bitmask)
+                grammar_rows = None
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
         has_logprobs = self.num_logprob_requests > 0
         steps_in_flight.add(
             InFlightStep(
-                self._step_id, requests, handles, is_sampling, output, has_logprobs, chunks
+                self._step_id,
+                requests,
+                handles,
+                is_sampling,
+                output,
+                has_logprobs,
+                chunks,
+                grammar_rows,
             )
         )
         return output
 
-    def _with_grammar_bitmask(
-        self, output: SchedulerOutput, requests: list[Request], is_sampling: list[bool]
-    ) -> SchedulerOutput:
-        """`output` carrying the allowed tokens of its constrained requests that sample."""
-        assert self.structured_output_manager is not None  # the caller checked
+    @staticmethod
+    def _grammar_rows(
+        requests: list[Request], is_sampling: list[bool]
+    ) -> tuple[list[int], list[int]] | None:
+        """(handles, step rows) of the step's constrained requests that sample; None if none."""
         handles: list[int] = []
         req_idxs: list[int] = []
         for req_idx, (request, samples) in enumerate(zip(requests, is_sampling, strict=True)):
             if samples and request.sampling_params.structured_outputs is not None:
                 handles.append(request.handle)
                 req_idxs.append(req_idx)
-        if not handles:
-            return output
-        bitmask = self.structured_output_manager.grammar_bitmask(handles, req_idxs)
-        return msgspec.structs.replace(output, grammar_bitmask=bitmask)
+        return (handles, req_idxs) if handles else None
+
+    def take_grammar_bitmask(self) -> tuple[int, GrammarBitmask] | None:
+        """(step id, bitmask) of the newest step in flight when its bitmask follows it and every
+        older step is applied, so its constrained requests' grammars hold all their tokens but
+        the ones it samples; None otherwise. A request that finished meanwhile gets a row that
+        allows every token: what it samples is dropped."""
+        steps_in_flight = self.steps_in_flight
+        if len(steps_in_flight) != 1:
+            return None
+        step = steps_in_flight.newest()
+        if step.grammar_rows is None or step.step_id <= self._last_deferred_bitmask_step_id:
+            return None
+        assert self.structured_output_manager is not None  # it set grammar_rows
+        self._last_deferred_bitmask_step_id = step.step_id
+        return step.step_id, self.structured_output_manager.grammar_bitmask(*step.grammar_rows)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Give each running request its next tokens, preempting when blocks run out."""
@@ -316,8 +363,12 @@ class Scheduler:
             num_new_tokens = num_tokens - request.num_computed_tokens
             if num_placeholders and (
                 num_new_tokens <= 0  # nothing to compute until its last token is known
-                # a grammar's next bitmask needs its last token: no lookahead when constrained
-                or request.sampling_params.structured_outputs is not None
+                # a grammar's next bitmask needs its last token: no lookahead when constrained,
+                # unless that bitmask can follow the step
+                or (
+                    request.sampling_params.structured_outputs is not None
+                    and not self.defers_grammar_bitmask
+                )
                 # its pending token is its last whatever its value: scheduling past it wastes
                 # a slot, and the token sampled there would be dropped
                 or check_stop(request, num_tokens, None) is not None

@@ -50,8 +50,9 @@ class StructuredOutputManager:
     vocabulary; ids past the tokenizer's are never allowed.
 
     Invariants: `matchers` holds exactly the live constrained requests, by handle; a matcher has
-    accepted exactly its request's output tokens, so it never needs rolling back (the scheduler
-    gives a constrained request no lookahead, and preemption keeps its tokens).
+    accepted exactly its request's output tokens, so it never needs rolling back (a token
+    sampled past a request's end is dropped before it reaches the matcher, and preemption keeps
+    its tokens).
     """
 
     def __init__(
@@ -150,14 +151,21 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, handles: Sequence[int], req_idxs: Sequence[int]) -> GrammarBitmask:
         """The allowed next tokens of each request in `handles`, for the step rows `req_idxs`
-        (their places in SchedulerOutput order). Reads the matchers; changes none."""
+        (their places in SchedulerOutput order). Reads the matchers; changes none.
+
+        A handle with no matcher is a request that finished after its step was scheduled (a
+        deferred bitmask, asynchronous scheduling): whatever its row samples is dropped, so the
+        row allows every token."""
         num_rows = len(handles)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = np.zeros((num_rows, self.bitmask_width), dtype=np.int32)
         bitmask = self._bitmask[:num_rows]  # [num_rows, bitmask_width]
         bitmask.fill(-1)  # every bit set: fill_next_token_bitmask clears the refused ones
+        matchers = self.matchers
         for row, handle in enumerate(handles):
-            self.matchers[handle].fill_next_token_bitmask(bitmask, row)
+            matcher = matchers.get(handle)
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(bitmask, row)
         return GrammarBitmask(pack_int32(list(req_idxs)), bitmask.tobytes())
 
     def check_invariants(self, constrained_handles: set[int]) -> None:

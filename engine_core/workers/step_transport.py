@@ -144,6 +144,11 @@ class StepTransport:
     def broadcast(self, frame: bytes, step_id: int) -> None:
         """Send step `step_id`'s encoded frame to every admitted rank, the ring's readers first."""
         self.last_step_id = step_id
+        self.broadcast_frame(frame)
+
+    def broadcast_frame(self, frame: bytes) -> None:
+        """Send an encoded frame that belongs to the last step sent (its grammar bitmask) the way
+        that step went, so that every rank reads it after the step and before the next one."""
         if self.ring is not None:
             self._write_ring(frame)
         self.send(self.zmq_ranks, frame)

@@ -27,9 +27,11 @@ from protocol.codec import make_encoder, worker_to_engine_decoder
 from protocol.errors import ProtocolError
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.worker_messages import (
+    GrammarBitmask,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
+    StepGrammarBitmask,
     WorkerFailed,
     WorkerHello,
     WorkerReady,
@@ -266,6 +268,20 @@ class WorkerGroup:
         encoded = time.perf_counter()
         self.transport.broadcast(frame, step_id)
         self.last_step_id = step_id
+        self.encode_time_s += encoded - start
+        self.transport_time_s += time.perf_counter() - encoded
+
+    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
+        """Broadcast the bitmask of step `step_id`, the newest step sent, which went out with
+        `grammar_bitmask_follows`: each rank reads it after that step and before the next, on
+        the step's own channel, and waits for it before sampling."""
+        if step_id != self.last_step_id:
+            message = f"a grammar bitmask for step {step_id}, but step {self.last_step_id} is last"
+            raise WorkerGroupError(message, "protocol", is_recoverable=False)
+        start = time.perf_counter()
+        frame = self._encoder.encode(StepGrammarBitmask(step_id, self.generation, grammar_bitmask))
+        encoded = time.perf_counter()
+        self.transport.broadcast_frame(frame)
         self.encode_time_s += encoded - start
         self.transport_time_s += time.perf_counter() - encoded
 

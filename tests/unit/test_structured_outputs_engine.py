@@ -333,3 +333,79 @@ def test_a_token_the_grammar_refuses_fails_only_its_request(
     )
     assert tokens["free"] == expected
     assert not core.scheduler.structured_output_manager.matchers
+
+
+def _run_alone(
+    core: EngineCore, req_id: str, params: SamplingParams
+) -> tuple[list[int], int, int]:
+    """(tokens, steps scheduled, steps whose bitmask followed them) of one request alone."""
+    request = EngineCoreRequest(req_id, pack_int32([70, 33, 120]), params, 0.0)
+    assert core.add_request(request) is None
+    tokens: list[int] = []
+    num_deferred = 0
+    while core.has_work():
+        for outputs in core.step().values():
+            for output in outputs.outputs:
+                tokens.extend(output.new_token_ids)
+        if core.scheduler.steps_in_flight:
+            newest = core.scheduler.steps_in_flight.newest()
+            num_deferred += newest.scheduler_output.grammar_bitmask_follows
+        core.check_invariants()
+    return tokens, core.scheduler.next_step_id - 1, num_deferred
+
+
+@pytest.mark.parametrize(("kind", "spec"), CONSTRAINED, ids=[kind for kind, _ in CONSTRAINED])
+def test_asynchronous_loop_keeps_a_constrained_requests_lookahead(
+    kind: str, spec: StructuredOutputs
+) -> None:
+    """With asynchronous scheduling a constrained request is planned for every step, its
+    bitmask following the step once the token before it is known: it takes as many steps as the
+    synchronous loop (one more, for the pipeline's tail), not twice as many, and samples exactly
+    the synchronous loop's greedy tokens."""
+    params = SamplingParams(max_tokens=150, temperature=0.0, structured_outputs=spec)
+    sync_tokens, sync_steps, sync_deferred = _run_alone(_engine(False)[0], "sync", params)
+    async_core = _engine(True)[0]
+    async_tokens, async_steps, async_deferred = _run_alone(async_core, "async", params)
+    assert async_tokens == sync_tokens
+    _check_text(kind, bytes(sync_tokens[:-1]).decode())
+    # a step per token, and one that tells the ranks the request finished
+    assert len(sync_tokens) > 3 and sync_steps == len(sync_tokens) + 1
+    assert async_steps <= sync_steps + 1, (async_steps, sync_steps)
+    assert sync_deferred == 0 and async_deferred >= len(sync_tokens) - 2
+    assert not async_core.scheduler.structured_output_manager.matchers
+
+
+def test_a_deferred_bitmask_row_of_a_finished_request_allows_every_token(
+    manager: StructuredOutputManager,
+) -> None:
+    """A request that finished after its step was planned has no matcher when the step's
+    bitmask is made: its row allows everything (what it samples is dropped)."""
+    manager.add_request(7, StructuredOutputs(choice=["ab"]))
+    manager.remove_request(7)
+    bitmask = manager.grammar_bitmask([7], [0])
+    assert _allowed_ids(bitmask, 0, VOCAB_SIZE) == list(range(VOCAB_SIZE))
+
+
+def test_a_following_bitmask_is_taken_by_the_step_that_awaits_it() -> None:
+    """The worker's thread puts a step's bitmask as it arrives; the step thread waits for it,
+    and refuses one naming another step, or one that never comes by its deadline."""
+    import threading
+
+    from protocol.worker_messages import StepGrammarBitmask
+    from worker.sampling.grammar_bitmask import FollowingGrammarBitmasks
+
+    bitmask = GrammarBitmask(pack_int32([0]), pack_int32([-1] * 16))
+    following = FollowingGrammarBitmasks(timeout_s=5.0)
+    timer = threading.Timer(0.05, following.put, [StepGrammarBitmask(3, 1, bitmask)])
+    timer.start()
+    assert following.take(3, 1) == bitmask
+    timer.join()
+    following.put(StepGrammarBitmask(4, 1, bitmask))
+    with pytest.raises(ValueError, match="grammar bitmask of step 4"):
+        following.take(5, 1)
+    following.put(StepGrammarBitmask(6, 1, bitmask))
+    with pytest.raises(ValueError, match="still unused"):
+        following.put(StepGrammarBitmask(7, 1, bitmask))
+    following.take(6, 1)
+    with pytest.raises(TimeoutError, match="step 8's grammar bitmask"):
+        FollowingGrammarBitmasks(timeout_s=0.05).take(8, 1)

@@ -3,10 +3,13 @@ sampling, so that a constrained request can only sample a token its grammar allo
 grammar state (the engine owns that) and leaves the raw logits unchanged for logprobs.
 """
 
+import threading
+import time
+
 import numpy as np
 import torch
 
-from protocol.worker_messages import GrammarBitmask
+from protocol.worker_messages import GrammarBitmask, StepGrammarBitmask
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # [32] bit i of a word allows id 32*w + i
 
@@ -48,3 +51,49 @@ def apply_grammar_bitmask(
     masked = logits.clone()
     masked[row_index] = masked[row_index].masked_fill(~allowed, -torch.inf)
     return masked
+
+
+class FollowingGrammarBitmasks:
+    """Bitmasks that come after their step (`SchedulerOutput.grammar_bitmask_follows`): the
+    worker's thread puts each as it arrives, and the step thread, having run that step's forward,
+    takes it before sampling.
+
+    Invariants: at most one bitmask waits at a time, for the newest step the rank was sent (the
+    engine sends it before the next step); a take waits at most `timeout_s`.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._ready = threading.Condition()
+        self._waiting: StepGrammarBitmask | None = None
+
+    def put(self, message: StepGrammarBitmask) -> None:
+        with self._ready:
+            if self._waiting is not None:
+                raise ValueError(
+                    f"a grammar bitmask for step {message.step_id} while step "
+                    f"{self._waiting.step_id}'s is still unused"
+                )
+            self._waiting = message
+            self._ready.notify()
+
+    def take(self, step_id: int, generation: int) -> GrammarBitmask:
+        """Step `step_id`'s bitmask, waiting for it; TimeoutError when it is not in by the
+        deadline, ValueError when the one that came names another step or generation."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._ready:
+            while self._waiting is None:
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise TimeoutError(
+                        f"step {step_id}'s grammar bitmask did not come within "
+                        f"{self.timeout_s:.0f} s"
+                    )
+                self._ready.wait(remaining_s)
+            message, self._waiting = self._waiting, None
+        if message.step_id != step_id or message.generation != generation:
+            raise ValueError(
+                f"got the grammar bitmask of step {message.step_id} (generation "
+                f"{message.generation}) while sampling step {step_id} (generation {generation})"
+            )
+        return message.grammar_bitmask
