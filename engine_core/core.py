@@ -167,6 +167,10 @@ class EngineCore:
         # outputs made between steps (a parked request refused once its pull settled), sent
         # with the next step's
         self._deferred_outputs: dict[bytes, list[EngineCoreOutput]] = {}
+        # Constrained requests whose grammars compile off the step loop, by scoped id: each is
+        # queued once its grammar is ready (a large schema takes seconds, which would stall
+        # every running request if compiled in a step), or refused with the reason.
+        self._compiling: dict[str, tuple[EngineCoreRequest, bytes]] = {}
 
     def add_request(
         self, request: EngineCoreRequest, client_id: bytes = b""
@@ -185,6 +189,20 @@ class EngineCore:
                 hashed = None
             if hashed is not None and pulls.park(req_id, hashed, request, client_id):
                 return None
+        spec = request.sampling_params.structured_outputs
+        manager = scheduler.structured_output_manager
+        if spec is not None and manager is not None and not request.do_remote_decode:
+            req_id = scoped_req_id(client_id, request.req_id)
+            is_live = self.is_live(client_id, request.req_id)
+            num_waiting = len(scheduler.waiting) + len(self._compiling)
+            try:  # a request it would refuse is refused now, by scheduler.add_request below
+                scheduler.intake.build(request, client_id, num_waiting, is_live)
+            except ValueError:
+                pass
+            else:
+                manager.start_compile(req_id, spec)
+                self._compiling[req_id] = (request, client_id)
+                return None
         refusal = scheduler.add_request(request, client_id)
         if refusal is None and request.do_remote_decode and pins is not None:
             pins.want(scoped_req_id(client_id, request.req_id))
@@ -198,6 +216,7 @@ class EngineCore:
         outputs = self.scheduler.abort_client_requests(client_id, req_ids)
         for req_id in req_ids:
             self._abort_parked(scoped_req_id(client_id, req_id), None, outputs)
+            self._abort_compiling(scoped_req_id(client_id, req_id), None, outputs)
         return self.kv_transfer.with_handles(outputs)
 
     def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
@@ -207,7 +226,54 @@ class EngineCore:
             for req_id, parked in list(pulls.parked.items()):
                 if parked.client_id == client_id:
                     self._abort_parked(req_id, error, outputs)
+        for req_id, (_, compiling_client_id) in list(self._compiling.items()):
+            if compiling_client_id == client_id:
+                self._abort_compiling(req_id, error, outputs)
         return self.kv_transfer.with_handles(outputs)
+
+    def _abort_compiling(
+        self,
+        req_id: str,
+        error: str | None,
+        outputs: dict[bytes, EngineCoreOutputs],
+        finish_reason: FinishReason = FinishReason.ABORT,
+    ) -> None:
+        """End a request whose grammar is compiling, adding its final output to `outputs`."""
+        if (compiling := self._compiling.pop(req_id, None)) is None:
+            return
+        request, client_id = compiling
+        manager = self.scheduler.structured_output_manager
+        assert manager is not None  # it compiles there
+        manager.cancel_compile(req_id)
+        final = EngineCoreOutput(request.req_id, [], finish_reason, 0, error)
+        batch = outputs.get(client_id)
+        outputs[client_id] = EngineCoreOutputs([*(batch.outputs if batch else []), final])
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammars compiled, and refuse those that did not compile."""
+        manager = self.scheduler.structured_output_manager
+        if manager is None or not manager.has_compiled():
+            return
+        for req_id, compiled in manager.take_compiled():
+            request, client_id = self._compiling.pop(req_id)
+            if isinstance(compiled, str):
+                logger.warning("rejected request %r: %s", request.req_id, compiled)
+                refusal: EngineCoreOutputs | None = rejection(request.req_id, compiled)
+            else:
+                refusal = self.scheduler.add_request(request, client_id, compiled)
+            if refusal is not None:
+                self._defer(client_id, refusal)
+
+    @property
+    def grammar_wake_fd(self) -> int | None:
+        """Readable once a grammar compiled off the step loop is ready; None without grammars."""
+        manager = self.scheduler.structured_output_manager
+        return None if manager is None else manager.fileno()
+
+    def close(self) -> None:
+        """Stop the grammar compile thread; the engine serves no more steps."""
+        if (manager := self.scheduler.structured_output_manager) is not None:
+            manager.close()
 
     def _abort_parked(
         self, req_id: str, error: str | None, outputs: dict[bytes, EngineCoreOutputs]
@@ -226,7 +292,7 @@ class EngineCore:
         scoped = scoped_req_id(client_id, req_id)
         if (pulls := self.kv_transfer.pulls) is not None and pulls.is_live(scoped):
             return True
-        return scoped in self.scheduler.requests
+        return scoped in self.scheduler.requests or scoped in self._compiling
 
     def has_work(self) -> bool:
         """Requests to run, finished ones the workers must still be told to drop, or a step
@@ -239,6 +305,7 @@ class EngineCore:
             or self._send_error is not None
             or self.kv_transfer.needs_step()
             or bool(self._deferred_outputs)
+            or bool(self._compiling)
         )
 
     def client_ids(self) -> list[bytes]:
@@ -246,14 +313,16 @@ class EngineCore:
         client_ids = list(self.scheduler.admission.num_live_by_client)
         if (pulls := self.kv_transfer.pulls) is not None:
             client_ids += [parked.client_id for parked in pulls.parked.values()]
+        client_ids += [client_id for _, client_id in self._compiling.values()]
         return list(dict.fromkeys(client_ids))
 
     @property
     def num_unfinished_requests(self) -> int:
-        """Live requests: the scheduler's, and those parked for their pull (a decode engine)."""
+        """Live requests: the scheduler's, those parked for their pull (a decode engine), and
+        those whose grammars compile."""
         pulls = self.kv_transfer.pulls
         num_parked = len(pulls.parked) if pulls is not None else 0
-        return len(self.scheduler.requests) + num_parked
+        return len(self.scheduler.requests) + num_parked + len(self._compiling)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -276,6 +345,7 @@ class EngineCore:
         the workers drop those requests promptly; it then returns no outputs.
         """
         scheduler = self.scheduler
+        self._admit_compiled()
         if self._pipeline is not None:
             return self._step_pipelined(self._pipeline)
         if not (
@@ -344,15 +414,24 @@ class EngineCore:
 
     # -- disaggregated prefill and decode (DESIGN.md §12) ----------------------------------------
 
-    def is_only_pulling(self) -> bool:
-        """The one work left is hearing the ends of pulls the ranks run: the server paces its
-        empty steps rather than spinning."""
+    def is_only_waiting(self) -> bool:
+        """The one work left is hearing the ends of pulls the ranks run, or of grammars
+        compiling: the server paces its loop rather than spinning (a compile that ends wakes it
+        through `grammar_wake_fd`)."""
         scheduler = self.scheduler
-        return (
-            self.kv_transfer.is_pulling_only()
-            and not scheduler.has_unfinished_requests()
-            and not scheduler.has_finished_requests()
-            and scheduler.num_steps_in_flight == 0
+        if (
+            scheduler.has_unfinished_requests()
+            or scheduler.has_finished_requests()
+            or scheduler.num_steps_in_flight
+            or self._deferred_outputs
+        ):
+            return False
+        manager = scheduler.structured_output_manager
+        if manager is not None and manager.has_compiled():
+            return False
+        kv_transfer = self.kv_transfer
+        return kv_transfer.is_pulling_only() or (
+            bool(self._compiling) and not kv_transfer.needs_step()
         )
 
     def _with_transfer_orders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
@@ -441,6 +520,8 @@ class EngineCore:
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
         self._send_error = None
         outputs = self.scheduler.fail_all(error)
+        for req_id in list(self._compiling):
+            self._abort_compiling(req_id, error, outputs, FinishReason.ERROR)
         if (pulls := self.kv_transfer.pulls) is not None:
             for one in pulls.fail_all():
                 final = EngineCoreOutput(one.request.req_id, [], FinishReason.ERROR, 0, error)

@@ -7,6 +7,7 @@ and the record of the steps in flight. No I/O: the EngineCore carries its messag
 
 import logging
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -42,6 +43,9 @@ from protocol.worker_messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +132,17 @@ class Scheduler:
 
     # ---- admission and aborts -------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest, client_id: bytes) -> EngineCoreOutputs | None:
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        client_id: bytes,
+        compiled_grammar: "xgrammar.CompiledGrammar | None" = None,
+    ) -> EngineCoreOutputs | None:
         """Queue a client's request; a rejection output when its input is bad or the engine is
-        full, else None. Ids are scoped by client: two clients may both use "req-1"."""
+        full, else None. Ids are scoped by client: two clients may both use "req-1".
+
+        `compiled_grammar`: its structured outputs' grammar, compiled already (the EngineCore
+        compiles off the step loop); None compiles it here."""
         req_id = scoped_req_id(client_id, request.req_id)
         try:
             state = self.intake.build(
@@ -151,7 +163,7 @@ class Scheduler:
                 logger.warning("rejected request %r: %s", request.req_id, error)
                 return rejection(request.req_id, error)
             try:
-                manager.add_request(state.handle, spec)
+                manager.add_request(state.handle, spec, compiled_grammar)
             except ValueError as exc:
                 logger.warning("rejected request %r: %s", request.req_id, exc)
                 return rejection(request.req_id, str(exc))

@@ -73,6 +73,8 @@ class EngineServer:
         self._stop_deadline: float | None = None  # time.monotonic() by which draining ends
         self._poller = zmq.Poller()
         self._poller.register(router.sock, zmq.POLLIN)
+        if (grammar_wake_fd := core.grammar_wake_fd) is not None:
+            self._poller.register(grammar_wake_fd, zmq.POLLIN)
         self._worker_items: list[zmq.Socket | int] = []
         self._watch_workers()
         self._next_metrics_time = self._next_probe_time = self._next_expiry_time = 0.0
@@ -101,6 +103,7 @@ class EngineServer:
             error = f"the engine is shutting down: unfinished after {timeout_s} s of draining"
             self._send_outputs(self.core.fail_all(error))
         self.workers.shutdown("the engine is shutting down")
+        self.core.close()
         self.router.flush()
         logger.info("engine stopped after %d steps", self._num_steps)
         return EXIT_OK
@@ -121,7 +124,8 @@ class EngineServer:
     def _serve_once(self) -> None:
         has_work = self.core.has_work()
         backlog_ms = BACKLOG_RETRY_MS if self.router.backlogs else IDLE_POLL_MS
-        if has_work and self.core.is_only_pulling():  # empty steps, paced, hear the pulls end
+        # paced: empty steps hear the pulls end, and a compiled grammar wakes the poll
+        if has_work and self.core.is_only_waiting():
             events = self._serve_clients(min(backlog_ms, KV_PULL_POLL_MS))
         else:
             events = self._serve_clients(0 if has_work else backlog_ms)
@@ -238,6 +242,7 @@ class EngineServer:
         logger.error("%s; failing every request and stopping the workers", error)
         self._send_outputs(self.core.fail_all(error))
         self.workers.shutdown(error, is_failure=True)
+        self.core.close()
         self.router.flush()
         return EXIT_FAILED
 

@@ -4,9 +4,14 @@ advances it with each accepted token, and writes each step's token bitmask. It n
 and never changes a Request: the Scheduler asks it, by the request's handle.
 """
 
+import contextlib
 import logging
 import math
+import os
+import threading
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,6 +90,15 @@ class StructuredOutputManager:
         )
         self.matchers: dict[int, xgrammar.GrammarMatcher] = {}  # by request handle
         self._bitmask = np.zeros((0, self.bitmask_width), dtype=np.int32)  # grown on demand
+        # Background compiles (start_compile): one at a time, beside the step loop, which a new
+        # schema would otherwise stall (xgrammar releases the GIL while it compiles)
+        self._compiler_thread: ThreadPoolExecutor | None = None
+        self.compiling: dict[str, Future] = {}  # by key, started and not yet taken
+        self._compiled: deque[str] = deque()  # keys whose compile ended, appended by the thread
+        self._wake_read, self._wake_write = os.pipe()  # a byte per compile ended
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputs) -> "xgrammar.CompiledGrammar":
         """The compiled grammar of `spec`; ValueError naming the kind and xgrammar's reason."""
@@ -126,12 +140,94 @@ class StructuredOutputManager:
         ebnf = str(grammar).replace(_XGRAMMAR_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
         return ebnf.replace(_XGRAMMAR_STRING_CHAR, _JSON_STRING_CHAR)
 
-    def add_request(self, handle: int, spec: StructuredOutputs) -> None:
-        """Compile `spec` and start a matcher for the request; ValueError when it cannot."""
+    def add_request(
+        self,
+        handle: int,
+        spec: StructuredOutputs,
+        compiled: "xgrammar.CompiledGrammar | None" = None,
+    ) -> None:
+        """Start a matcher for the request over `compiled`, or over `spec` compiled now when
+        that is None; ValueError when it cannot compile."""
         if handle in self.matchers:
             raise ValueError(f"request {handle} already has a grammar")
-        compiled = self.compile(spec)
+        if compiled is None:
+            compiled = self.compile(spec)
         self.matchers[handle] = self._xgrammar.GrammarMatcher(compiled)
+
+    # -- compiles off the step loop -------------------------------------------------------------
+
+    def start_compile(self, key: str, spec: StructuredOutputs) -> None:
+        """Compile `spec` on the compile thread; `take_compiled` hands over the result, and
+        `fileno` turns readable when one is ready. `key` names it (a request's scoped id)."""
+        if key in self.compiling:
+            raise ValueError(f"a grammar for {key!r} is compiling already")
+        if self._wake_read < 0:
+            raise RuntimeError("the grammar compiler is closed")
+        if self._compiler_thread is None:
+            self._compiler_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        future = self._compiler_thread.submit(self.compile, spec)
+        self.compiling[key] = future
+        future.add_done_callback(lambda _: self._on_compiled(key))
+
+    def _on_compiled(self, key: str) -> None:  # on the compile thread (or at once, if done)
+        with self._wake_lock:  # close() may not release the pipe under this write
+            if self._wake_write < 0:
+                return
+            self._compiled.append(key)
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop already
+                os.write(self._wake_write, b"\1")
+
+    def fileno(self) -> int:
+        """Readable once a compile started by `start_compile` ended; -1 once closed."""
+        return self._wake_read
+
+    def has_compiled(self) -> bool:
+        """Whether a compile ended whose result `take_compiled` has not handed over yet."""
+        return bool(self._compiled)
+
+    def take_compiled(self) -> list[tuple[str, "xgrammar.CompiledGrammar | str"]]:
+        """The compiles that ended since the last call, oldest first: (key, the compiled
+        grammar, or the error that names why it does not compile). Cancelled ones are left out."""
+        if self._wake_read >= 0:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_read, 4096):
+                    pass
+        results: list[tuple[str, xgrammar.CompiledGrammar | str]] = []
+        while self._compiled:
+            key = self._compiled.popleft()
+            future = self.compiling.pop(key, None)
+            if future is None:  # cancelled while it compiled
+                continue
+            exc = future.exception()
+            if exc is None:
+                results.append((key, future.result()))
+            elif isinstance(exc, ValueError):
+                results.append((key, str(exc)))
+            else:  # a bug in xgrammar or here: the request fails, the engine goes on
+                logger.error("compiling the grammar of %r failed", key, exc_info=exc)
+                results.append((key, f"structured outputs: compiling failed: {exc!r}"))
+        return results
+
+    def cancel_compile(self, key: str) -> bool:
+        """Forget a compile whose request ended; False when none is running for `key`."""
+        future = self.compiling.pop(key, None)
+        if future is None:
+            return False
+        future.cancel()  # a queued compile never runs; a running one finishes unread
+        return True
+
+    def close(self) -> None:
+        """Stop the compile thread (queued compiles are dropped) and release the wake pipe."""
+        if self._compiler_thread is not None:
+            self._compiler_thread.shutdown(wait=False, cancel_futures=True)
+            self._compiler_thread = None
+        with self._wake_lock:
+            if self._wake_read >= 0:
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+                self._wake_read = self._wake_write = -1
+        self.compiling.clear()
+        self._compiled.clear()
 
     def remove_request(self, handle: int) -> None:
         """Forget a finished request's matcher; a request without one is ignored."""

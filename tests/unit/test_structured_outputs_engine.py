@@ -281,14 +281,98 @@ def test_constrained_requests_follow_their_grammar_beside_exact_free_ones(
     assert not core.scheduler.structured_output_manager.matchers
 
 
+def _step_until_idle(core: EngineCore, limit_s: float = 30.0) -> list:
+    """Every output of stepping `core` until it has no work, within `limit_s`."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    outputs = []
+    while core.has_work():
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        for batch in core.step().values():
+            outputs.extend(batch.outputs)
+    return outputs
+
+
 def test_engine_rejects_a_grammar_that_does_not_compile_before_scheduling() -> None:
     core, _ = _engine(False)
     params = SamplingParams(structured_outputs=StructuredOutputs(regex="(unclosed"))
-    rejected = core.add_request(EngineCoreRequest("bad", pack_int32([1, 2]), params, 0.0))
-    assert rejected is not None
-    (output,) = rejected.outputs
+    assert core.add_request(EngineCoreRequest("bad", pack_int32([1, 2]), params, 0.0)) is None
+    (output,) = _step_until_idle(core)  # it compiled off the step loop, and failed
     assert output.finish_reason.name == "ERROR" and "regex does not compile" in output.error
+    assert not output.new_token_ids and core.scheduler.next_step_id == 1, "nothing was scheduled"
     assert not core.scheduler.requests and not core.has_work()
+
+
+class _GatedCompile:
+    """Holds every grammar compile until `gate` is set, as a schema that takes seconds would."""
+
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self._compile = manager.compile
+        manager.compile = self  # type: ignore[method-assign]
+
+    def __call__(self, spec: StructuredOutputs) -> object:
+        assert self.gate.wait(30.0), "the test never opened the gate"
+        return self._compile(spec)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_compiling_grammar_never_stalls_the_requests_beside_it(async_scheduling: bool) -> None:
+    """A grammar compiles off the step loop: while it does, an unconstrained request runs to
+    its end with exact tokens; then the constrained one is queued and follows its grammar."""
+    core, eos_id = _engine(async_scheduling)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    constrained = SamplingParams(max_tokens=40, structured_outputs=CONSTRAINED[0][1])
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert (
+        core.add_request(EngineCoreRequest("regex", pack_int32([61, 33]), constrained, 0.0)) is None
+    )
+    assert core.add_request(EngineCoreRequest("free", pack_int32([40, 71, 99]), free, 0.0)) is None
+    assert core.is_live(b"", "regex") and core.num_unfinished_requests == 2
+    tokens: dict[str, list[int]] = {"regex": [], "free": []}
+    handle = next(iter(core.scheduler.requests.values())).handle
+    for _ in range(100):  # the free request's steps, and one telling the ranks it finished
+        if core.is_only_waiting():
+            break
+        for batch in core.step().values():
+            for output in batch.outputs:
+                tokens[output.req_id].extend(output.new_token_ids)
+    assert core.is_only_waiting() and core.has_work(), "only the compile is left"
+    assert tokens["regex"] == [] and core.is_live(b"", "regex")
+    expected = reference_generate(
+        "tiny-llama", [40, 71, 99], free, max_model_len=MAX_MODEL_LEN, handle=handle
+    )
+    assert tokens["free"] == expected
+    gated.gate.set()
+    outputs = _step_until_idle(core)
+    json_tokens = [token for output in outputs for token in output.new_token_ids]
+    assert outputs[-1].finish_reason.name == "STOP" and json_tokens[-1] == eos_id
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", bytes(json_tokens[:-1]).decode())
+    assert not core.scheduler.structured_output_manager.compiling
+
+
+def test_a_request_aborted_or_failed_while_its_grammar_compiles_ends_at_once() -> None:
+    core, _ = _engine(True)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=["ab"]))
+    for req_id in ("a", "b"):
+        request = EngineCoreRequest(req_id, pack_int32([5, 6]), params, 0.0)
+        assert core.add_request(request) is None
+    (aborted,) = core.abort_requests(["a"])[b""].outputs
+    assert aborted.req_id == "a" and aborted.finish_reason.name == "ABORT"
+    assert core.is_only_waiting() and not core.is_live(b"", "a")
+    (failed,) = core.fail_all("the ranks died")[b""].outputs
+    assert failed.req_id == "b" and failed.finish_reason.name == "ERROR"
+    assert failed.error == "the ranks died"
+    assert not core.has_work() and core.num_unfinished_requests == 0
+    gated.gate.set()
+    manager = core.scheduler.structured_output_manager
+    assert not manager.compiling and not manager.matchers
+    core.close()
+    assert manager.fileno() == -1
 
 
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
@@ -335,9 +419,7 @@ def test_a_token_the_grammar_refuses_fails_only_its_request(
     assert not core.scheduler.structured_output_manager.matchers
 
 
-def _run_alone(
-    core: EngineCore, req_id: str, params: SamplingParams
-) -> tuple[list[int], int, int]:
+def _run_alone(core: EngineCore, req_id: str, params: SamplingParams) -> tuple[list[int], int, int]:
     """(tokens, steps scheduled, steps whose bitmask followed them) of one request alone."""
     request = EngineCoreRequest(req_id, pack_int32([70, 33, 120]), params, 0.0)
     assert core.add_request(request) is None
