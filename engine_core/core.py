@@ -6,17 +6,15 @@ SchedulerOutput and gathers the ranks' replies.
 """
 
 import logging
-from collections import deque
 from time import perf_counter
-from typing import Protocol, runtime_checkable
 
-import msgspec
-
+from engine_core.executors import Executor, PipelinedExecutor, SerialPipeline
 from engine_core.kv_transfer.agent import KVTransferAgent
 from engine_core.sched.admission import scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
+from engine_core.structured.compiling import CompilingRequests
 from engine_core.structured.manager import build_structured_output_manager
 from protocol.client_messages import (
     EngineCoreOutput,
@@ -30,80 +28,9 @@ from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
 from protocol.kv_transfer import kv_transfer_layout
 from protocol.stats import BlockResidencyStats, SchedulerStats, stat_values
-from protocol.worker_messages import (
-    GrammarBitmask,
-    ModelInfo,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from protocol.worker_messages import ModelInfo, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-class Executor(Protocol):
-    """Runs one step on every rank and returns the agreed sampled tokens; raises on failure."""
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-@runtime_checkable
-class PipelinedExecutor(Executor, Protocol):
-    """An executor that can send a step before the previous one is answered (WorkerGroup)."""
-
-    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
-
-    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
-        """The bitmask of step `step_id`, submitted with `grammar_bitmask_follows` and not yet
-        collected; sent before any later step."""
-        ...
-
-    def collect(self, step_id: int) -> ModelRunnerOutput: ...
-
-
-class SerialPipeline:
-    """Gives an in-process executor (a ModelRunner in tests and benchmarks) the submit/collect
-    pair: each step runs when submitted, and its output waits to be collected in order. A step
-    whose grammar bitmask follows it waits, with every step behind it, until the bitmask comes;
-    it then runs with the bitmask inlined, as a synchronous step would carry it."""
-
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
-        self._outputs: deque[ModelRunnerOutput] = deque()
-        self._waiting: deque[SchedulerOutput] = deque()  # behind a step awaiting its bitmask
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.executor.execute_model(scheduler_output)
-
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self._waiting.append(scheduler_output)
-        self._run_ready()
-
-    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
-        waiting = self._waiting
-        if not waiting or waiting[0].step_id != step_id or not waiting[0].grammar_bitmask_follows:
-            raise RuntimeError(f"a grammar bitmask for step {step_id}, which awaits none")
-        waiting[0] = msgspec.structs.replace(
-            waiting[0], grammar_bitmask=grammar_bitmask, grammar_bitmask_follows=False
-        )
-        self._run_ready()
-
-    def _run_ready(self) -> None:
-        waiting = self._waiting
-        while waiting and not waiting[0].grammar_bitmask_follows:
-            self._outputs.append(self.executor.execute_model(waiting.popleft()))
-
-    def forget(self) -> None:
-        """Drop the outputs of steps that will never be collected (a lost generation)."""
-        self._outputs.clear()
-        self._waiting.clear()
-
-    def collect(self, step_id: int) -> ModelRunnerOutput:
-        if not self._outputs:
-            raise RuntimeError(f"step {step_id} has not run: it awaits its grammar bitmask")
-        output = self._outputs.popleft()
-        if output.step_id != step_id:
-            raise RuntimeError(f"collected step {output.step_id}, expected step {step_id}")
-        return output
 
 
 class EngineCore:
@@ -167,10 +94,11 @@ class EngineCore:
         # outputs made between steps (a parked request refused once its pull settled), sent
         # with the next step's
         self._deferred_outputs: dict[bytes, list[EngineCoreOutput]] = {}
-        # Constrained requests whose grammars compile off the step loop, by scoped id: each is
-        # queued once its grammar is ready (a large schema takes seconds, which would stall
-        # every running request if compiled in a step), or refused with the reason.
-        self._compiling: dict[str, tuple[EngineCoreRequest, bytes]] = {}
+        # Constrained requests whose grammars compile off the step loop: each is queued once
+        # its grammar is ready (a large schema takes seconds, which would stall every running
+        # request if compiled in a step), or refused with the reason. None: no grammars.
+        manager = self.scheduler.structured_output_manager
+        self.compiling = None if manager is None else CompilingRequests(manager)
 
     def add_request(
         self, request: EngineCoreRequest, client_id: bytes = b""
@@ -190,18 +118,16 @@ class EngineCore:
             if hashed is not None and pulls.park(req_id, hashed, request, client_id):
                 return None
         spec = request.sampling_params.structured_outputs
-        manager = scheduler.structured_output_manager
-        if spec is not None and manager is not None and not request.do_remote_decode:
-            req_id = scoped_req_id(client_id, request.req_id)
+        compiling = self.compiling
+        if spec is not None and compiling is not None and not request.do_remote_decode:
             is_live = self.is_live(client_id, request.req_id)
-            num_waiting = len(scheduler.waiting) + len(self._compiling)
+            num_waiting = len(scheduler.waiting) + len(compiling)
             try:  # a request it would refuse is refused now, by scheduler.add_request below
                 scheduler.intake.build(request, client_id, num_waiting, is_live)
             except ValueError:
                 pass
             else:
-                manager.start_compile(req_id, spec)
-                self._compiling[req_id] = (request, client_id)
+                compiling.start(scoped_req_id(client_id, request.req_id), request, client_id, spec)
                 return None
         refusal = scheduler.add_request(request, client_id)
         if refusal is None and request.do_remote_decode and pins is not None:
@@ -216,7 +142,7 @@ class EngineCore:
         outputs = self.scheduler.abort_client_requests(client_id, req_ids)
         for req_id in req_ids:
             self._abort_parked(scoped_req_id(client_id, req_id), None, outputs)
-            self._abort_compiling(scoped_req_id(client_id, req_id), None, outputs)
+            self._end_compiling(scoped_req_id(client_id, req_id), None, outputs)
         return self.kv_transfer.with_handles(outputs)
 
     def abort_client(self, client_id: bytes, error: str) -> dict[bytes, EngineCoreOutputs]:
@@ -226,12 +152,12 @@ class EngineCore:
             for req_id, parked in list(pulls.parked.items()):
                 if parked.client_id == client_id:
                     self._abort_parked(req_id, error, outputs)
-        for req_id, (_, compiling_client_id) in list(self._compiling.items()):
-            if compiling_client_id == client_id:
-                self._abort_compiling(req_id, error, outputs)
+        for req_id, held in self.compiling or ():
+            if held.client_id == client_id:
+                self._end_compiling(req_id, error, outputs)
         return self.kv_transfer.with_handles(outputs)
 
-    def _abort_compiling(
+    def _end_compiling(
         self,
         req_id: str,
         error: str | None,
@@ -239,23 +165,20 @@ class EngineCore:
         finish_reason: FinishReason = FinishReason.ABORT,
     ) -> None:
         """End a request whose grammar is compiling, adding its final output to `outputs`."""
-        if (compiling := self._compiling.pop(req_id, None)) is None:
+        if self.compiling is None:
             return
-        request, client_id = compiling
-        manager = self.scheduler.structured_output_manager
-        assert manager is not None  # it compiles there
-        manager.cancel_compile(req_id)
-        final = EngineCoreOutput(request.req_id, [], finish_reason, 0, error)
+        if (ended := self.compiling.end(req_id, finish_reason, error)) is None:
+            return
+        client_id, final = ended
         batch = outputs.get(client_id)
         outputs[client_id] = EngineCoreOutputs([*(batch.outputs if batch else []), final])
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammars compiled, and refuse those that did not compile."""
-        manager = self.scheduler.structured_output_manager
-        if manager is None or not manager.has_compiled():
+        if self.compiling is None or not self.compiling.has_ready():
             return
-        for req_id, compiled in manager.take_compiled():
-            request, client_id = self._compiling.pop(req_id)
+        for held, compiled in self.compiling.take_ready():
+            request, client_id = held.request, held.client_id
             if isinstance(compiled, str):
                 logger.warning("rejected request %r: %s", request.req_id, compiled)
                 refusal: EngineCoreOutputs | None = rejection(request.req_id, compiled)
@@ -267,13 +190,12 @@ class EngineCore:
     @property
     def grammar_wake_fd(self) -> int | None:
         """Readable once a grammar compiled off the step loop is ready; None without grammars."""
-        manager = self.scheduler.structured_output_manager
-        return None if manager is None else manager.fileno()
+        return None if self.compiling is None else self.compiling.manager.fileno()
 
     def close(self) -> None:
         """Stop the grammar compile thread; the engine serves no more steps."""
-        if (manager := self.scheduler.structured_output_manager) is not None:
-            manager.close()
+        if self.compiling is not None:
+            self.compiling.manager.close()
 
     def _abort_parked(
         self, req_id: str, error: str | None, outputs: dict[bytes, EngineCoreOutputs]
@@ -292,7 +214,7 @@ class EngineCore:
         scoped = scoped_req_id(client_id, req_id)
         if (pulls := self.kv_transfer.pulls) is not None and pulls.is_live(scoped):
             return True
-        return scoped in self.scheduler.requests or scoped in self._compiling
+        return scoped in self.scheduler.requests or scoped in (self.compiling or ())
 
     def has_work(self) -> bool:
         """Requests to run, finished ones the workers must still be told to drop, or a step
@@ -305,7 +227,7 @@ class EngineCore:
             or self._send_error is not None
             or self.kv_transfer.needs_step()
             or bool(self._deferred_outputs)
-            or bool(self._compiling)
+            or bool(self.compiling)
         )
 
     def client_ids(self) -> list[bytes]:
@@ -313,7 +235,7 @@ class EngineCore:
         client_ids = list(self.scheduler.admission.num_live_by_client)
         if (pulls := self.kv_transfer.pulls) is not None:
             client_ids += [parked.client_id for parked in pulls.parked.values()]
-        client_ids += [client_id for _, client_id in self._compiling.values()]
+        client_ids += [held.client_id for _, held in self.compiling or ()]
         return list(dict.fromkeys(client_ids))
 
     @property
@@ -322,7 +244,8 @@ class EngineCore:
         those whose grammars compile."""
         pulls = self.kv_transfer.pulls
         num_parked = len(pulls.parked) if pulls is not None else 0
-        return len(self.scheduler.requests) + num_parked + len(self._compiling)
+        num_compiling = len(self.compiling) if self.compiling is not None else 0
+        return len(self.scheduler.requests) + num_parked + num_compiling
 
     @property
     def kv_cache_usage(self) -> float:
@@ -426,13 +349,11 @@ class EngineCore:
             or self._deferred_outputs
         ):
             return False
-        manager = scheduler.structured_output_manager
-        if manager is not None and manager.has_compiled():
+        compiling = self.compiling
+        if compiling is not None and compiling.has_ready():
             return False
         kv_transfer = self.kv_transfer
-        return kv_transfer.is_pulling_only() or (
-            bool(self._compiling) and not kv_transfer.needs_step()
-        )
+        return kv_transfer.is_pulling_only() or (bool(compiling) and not kv_transfer.needs_step())
 
     def _with_transfer_orders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step as sent, with its P/D orders; the scheduler's record keeps it as built."""
@@ -520,8 +441,8 @@ class EngineCore:
         logger.error("failing %d requests: %s", len(self.scheduler.requests), error)
         self._send_error = None
         outputs = self.scheduler.fail_all(error)
-        for req_id in list(self._compiling):
-            self._abort_compiling(req_id, error, outputs, FinishReason.ERROR)
+        for req_id, _ in self.compiling or ():
+            self._end_compiling(req_id, error, outputs, FinishReason.ERROR)
         if (pulls := self.kv_transfer.pulls) is not None:
             for one in pulls.fail_all():
                 final = EngineCoreOutput(one.request.req_id, [], FinishReason.ERROR, 0, error)
@@ -531,6 +452,8 @@ class EngineCore:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
         self.kv_transfer.check_invariants()
+        if self.compiling is not None:
+            self.compiling.check_invariants()
 
     # -- what the server reads and builds; it never reaches the scheduler or the pool itself -----
 
