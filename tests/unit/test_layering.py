@@ -61,8 +61,11 @@ ENGINE_CORE_FOLDERS = {
     "engine_core.structured": (),
     # P/D pins and pulls over the pool; requests as the scheduler builds them, never scheduled
     "engine_core.kv_transfer": ("engine_core.sched", "engine_core.kv_cache"),
+    # the Executor protocols and the in-process pipeline: they run steps and schedule nothing
+    "engine_core.executors": (),
     # EngineCore, the step loop over an Executor: it owns the scheduler and touches no socket
     "engine_core.core": (
+        "engine_core.executors",
         "engine_core.sched",
         "engine_core.kv_cache",
         "engine_core.structured",
