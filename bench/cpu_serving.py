@@ -39,7 +39,7 @@ from bench.peer_rounds import (
     round_order,
     round_ratio,
 )
-from bench.report import report
+from bench.report import report, unwind_on_sigterm
 from bench.served_process import ServedProcess
 from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
@@ -375,6 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    unwind_on_sigterm()
     args = parse_args(argv)
     if not args.vllm_bin.exists():
         raise SystemExit(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import engine_loop_tiers
 from bench.http import stop_processes
-from bench.report import base_parser, report
+from bench.report import base_parser, report, unwind_on_sigterm
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
@@ -490,6 +490,7 @@ def summary(
 
 
 def main(argv: list[str] | None = None) -> None:
+    unwind_on_sigterm()
     modes_available = available_modes()
     args = parse_args(argv, modes_available)
     measured: dict[str, float] = {}

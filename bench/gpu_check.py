@@ -24,6 +24,7 @@ import torch
 
 from bench import gpu_checkpoint_checks, gpu_throughput
 from bench.gpu_checkpoint_checks import CheckResult, stop_launcher
+from bench.report import unwind_on_sigterm
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
@@ -261,6 +262,7 @@ def nano_vllm_sequences(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    unwind_on_sigterm()
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
     parser.add_argument("--skip", action="append", default=[], help="a check to skip (repeat)")
     parser.add_argument(

@@ -29,7 +29,7 @@ import torch
 
 from bench.make_checkpoint import ARCHS, MOE_ARCHS, SHAPES, CheckpointSpec, make_checkpoint
 from bench.peer_rounds import MIN_ROUNDS, num_rounds
-from bench.report import report
+from bench.report import report, unwind_on_sigterm
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
@@ -382,9 +382,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    # SIGTERM (timeout, a CI runner) unwinds like Ctrl-C, so the finally blocks stop the launched
-    # deployment instead of leaving it running
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    unwind_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="kvs-hf-", dir="/tmp") as tmp:
         folder = Path(tmp)
         model_dir = args.model or make_checkpoint(folder / "checkpoint", made_spec(args))

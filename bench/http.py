@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.report import base_parser, report
+from bench.report import base_parser, report, unwind_on_sigterm
 from engine_client.async_client import AsyncEngineClient, run_async
 from engine_client.request import make_request
 from engine_core.net.endpoints import free_tcp_ports
@@ -212,6 +212,7 @@ def stop_processes(processes: list[subprocess.Popen]) -> None:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     parser = base_parser("HTTP front end vs ZeroMQ client on one engine")
     parser.add_argument("--log-level", default="WARNING", help="of the launched processes")
     args = parser.parse_args()

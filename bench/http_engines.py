@@ -27,7 +27,7 @@ import httpx
 from api_server.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
 from bench.conversations import NUM_TURNS, Conversation, workload
 from bench.http import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, stop_processes
-from bench.report import base_parser, report
+from bench.report import base_parser, report, unwind_on_sigterm
 from engine_client.async_client import AsyncEngineClient, run_async
 from engine_client.errors import UtilityCallError
 from engine_core.net.endpoints import free_tcp_ports
@@ -315,6 +315,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     args = _parser().parse_args()
     for flag, value in (
         ("--engines", args.engines),

@@ -29,7 +29,7 @@ import torch
 from bench.hf_serving import stop_kvserve, wait_ready
 from bench.kv_tier_copies import copy_figures
 from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
-from bench.report import report
+from bench.report import report, unwind_on_sigterm
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
@@ -219,6 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    unwind_on_sigterm()
     args = parse_args(argv)
     torch.set_num_threads(1)
     if args.copies:

@@ -8,6 +8,7 @@ measured in the same run go under `ratio_` keys, and a ratio's per-round values
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,13 @@ from collections.abc import Callable
 DEFAULT_PEER_PYTHON = os.path.join(
     os.path.dirname(__file__), "..", "..", "peer", "vllm", "bin", "python"
 )
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (a timeout, a CI runner) unwind the benchmark like Ctrl-C, so that its
+    finally blocks and context managers stop the processes it started instead of leaving them
+    serving in the background. Call it first in a benchmark's main."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
-from bench.report import report
+from bench.report import report, unwind_on_sigterm
 from bench.served_process import ServedProcess
 from engine_core.net.endpoints import free_tcp_ports
 
@@ -169,6 +169,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    unwind_on_sigterm()
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvs-structured-", dir="/tmp") as tmp:
         folder = Path(tmp)
