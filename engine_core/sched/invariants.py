@@ -45,13 +45,7 @@ def check_scheduler(scheduler: "Scheduler") -> None:
         f"{num_prompt_logprob_requests}"
     )
     scheduler.admission.check_invariants([r.client_id for r in scheduler.requests.values()])
-    if scheduler.structured_output_manager is not None:
-        constrained = {
-            request.handle
-            for request in scheduler.requests.values()
-            if request.sampling_params.structured_outputs is not None
-        }
-        scheduler.structured_output_manager.check_invariants(constrained)
+    scheduler.grammar.check_invariants(list(scheduler.requests.values()))
     scheduler.waiting.check_invariants()
     scheduler.kv_cache_manager.check_invariants()
     scheduler.steps_in_flight.check_invariants()

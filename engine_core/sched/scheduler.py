@@ -9,13 +9,12 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.sched.admission import RequestIntake, scoped_req_id
 from engine_core.sched.block_aligned_chunks import BlockAlignedChunks
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
+from engine_core.sched.grammar_steps import GrammarSteps
 from engine_core.sched.in_flight_step import InFlightStep, StepsInFlight
 from engine_core.sched.invariants import check_scheduler
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
@@ -75,18 +74,11 @@ class Scheduler:
         defers_grammar_bitmask: bool = False,
     ) -> None:
         """`structured_output_manager`: the grammar owner; None refuses constrained requests.
-
-        `defers_grammar_bitmask` (asynchronous scheduling through an executor that can send a
-        step's bitmask after it): a constrained request keeps its one-step lookahead like any
-        other. A step scheduled while an older one is in flight then says
-        `grammar_bitmask_follows`, and the engine sends its bitmask (`take_grammar_bitmask`) once
-        it has applied the older step's reply. Without it, a constrained request is scheduled for
-        its next token only once its last one is back, and every bitmask rides its step.
-        """
+        `defers_grammar_bitmask`: a constrained request keeps its lookahead, its step's bitmask
+        following the step (GrammarSteps, grammar_steps.py)."""
         self.scheduler_config = scheduler_config
         self.structured_output_manager = structured_output_manager
-        self.defers_grammar_bitmask = defers_grammar_bitmask
-        self._last_deferred_bitmask_step_id = 0  # the last step whose bitmask followed it
+        self.grammar = GrammarSteps(structured_output_manager, defers_grammar_bitmask)
         if limits is None:  # the engine passes its startup plan's; in-process callers need not
             limits = resolve_limits(scheduler_config, cache_config, kv_cache_config, model_info)
         self.max_model_len = limits.max_model_len
@@ -151,22 +143,12 @@ class Scheduler:
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)
             return rejection(request.req_id, str(exc))
-        spec = state.sampling_params.structured_outputs
-        if spec is not None:  # compiled before it is queued: a bad grammar is never scheduled
-            manager = self.structured_output_manager
-            if manager is None:
-                error = (
-                    "structured outputs need the tokenizer's vocabulary, and this engine has "
-                    "none: serve a checkpoint folder holding tokenizer.json, or start the engine "
-                    "through `kvserve serve` or `LLM`, which name the tokenizer"
-                )
+        # compiled before it is queued: a bad grammar is never scheduled
+        if state.sampling_params.structured_outputs is not None:
+            error = self.grammar.admit(state, compiled_grammar)
+            if error is not None:
                 logger.warning("rejected request %r: %s", request.req_id, error)
                 return rejection(request.req_id, error)
-            try:
-                manager.add_request(state.handle, spec, compiled_grammar)
-            except ValueError as exc:
-                logger.warning("rejected request %r: %s", request.req_id, exc)
-                return rejection(request.req_id, str(exc))
         self.requests[req_id] = state
         self.num_logprob_requests += state.sampling_params.logprobs is not None
         self.num_prompt_logprob_requests += state.prompt_logprobs is not None
@@ -295,20 +277,9 @@ class Scheduler:
             samples = num_computed >= num_known + num_placeholders
             request.num_output_placeholders = num_placeholders + samples
             is_sampling.append(samples)
-        grammar_rows = None
-        manager = self.structured_output_manager
-        if manager is not None and manager.matchers:
-            grammar_rows = self._grammar_rows(requests, is_sampling)
-            if grammar_rows is None:
-                pass
-            elif self.defers_grammar_bitmask and steps_in_flight:
-                # the step in flight may sample a constrained request's last token, which its
-                # bitmask here depends on: the bitmask follows once that step is applied
-                output = msgspec.structs.replace(output, grammar_bitmask_follows=True)
-            else:  # every constrained request's tokens are known: the bitmask rides the step
-                bitmask = manager.grammar_bitmask(*grammar_rows)
-                output = msgspec.structs.replace(output, grammar_bitmask=bitmask)
-                grammar_rows = None
+        output, grammar_rows = self.grammar.plan(
+            output, requests, is_sampling, bool(steps_in_flight)
+        )
         new_handles = pack_int32([new.handle for new in output.scheduled_new_reqs])
         handles = new_handles + output.scheduled_cached_reqs.handles  # as the wire names them
         has_logprobs = self.num_logprob_requests > 0
@@ -326,33 +297,10 @@ class Scheduler:
         )
         return output
 
-    @staticmethod
-    def _grammar_rows(
-        requests: list[Request], is_sampling: list[bool]
-    ) -> tuple[list[int], list[int]] | None:
-        """(handles, step rows) of the step's constrained requests that sample; None if none."""
-        handles: list[int] = []
-        req_idxs: list[int] = []
-        for req_idx, (request, samples) in enumerate(zip(requests, is_sampling, strict=True)):
-            if samples and request.sampling_params.structured_outputs is not None:
-                handles.append(request.handle)
-                req_idxs.append(req_idx)
-        return (handles, req_idxs) if handles else None
-
     def take_grammar_bitmask(self) -> tuple[int, GrammarBitmask] | None:
-        """(step id, bitmask) of the newest step in flight when its bitmask follows it and every
-        older step is applied, so its constrained requests' grammars hold all their tokens but
-        the ones it samples; None otherwise. A request that finished meanwhile gets a row that
-        allows every token: what it samples is dropped."""
-        steps_in_flight = self.steps_in_flight
-        if len(steps_in_flight) != 1:
-            return None
-        step = steps_in_flight.newest()
-        if step.grammar_rows is None or step.step_id <= self._last_deferred_bitmask_step_id:
-            return None
-        assert self.structured_output_manager is not None  # it set grammar_rows
-        self._last_deferred_bitmask_step_id = step.step_id
-        return step.step_id, self.structured_output_manager.grammar_bitmask(*step.grammar_rows)
+        """(step id, bitmask) of the newest step in flight, once its bitmask can follow it
+        (GrammarSteps.take_bitmask); None when none is due."""
+        return self.grammar.take_bitmask(self.steps_in_flight)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Give each running request its next tokens, preempting when blocks run out."""
@@ -377,10 +325,7 @@ class Scheduler:
                 num_new_tokens <= 0  # nothing to compute until its last token is known
                 # a grammar's next bitmask needs its last token: no lookahead when constrained,
                 # unless that bitmask can follow the step
-                or (
-                    request.sampling_params.structured_outputs is not None
-                    and not self.defers_grammar_bitmask
-                )
+                or self.grammar.skips_lookahead(request)
                 # its pending token is its last whatever its value: scheduling past it wastes
                 # a slot, and the token sampled there would be dropped
                 or check_stop(request, num_tokens, None) is not None
@@ -543,7 +488,7 @@ class Scheduler:
             finish_reason = error = None
             finished_status = None
             if request.sampling_params.structured_outputs is not None:
-                finished_status, error = self._advance_grammar(request, token_id)
+                finished_status, error = self.grammar.advance(request, token_id)
             if finished_status is None:
                 finished_status = check_stop(request, len(request.all_token_ids), token_id)
             if finished_status is not None:
@@ -593,30 +538,11 @@ class Scheduler:
                 continue
             prompt_logprobs.add(first_position + 1, request_entries)
 
-    def _advance_grammar(
-        self, request: Request, token_id: int
-    ) -> tuple[RequestStatus | None, str | None]:
-        """Feed a constrained request's sampled token to its grammar: (FINISHED_STOPPED, None)
-        once the grammar has ended, (FINISHED_ERROR, why) if it refuses the token, else none."""
-        manager = self.structured_output_manager
-        assert manager is not None  # admission refuses constrained requests without one
-        if not manager.accept_token(request.handle, token_id):
-            error = (
-                f"structured outputs: the grammar refused sampled token {token_id} at output "
-                f"position {request.num_output_tokens - 1}"
-            )
-            logger.error("request %r: %s", request.client_req_id, error)
-            return RequestStatus.FINISHED_ERROR, error
-        if manager.is_terminated(request.handle):
-            return RequestStatus.FINISHED_STOPPED, None
-        return None, None
-
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that is out of the queues: release blocks, forget it."""
         request.status = status
         self.kv_cache_manager.free(request)
-        if self.structured_output_manager is not None:
-            self.structured_output_manager.remove_request(request.handle)
+        self.grammar.forget(request)
         del self.requests[request.req_id]
         self.num_logprob_requests -= request.sampling_params.logprobs is not None
         self.num_prompt_logprob_requests -= request.prompt_logprobs is not None
