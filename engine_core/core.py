@@ -84,7 +84,7 @@ class EngineCore:
         # Disaggregated prefill and decode (DESIGN.md §12): a prefill engine pins blocks for
         # decode engines, a decode engine pulls them; an engine of role "both" does neither.
         self.kv_transfer_layout = kv_transfer_layout(
-            model_info.name, kv_cache_config, engine_config.tp_size
+            model_info.name, kv_cache_config, engine_config.tp_size, model_info.fingerprint
         )
         manager = self.scheduler.kv_cache_manager
         self.kv_transfer = KVTransferAgent(

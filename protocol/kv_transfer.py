@@ -45,6 +45,10 @@ class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     tp_size: int  # ranks: rank r pulls from rank r
     page_bytes: int  # bytes one block id costs on one rank, every shared tensor included
     num_kv_cache_groups: int = 1  # P/D moves single-group models only (for now)
+    # the weights' identity beyond the name: a checkpoint's config and weight files, a built-in
+    # model's seed (worker/kv_transfer.model_fingerprint), so engines serving different models
+    # never pair even under one name
+    model_fingerprint: str = ""
 
     def mismatch(self, other: "KVTransferLayout") -> str | None:
         """The first field whose values differ, as `field: mine != theirs`; None if they agree."""
@@ -56,7 +60,7 @@ class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
 
 
 def kv_transfer_layout(
-    model_name: str, kv_cache_config: KVCacheConfig, tp_size: int
+    model_name: str, kv_cache_config: KVCacheConfig, tp_size: int, model_fingerprint: str = ""
 ) -> KVTransferLayout:
     """The layout an engine (and each of its ranks) announces, from the agreed KVCacheConfig."""
     groups = kv_cache_config.kv_cache_groups
@@ -68,6 +72,7 @@ def kv_transfer_layout(
         tp_size=tp_size,
         page_bytes=bytes_per_block(groups, tp_size),
         num_kv_cache_groups=len(groups),
+        model_fingerprint=model_fingerprint,
     )
 
 

@@ -26,6 +26,9 @@ class ModelInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_groups: list[KVCacheGroupSpec]  # the model's layers grouped by spec
     # Why the ranks cannot compute prompt logits (prompt_logprobs); None: they can
     prompt_logits_refusal: str | None = None
+    # What names the weights (worker/kv_transfer.model_fingerprint): a P/D pair must agree on
+    # it; "" when unknown
+    fingerprint: str = ""
 
 
 class WorkerHello(msgspec.Struct, frozen=True, tag=True, array_like=True):

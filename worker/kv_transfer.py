@@ -25,6 +25,7 @@ of the deployment), and a puller is its CURVE client: the pages are encrypted, a
 still decides what an admitted peer may read.
 """
 
+import hashlib
 import hmac
 import itertools
 import logging
@@ -49,12 +50,45 @@ from protocol.kv_transfer import (
 )
 from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
 from worker.kv_transfer_shm import ShmPages, read_pages
+from worker.models.hf.config import is_checkpoint
 
 logger = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the step deadline
 SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
 CLOSE_TIMEOUT_S = 2.0
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+FINGERPRINT_SAMPLE_BYTES = 1 << 20  # read from each end of each weight file
+
+
+def model_fingerprint(model: str, seed: int) -> str:
+    """What tells one model's weights from another's beyond `--model`, for the P/D layout: a
+    checkpoint's config.json bytes and, per weight file, its name, size and first and last MiB
+    (headers and weights: a fine-tune of the same architecture differs there; the files are not
+    read whole), or the same of a GGUF file; for a built-in model its name and the seed that
+    draws its weights. 16 hex digits, equal for copies of one checkpoint in any folder."""
+    digest = hashlib.sha256()
+    if not is_checkpoint(model):
+        digest.update(f"{model}:seed={seed}".encode())
+        return digest.hexdigest()[:16]
+    path = os.path.abspath(model)
+    if os.path.isfile(path):  # a GGUF file
+        files = [path]
+    else:
+        with open(os.path.join(path, "config.json"), "rb") as file:
+            digest.update(file.read())
+        names = sorted(os.listdir(path))
+        files = [os.path.join(path, name) for name in names if name.endswith(WEIGHT_SUFFIXES)]
+    for file_path in files:
+        size = os.path.getsize(file_path)
+        digest.update(f"{os.path.basename(file_path)}:{size};".encode())
+        with open(file_path, "rb") as file:
+            digest.update(file.read(FINGERPRINT_SAMPLE_BYTES))
+            file.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+            digest.update(file.read(FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 class KVPullError(RuntimeError):

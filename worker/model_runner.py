@@ -35,7 +35,7 @@ from worker.graph_runner import GraphRunner, decode_buckets, graph_refusal, uses
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches, shared_kv_tensors
 from worker.kv_tiers import KVTiers, build_kv_tiers
-from worker.kv_transfer import KVTransferRank
+from worker.kv_transfer import KVTransferRank, model_fingerprint
 from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
@@ -612,7 +612,8 @@ def build_kv_transfer(
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].spec, FullAttentionSpec):
         return None  # the engine refuses --kv-role prefill or decode for such a model
-    layout = kv_transfer_layout(model_name, kv_cache_config, tp_size)
+    fingerprint = model_fingerprint(config.model, config.seed)
+    layout = kv_transfer_layout(model_name, kv_cache_config, tp_size, fingerprint)
     pages = shared_kv_tensors(kv_cache_config, kv_caches, tp_size)
     kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve)
     if kv_cache_config.kv_transfer_address is not None:

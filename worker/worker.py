@@ -37,6 +37,7 @@ from protocol.worker_messages import (
 from worker.distributed import TPGroup, init_tp_group, resolve_device
 from worker.graph_runner import uses_step_buffers
 from worker.kv_cache import CudaMemory, memory_at_start
+from worker.kv_transfer import model_fingerprint
 from worker.model_runner import ModelRunner, build_model_runner
 from worker.models.model import Model
 from worker.models.registry import (
@@ -133,7 +134,10 @@ class Worker:
         dtype, kv_dtype = resolve_dtypes(config.model, config.dtype, config.kv_cache_dtype, device)
         model_info = get_model_info(config.model, config.block_size, kv_dtype, config.tp_size)
         refusal = prompt_logits_refusal(config.model, uses_step_buffers(config, device))
-        model_info = msgspec.structs.replace(model_info, prompt_logits_refusal=refusal)
+        fingerprint = model_fingerprint(config.model, config.seed)
+        model_info = msgspec.structs.replace(
+            model_info, prompt_logits_refusal=refusal, fingerprint=fingerprint
+        )
         self.model = build_model(
             config.model,
             self.tp_group,
