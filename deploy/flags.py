@@ -85,6 +85,12 @@ ENGINE_FLAGS = [
         "default a private ipc folder",
     ),
     Flag(
+        ("--kv-transport",),
+        ("kv_transport",),
+        "how P/D ranks move pages: builtin (shared memory over ipc, frames over tcp), nixl "
+        "(NIXL READs; must be installed) or auto (nixl where both ranks of a pair have it)",
+    ),
+    Flag(
         ("--check-invariants",),
         ("check_invariants",),
         "walk the block pool after every step (slow)",

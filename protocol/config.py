@@ -23,6 +23,10 @@ HASH_ALGOS: tuple[HashAlgo, ...] = get_args(HashAlgo)
 # request's blocks for a decode engine once its prompt is computed; a decode engine pulls them.
 KVRole = Literal["prefill", "decode", "both"]
 KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+# How P/D pages move between ranks: builtin (ZeroMQ: a /dev/shm segment over ipc://, frames over
+# tcp://), nixl (READs through NIXL, which must be installed), or auto (nixl where it imports and
+# the peer rank has it too, else builtin)
+KVTransport = Literal["auto", "builtin", "nixl"]
 DEFAULT_HASH_SEED = "kvserve"
 
 
@@ -142,6 +146,7 @@ class EngineConfig(_Config, frozen=True):
     # Where a prefill engine's ranks serve pulls: "ipc://FOLDER" or "tcp://HOST" (each rank takes
     # a free port); None: ipc in a fresh private folder (decode ranks on this host only)
     kv_transfer_address: str | None = None
+    kv_transport: KVTransport = "auto"  # how a prefill or decode engine's ranks move pages
 
 
 class WorkerConfig(_Config, frozen=True):

@@ -195,6 +195,9 @@ class KVCacheConfig(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # this address: "ipc://FOLDER" (a socket file per rank there) or "tcp://HOST" (a free port);
     # None: the rank serves none
     kv_transfer_address: str | None = None
+    # How a P/D engine's ranks move pages (protocol/config.KVTransport); None: the engine takes
+    # no part in P/D, so its ranks make no NIXL agent
+    kv_transport: str | None = None
 
 
 def cdiv(numerator: int, denominator: int) -> int:

@@ -7,7 +7,8 @@ Four conversations carry it:
 - engine -> its ranks: `KVTransferOrders` riding a `SchedulerOutput` (pins and unpins on a prefill
   engine, pulls on a decode engine); each rank runs a pull beside its steps and reports its end
   once, in a later `ModelRunnerOutput` (`finished_kv_pulls`, `failed_kv_pulls`);
-- decode rank r -> prefill rank r: `KVPullRequest`, answered by `KVPullReply` and the pages.
+- decode rank r -> prefill rank r: `KVPullRequest`, answered by `KVPullReply` and the pages; or,
+  under NIXL, by where the pages lie, which the decode rank READs and confirms with `KVPullDone`.
 
 The contract:
 - A handle is valid only while its prefill engine holds the blocks: from the output that carries
@@ -135,6 +136,9 @@ class KVPullRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # the puller shares this host's /dev/shm (it came over ipc://): the pages may come in a
     # shared memory segment rather than in frames
     via_shm: bool = False
+    # the puller READs through NIXL (worker/kv_transfer_nixl.py): a server that has it answers
+    # with where the pages lie instead of the pages, and awaits a KVPullDone
+    via_nixl: bool = False
 
 
 class KVPullReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -147,3 +151,23 @@ class KVPullReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
     error: str | None = None
     num_bytes: int = 0  # of the pages together
     shm_name: str | None = None  # the segment holding them; None: they follow in frames
+    # Under NIXL (the request's via_nixl, when the server has it too): the server's agent, its
+    # metadata, and where the pages lie on its device, one address per shared KV tensor and
+    # block (tensor after tensor, block after block); no page follows
+    nixl_agent: str | None = None
+    nixl_metadata: bytes = b""
+    nixl_addresses: list[int] = []
+    nixl_device_id: int = 0
+
+
+class KVPullDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Decode rank -> prefill rank, after its NIXL READ of a pull's pages ended: answered ok
+    only while the transfer still pins those blocks (no step reused them during the READ), and
+    the pull completes only then."""
+
+    protocol_version: int
+    rank: int
+    transfer_id: int
+    secret: Secret
+    first_block_idx: int
+    block_ids: BlockIds

@@ -43,12 +43,14 @@ from protocol import PROTOCOL_VERSION
 from protocol.config import CurveKeys
 from protocol.kv_transfer import (
     KVPull,
+    KVPullDone,
     KVPullReply,
     KVPullRequest,
     KVTransferLayout,
     KVTransferOrders,
 )
 from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
+from worker.kv_transfer_nixl import NixlPages, NixlReadError
 from worker.kv_transfer_shm import ShmPages, read_pages
 from worker.models.hf.config import is_checkpoint
 
@@ -108,6 +110,7 @@ class KVTransferRank:
         device_pages: list[torch.Tensor],
         layout: KVTransferLayout,
         curve: CurveKeys | None = None,
+        nixl: NixlPages | None = None,
     ) -> None:
         self.rank = rank
         self.device_pages = device_pages  # per shared tensor: [num_blocks, page_bytes] uint8
@@ -115,6 +118,8 @@ class KVTransferRank:
         self._is_cuda = bool(device_pages) and device_pages[0].device.type == "cuda"
         self.layout = layout
         self.curve = curve
+        # with NIXL, pages are READ from the peer's registered tensors (kv_transfer_nixl.py)
+        self.nixl = nixl
         self._ctx: zmq.Context | None = None  # made on first use: most ranks never need one
         self.endpoint: str | None = None  # where this rank serves pulls; None: it serves none
         self._pins: dict[int, tuple[str, list[int]]] = {}  # secret, block ids in order
@@ -132,7 +137,7 @@ class KVTransferRank:
         # pulls ended since the last take_finished: (pull id, whether it completed, bytes)
         self._done: list[tuple[int, bool, int]] = []
         self._encoder = msgspec.msgpack.Encoder()
-        self._request_decoder = msgspec.msgpack.Decoder(KVPullRequest)
+        self._request_decoder = msgspec.msgpack.Decoder(KVPullRequest | KVPullDone)
         self._reply_decoder = msgspec.msgpack.Decoder(KVPullReply)
         self.num_served = 0  # pulls served
         self.num_refused = 0  # pulls refused: unknown or stale transfer, wrong secret or blocks
@@ -208,6 +213,8 @@ class KVTransferRank:
             request = self._request_decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(f"malformed pull: {exc}")
+        if isinstance(request, KVPullDone):
+            return self._answer_done(request)
         if request.protocol_version != PROTOCOL_VERSION:
             return self._refuse(
                 f"protocol version {request.protocol_version}, expected {PROTOCOL_VERSION}"
@@ -227,6 +234,19 @@ class KVTransferRank:
                     f"blocks {request.block_ids} from index {first} are not transfer "
                     f"{request.transfer_id}'s"
                 )
+            if request.via_nixl and self.nixl is not None:
+                # the puller READs these pages itself and confirms with a KVPullDone
+                self.num_served += 1
+                reply = KVPullReply(
+                    True,
+                    None,
+                    num_blocks * sum(pages.shape[1] for pages in self.device_pages),
+                    nixl_agent=self.nixl.name,
+                    nixl_metadata=self.nixl.metadata,
+                    nixl_addresses=self.nixl.addresses(request.block_ids),
+                    nixl_device_id=self.nixl.device_id,
+                )
+                return [self._encoder.encode(reply)]
             index = torch.tensor(request.block_ids, dtype=torch.long)
             pages = [
                 pages.index_select(0, index.to(pages.device)).cpu().numpy()
@@ -239,6 +259,26 @@ class KVTransferRank:
             return [self._encoder.encode(KVPullReply(True, None, num_bytes, name))]
         head = self._encoder.encode(KVPullReply(True, None, num_bytes))
         return [head, *(page.tobytes() for page in pages)]
+
+    def _answer_done(self, done: KVPullDone) -> list[bytes]:
+        """ok while the transfer still pins the blocks a NIXL READ just read: no step has
+        reused them (an unpin comes before the forward that could)."""
+        if done.protocol_version != PROTOCOL_VERSION or done.rank != self.rank:
+            version = done.protocol_version
+            return self._refuse(f"a pull's end from rank {done.rank}, version {version}")
+        with self._lock:
+            pin = self._pins.get(done.transfer_id)
+            first, num_blocks = done.first_block_idx, len(done.block_ids)
+            if (
+                pin is None
+                or not _same_secret(pin[0], done.secret)
+                or first < 0
+                or pin[1][first : first + num_blocks] != done.block_ids
+            ):
+                return self._refuse(
+                    f"transfer {done.transfer_id} no longer pins the blocks its READ read"
+                )
+        return [self._encoder.encode(KVPullReply(True))]
 
     def _refuse(self, reason: str) -> list[bytes]:
         self.num_refused += 1
@@ -291,6 +331,8 @@ class KVTransferRank:
         while (item := self._pull_queue.get()) is not None:
             pull, copied = item
             try:
+                if self.nixl is not None and copied is not None:
+                    copied.synchronize()  # type: ignore[attr-defined]  # NIXL writes off-stream
                 if stream is None:
                     num_bytes = self.pull(pull)
                 else:
@@ -332,8 +374,57 @@ class KVTransferRank:
             pull.src_block_ids,
             pull.layout,
             via_shm=endpoint.startswith("ipc://"),
+            via_nixl=self.nixl is not None,
         )
-        return self._write(self.exchange(endpoint, self._encoder.encode(request)), dst)
+        deadline = time.monotonic() + PULL_TIMEOUT_S
+        frames = self.exchange(endpoint, self._encoder.encode(request))
+        reply = self._decode_reply(frames[0])
+        if reply.ok and reply.nixl_agent is not None:
+            return self._read_nixl(endpoint, pull, reply, deadline)
+        return self._write(reply, frames, dst)
+
+    def _decode_reply(self, frame: bytes) -> KVPullReply:
+        try:
+            return self._reply_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise KVPullError(f"malformed reply: {exc}") from None
+
+    def _read_nixl(self, endpoint: str, pull: KVPull, reply: KVPullReply, deadline: float) -> int:
+        """READ the pages the reply locates, then have the prefill rank confirm it still pins
+        them; the bytes moved, or KVPullError."""
+        nixl, remote_name = self.nixl, reply.nixl_agent
+        assert remote_name is not None
+        if nixl is None:
+            raise KVPullError("the prefill rank answered with NIXL descriptors: no NIXL here")
+        try:
+            num_bytes = nixl.read(
+                remote_name,
+                reply.nixl_metadata,
+                reply.nixl_addresses,
+                reply.nixl_device_id,
+                pull.dst_block_ids,
+                max(0.0, deadline - time.monotonic()),
+            )
+        except NixlReadError as exc:
+            nixl.forget(remote_name)
+            raise KVPullError(f"NIXL: {exc}") from None
+        except Exception as exc:  # NIXL's own errors (a bad descriptor, a lost peer)
+            nixl.forget(remote_name)
+            raise KVPullError(f"NIXL: {type(exc).__name__}: {exc}") from None
+        done = KVPullDone(
+            PROTOCOL_VERSION,
+            self.rank,
+            pull.transfer_id,
+            pull.secret,
+            pull.first_block_idx,
+            pull.src_block_ids,
+        )
+        confirm = self._decode_reply(self.exchange(endpoint, self._encoder.encode(done))[0])
+        if not confirm.ok:
+            raise KVPullError(f"refused after the READ: {confirm.error}")
+        if nixl.num_reads == 1:
+            logger.info("KV pages move through NIXL: read from agent %s", remote_name)
+        return num_bytes
 
     def exchange(self, endpoint: str, frame: bytes) -> list[bytes]:
         """Send one pull request to the server at `endpoint`; its reply frames, or KVPullError.
@@ -356,11 +447,7 @@ class KVTransferRank:
             raise KVPullError(f"no answer within {PULL_TIMEOUT_S} s")
         return sock.recv_multipart()
 
-    def _write(self, frames: list[bytes], dst: np.ndarray) -> int:
-        try:
-            reply = self._reply_decoder.decode(frames[0])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise KVPullError(f"malformed reply: {exc}") from None
+    def _write(self, reply: KVPullReply, frames: list[bytes], dst: np.ndarray) -> int:
         if not reply.ok:
             raise KVPullError(f"refused: {reply.error}")
         sizes = [len(dst) * device_pages.shape[1] for device_pages in self.device_pages]
@@ -418,6 +505,8 @@ class KVTransferRank:
         if self._zap is not None:
             self._zap.close()
         self._shm.close()
+        if self.nixl is not None:
+            self.nixl.close()
         for endpoint in list(self._pullers):
             self._drop_puller(endpoint)
         if self._ctx is not None:

@@ -36,6 +36,7 @@ from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches, shared_kv_tensors
 from worker.kv_tiers import KVTiers, build_kv_tiers
 from worker.kv_transfer import KVTransferRank, model_fingerprint
+from worker.kv_transfer_nixl import NixlPages, nixl_available
 from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
 from worker.models.registry import build_model, get_model_info, resolve_dtypes
@@ -615,7 +616,11 @@ def build_kv_transfer(
     fingerprint = model_fingerprint(config.model, config.seed)
     layout = kv_transfer_layout(model_name, kv_cache_config, tp_size, fingerprint)
     pages = shared_kv_tensors(kv_cache_config, kv_caches, tp_size)
-    kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve)
+    transport = kv_cache_config.kv_transport
+    nixl = None
+    if transport == "nixl" or (transport == "auto" and nixl_available()):
+        nixl = NixlPages(config.rank, pages)  # the engine refused nixl where it is missing
+    kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve, nixl)
     if kv_cache_config.kv_transfer_address is not None:
         address = kv_cache_config.kv_transfer_address
         kv_transfer.serve(address, kv_cache_config.generation, config.engine_address)

@@ -1,6 +1,13 @@
 """Which KV layouts can move between engines in disaggregated prefill and decode (DESIGN.md §12)."""
 
+import importlib.util
+
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+
+
+def nixl_available() -> bool:
+    """Whether NIXL is installed here (the `nixl` extra), without importing it."""
+    return importlib.util.find_spec("nixl") is not None
 
 
 def describe_unsupported_layout(kv_cache_config: KVCacheConfig) -> str | None:

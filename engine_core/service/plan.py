@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine_core.kv_cache.kv_tiers import describe_unsupported_tiers
 from engine_core.kv_cache.spec import KVCacheGroupSpec, describe_capacity, plan_kv_cache
-from engine_core.kv_transfer.layout import describe_unsupported_layout
+from engine_core.kv_transfer.layout import describe_unsupported_layout, nixl_available
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from protocol.config import CacheConfig, EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
@@ -58,6 +58,7 @@ def plan_engine(
         num_disk_slots=num_disk_slots,
         disk_dir=config.cache.kv_offload_disk_dir if num_disk_slots else None,
         kv_transfer_address=config.kv_transfer_address if config.kv_role == "prefill" else None,
+        kv_transport=None if config.kv_role == "both" else config.kv_transport,
     )
     check_kv_role(config, kv_cache_config)
     check_pool_host_memory(kv_cache_config.num_blocks, config.max_pool_host_memory_bytes)
@@ -77,6 +78,11 @@ def check_kv_role(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
         raise FlagValueError(f"--kv-role {config.kv_role}: {reason}")
     if config.kv_role == "prefill" and config.kv_transfer_address is None:
         raise FlagValueError("--kv-role prefill needs --kv-transfer-address (deploy/ fills it in)")
+    if config.kv_transport == "nixl" and not nixl_available():
+        raise FlagValueError(
+            "--kv-transport nixl: NIXL is not installed (pip install 'kvserve[nixl]'); "
+            "auto or builtin serve without it"
+        )
     if config.kv_role == "decode" and not config.cache.enable_prefix_caching:
         raise FlagValueError(
             "--kv-role decode needs prefix caching (pulled blocks join the prefix cache): "

@@ -8,6 +8,7 @@ freed at the deadline; a prefill engine killed while requests are in flight cost
 transfer only. After each phase both engines' KV usage is back to idle.
 """
 
+import importlib.util
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -178,6 +179,9 @@ def test_one_prefill_one_decode_serve_exact_tokens_through_faults(
     assert_index_matches(url, [prefill, decode], "after transfers")  # KV events stay exact
     router = httpx.get(f"{url}/router", timeout=5).json()
     assert router["pd_requests"] == 6 and router["pd_recomputed_requests"] == 0, router
+    # --kv-transport auto: through NIXL where it is installed (the 2P1D test runs builtin)
+    is_nixl_read = "KV pages move through NIXL" in processes.log("launch-d")
+    assert is_nixl_read == (importlib.util.find_spec("nixl") is not None)
 
     # 2. A forged handle reads nothing and its request is still exact; nobody pulls the real one,
     # and its blocks are freed at the deadline.
@@ -218,16 +222,25 @@ def test_two_prefill_engines_and_one_decode_engine_at_tp_2(
     processes: Processes, ipc_folder: Path
 ) -> None:
     """2P1D, every engine with two ranks: each decode rank pulls its shard from the same rank
-    of whichever prefill engine held the request; the tokens are one engine's. A host tier
+    of whichever prefill engine held the request (the built-in transport, NIXL or not); the
+    tokens are one engine's. A host tier
     under one prefill engine and under the small decode engine (which offloads pulled blocks),
     and every engine walking its invariants after each step."""
     model = "checksum"
     ports = free_tcp_ports(7)
     tier = ("--kv-offload-host-bytes", "4000000")
     extra = {
-        "p0": ("--kv-role", "prefill", *tier),
-        "p1": ("--kv-role", "prefill"),
-        "d": ("--kv-role", "decode", "--num-gpu-blocks-override", "40", *tier),
+        "p0": ("--kv-role", "prefill", "--kv-transport", "builtin", *tier),
+        "p1": ("--kv-role", "prefill", "--kv-transport", "builtin"),
+        "d": (
+            "--kv-role",
+            "decode",
+            "--kv-transport",
+            "builtin",
+            "--num-gpu-blocks-override",
+            "40",
+            *tier,
+        ),
     }
     engines = [
         launch_engine(

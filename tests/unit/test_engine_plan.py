@@ -4,6 +4,7 @@ each refusal named once, before any rank allocates."""
 import msgspec
 import pytest
 
+from engine_core.service import plan
 from engine_core.service.plan import FlagValueError, plan_engine
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
@@ -105,3 +106,19 @@ def test_kv_roles_are_refused_where_the_kv_cannot_move_naming_the_flag() -> None
     with pytest.raises(FlagValueError, match="--no-enable-prefix-caching"):
         plan_engine(decode, MODEL, [40, 40])
     assert plan_engine(_config(), MODEL, [40, 40]).kv_cache_config.kv_transfer_address is None
+
+
+def test_the_kv_transport_reaches_the_ranks_of_a_pd_engine_and_nixl_must_be_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """auto and builtin serve anywhere; nixl is refused at start where NIXL is not installed;
+    an engine of role both names no transport, so its ranks make no NIXL agent."""
+    decode = msgspec.structs.replace(_config(), kv_role="decode", kv_transport="nixl")
+    monkeypatch.setattr(plan, "nixl_available", lambda: False)
+    with pytest.raises(FlagValueError, match="--kv-transport nixl: NIXL is not installed"):
+        plan_engine(decode, MODEL, [40, 40])
+    auto = msgspec.structs.replace(decode, kv_transport="auto")
+    assert plan_engine(auto, MODEL, [40, 40]).kv_cache_config.kv_transport == "auto"
+    monkeypatch.setattr(plan, "nixl_available", lambda: True)
+    assert plan_engine(decode, MODEL, [40, 40]).kv_cache_config.kv_transport == "nixl"
+    assert plan_engine(_config(), MODEL, [40, 40]).kv_cache_config.kv_transport is None
