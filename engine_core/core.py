@@ -88,7 +88,11 @@ class EngineCore:
         )
         manager = self.scheduler.kv_cache_manager
         self.kv_transfer = KVTransferAgent(
-            engine_config, manager.block_pool, self.scheduler.block_size, self.kv_transfer_layout
+            engine_config,
+            manager.block_pool,
+            self.scheduler.block_size,
+            self.kv_transfer_layout,
+            kv_cache_config.kv_cache_groups,
         )
         manager.coordinator.block_holders.extend(self.kv_transfer.block_holders())
         # outputs made between steps (a parked request refused once its pull settled), sent
@@ -365,7 +369,7 @@ class EngineCore:
         return kv_transfer.with_orders(
             scheduler_output,
             list(zip(step.requests, step.is_sampling, strict=True)),
-            lambda req_id: manager.get_block_ids(req_id)[0],
+            manager.get_block_ids,
         )
 
     def _after_transfer_reply(

@@ -30,11 +30,31 @@ from typing import Annotated
 
 import msgspec
 
-from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
+from protocol.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    bytes_per_block,
+)
 
 Secret = Annotated[str, msgspec.Meta(min_length=32, max_length=32, pattern="^[0-9a-f]+$")]
 BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]], msgspec.Meta()]
 KV_TRANSFER_SOCKET_NAME = "kv-transfer"
+
+
+def describe_unsupported_groups(groups: list[KVCacheGroupSpec]) -> str | None:
+    """Why this model's KV cannot move between engines, or None when it can: groups of full or
+    sliding-window attention (a Gemma-style hybrid included) of one block size, whose blocks
+    hold nothing but the K/V of their own tokens."""
+    for group in groups:
+        if type(group.spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            kind = type(group.spec).__name__
+            return f"a KV-cache group is {kind}: P/D moves full and sliding-window attention only"
+    block_sizes = sorted({group.spec.block_size for group in groups})
+    if len(block_sizes) > 1:
+        return f"the KV-cache groups' block sizes differ ({block_sizes}): P/D moves one size"
+    return None
 
 
 class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -45,7 +65,9 @@ class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     kv_cache_dtype: str  # the KV pages' element type, e.g. "float32"
     tp_size: int  # ranks: rank r pulls from rank r
     page_bytes: int  # bytes one block id costs on one rank, every shared tensor included
-    num_kv_cache_groups: int = 1  # P/D moves single-group models only (for now)
+    # groups sharing the pool (a Gemma-style hybrid has full and sliding-window ones): a handle's
+    # block_ids hold one run per group, in group order
+    num_kv_cache_groups: int = 1
     # the weights' identity beyond the name: a checkpoint's config and weight files, a built-in
     # model's seed (worker/kv_transfer.model_fingerprint), so engines serving different models
     # never pair even under one name
@@ -83,14 +105,18 @@ class KVTransferHandle(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     engine_id: str  # the prefill engine's random id, announced in its routing info
     transfer_id: int  # unique within that engine, never reused
     secret: Secret  # hex of 16 random bytes; a pull without it reads nothing
-    block_ids: BlockIds  # the prefill engine's blocks of the prompt, in sequence order
+    # the prefill engine's blocks of the prompt, in sequence order; with several KV-cache groups
+    # one equal run per group, group after group, NULL_BLOCK_ID (0) where a sliding window had
+    # already dropped a block (there is nothing to pull there)
+    block_ids: BlockIds
     num_tokens: int  # prompt tokens whose KV those blocks hold
     endpoints: list[str]  # rank r's transfer server, at index r
     layout: KVTransferLayout
 
 
 class KVPin(msgspec.Struct, frozen=True, array_like=True):
-    """Prefill engine -> its ranks: serve pulls of these blocks under this transfer id."""
+    """Prefill engine -> its ranks: serve pulls of these blocks under this transfer id (the
+    handle's block_ids, NULL_BLOCK_ID included: it is never served)."""
 
     transfer_id: int
     secret: Secret
@@ -109,6 +135,9 @@ class KVPull(msgspec.Struct, frozen=True, array_like=True):
     src_block_ids: BlockIds  # the prefill engine's block ids: handle.block_ids from that index
     dst_block_ids: BlockIds  # this engine's, aligned with src_block_ids
     layout: KVTransferLayout  # this engine's own; the prefill rank refuses a different one
+    # where each of src_block_ids lies in the handle's block_ids, when they are not one run from
+    # first_block_idx (several KV-cache groups); [] for a run
+    src_block_idxs: list[int] = []
 
 
 class KVTransferOrders(msgspec.Struct, frozen=True, array_like=True):
@@ -139,6 +168,9 @@ class KVPullRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # the puller READs through NIXL (worker/kv_transfer_nixl.py): a server that has it answers
     # with where the pages lie instead of the pages, and awaits a KVPullDone
     via_nixl: bool = False
+    # where each of block_ids lies in the pinned ones, when they are not one run from
+    # first_block_idx (KVPull.src_block_idxs); [] for a run
+    block_idxs: list[int] = []
 
 
 class KVPullReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -171,3 +203,4 @@ class KVPullDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
     secret: Secret
     first_block_idx: int
     block_ids: BlockIds
+    block_idxs: list[int] = []  # as KVPullRequest's

@@ -41,6 +41,7 @@ import zmq
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import CurveKeys
+from protocol.kv_cache_spec import NULL_BLOCK_ID
 from protocol.kv_transfer import (
     KVPull,
     KVPullDone,
@@ -228,10 +229,13 @@ class KVTransferRank:
             pin = self._pins.get(request.transfer_id)
             if pin is None or not _same_secret(pin[0], request.secret):
                 return self._refuse(f"no pinned transfer {request.transfer_id} with that secret")
-            first, num_blocks = request.first_block_idx, len(request.block_ids)
-            if first < 0 or pin[1][first : first + num_blocks] != request.block_ids:
+            num_blocks = len(request.block_ids)
+            if not _are_pinned(
+                pin[1], request.first_block_idx, request.block_ids, request.block_idxs
+            ):
+                where = request.block_idxs or f"from index {request.first_block_idx}"
                 return self._refuse(
-                    f"blocks {request.block_ids} from index {first} are not transfer "
+                    f"blocks {request.block_ids} at {where} are not transfer "
                     f"{request.transfer_id}'s"
                 )
             if request.via_nixl and self.nixl is not None:
@@ -268,12 +272,10 @@ class KVTransferRank:
             return self._refuse(f"a pull's end from rank {done.rank}, version {version}")
         with self._lock:
             pin = self._pins.get(done.transfer_id)
-            first, num_blocks = done.first_block_idx, len(done.block_ids)
             if (
                 pin is None
                 or not _same_secret(pin[0], done.secret)
-                or first < 0
-                or pin[1][first : first + num_blocks] != done.block_ids
+                or not _are_pinned(pin[1], done.first_block_idx, done.block_ids, done.block_idxs)
             ):
                 return self._refuse(
                     f"transfer {done.transfer_id} no longer pins the blocks its READ read"
@@ -375,6 +377,7 @@ class KVTransferRank:
             pull.layout,
             via_shm=endpoint.startswith("ipc://"),
             via_nixl=self.nixl is not None,
+            block_idxs=pull.src_block_idxs,
         )
         deadline = time.monotonic() + PULL_TIMEOUT_S
         frames = self.exchange(endpoint, self._encoder.encode(request))
@@ -418,6 +421,7 @@ class KVTransferRank:
             pull.secret,
             pull.first_block_idx,
             pull.src_block_ids,
+            pull.src_block_idxs,
         )
         confirm = self._decode_reply(self.exchange(endpoint, self._encoder.encode(done))[0])
         if not confirm.ok:
@@ -515,9 +519,23 @@ class KVTransferRank:
     def check_invariants(self) -> None:
         with self._lock:
             for transfer_id, (_, block_ids) in self._pins.items():
-                assert all(0 < block_id < self.num_blocks for block_id in block_ids), (
+                # NULL_BLOCK_ID stands where a sliding window dropped a block: never served
+                assert all(0 <= block_id < self.num_blocks for block_id in block_ids), (
                     f"transfer {transfer_id} pins blocks {sorted(block_ids)} outside the pool"
                 )
+
+
+def _are_pinned(pinned: list[int], first: int, block_ids: list[int], block_idxs: list[int]) -> bool:
+    """Whether `block_ids` are pinned exactly where a pull says: at `block_idxs` in the pinned
+    ids when given, else as the run from `first`. The null block is never served."""
+    if NULL_BLOCK_ID in block_ids:
+        return False
+    if not block_idxs:
+        return first >= 0 and pinned[first : first + len(block_ids)] == block_ids
+    return len(block_idxs) == len(block_ids) and all(
+        0 <= idx < len(pinned) and pinned[idx] == block_id
+        for idx, block_id in zip(block_idxs, block_ids, strict=True)
+    )
 
 
 def _same_secret(expected: str, given: str) -> bool:

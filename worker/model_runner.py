@@ -17,8 +17,8 @@ import torch
 
 from protocol.buffers import pack_int32
 from protocol.config import WorkerConfig
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig
-from protocol.kv_transfer import kv_transfer_layout
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.kv_transfer import describe_unsupported_groups, kv_transfer_layout
 from protocol.worker_messages import (
     CachedRequestData,
     GrammarBitmask,
@@ -609,9 +609,8 @@ def build_kv_transfer(
     model_name: str,
 ) -> KVTransferRank | None:
     """This rank's P/D agent (DESIGN.md §12), serving pulls when the engine named an address;
-    None for a model whose KV cannot move yet (other than one full-attention group)."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].spec, FullAttentionSpec):
+    None for a model whose KV cannot move yet (protocol/kv_transfer.describe_unsupported_groups)."""
+    if describe_unsupported_groups(kv_cache_config.kv_cache_groups) is not None:
         return None  # the engine refuses --kv-role prefill or decode for such a model
     fingerprint = model_fingerprint(config.model, config.seed)
     layout = kv_transfer_layout(model_name, kv_cache_config, tp_size, fingerprint)

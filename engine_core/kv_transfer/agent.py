@@ -7,7 +7,7 @@ It never reaches the scheduler: the EngineCore passes what it needs (the step's 
 their block ids) and queues the requests whose pulls settled.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -18,6 +18,7 @@ from engine_core.kv_transfer.pulls import KVTransferPulls, ParkedRequest
 from engine_core.sched.admission import scoped_req_id
 from protocol.client_messages import EngineCoreOutputs, StatValue
 from protocol.config import EngineConfig
+from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.kv_transfer import KVTransferLayout, KVTransferOrders
 from protocol.worker_messages import ModelRunnerOutput, SchedulerOutput
 
@@ -32,6 +33,7 @@ class KVTransferAgent:
         block_pool: BlockPool,
         block_size: int,
         layout: KVTransferLayout,
+        kv_cache_groups: Sequence[KVCacheGroupSpec],
     ) -> None:
         self.role = engine_config.kv_role
         self.layout = layout
@@ -39,9 +41,9 @@ class KVTransferAgent:
         self.pulls: KVTransferPulls | None = None
         if self.role == "prefill":
             timeout_s = engine_config.kv_transfer_timeout_s
-            self.pins = KVTransferPins(block_pool, block_size, timeout_s, layout)
+            self.pins = KVTransferPins(block_pool, block_size, timeout_s, layout, kv_cache_groups)
         elif self.role == "decode":
-            self.pulls = KVTransferPulls(block_pool, block_size, layout)
+            self.pulls = KVTransferPulls(block_pool, block_size, layout, kv_cache_groups)
 
     def block_holders(self) -> list[Callable[[], list]]:
         """What the coordinator's invariant must count beside the request tables."""
@@ -66,17 +68,18 @@ class KVTransferAgent:
         self,
         scheduler_output: SchedulerOutput,
         sampling: list[tuple[KVCacheRequest, bool]],
-        block_ids_of: Callable[[str], list[int]],
+        block_ids_of: Callable[[str], tuple[list[int], ...]],
     ) -> SchedulerOutput:
         """The step as sent: with the pins of the wanted requests it samples (`sampling`: each
-        of its requests and whether it samples), and every pending unpin and pull."""
+        of its requests and whether it samples; `block_ids_of`: a request's block ids, one list
+        per KV-cache group), and every pending unpin and pull."""
         pins, pulls = self.pins, self.pulls
         if pins is not None and pins.wanted:
             for request, is_sampling in sampling:
                 if is_sampling and request.req_id in pins.wanted:
                     block_ids = block_ids_of(request.req_id)
                     pins.on_first_sample_scheduled(
-                        request.req_id, request.num_prompt_tokens, block_ids
+                        request.req_id, request.num_prompt_tokens, block_ids, request.block_hashes
                     )
         pin_orders = pins.take_orders() if pins is not None else None
         pull_orders = pulls.take_orders() if pulls is not None else None

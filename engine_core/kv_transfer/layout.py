@@ -2,7 +2,8 @@
 
 import importlib.util
 
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from protocol.kv_cache_spec import KVCacheConfig
+from protocol.kv_transfer import describe_unsupported_groups
 
 
 def nixl_available() -> bool:
@@ -11,12 +12,5 @@ def nixl_available() -> bool:
 
 
 def describe_unsupported_layout(kv_cache_config: KVCacheConfig) -> str | None:
-    """Why this model's KV cannot move yet, or None when it can: one full-attention group, whose
-    blocks hold nothing but the K/V of their own tokens."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return f"the model has {len(groups)} KV-cache groups: P/D moves one-group models only"
-    if not isinstance(groups[0].spec, FullAttentionSpec):
-        kind = type(groups[0].spec).__name__
-        return f"the model's KV-cache group is {kind}: P/D moves full attention only"
-    return None
+    """Why this model's KV cannot move yet, or None when it can (protocol/kv_transfer.py)."""
+    return describe_unsupported_groups(kv_cache_config.kv_cache_groups)

@@ -17,13 +17,15 @@ reuse them: a stale handle is refused from then on.
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.hashing import BlockHash
+from engine_core.kv_transfer.pulls import first_needed_block
 from protocol.client_messages import FinishReason
-from protocol.kv_cache_spec import NULL_BLOCK_ID, cdiv
+from protocol.kv_cache_spec import NULL_BLOCK_ID, KVCacheGroupSpec, cdiv
 from protocol.kv_transfer import KVPin, KVTransferHandle, KVTransferLayout, KVTransferOrders
 
 logger = logging.getLogger(__name__)
@@ -36,9 +38,11 @@ class HeldTransfer:
     transfer_id: int
     secret: str
     req_id: str  # the scoped id of the request it was made for
-    blocks: list[KVCacheBlock]  # in sequence order; each holds one reference of this pin
+    blocks: list[KVCacheBlock]  # group after group, in sequence order; one reference each
     num_tokens: int  # prompt tokens whose KV the blocks hold
     deadline: float | None = None  # monotonic; None while the request still runs
+    # the handle's block_ids: one run per group, NULL_BLOCK_ID where a window dropped a block
+    block_ids: list[int] = field(default_factory=list)
 
 
 class KVTransferPins:
@@ -55,9 +59,11 @@ class KVTransferPins:
         block_size: int,
         timeout_s: float,
         layout: KVTransferLayout,
+        kv_cache_groups: Sequence[KVCacheGroupSpec],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_pool = block_pool
+        self.groups = list(kv_cache_groups)
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.layout = layout
@@ -104,20 +110,45 @@ class KVTransferPins:
         """A do_remote_decode request was admitted: pin it when its first token is scheduled."""
         self.wanted.add(req_id)
 
-    def on_first_sample_scheduled(self, req_id: str, num_tokens: int, block_ids: list[int]) -> None:
+    def on_first_sample_scheduled(
+        self,
+        req_id: str,
+        num_tokens: int,
+        block_ids: Sequence[list[int]],
+        block_hashes: Sequence[BlockHash] = (),
+    ) -> None:
         """The step that samples the request's first token is being sent: pin the blocks that
-        hold its `num_tokens` prompt tokens (their K/V are written by that step at the latest)."""
+        hold its `num_tokens` prompt tokens (their K/V are written by that step at the latest),
+        in each KV-cache group (`block_ids`: the request's, one list per group).
+
+        A sliding-window group has dropped the blocks wholly before the window of this step's
+        first token. Those a decode engine's hit needs (the window before the prompt's last
+        full block: pulls.first_needed_block) may reach one block further back, when the step
+        starts inside the prompt's last block; such a block is pinned from the prefix cache by
+        its hash (`block_hashes`: the request's) while it is still cached there. The others
+        stay NULL_BLOCK_ID in the pin, with nothing to move."""
         if req_id not in self.wanted or req_id in self.by_req:
             return
-        ids = block_ids[: cdiv(num_tokens, self.block_size)]
-        if NULL_BLOCK_ID in ids:  # a skipped block holds nothing to move: not a P/D layout
-            return
-        blocks = [self.block_pool.blocks[block_id] for block_id in ids]
+        num_blocks = cdiv(num_tokens, self.block_size)
+        runs = [list(group_ids[:num_blocks]) for group_ids in block_ids]
+        if any(len(run) != num_blocks or run[-1] == NULL_BLOCK_ID for run in runs):
+            return  # a group that does not hold the prompt: nothing a decode engine can admit
+        pool = self.block_pool
+        num_hit_blocks = min((num_tokens - 1) // self.block_size, len(block_hashes))
+        for group_id, (run, group) in enumerate(zip(runs, self.groups, strict=True)):
+            for idx in range(first_needed_block(group.spec, num_hit_blocks), num_hit_blocks):
+                if run[idx] == NULL_BLOCK_ID:
+                    cached = pool.get_cached_block(block_hashes[idx], [group_id])
+                    if cached is not None:
+                        run[idx] = cached[0].block_id
+        ids = [block_id for run in runs for block_id in run]
+        blocks = [pool.blocks[block_id] for block_id in ids if block_id != NULL_BLOCK_ID]
         self.block_pool.touch(blocks)
         transfer_id, self._next_transfer_id = self._next_transfer_id, self._next_transfer_id + 1
         pin = HeldTransfer(transfer_id, secrets.token_hex(16), req_id, blocks, num_tokens)
         self.by_req[req_id] = pin
         self._pins.append(KVPin(transfer_id, pin.secret, ids))
+        pin.block_ids = ids
 
     def on_finished(
         self, req_id: str, finish_reason: FinishReason, num_output_tokens: int
@@ -134,12 +165,11 @@ class KVTransferPins:
         pin.deadline = self.clock() + self.timeout_s
         self.held[pin.transfer_id] = pin
         self.num_handles += 1
-        block_ids = [block.block_id for block in pin.blocks]
         return KVTransferHandle(
             self.engine_id,
             pin.transfer_id,
             pin.secret,
-            block_ids,
+            list(pin.block_ids),
             pin.num_tokens,
             list(self.endpoints),
             self.layout,

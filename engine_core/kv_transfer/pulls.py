@@ -1,12 +1,16 @@
 """KVTransferPulls: a decode engine's requests waiting for their prompt's KV (DESIGN.md §12).
 
 A request that arrives with a `KVTransferHandle` is parked here instead of being queued. Its
-prompt's full blocks are hashed as the scheduler would hash them; the leading ones this engine
-caches already stay (referenced, so nothing evicts them meanwhile), and fresh blocks are taken for
-the rest up to the last full block before the prompt's last token (admission would recompute
-that one anyway, for its logits). The next step tells every rank to pull those blocks from its
-peer rank of the prefill engine; the ranks pull beside the steps that follow (no step touches the
-fresh blocks) and each reports the pull's end once. When every rank has reported it:
+prompt's full blocks are hashed as the scheduler would hash them, and the prefix hit to build is
+planned in every KV-cache group, up to the last full block before the prompt's last token
+(admission would recompute that one anyway, for its logits): every block of a full-attention
+group, and of a sliding-window group only the blocks the window of the hit's next token reaches
+(first_needed_block). Blocks this engine caches already stay (referenced, so nothing evicts them
+meanwhile), and fresh blocks are taken for the rest; a needed block the prefill engine no longer
+holds (the null block in the handle) means no pull at all. The next step tells every rank to
+pull the fresh blocks from its peer rank of the prefill engine; the ranks pull beside the steps
+that follow (no step touches the fresh blocks) and each reports the pull's end once. When every
+rank has reported it:
 
 - every rank pulled: the fresh blocks get their hashes (KV events announce them) and every block
   is freed into the prefix cache, then the request is queued. Admission finds the whole run as a
@@ -21,17 +25,50 @@ schedule can evict the pulled blocks, which costs recomputation, never tokens.
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.sched.request import Request
 from protocol.client_messages import EngineCoreRequest
+from protocol.kv_cache_spec import (
+    NULL_BLOCK_ID,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 from protocol.kv_transfer import KVPull, KVTransferLayout, KVTransferOrders
 
 logger = logging.getLogger(__name__)
 
-KV_CACHE_GROUP_ID = 0  # P/D moves single-group models: their one group
+
+@dataclass(slots=True, eq=False)
+class GroupRun:
+    """One KV-cache group's part of the hit a pull builds: the blocks from `first` to the hit's
+    end, each cached here already or freshly pulled (`is_fresh`)."""
+
+    group_id: int
+    first: int  # blocks before it are none of the hit's business (a sliding window's past)
+    blocks: list[KVCacheBlock]  # filled once the fresh blocks are taken
+    is_fresh: list[bool]
+
+
+def first_needed_block(spec: KVCacheSpec, num_hit_blocks: int) -> int:
+    """The first block a group needs cached for a prefix hit of `num_hit_blocks` blocks: every
+    block for full attention; for a sliding window only the blocks the window of the hit's next
+    token reaches back into (the prefill engine may have dropped the earlier ones), as the
+    sliding-window hit search asks."""
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, num_hit_blocks - cdiv(spec.sliding_window - 1, spec.block_size))
+    return 0
+
+
+def _with_gaps(run: GroupRun) -> list[KVCacheBlock | None]:
+    """The run's local blocks in order, None where a fresh one goes."""
+    local = iter(run.blocks)
+    return [None if is_fresh else next(local) for is_fresh in run.is_fresh]
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +82,8 @@ class ParkedRequest:
     num_local_blocks: int  # leading blocks of `blocks` that were cached here already
     pull: KVPull
     start_s: float  # time.perf_counter() when it was parked
+    runs: list[GroupRun]  # per KV-cache group, the blocks of the hit the pull builds
+    num_hit_blocks: int  # the hit's length in blocks, in every group
     is_sent: bool = False  # its pull rode a step to the ranks
     num_ranks_done: int = 0  # ranks that reported the pull ended
     is_failed: bool = False  # some rank reported it failed
@@ -75,9 +114,11 @@ class KVTransferPulls:
         block_pool: BlockPool,
         block_size: int,
         layout: KVTransferLayout,
+        kv_cache_groups: Sequence[KVCacheGroupSpec],
     ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
+        self.groups = list(kv_cache_groups)
         self.layout = layout
         self.parked: dict[str, ParkedRequest] = {}
         self.by_pull_id: dict[int, ParkedRequest] = {}
@@ -109,9 +150,10 @@ class KVTransferPulls:
         self, req_id: str, hashed: Request, request: EngineCoreRequest, client_id: bytes
     ) -> bool:
         """Plan the pull of a request with a handle; False when there is nothing to pull (the
-        caller queues it at once): a layout that differs, caching off, no room, or every block
-        to pull already cached here. `hashed`: the request as the scheduler would build it (the
-        intake checked it), for its block hashes; it is never scheduled."""
+        caller queues it at once): a layout that differs, caching off, no room, a block the hit
+        needs that the prefill engine no longer holds, or every block to pull already cached
+        here. `hashed`: the request as the scheduler would build it (the intake checked it), for
+        its block hashes; it is never scheduled."""
         handle = request.kv_transfer_handle
         assert handle is not None, "park a request that carries a handle"
         refusal = self._refusal(request)
@@ -120,31 +162,74 @@ class KVTransferPulls:
             self.stats.num_skipped += 1
             return False
         # admission computes the last prompt token whatever is cached, so the block that holds it
-        # is never a hit: pull the full blocks before it
-        num_prompt_tokens = hashed.num_prompt_tokens
-        num_blocks = min((num_prompt_tokens - 1) // self.block_size, len(handle.block_ids))
+        # is never a hit: the hit to build ends at the last full block before it
+        num_per_group = len(handle.block_ids) // len(self.groups)
+        num_blocks = min((hashed.num_prompt_tokens - 1) // self.block_size, num_per_group)
         num_blocks = min(num_blocks, len(hashed.block_hashes))
         pool = self.block_pool
-        local = pool.get_cached_prefix(hashed.block_hashes, num_blocks, KV_CACHE_GROUP_ID)
-        num_fresh = num_blocks - len(local)
-        if num_fresh <= 0 or num_fresh > pool.get_num_free_blocks() - len(local):
+        runs: list[GroupRun] = []
+        local: list[KVCacheBlock] = []
+        src_ids: list[int] = []
+        src_idxs: list[int] = []  # where each of src_ids lies in handle.block_ids
+        for group_id, group in enumerate(self.groups):
+            first = first_needed_block(group.spec, num_blocks)
+            run = GroupRun(group_id, first, [], [])
+            for idx in range(first, num_blocks):
+                cached = pool.get_cached_block(hashed.block_hashes[idx], [group_id])
+                run.is_fresh.append(cached is None)
+                if cached is not None:
+                    run.blocks.append(cached[0])
+                    local.append(cached[0])
+                    continue
+                src = handle.block_ids[group_id * num_per_group + idx]
+                if src == NULL_BLOCK_ID:
+                    logger.warning(
+                        "not pulling the KV of %r: the prefill engine's sliding window dropped "
+                        "block %d of KV-cache group %d, which the hit needs",
+                        request.req_id,
+                        idx,
+                        group_id,
+                    )
+                    self.stats.num_skipped += 1
+                    return False
+                src_ids.append(src)
+                src_idxs.append(group_id * num_per_group + idx)
+            runs.append(run)
+        num_fresh = len(src_ids)
+        if num_fresh == 0 or num_fresh > pool.get_num_free_blocks() - len(local):
             self.stats.num_skipped += 1
             return False
         pool.touch(local)
         fresh = pool.get_new_blocks(num_fresh)
+        fresh_iter = iter(fresh)
+        for run in runs:  # the fresh blocks in the places planned for them
+            run.blocks = [
+                next(fresh_iter) if is_fresh else block
+                for block, is_fresh in zip(_with_gaps(run), run.is_fresh, strict=True)
+            ]
         pull_id, self._next_pull_id = self._next_pull_id, self._next_pull_id + 1
+        is_run = src_idxs == list(range(src_idxs[0], src_idxs[0] + num_fresh))
         pull = KVPull(
             pull_id,
             handle.transfer_id,
             handle.secret,
             list(handle.endpoints),
-            len(local),
-            list(handle.block_ids[len(local) : num_blocks]),
+            src_idxs[0],
+            src_ids,
             [block.block_id for block in fresh],
             self.layout,
+            [] if is_run else src_idxs,
         )
         parked = ParkedRequest(
-            request, client_id, hashed, [*local, *fresh], len(local), pull, time.perf_counter()
+            request,
+            client_id,
+            hashed,
+            [*local, *fresh],
+            len(local),
+            pull,
+            time.perf_counter(),
+            runs,
+            num_blocks,
         )
         self.parked[req_id] = self.by_pull_id[pull_id] = parked
         return True
@@ -160,6 +245,8 @@ class KVTransferPulls:
         num_prompt_tokens = len(request.prompt_token_ids) // 4
         if handle.num_tokens != num_prompt_tokens:
             return f"the handle holds {handle.num_tokens} tokens, the prompt {num_prompt_tokens}"
+        if len(handle.block_ids) % len(self.groups):
+            return f"the handle's {len(handle.block_ids)} blocks are not a run per KV-cache group"
         if len(handle.endpoints) != self.layout.tp_size:
             return f"the handle names {len(handle.endpoints)} ranks, expected {self.layout.tp_size}"
         return None
@@ -197,9 +284,22 @@ class KVTransferPulls:
     def _settle(self, parked: ParkedRequest, is_pulled: bool) -> None:
         blocks, num_local = parked.blocks, parked.num_local_blocks
         if is_pulled:
-            self.block_pool.cache_full_blocks(
-                parked.hashed, blocks, num_local, len(blocks), self.block_size, KV_CACHE_GROUP_ID
-            )
+            pool = self.block_pool
+            null = pool.null_block
+            for run in parked.runs:  # hash the pulled blocks in their places (the others have
+                # theirs already, and a null block is skipped)
+                pulled = [
+                    block if is_fresh else null
+                    for block, is_fresh in zip(run.blocks, run.is_fresh, strict=True)
+                ]
+                pool.cache_full_blocks(
+                    parked.hashed,
+                    [null] * run.first + pulled,
+                    run.first,
+                    parked.num_hit_blocks,
+                    self.block_size,
+                    run.group_id,
+                )
             self.stats.num_pulls += 1
             self.stats.num_blocks += len(blocks) - num_local
             self.stats.pull_seconds.append(time.perf_counter() - parked.start_s)

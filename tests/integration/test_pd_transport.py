@@ -152,3 +152,31 @@ def test_a_wildcard_tcp_address_announces_the_host_that_routes_to_the_engine() -
     finally:
         server.close()
         client.close()
+
+
+@pytest.mark.timeout(60)
+def test_pulls_by_position_move_several_groups_blocks_and_never_the_null_block(
+    tmp_path: Path,
+) -> None:
+    """A hybrid model's pin holds one run per KV-cache group, NULL_BLOCK_ID where a sliding
+    window dropped a block: a pull names each block's position in it (src_block_idxs), and
+    the null block, or a block named at another position, is refused."""
+    server, client = KVTransferRank(0, pages(1), LAYOUT), KVTransferRank(0, pages(2), LAYOUT)
+    try:
+        endpoint = server.serve(f"ipc://{tmp_path}", generation=1)
+        server.apply(KVTransferOrders(pins=[KVPin(1, SECRET, [3, 4, 0, 7, 5, 9])]))
+        pull = pull_of(endpoint, 0, [9, 4], [2, 6], src_block_idxs=[5, 1])
+        failed, num_bytes = run_pulls(client, [pull])
+        assert failed == [] and num_bytes == 2 * PAGE_BYTES * NUM_TENSORS
+        for served, pulled in zip(server.device_pages, client.device_pages, strict=True):
+            assert torch.equal(pulled[[2, 6]], served[[9, 4]])
+        refused = [
+            pull_of(endpoint, 0, [0], [8], src_block_idxs=[2]),  # the null block
+            pull_of(endpoint, 0, [7], [8], src_block_idxs=[4]),  # pinned, at another place
+            pull_of(endpoint, 0, [7], [8], src_block_idxs=[6]),  # past the pin
+        ]
+        failed, _ = run_pulls(client, refused)
+        assert failed == [1, 2, 3] and server.num_refused == 3
+    finally:
+        server.close()
+        client.close()

@@ -7,7 +7,12 @@ import pytest
 from engine_core.service import plan
 from engine_core.service.plan import FlagValueError, plan_engine
 from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
-from protocol.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from protocol.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from protocol.worker_messages import ModelInfo
 
 GROUPS = [KVCacheGroupSpec(["layers.0"], FullAttentionSpec(4, 2, 8, "float32"))]
@@ -84,18 +89,25 @@ def test_a_whole_prompt_reservation_plans_every_window_block() -> None:
 
 
 def test_kv_roles_are_refused_where_the_kv_cannot_move_naming_the_flag() -> None:
-    """P/D moves one full-attention group; a decode engine pulls into its prefix cache; a
-    prefill engine's ranks need an address to serve from."""
-    hybrid_groups = [
-        *GROUPS,
-        KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(4, 2, 8, "float32", 8)),
-    ]
-    hybrid = ModelInfo("tiny-hybrid", 64, [], 32, hybrid_groups)
+    """P/D moves full and sliding-window groups of one block size (a Gemma-style hybrid); a
+    decode engine pulls into its prefix cache; a prefill engine's ranks need an address to
+    serve from."""
+    sliding = KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(4, 2, 8, "float32", 8))
+    hybrid = ModelInfo("tiny-hybrid", 64, [], 32, [*GROUPS, sliding])
     prefill = msgspec.structs.replace(
         _config(), kv_role="prefill", kv_transfer_address="ipc:///tmp/x"
     )
-    with pytest.raises(FlagValueError, match="--kv-role prefill: the model has 2 KV-cache groups"):
-        plan_engine(prefill, hybrid, [40, 40])
+    assert plan_engine(prefill, hybrid, [40, 40]).kv_cache_config.kv_transfer_address
+    wide = KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(8, 2, 8, "float32", 8))
+    mixed = ModelInfo("tiny-mixed", 64, [], 32, [*GROUPS, wide])
+    with pytest.raises(
+        FlagValueError, match=r"--kv-role prefill: .*block sizes differ \(\[4, 8\]\)"
+    ):
+        plan_engine(prefill, mixed, [40, 40])
+    local = KVCacheGroupSpec(["layers.1"], ChunkedLocalAttentionSpec(4, 2, 8, "float32", 8))
+    chunked = ModelInfo("tiny-chunked", 64, [], 32, [*GROUPS, local])
+    with pytest.raises(FlagValueError, match="a KV-cache group is ChunkedLocalAttentionSpec"):
+        plan_engine(prefill, chunked, [40, 40])
     plan = plan_engine(prefill, MODEL, [40, 40])
     assert plan.kv_cache_config.kv_transfer_address == "ipc:///tmp/x"
     with pytest.raises(FlagValueError, match="--kv-transfer-address"):

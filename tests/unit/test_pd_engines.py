@@ -8,6 +8,7 @@ decode engine must have pulled (its prefix hit covers the pulled blocks), and bo
 idle. Faults: a forged handle, a handle released before the pull, and one never pulled.
 """
 
+import copy
 import dataclasses
 import random
 from pathlib import Path
@@ -23,7 +24,12 @@ from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, Finish
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.kv_transfer import KVTransferHandle, kv_transfer_layout
 from protocol.sampling import SamplingParams
-from tests.unit.hf_checkpoints import hf_greedy, write_checkpoint
+from tests.unit.hf_checkpoints import (
+    GEMMA2_ALTERNATING,
+    GEMMA3_FIVE_TO_ONE,
+    hf_greedy,
+    write_checkpoint,
+)
 from tests.unit.test_hf_generate import MARGIN_TOL
 from worker.kv_cache import shared_kv_tensors
 from worker.kv_transfer import KVPullError, KVTransferRank
@@ -88,9 +94,15 @@ def _engine(
     return EngineCore(config, kv_cache_config, info, runner), rank
 
 
-def _pair(model: str, block_size: int, decode_blocks: int, async_scheduling: bool = True) -> Pair:
+def _pair(
+    model: str,
+    block_size: int,
+    decode_blocks: int,
+    async_scheduling: bool = True,
+    prefill_blocks: int = 64,
+) -> Pair:
     prefill, prefill_rank = _engine(
-        model, block_size, 64, "prefill", KVTransferRank, async_scheduling
+        model, block_size, prefill_blocks, "prefill", KVTransferRank, async_scheduling
     )
     decode, decode_rank = _engine(
         model, block_size, decode_blocks, "decode", JoinedRank, async_scheduling
@@ -301,14 +313,27 @@ def test_parked_requests_are_aborted_failed_and_counted_like_queued_ones() -> No
     _assert_idle(decode)
 
 
+@pytest.mark.parametrize(
+    ("arch", "fields", "block_size", "num_blocks", "num_groups"),
+    [
+        ("llama", {}, 16, 64, 1),
+        # hybrids, one pool: a full-attention group beside sliding-window groups (window 6 over
+        # blocks of 4, so each window group's hit needs its last two blocks before the hit)
+        ("gemma2", GEMMA2_ALTERNATING, 4, 512, 3),
+        ("gemma3", GEMMA3_FIVE_TO_ONE, 4, 512, 6),
+    ],
+    ids=["llama", "gemma2", "gemma3"],
+)
 def test_a_real_checkpoint_through_prefill_and_decode_matches_transformers(
-    tmp_path: Path,
+    tmp_path: Path, arch: str, fields: dict, block_size: int, num_blocks: int, num_groups: int
 ) -> None:
-    """A random float32 llama checkpoint: the decode engine's greedy tokens, computed over the
-    pulled KV, are transformers' generate()'s, up to a step whose top-2 margin is a near-tie."""
-    model = write_checkpoint(tmp_path / "llama", "llama", seed=3)
-    folder = str(tmp_path / "llama")
-    pair = _pair(folder, 16, 64)
+    """A random float32 checkpoint: the decode engine's greedy tokens, computed over the pulled
+    KV, are transformers' generate()'s, up to a step whose top-2 margin is a near-tie. For the
+    Gemma hybrids every KV-cache group's blocks move (each window group's only within the
+    window the hit needs) and the decode engine computes only the prompt's last block."""
+    model = write_checkpoint(tmp_path / arch, arch, seed=3, **copy.deepcopy(fields))
+    folder = str(tmp_path / arch)
+    pair = _pair(folder, block_size, num_blocks, prefill_blocks=num_blocks)
     prompts = [[token % 256 for token in prompt[:40]] for prompt in _prompts(4)]  # its vocabulary
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     requests = {}
@@ -326,7 +351,12 @@ def test_a_real_checkpoint_through_prefill_and_decode_matches_transformers(
     outputs = _decode_all(pair, requests, handles)
     pulls = pair.decode.kv_transfer.pulls
     assert pulls is not None and pulls.stats.num_pulls > 0 and pulls.stats.num_failed == 0
+    assert pulls.stats.num_skipped == sum(len(p) <= block_size for p in prompts), pulls.stats
+    assert pair.decode.kv_transfer.layout.num_kv_cache_groups == num_groups
     for idx, prompt in enumerate(prompts):
+        # the hit every group agrees on is the pulled one: all of the prompt but its last block
+        hit = (len(prompt) - 1) // block_size * block_size
+        assert outputs[f"r{idx}"][0].num_cached_tokens == hit, f"request {idx}"
         served = [token for out in outputs[f"r{idx}"] for token in out.new_token_ids]
         expected, margins = hf_greedy(model, prompt, len(served))
         first_diff = next(
