@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the step deadline
 SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
+NIXL_PROGRESS_MS = 1  # how often it progresses its NIXL agent while READs are out
 CLOSE_TIMEOUT_S = 2.0
 
 
@@ -124,6 +125,8 @@ class KVTransferRank:
         self._ctx: zmq.Context | None = None  # made on first use: most ranks never need one
         self.endpoint: str | None = None  # where this rank serves pulls; None: it serves none
         self._pins: dict[int, tuple[str, list[int]]] = {}  # secret, block ids in order
+        # NIXL READs authorised and not yet confirmed, by transfer id: until when to progress
+        self._nixl_reads: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: zmq.Socket | None = None
@@ -195,7 +198,10 @@ class KVTransferRank:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(SERVE_POLL_MS):
+            is_reading = self._is_nixl_read_out()
+            if is_reading:
+                self.nixl.progress()  # type: ignore[union-attr]
+            if not poller.poll(NIXL_PROGRESS_MS if is_reading else SERVE_POLL_MS):
                 continue
             try:
                 identity, frame = sock.recv_multipart(zmq.NOBLOCK)
@@ -207,6 +213,17 @@ class KVTransferRank:
                 sock.send_multipart([identity, *self.answer(frame)])
             except zmq.ZMQError as exc:
                 logger.warning("could not answer a KV pull: %s", exc)
+
+    def _is_nixl_read_out(self) -> bool:
+        """Whether READs authorised here may still be running (forgets the expired ones)."""
+        if self.nixl is None or not self._nixl_reads:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            for transfer_id, until in list(self._nixl_reads.items()):
+                if until < now:
+                    del self._nixl_reads[transfer_id]
+            return bool(self._nixl_reads)
 
     def answer(self, frame: bytes) -> list[bytes]:
         """The reply frames to one pull request: refused with the reason, or the pages."""
@@ -241,6 +258,7 @@ class KVTransferRank:
             if request.via_nixl and self.nixl is not None:
                 # the puller READs these pages itself and confirms with a KVPullDone
                 self.num_served += 1
+                self._nixl_reads[request.transfer_id] = time.monotonic() + PULL_TIMEOUT_S
                 reply = KVPullReply(
                     True,
                     None,
@@ -271,6 +289,7 @@ class KVTransferRank:
             version = done.protocol_version
             return self._refuse(f"a pull's end from rank {done.rank}, version {version}")
         with self._lock:
+            self._nixl_reads.pop(done.transfer_id, None)
             pin = self._pins.get(done.transfer_id)
             if (
                 pin is None

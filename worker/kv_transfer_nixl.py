@@ -17,7 +17,10 @@ agent's metadata can address any memory that agent registered, as with any RDMA 
 the metadata goes only to pullers the control channel admitted (the deployment's CURVE key across
 hosts, the private ipc folder on one).
 
-Each NixlPages registers its rank's KV tensors once, when the rank builds its transfer agent.
+Each NixlPages registers its rank's KV tensors once, when the rank builds its transfer agent. It
+runs no progress thread (NIXL's spins a core without pause): the puller progresses its side as it
+polls its READ, and the prefill rank's serving thread progresses its agent every NIXL_PROGRESS_MS
+while READs it authorised are out (until their KVPullDone, or PULL_TIMEOUT_S).
 """
 
 import logging
@@ -55,13 +58,18 @@ class NixlPages:
     def __init__(self, rank: int, device_pages: list[torch.Tensor]) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        # NIXL logs through a stdout handler of its own at INFO: keep it to this process's level
+        logging.getLogger("nixl").setLevel(max(logger.getEffectiveLevel(), logging.INFO))
         self.name = f"kvserve-rank{rank}-{secrets.token_hex(6)}"
         self.device_pages = device_pages  # per shared tensor: [num_blocks, page_bytes] uint8
         self.page_bytes = [pages.shape[1] for pages in device_pages]
         device = device_pages[0].device if device_pages else torch.device("cpu")
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=[BACKEND]))
+        # No progress thread: NIXL's spins a core per agent without pause. The puller's state
+        # checks progress its side, and the server calls progress() while READs are out.
+        config = nixl_agent_config(enable_prog_thread=False, backends=[BACKEND])
+        self.agent = nixl_agent(self.name, config)
         regions = [(pages.data_ptr(), pages.nbytes, self.device_id, "") for pages in device_pages]
         self._registered = self.agent.register_memory(regions, self.mem_type)
         self.metadata: bytes = self.agent.get_agent_metadata()
@@ -78,6 +86,11 @@ class NixlPages:
             for pages, page_bytes in zip(self.device_pages, self.page_bytes, strict=True)
             for block_id in block_ids
         ]
+
+    def progress(self) -> None:
+        """Let the backend move what peers READ from this agent (UCX over tcp, or shared memory
+        between processes, needs the target's progress); the serving thread's alone."""
+        self.agent.get_new_notifs()
 
     # -- the decode side -----------------------------------------------------------------------
 

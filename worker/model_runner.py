@@ -166,9 +166,7 @@ class ModelRunner:
         start = time.perf_counter()
         # copy-outs, then copy-ins, all before the forward (DESIGN.md §3.5)
         failed_disk_slots = pack_int32(self._apply_transfers(scheduler_output))
-        finished_kv_pulls, failed_kv_pulls, kv_pull_bytes = self._apply_transfer_orders(
-            scheduler_output
-        )
+        self._apply_transfer_orders(scheduler_output)
         kv_transfer = self.kv_transfer
         num_refused_kv_pulls = kv_transfer.take_refused() if kv_transfer is not None else 0
         scheduled = self._update_states(scheduler_output)
@@ -179,6 +177,7 @@ class ModelRunner:
         if not scheduled.handles:
             self.timings = StepTimings(prepare_s=time.perf_counter() - start)
             self.ready_at_s = 0.0
+            finished_kv_pulls, failed_kv_pulls, kv_pull_bytes = self._take_pull_ends()
             return ModelRunnerOutput(
                 scheduler_output.step_id,
                 self.rank,
@@ -230,6 +229,9 @@ class ModelRunner:
             model_s=modelled - prepared - inputs_s,
             sample_s=done - modelled,
         )
+        # last, so that a pull this step ordered and the forward outlasted is reported now and
+        # its request admitted with the next step (a decode step less of TTFT)
+        finished_kv_pulls, failed_kv_pulls, kv_pull_bytes = self._take_pull_ends()
         return ModelRunnerOutput(
             scheduler_output.step_id,
             self.rank,
@@ -276,11 +278,9 @@ class ModelRunner:
             )
         return self.kv_tiers.apply(transfers)
 
-    def _apply_transfer_orders(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[list[int], list[int], int]:
+    def _apply_transfer_orders(self, scheduler_output: SchedulerOutput) -> None:
         """P/D (DESIGN.md §12): apply the step's pins and unpins and queue its pulls, before the
-        forward; report the pulls that ended since the last step (ids, failed ids, bytes)."""
+        forward (the pulls run beside it)."""
         orders = scheduler_output.kv_transfer_orders
         if self.kv_transfer is None:
             if orders is not None:
@@ -288,9 +288,15 @@ class ModelRunner:
                     f"step {scheduler_output.step_id} carries KV transfer orders, but rank "
                     f"{self.rank} has no transfer agent"
                 )
-            return [], [], 0
+            return
         if orders is not None:
             self.kv_transfer.apply(orders)
+
+    def _take_pull_ends(self) -> tuple[list[int], list[int], int]:
+        """The pulls that ended since the last step's reply (ids, failed ids, bytes), taken as
+        the reply is built."""
+        if self.kv_transfer is None:
+            return [], [], 0
         return self.kv_transfer.take_finished()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> ScheduledRequests:

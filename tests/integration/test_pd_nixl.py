@@ -133,9 +133,14 @@ def run_pulls(rank: KVTransferRank, pulls: list[KVPull]) -> tuple[list[int], int
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("ucx_tls", [None, "tcp"], ids=["ucx-default", "ucx-tcp"])
 def test_a_decode_rank_reads_pinned_pages_through_nixl(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ucx_tls: str | None
 ) -> None:
+    """UCX's own choice of transport (shared memory here), and tcp, where the READ moves only
+    while the prefill rank progresses its agent (it runs no progress thread)."""
+    if ucx_tls is not None:  # both processes' agents: the child inherits it
+        monkeypatch.setenv("UCX_TLS", ucx_tls)
     monkeypatch.setattr(kv_transfer, "PULL_TIMEOUT_S", 10.0)
     prefill = PrefillProcess(tmp_path, use_nixl=True)
     pulled = pages(2)
