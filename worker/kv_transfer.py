@@ -127,6 +127,9 @@ class KVTransferRank:
         self._pins: dict[int, tuple[str, list[int]]] = {}  # secret, block ids in order
         # NIXL READs authorised and not yet confirmed, by transfer id: until when to progress
         self._nixl_reads: dict[int, float] = {}
+        # prefill ranks whose NIXL READ failed (a network UCX cannot cross, say): pulled from
+        # the built-in way since; puller thread only
+        self._nixl_failed: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: zmq.Socket | None = None
@@ -395,7 +398,7 @@ class KVTransferRank:
             pull.src_block_ids,
             pull.layout,
             via_shm=endpoint.startswith("ipc://"),
-            via_nixl=self.nixl is not None,
+            via_nixl=self.nixl is not None and endpoint not in self._nixl_failed,
             block_idxs=pull.src_block_idxs,
         )
         deadline = time.monotonic() + PULL_TIMEOUT_S
@@ -427,12 +430,15 @@ class KVTransferRank:
                 pull.dst_block_ids,
                 max(0.0, deadline - time.monotonic()),
             )
-        except NixlReadError as exc:
+        except Exception as exc:  # NixlReadError, or NIXL's own (a bad descriptor, a lost peer)
             nixl.forget(remote_name)
-            raise KVPullError(f"NIXL: {exc}") from None
-        except Exception as exc:  # NIXL's own errors (a bad descriptor, a lost peer)
-            nixl.forget(remote_name)
-            raise KVPullError(f"NIXL: {type(exc).__name__}: {exc}") from None
+            self._nixl_failed.add(endpoint)
+            logger.warning(
+                "a NIXL READ from %s failed; pulls from it go the built-in way from now on",
+                endpoint,
+            )
+            reason = str(exc) if isinstance(exc, NixlReadError) else f"{type(exc).__name__}: {exc}"
+            raise KVPullError(f"NIXL: {reason}") from None
         done = KVPullDone(
             PROTOCOL_VERSION,
             self.rank,

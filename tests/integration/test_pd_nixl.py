@@ -28,7 +28,7 @@ from protocol.kv_transfer import (
 )
 from worker import kv_transfer
 from worker.kv_transfer import KVTransferRank
-from worker.kv_transfer_nixl import NixlPages
+from worker.kv_transfer_nixl import NixlPages, NixlReadError
 
 pytestmark = pytest.mark.integration
 
@@ -194,6 +194,34 @@ def test_a_pair_where_one_side_lacks_nixl_moves_pages_the_builtin_way(
             assert torch.equal(got[[1, 3, 5]], want[[2, 6, 8]])
         assert prefill.order("stats") == (1, 0, 1)  # through a /dev/shm segment
         assert nixl is None or nixl.num_reads == 0
+    finally:
+        rank.close()
+        prefill.stop()
+
+
+class UnreachableNixl(NixlPages):
+    """A NIXL agent whose READs fail, as where UCX cannot reach the prefill host."""
+
+    def read(self, *args: object, **kwargs: object) -> int:
+        raise NixlReadError("no route to the remote agent")
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_nixl_read_costs_one_pull_then_pages_move_the_builtin_way(
+    tmp_path: Path,
+) -> None:
+    prefill = PrefillProcess(tmp_path, use_nixl=True)
+    pulled = pages(2)
+    rank = KVTransferRank(0, pulled, LAYOUT, nixl=UnreachableNixl(0, pulled))
+    try:
+        prefill.order("pin", (2, [5, 6, 7]))
+        failed, _ = run_pulls(rank, [pull_of(prefill.endpoint, 2, 0, [5, 6], [3, 4])])
+        assert failed == [1]
+        failed, _ = run_pulls(rank, [pull_of(prefill.endpoint, 2, 0, [5, 6], [3, 4])])
+        assert failed == []
+        for want, got in zip(pages(1), pulled, strict=True):
+            assert torch.equal(got[[3, 4]], want[[5, 6]])
+        assert prefill.order("stats") == (2, 0, 1)  # the second through a /dev/shm segment
     finally:
         rank.close()
         prefill.stop()
