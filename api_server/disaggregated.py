@@ -33,7 +33,7 @@ import msgspec
 
 from engine_client.errors import EngineConnectionLost, EngineDeadError, UtilityCallError
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, FinishReason
-from protocol.kv_transfer import KVTransferHandle
+from protocol.kv_transfer import KVTransferHandle, KVTransferLayout, describe_pair_mismatch
 
 if TYPE_CHECKING:
     from api_server.engine_pool import EngineHandle, EnginePool
@@ -61,7 +61,15 @@ def announced_layout(info: dict[str, object] | None) -> dict[str, object]:
 
 def describe_layout_mismatch(prefill: dict[str, object], decode: dict[str, object]) -> str | None:
     """The first field a prefill and a decode engine disagree on, as `field: prefill's !=
-    decode's`; None when they agree."""
+    decode's`; None when they can pair: they agree, or differ only in a TP size the decode
+    engine's is a multiple of (protocol.kv_transfer.describe_pair_mismatch). Layouts announced
+    without every field are compared field by field."""
+    try:
+        layouts = KVTransferLayout(**prefill), KVTransferLayout(**decode)  # type: ignore[arg-type]
+    except TypeError:
+        layouts = None
+    if layouts is not None:
+        return describe_pair_mismatch(*layouts)
     for field in sorted(prefill.keys() | decode.keys()):
         if prefill.get(field) != decode.get(field):
             return f"{field}: {prefill.get(field)!r} != {decode.get(field)!r}"

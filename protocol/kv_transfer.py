@@ -18,8 +18,10 @@ The contract:
   a run of the pinned block ids exactly as pinned (ids and positions), or it is refused and
   reads nothing.
 - Both sides must agree on the `KVTransferLayout` (a pair that does not is refused, naming the
-  field). Block ids are each engine's own; pages move rank r to rank r, one page per shared KV
-  tensor of the rank per block, in tensor order.
+  field), but for the TP size: a decode TP size k times the prefill's pairs too
+  (describe_pair_mismatch). Block ids are each engine's own; pages move rank r to rank r, one
+  page per shared KV tensor of the rank per block, in tensor order; with k > 1 decode rank r
+  pulls from prefill rank r // k the (r % k)-th of k equal slices of each page's KV heads.
 - The decode engine pulls only full prompt blocks that its own cache lacks, inserts them in its
   prefix cache, and admits the request, which then finds them as a prefix hit and computes at
   least the prompt's last token itself: its tokens are those one engine would have produced. A
@@ -74,7 +76,8 @@ class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
     model_fingerprint: str = ""
 
     def mismatch(self, other: "KVTransferLayout") -> str | None:
-        """The first field whose values differ, as `field: mine != theirs`; None if they agree."""
+        """The first field whose values differ, as `field: mine != theirs`; None if they agree.
+        (A prefill/decode pair may differ in TP size: describe_pair_mismatch.)"""
         for field in self.__struct_fields__:
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
@@ -97,6 +100,34 @@ def kv_transfer_layout(
         num_kv_cache_groups=len(groups),
         model_fingerprint=model_fingerprint,
     )
+
+
+def describe_pair_mismatch(prefill: KVTransferLayout, decode: KVTransferLayout) -> str | None:
+    """Why a decode engine of layout `decode` cannot pull from a prefill engine of layout
+    `prefill`, as `field: prefill's != decode's (why)`; None when it can. Every field must agree
+    but the TP size and the page bytes that follow from it: a decode TP size that is a multiple
+    of the prefill's pairs when a block holds the same bytes over all ranks on both sides (no
+    KV head replicated on either), and each decode rank then pulls its slice of the KV heads
+    from the prefill rank that holds them (rank r from rank r // (decode TP / prefill TP))."""
+    for field in prefill.__struct_fields__:
+        mine, theirs = getattr(prefill, field), getattr(decode, field)
+        if field not in ("tp_size", "page_bytes") and mine != theirs:
+            return f"{field}: {mine!r} != {theirs!r}"
+    if prefill.tp_size == decode.tp_size:
+        if prefill.page_bytes != decode.page_bytes:
+            return f"page_bytes: {prefill.page_bytes!r} != {decode.page_bytes!r}"
+        return None
+    if decode.tp_size % prefill.tp_size:
+        return (
+            f"tp_size: {prefill.tp_size!r} != {decode.tp_size!r} (a decode TP size must be a "
+            "multiple of the prefill's)"
+        )
+    if prefill.page_bytes * prefill.tp_size != decode.page_bytes * decode.tp_size:
+        return (
+            f"page_bytes: {prefill.page_bytes!r} != {decode.page_bytes!r} (a block's bytes over "
+            "all ranks differ: a KV head is replicated on one side)"
+        )
+    return None
 
 
 class KVTransferHandle(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -154,7 +185,9 @@ class KVPullRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Decode rank -> prefill rank: the pages of `block_ids` under a transfer's secret."""
 
     protocol_version: int
-    rank: int  # the puller's rank; it must be the server's
+    # the puller's rank: the server's, or with a decode TP size k times the prefill's one of
+    # the server's k (rank // k == the server's), which is served its slice of the KV heads
+    rank: int
     transfer_id: int
     secret: Secret
     # the pinned blocks from index first_block_idx on, in order: the server checks both, so a

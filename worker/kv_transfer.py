@@ -18,13 +18,21 @@ thread of its own; on a decode engine's rank, one DEALER per prefill rank it pul
   A pull that fails or waits past PULL_TIMEOUT_S is reported failed, and its DEALER is dropped so
   that no late reply is read for a later pull.
 
+A pull names its blocks as a run of the pinned ids or by their positions in them (a hybrid
+model's pin holds one run per KV-cache group, with the null block, never served, where a
+sliding window dropped one). A decode engine of a TP size k times the prefill's sends each rank's
+pull to prefill rank r // k, which serves it the (r % k)-th slice of every page's KV heads.
+
 Transports: `ipc://FOLDER` binds a socket file per rank and generation there (same host);
 `tcp://HOST` binds a free port. With the deployment's CURVE keys, the server is a CURVE server
 with the worker keypair every rank shares, its ZAP handler admits only that key (decode ranks
 of the deployment), and a puller is its CURVE client: the pages are encrypted, and the secret
-still decides what an admitted peer may read.
+still decides what an admitted peer may read. With NIXL on both ranks (and one TP size), the
+server answers with where the pages lie instead of the pages, and the puller READs them
+(worker/kv_transfer_nixl.py).
 """
 
+import functools
 import hashlib
 import hmac
 import itertools
@@ -41,7 +49,13 @@ import zmq
 
 from protocol import PROTOCOL_VERSION
 from protocol.config import CurveKeys
-from protocol.kv_cache_spec import NULL_BLOCK_ID
+from protocol.kv_cache_spec import (
+    NULL_BLOCK_ID,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    dtype_size_bytes,
+)
 from protocol.kv_transfer import (
     KVPull,
     KVPullDone,
@@ -49,6 +63,7 @@ from protocol.kv_transfer import (
     KVPullRequest,
     KVTransferLayout,
     KVTransferOrders,
+    describe_pair_mismatch,
 )
 from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
 from worker.kv_transfer_nixl import NixlPages, NixlReadError
@@ -67,6 +82,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 FINGERPRINT_SAMPLE_BYTES = 1 << 20  # read from each end of each weight file
 
 
+@functools.cache  # the hello and the transfer agent each ask, once per process
 def model_fingerprint(model: str, seed: int) -> str:
     """What tells one model's weights from another's beyond `--model`, for the P/D layout: a
     checkpoint's config.json bytes and, per weight file, its name, size and first and last MiB
@@ -95,6 +111,19 @@ def model_fingerprint(model: str, seed: int) -> str:
     return digest.hexdigest()[:16]
 
 
+def kv_head_view(groups: list[KVCacheGroupSpec], tp_size: int) -> tuple[int, int, int] | None:
+    """(rows, KV heads per rank, bytes per head) of every group's page on one rank, when all
+    groups' pages have that one shape (the only kind a head slice can be cut from); else None."""
+    shapes = set()
+    for group in groups:
+        spec = group.spec
+        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+            return None
+        head_bytes = spec.head_dim * dtype_size_bytes(spec.dtype)
+        shapes.add((2 * spec.block_size, spec.num_kv_heads_per_rank(tp_size), head_bytes))
+    return shapes.pop() if len(shapes) == 1 else None
+
+
 class KVPullError(RuntimeError):
     """A pull that did not complete; the engine computes the prompt instead."""
 
@@ -113,6 +142,7 @@ class KVTransferRank:
         layout: KVTransferLayout,
         curve: CurveKeys | None = None,
         nixl: NixlPages | None = None,
+        head_view: tuple[int, int, int] | None = None,
     ) -> None:
         self.rank = rank
         self.device_pages = device_pages  # per shared tensor: [num_blocks, page_bytes] uint8
@@ -122,6 +152,10 @@ class KVTransferRank:
         self.curve = curve
         # with NIXL, pages are READ from the peer's registered tensors (kv_transfer_nixl.py)
         self.nixl = nixl
+        # every page's front as [rows (K and V of each token), KV heads here, bytes per head],
+        # when every group's pages are so (kv_head_view): a decode engine of a larger TP size
+        # is served slices of the heads; None: it is refused
+        self.head_view = head_view
         self._ctx: zmq.Context | None = None  # made on first use: most ranks never need one
         self.endpoint: str | None = None  # where this rank serves pulls; None: it serves none
         self._pins: dict[int, tuple[str, list[int]]] = {}  # secret, block ids in order
@@ -240,11 +274,15 @@ class KVTransferRank:
             return self._refuse(
                 f"protocol version {request.protocol_version}, expected {PROTOCOL_VERSION}"
             )
-        if request.rank != self.rank:
-            return self._refuse(f"rank {request.rank} pulled from rank {self.rank}")
-        mismatch = self.layout.mismatch(request.layout)
+        mismatch = describe_pair_mismatch(self.layout, request.layout)
         if mismatch is not None:
             return self._refuse(f"KV layouts differ: {mismatch}")
+        # with a decode TP size k times ours, k decode ranks pull from this one, a slice each
+        num_slices = request.layout.tp_size // self.layout.tp_size
+        if request.rank // num_slices != self.rank:
+            return self._refuse(f"rank {request.rank} pulled from rank {self.rank}")
+        if num_slices > 1 and self.head_view is None:
+            return self._refuse("this model's KV-cache groups differ in head layout: no slices")
         with self._lock:
             pin = self._pins.get(request.transfer_id)
             if pin is None or not _same_secret(pin[0], request.secret):
@@ -258,7 +296,7 @@ class KVTransferRank:
                     f"blocks {request.block_ids} at {where} are not transfer "
                     f"{request.transfer_id}'s"
                 )
-            if request.via_nixl and self.nixl is not None:
+            if request.via_nixl and self.nixl is not None and num_slices == 1:
                 # the puller READs these pages itself and confirms with a KVPullDone
                 self.num_served += 1
                 self._nixl_reads[request.transfer_id] = time.monotonic() + PULL_TIMEOUT_S
@@ -277,6 +315,9 @@ class KVTransferRank:
                 pages.index_select(0, index.to(pages.device)).cpu().numpy()
                 for pages in self.device_pages
             ]
+        if num_slices > 1:
+            slice_idx = request.rank % num_slices
+            pages = [self._head_slice(page, slice_idx, num_slices) for page in pages]
         self.num_served += 1
         num_bytes = sum(page.nbytes for page in pages)
         if request.via_shm:
@@ -285,10 +326,21 @@ class KVTransferRank:
         head = self._encoder.encode(KVPullReply(True, None, num_bytes))
         return [head, *(page.tobytes() for page in pages)]
 
+    def _head_slice(self, pages: np.ndarray, slice_idx: int, num_slices: int) -> np.ndarray:
+        """Slice `slice_idx` of `num_slices` of the KV heads of each page in `pages` ([blocks,
+        page bytes]), as a decode rank of a TP size num_slices times ours holds it."""
+        assert self.head_view is not None
+        rows, heads, head_bytes = self.head_view
+        num_heads = heads // num_slices
+        first = slice_idx * num_heads
+        view = pages[:, : rows * heads * head_bytes].reshape(len(pages), rows, heads, head_bytes)
+        sliced = view[:, :, first : first + num_heads, :]
+        return np.ascontiguousarray(sliced).reshape(len(pages), -1)
+
     def _answer_done(self, done: KVPullDone) -> list[bytes]:
         """ok while the transfer still pins the blocks a NIXL READ just read: no step has
         reused them (an unpin comes before the forward that could)."""
-        if done.protocol_version != PROTOCOL_VERSION or done.rank != self.rank:
+        if done.protocol_version != PROTOCOL_VERSION or done.rank != self.rank:  # NIXL: same TP
             version = done.protocol_version
             return self._refuse(f"a pull's end from rank {done.rank}, version {version}")
         with self._lock:
@@ -383,12 +435,16 @@ class KVTransferRank:
         the bytes moved, or KVPullError."""
         if len(pull.src_block_ids) != len(pull.dst_block_ids):
             raise KVPullError(f"{len(pull.src_block_ids)} sources for {len(pull.dst_block_ids)}")
-        if self.rank >= len(pull.endpoints):
-            raise KVPullError(f"the handle names {len(pull.endpoints)} ranks, none for {self.rank}")
+        num_slices = self.layout.tp_size // max(1, len(pull.endpoints))
+        if not pull.endpoints or num_slices * len(pull.endpoints) != self.layout.tp_size:
+            raise KVPullError(
+                f"the handle names {len(pull.endpoints)} ranks, which do not divide this "
+                f"engine's {self.layout.tp_size}"
+            )
         dst = np.asarray(pull.dst_block_ids, dtype=np.int64)
         if len(dst) and not (dst.min() > 0 and dst.max() < self.num_blocks):
             raise KVPullError(f"destination blocks {dst.tolist()} outside 1..{self.num_blocks - 1}")
-        endpoint = pull.endpoints[self.rank]
+        endpoint = pull.endpoints[self.rank // num_slices]  # slice rank % num_slices of its heads
         request = KVPullRequest(
             PROTOCOL_VERSION,
             self.rank,

@@ -35,7 +35,7 @@ from worker.graph_runner import GraphRunner, decode_buckets, graph_refusal, uses
 from worker.input_batch import InputBatch, ParkedRequest
 from worker.kv_cache import allocate_kv_caches, check_kv_caches, shared_kv_tensors
 from worker.kv_tiers import KVTiers, build_kv_tiers
-from worker.kv_transfer import KVTransferRank, model_fingerprint
+from worker.kv_transfer import KVTransferRank, kv_head_view, model_fingerprint
 from worker.kv_transfer_nixl import NixlPages, nixl_available
 from worker.models.hf.config import is_checkpoint
 from worker.models.model import Model
@@ -625,7 +625,8 @@ def build_kv_transfer(
     nixl = None
     if transport == "nixl" or (transport == "auto" and nixl_available()):
         nixl = NixlPages(config.rank, pages)  # the engine refused nixl where it is missing
-    kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve, nixl)
+    head_view = kv_head_view(kv_cache_config.kv_cache_groups, tp_size)
+    kv_transfer = KVTransferRank(config.rank, pages, layout, config.curve, nixl, head_view)
     if kv_cache_config.kv_transfer_address is not None:
         address = kv_cache_config.kv_transfer_address
         kv_transfer.serve(address, kv_cache_config.generation, config.engine_address)

@@ -39,7 +39,12 @@ from protocol.kv_cache_spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from protocol.kv_transfer import KVPull, KVTransferLayout, KVTransferOrders
+from protocol.kv_transfer import (
+    KVPull,
+    KVTransferLayout,
+    KVTransferOrders,
+    describe_pair_mismatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +244,7 @@ class KVTransferPulls:
         assert handle is not None
         if not self.block_pool.enable_caching:
             return "prefix caching is off on this decode engine"
-        mismatch = self.layout.mismatch(handle.layout)
+        mismatch = describe_pair_mismatch(handle.layout, self.layout)
         if mismatch is not None:
             return f"the prefill engine's KV layout differs ({mismatch})"
         num_prompt_tokens = len(request.prompt_token_ids) // 4
@@ -247,8 +252,8 @@ class KVTransferPulls:
             return f"the handle holds {handle.num_tokens} tokens, the prompt {num_prompt_tokens}"
         if len(handle.block_ids) % len(self.groups):
             return f"the handle's {len(handle.block_ids)} blocks are not a run per KV-cache group"
-        if len(handle.endpoints) != self.layout.tp_size:
-            return f"the handle names {len(handle.endpoints)} ranks, expected {self.layout.tp_size}"
+        if len(handle.endpoints) != handle.layout.tp_size:
+            return f"the handle names {len(handle.endpoints)} ranks of {handle.layout.tp_size}"
         return None
 
     def take_pull_seconds(self) -> list[float]:

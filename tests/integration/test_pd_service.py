@@ -280,6 +280,49 @@ def test_two_prefill_engines_and_one_decode_engine_at_tp_2(
 
 
 @pytest.mark.timeout(600)
+def test_a_prefill_engine_at_tp_1_and_a_decode_engine_at_tp_2(
+    processes: Processes, ipc_folder: Path
+) -> None:
+    """A TP-mismatched pair: each decode rank pulls its half of the KV heads from the one
+    prefill rank; the tokens are one engine's, every pull completes, both end idle."""
+    model = "checksum"
+    ports = free_tcp_ports(5)
+    prefill = launch_engine(
+        processes,
+        ipc_folder,
+        "p",
+        *("--kv-role", "prefill", "--check-invariants"),
+        *events_flags((ports[0], ports[1])),
+        tp=1,
+        model=model,
+    )
+    decode = launch_engine(
+        processes,
+        ipc_folder,
+        "d",
+        *("--kv-role", "decode", "--check-invariants"),
+        *events_flags((ports[2], ports[3])),
+        tp=2,
+        model=model,
+    )
+    url = start_front_end(processes, [prefill, decode], ports[4], ["prefill", "decode"], model)
+    prompts = shared_prefix_prompts(5, prefix_len=40, tail_len=9, seed=13)
+    serve_and_check(url, prompts, first_idx=0, model=model)
+    prefill_stats = wait_idle(prefill, "the prefill engine")
+    decode_stats = wait_idle(decode, "the decode engine")
+    assert prefill_stats["kv_transfer_released"] == len(prompts), prefill_stats
+    assert decode_stats["kv_transfer_pulls"] >= 1, decode_stats
+    assert decode_stats["kv_transfer_failed_pulls"] == 0, decode_stats
+    num_pulled = decode_stats["kv_transfer_pulls"] + decode_stats["kv_transfer_skipped_pulls"]
+    assert num_pulled == len(prompts), decode_stats
+    router = httpx.get(f"{url}/router", timeout=5).json()
+    assert router["pd_recomputed_requests"] == 0, router
+    stop_process(processes, "api")
+    stop_process(processes, "launch-p")
+    stop_process(processes, "launch-d")
+
+
+@pytest.mark.timeout(600)
 def test_a_decode_engine_killed_mid_stream_is_an_engine_loss(
     processes: Processes, ipc_folder: Path
 ) -> None:

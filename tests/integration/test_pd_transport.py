@@ -180,3 +180,28 @@ def test_pulls_by_position_move_several_groups_blocks_and_never_the_null_block(
     finally:
         server.close()
         client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_decode_rank_of_a_larger_tp_size_pulls_its_slice_of_the_heads(tmp_path: Path) -> None:
+    """Prefill TP 1, decode TP 2: decode rank 1 pulls from prefill rank 0 the second half of
+    each page's KV heads (pages of 8 rows of 4 heads of 2 bytes here), exactly as its own."""
+    head_view = (8, 4, 2)  # 8 * 4 * 2 == PAGE_BYTES
+    server = KVTransferRank(0, pages(1), LAYOUT, head_view=head_view)
+    half = msgspec.structs.replace(LAYOUT, tp_size=2, page_bytes=LAYOUT.page_bytes // 2)
+    client = KVTransferRank(1, [page[:, : PAGE_BYTES // 2].clone() for page in pages(2)], half)
+    try:
+        endpoint = server.serve(f"ipc://{tmp_path}", generation=1)
+        server.apply(KVTransferOrders(pins=[KVPin(1, SECRET, [3, 7, 5])]))
+        failed, num_bytes = run_pulls(client, [pull_of(endpoint, 1, [7, 5], [2, 4], layout=half)])
+        assert failed == [] and num_bytes == 2 * PAGE_BYTES // 2 * NUM_TENSORS
+        for served, pulled in zip(server.device_pages, client.device_pages, strict=True):
+            heads = served[[7, 5]].reshape(2, 8, 4, 2)[:, :, 2:4, :].reshape(2, -1)
+            assert torch.equal(pulled[[2, 4]], heads)
+        # a decode side whose pages do not split this one's (TP 3 of whole pages) is refused
+        odd = msgspec.structs.replace(LAYOUT, tp_size=3)
+        failed, _ = run_pulls(client, [pull_of(endpoint, 1, [7], [6], layout=odd)])
+        assert failed == [1] and server.num_refused == 1
+    finally:
+        server.close()
+        client.close()

@@ -100,6 +100,19 @@ def test_a_decode_engine_whose_layout_differs_is_refused_naming_the_field(
     assert pool.router_stats()["engines"][1]["kv_layout_mismatch"] == "block_size: 16 != 32"
 
 
+def test_a_decode_engine_of_a_larger_tp_size_pairs_when_no_head_is_replicated() -> None:
+    """Decode TP 2 against prefill TP 1: each decode rank holds half of a prefill page."""
+    prefill = msgspec.structs.asdict(KVTransferLayout("m", 16, "float32", 1, 64, 2, "f1"))
+    decode = {**prefill, "tp_size": 2, "page_bytes": 32}
+    assert describe_layout_mismatch(prefill, decode) is None
+    replicated = {**decode, "page_bytes": 64}
+    assert describe_layout_mismatch(prefill, replicated).startswith("page_bytes: 64 != 64 (")
+    narrower = {**prefill, "tp_size": 3, "page_bytes": 64}
+    assert describe_layout_mismatch(decode, narrower).startswith("tp_size: 2 != 3 (")
+    other_model = {**decode, "model_fingerprint": "f2"}
+    assert describe_layout_mismatch(prefill, other_model) == "model_fingerprint: 'f1' != 'f2'"
+
+
 def test_a_request_goes_through_prefill_then_decode_and_its_handle_is_released(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
