@@ -27,8 +27,10 @@ its time in prompt tokens: a colocated decode shares steps with whatever chunks 
 engine while it runs, the ones that meet two or three long prompts stretch their mean TPOT to
 twice the step or more, while a P/D decode step computes at most one block of each admitted
 prompt (its last tokens, about 1 ms). The TPOT SLO, 25 ms, is about twice the unloaded step; the
-TTFT SLO, 1 s, four long prefills. 96 requests make a pass of about 16 s, so --repeats 5 takes
-about 4 minutes. 4,096 blocks hold the decode engine's running requests at the queue's worst.
+TTFT SLO, 1 s, four long prefills. The engines move pages as --kv-transport says (auto: through
+NIXL where it is installed, else shared memory). 96 requests make a pass of about 16 s, so
+--repeats 5 takes about 4 minutes. 4,096 blocks hold the decode engine's running requests at the
+queue's worst.
 Run: python -m bench.pd [--repeats 5] [--json FILE]
 """
 
@@ -75,6 +77,7 @@ class Workload:
     num_blocks: int
     slo_ttft_s: float
     slo_tpot_s: float
+    kv_transport: str = "auto"  # the P/D engines' --kv-transport
 
     def arrivals(self, seed: int) -> list[tuple[float, list[int]]]:
         """(send time after the start, prompt) per request, the same for every side."""
@@ -112,6 +115,7 @@ def _engine_command(folder: Path, name: str, role: str, workload: Workload) -> l
     command += ["--num-gpu-blocks-override", str(workload.num_blocks), "--kv-role", role]
     command += ["--model-step-ms", str(workload.step_ms)]
     command += ["--model-prefill-token-us", str(workload.prefill_token_us)]
+    command += ["--kv-transport", workload.kv_transport]
     return [*command, "--kv-events-config", json.dumps(events), "--log-level", "WARNING"]
 
 
@@ -259,6 +263,7 @@ def figures(
         "long_tokens": workload.long_tokens,
         "short_tokens": workload.short_tokens,
         "max_tokens": workload.max_tokens,
+        "kv_transport": workload.kv_transport,
         "rounds": len(per_round["pd"]),
     }
     medians = {
@@ -298,6 +303,12 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(
             flag, type=float, default=default, help=f"{helptext}; default %(default)s"
         )
+    parser.add_argument(
+        "--kv-transport",
+        choices=["auto", "builtin", "nixl"],
+        default="auto",
+        help="how the P/D engines move pages (NIXL where installed, under auto); default auto",
+    )
     return parser
 
 
@@ -326,6 +337,7 @@ def main() -> None:
         args.blocks,
         args.slo_ttft_s,
         args.slo_tpot_ms / 1000,
+        args.kv_transport,
     )
     ports = dict(zip(SIDES, free_tcp_ports(len(SIDES)), strict=True))
     processes: list[subprocess.Popen] = []

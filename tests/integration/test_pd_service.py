@@ -323,6 +323,44 @@ def test_a_prefill_engine_at_tp_1_and_a_decode_engine_at_tp_2(
 
 
 @pytest.mark.timeout(600)
+def test_a_hybrid_model_moves_every_groups_blocks(processes: Processes, ipc_folder: Path) -> None:
+    """tiny-llama-hybrid (a full-attention and a sliding-window group of 48 tokens over one
+    pool), prompts long enough that the window group's hit needs only its last three blocks:
+    the tokens are one engine's, every pull completes, and the front end's KV-event index
+    equals each engine's cached blocks after the transfers."""
+    model = "tiny-llama-hybrid"
+    ports = free_tcp_ports(5)
+    prefill = launch_engine(
+        processes,
+        ipc_folder,
+        "p",
+        *("--kv-role", "prefill", "--check-invariants"),
+        *events_flags((ports[0], ports[1])),
+        model=model,
+    )
+    decode = launch_engine(
+        processes,
+        ipc_folder,
+        "d",
+        *("--kv-role", "decode", "--check-invariants"),
+        *events_flags((ports[2], ports[3])),
+        model=model,
+    )
+    url = start_front_end(processes, [prefill, decode], ports[4], ["prefill", "decode"], model)
+    prompts = shared_prefix_prompts(4, prefix_len=100, tail_len=20, seed=17)
+    serve_and_check(url, prompts, first_idx=0, model=model)
+    prefill_stats = wait_idle(prefill, "the prefill engine")
+    decode_stats = wait_idle(decode, "the decode engine")
+    assert prefill_stats["kv_transfer_released"] == len(prompts), prefill_stats
+    assert decode_stats["kv_transfer_pulls"] == len(prompts), decode_stats
+    assert decode_stats["kv_transfer_failed_pulls"] == 0, decode_stats
+    assert_index_matches(url, [prefill, decode], "after hybrid transfers")
+    stop_process(processes, "api")
+    stop_process(processes, "launch-p")
+    stop_process(processes, "launch-d")
+
+
+@pytest.mark.timeout(600)
 def test_a_decode_engine_killed_mid_stream_is_an_engine_loss(
     processes: Processes, ipc_folder: Path
 ) -> None:
