@@ -15,7 +15,9 @@ empty prefix caches. Per request: TTFT (send to first token) and TPOT (first to 
 the tokens after the first); per side and round: p50 and p99 of both, output tokens per second,
 and goodput (requests per second meeting TTFT <= --slo-ttft-s and TPOT <= --slo-tpot-ms).
 Figures are medians of the per-round values; `ratio_*` compare pd with colocated (above 1 means
-pd is better).
+pd is better). `pd_decode_prompt_tokens_per_request` says how much prefill work P/D left on the
+decode engine: the prompt tokens it computed per request (at most a block each when every pull
+lands; a whole prompt where one failed).
 
 Why the defaults stand for a GPU deployment: an 8B model on an H100 decodes a batch step in
 about 12 ms and prefills some 15-20k tokens a second, hence 12 ms a forward and 60 us a prompt
@@ -208,6 +210,13 @@ async def one_pass(
         return list(served), time.perf_counter() - start_s
 
 
+async def _computed_prompt_tokens(engine: AsyncEngineClient) -> int:
+    """Prompt tokens the engine has computed since it started (looked up, less cache hits)."""
+    stats = await engine.call_utility("get_stats")
+    assert isinstance(stats, dict), stats
+    return int(stats["prefix_cache_queries"]) - int(stats["prefix_cache_hits"])
+
+
 def _percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -243,8 +252,14 @@ async def _rounds(
         for round_idx in range(num_rounds):
             shift = round_idx % len(SIDES)
             for side in SIDES[shift:] + SIDES[:shift]:
-                served, elapsed_s = await one_pass(ports[side], clients[side], round_idx, workload)
-                per_round[side].append(pass_figures(served, elapsed_s, workload))
+                engines = clients[side]
+                before = await _computed_prompt_tokens(engines[-1])
+                served, elapsed_s = await one_pass(ports[side], engines, round_idx, workload)
+                round_figures = pass_figures(served, elapsed_s, workload)
+                if side == "pd":  # what the decode engine's steps carried of the prompts
+                    computed = await _computed_prompt_tokens(engines[-1]) - before
+                    round_figures["decode_prompt_tokens_per_request"] = computed / len(served)
+                per_round[side].append(round_figures)
     finally:
         for side_clients in clients.values():
             for client in side_clients:
