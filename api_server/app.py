@@ -41,7 +41,7 @@ from api_server.openai_types import (
 from api_server.request_router import DEFAULT_ROUTER_POLICY, RouterPolicy
 from api_server.serving import JSON, ResponseShape, Serving
 from api_server.tokenization import DETOKENIZE_DECODER, TOKENIZE_DECODER, detokenize, tokenize
-from api_server.tokenizer import load_tokenizer
+from api_server.tokenizer.prompt_tokenizer import load_tokenizer
 from engine_client.connection import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys
 

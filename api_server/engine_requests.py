@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import msgspec
 
 from api_server.chat_output import ChatParsing, OutputPlan
-from api_server.chat_template import COMPILE_ERROR, ChatTemplateError
 from api_server.errors import ApiError, bad_param, quoted
 from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
 from api_server.openai_types import (
@@ -24,7 +23,8 @@ from api_server.openai_types import (
     JsonValue,
 )
 from api_server.parallel_sampling import ChoiceGroup, choice_seed
-from api_server.tokenizer import PromptTokenizer
+from api_server.tokenizer.chat_template import COMPILE_ERROR, ChatTemplateError
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest

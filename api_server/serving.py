@@ -19,7 +19,7 @@ from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
 from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
 from api_server.metrics import TokenLatency
 from api_server.stop_strings import StopStringMatcher
-from api_server.tokenizer import PromptTokenizer, TextDetokenizer
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer, TextDetokenizer
 from engine_client.errors import EngineConnectionLost, EngineDeadError, FrameTooLargeError
 from protocol.client_messages import EngineCoreOutput, FinishReason, TokenLogprobs
 

@@ -8,7 +8,7 @@ import msgspec
 from api_server.engine_requests import chat_prompt_ids
 from api_server.errors import bad_param
 from api_server.openai_types import ChatMessage, JsonValue, check_continuation
-from api_server.tokenizer import PromptTokenizer
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

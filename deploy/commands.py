@@ -387,7 +387,7 @@ def _api_settings(
             "or --tokenizer DIR naming a folder that holds one"
         )
     if args.tokenizer is None and model_folder.suffix == ".gguf" and model_folder.is_file():
-        from api_server.gguf_tokenizer import gguf_tokenizer
+        from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 
         try:
             gguf_tokenizer(str(model_folder))
@@ -431,7 +431,7 @@ def with_structured_outputs_vocabulary(
     tokenizer a GGUF file's metadata describes (rebuilt as the front end builds it, written once
     to a folder of its own), or (left None) the checkpoint folder's own, which the engine finds
     by the model's name."""
-    from api_server.build_tokenizer import TOKENIZER_DIR
+    from api_server.tokenizer.build_tokenizer import TOKENIZER_DIR
     from worker.models.names import MODEL_NAMES
 
     if tokenizer is None and model in MODEL_NAMES:
@@ -446,7 +446,7 @@ def _gguf_tokenizer_folder(model: str) -> Path:
     the file's path, size and modification time."""
     import hashlib
 
-    from api_server.gguf_tokenizer import gguf_tokenizer
+    from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 
     stat = Path(model).stat()
     key = f"{Path(model).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
@@ -468,7 +468,7 @@ def _gguf_tokenizer_folder(model: str) -> Path:
 
 def _chat_template_source(value: str) -> str:
     """--chat-template's text: the file it names or, as vLLM also takes, a template itself."""
-    from api_server.chat_template import ChatTemplate, ChatTemplateError
+    from api_server.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 
     path = Path(value)
     if path.is_file():

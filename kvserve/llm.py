@@ -13,14 +13,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from api_server.chat_template import TemplateValue
 from api_server.engine_requests import bad_words_token_ids
 from api_server.generation_config import load_generation_defaults, log_generation_defaults
 from api_server.logprobs import prompt_logprobs_json
 from api_server.parallel_sampling import choice_seed
 from api_server.serving import ChoiceState
 from api_server.stop_strings import StopStringMatcher
-from api_server.tokenizer import PromptTokenizer, load_tokenizer
+from api_server.tokenizer.chat_template import TemplateValue
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer, load_tokenizer
 from deploy.commands import with_structured_outputs_vocabulary
 from deploy.launch import EXIT_OK, Deployment, check_addresses, worker_configs
 from engine_client.errors import EngineDeadError

@@ -18,7 +18,7 @@ from api_server.engine_requests import completion_jobs
 from api_server.errors import ApiError
 from api_server.openai_types import CompletionRequest
 from api_server.serving import ResponseShape, Serving
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from engine_client.async_client import AsyncEngineClient
 from engine_client.request import make_request
 from protocol.client_messages import (

@@ -11,7 +11,7 @@ from api_server.engine_requests import chat_job, completion_jobs
 from api_server.errors import ApiError
 from api_server.ignored_fields import MAX_LOGGED_NAMES, IgnoredFields
 from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.buffers import unpack_int32
 
 TOKENIZER = ByteTokenizer()

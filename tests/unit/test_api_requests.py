@@ -15,7 +15,7 @@ from api_server.openai_types import (
     check_model,
     parse_body,
 )
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.buffers import unpack_int32
 
 TOKENIZER = ByteTokenizer()

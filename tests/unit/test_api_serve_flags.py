@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from api_server.app import ApiSettings, ApiState
-from api_server.checkpoint_tokenizer import CheckpointTokenizer
-from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
+from api_server.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer.prompt_tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
 from deploy.commands import LAUNCH_WORKER_FLAGS, _api_settings, add_serve_flags, engine_config_from
 from deploy.flags import build_config
 from protocol.config import WorkerConfig

@@ -16,7 +16,7 @@ from api_server.engine_requests import EngineJob, chat_job, completion_jobs
 from api_server.logprobs import LOGPROB_FLOOR, ChoiceLogprobs
 from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.serving import SSE_DONE, ResponseShape, Serving
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import (
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -13,7 +13,7 @@ from api_server.chat_output import ChatParsing, OutputPlan, ToolMode
 from api_server.engine_requests import chat_job
 from api_server.errors import ApiError
 from api_server.openai_types import CHAT_DECODER, parse_body
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from tests.unit.tool_chat_template import TIME_TOOL, TOOL_CHAT_TEMPLATE, TOOLS, WEATHER_TOOL
 
 TOKENIZER = ByteTokenizer(chat_template=TOOL_CHAT_TEMPLATE)
