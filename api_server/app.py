@@ -21,16 +21,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from api_server.chat_output import ChatParsing
 from api_server.engine_pool import EnginePool
-from api_server.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
-from api_server.errors import ApiError
-from api_server.generation_config import load_generation_defaults, log_generation_defaults
-from api_server.ignored_fields import IgnoredFields
 from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
 from api_server.kv_scorer import KVScoreWeights
 from api_server.metrics import ApiMetrics, MetricsMiddleware
-from api_server.openai_types import (
+from api_server.openai.chat_output import ChatParsing
+from api_server.openai.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
+from api_server.openai.errors import ApiError
+from api_server.openai.generation_config import load_generation_defaults, log_generation_defaults
+from api_server.openai.ignored_fields import IgnoredFields
+from api_server.openai.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     ChatCompletionRequest,
@@ -38,9 +38,14 @@ from api_server.openai_types import (
     check_model,
     parse_body,
 )
+from api_server.openai.serving import JSON, ResponseShape, Serving
+from api_server.openai.tokenization import (
+    DETOKENIZE_DECODER,
+    TOKENIZE_DECODER,
+    detokenize,
+    tokenize,
+)
 from api_server.request_router import DEFAULT_ROUTER_POLICY, RouterPolicy
-from api_server.serving import JSON, ResponseShape, Serving
-from api_server.tokenization import DETOKENIZE_DECODER, TOKENIZE_DECODER, detokenize, tokenize
 from api_server.tokenizer.prompt_tokenizer import load_tokenizer
 from engine_client.connection import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys

@@ -22,7 +22,7 @@ from api_server.kv_event_subscriber import (
     subscribable_endpoint,
 )
 from api_server.kv_scorer import KVScoreWeights
-from api_server.parallel_sampling import ChoiceGroup
+from api_server.openai.parallel_sampling import ChoiceGroup
 from api_server.request_router import (
     DEFAULT_ROUTER_POLICY,
     RequestHasher,

@@ -267,8 +267,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_chat_parsing_flags(parser: argparse.ArgumentParser) -> None:
     """How chat replies are parsed for tool calls and reasoning, as vLLM's flags say."""
-    from api_server.reasoning_parser import REASONING_PARSERS
-    from api_server.tool_parsers import TOOL_PARSERS
+    from api_server.openai.reasoning_parser import REASONING_PARSERS
+    from api_server.openai.tool_parsers import TOOL_PARSERS
 
     parser.add_argument(
         "--tool-call-parser",
@@ -414,7 +414,7 @@ def _api_settings(
 
 def _generation_config(value: str, model: str) -> str:
     """--generation-config, checked now so that a bad one is a usage error (exit 2)."""
-    from api_server.generation_config import load_generation_defaults
+    from api_server.openai.generation_config import load_generation_defaults
 
     try:
         load_generation_defaults(value, model)

@@ -6,9 +6,9 @@ import json
 import msgspec
 import pytest
 
-from api_server.engine_requests import chat_job, completion_jobs, engine_refusal
-from api_server.errors import ApiError
-from api_server.openai_types import (
+from api_server.openai.engine_requests import chat_job, completion_jobs, engine_refusal
+from api_server.openai.errors import ApiError
+from api_server.openai.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     CompletionRequest,

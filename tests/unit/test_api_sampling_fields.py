@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from api_server.engine_requests import chat_jobs, completion_jobs, engine_refusal
-from api_server.errors import ApiError
-from api_server.generation_config import (
+from api_server.openai.engine_requests import chat_jobs, completion_jobs, engine_refusal
+from api_server.openai.errors import ApiError
+from api_server.openai.generation_config import (
     NO_DEFAULTS,
     GenerationDefaults,
     load_generation_defaults,
     log_generation_defaults,
 )
-from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
-from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.parallel_sampling import choice_seed
+from api_server.openai.logprobs import ChoiceLogprobs, prompt_logprobs_json
+from api_server.openai.parallel_sampling import choice_seed
+from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.request_router import RequestRouter, RouterPolicy
 from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import TokenLogprobs
@@ -174,7 +174,7 @@ def test_generation_config_refuses_a_missing_folder_or_a_bad_value(tmp_path: Pat
 def test_generation_defaults_are_logged_once_with_their_values(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="api_server.generation_config"):
+    with caplog.at_level(logging.INFO, logger="api_server.openai.generation_config"):
         log_generation_defaults(GenerationDefaults(temperature=0.6), "auto")
         log_generation_defaults(NO_DEFAULTS, "vllm")
     assert len(caplog.records) == 1

@@ -130,7 +130,7 @@ def test_a_bad_chat_template_exits_2_naming_the_flag(
 
 
 def test_tool_and_reasoning_parser_flags_reach_the_chat_parsing() -> None:
-    from api_server.chat_output import ChatParsing
+    from api_server.openai.chat_output import ChatParsing
 
     settings = _settings(
         *("--model", "tiny-llama", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"),
