@@ -21,9 +21,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from api_server.engine_pool import EnginePool
-from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
-from api_server.kv_scorer import KVScoreWeights
 from api_server.metrics import ApiMetrics, MetricsMiddleware
 from api_server.openai.chat_output import ChatParsing
 from api_server.openai.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
@@ -45,7 +42,10 @@ from api_server.openai.tokenization import (
     detokenize,
     tokenize,
 )
-from api_server.request_router import DEFAULT_ROUTER_POLICY, RouterPolicy
+from api_server.routing.engine_pool import EnginePool
+from api_server.routing.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
+from api_server.routing.kv_scorer import KVScoreWeights
+from api_server.routing.router import DEFAULT_ROUTER_POLICY, RouterPolicy
 from api_server.tokenizer.prompt_tokenizer import load_tokenizer
 from engine_client.connection import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys

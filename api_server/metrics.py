@@ -12,14 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api_server.engine_pool import EnginePool
+from api_server.openai.token_latency import LATENCY_BUCKETS_S, TokenLatency
+from api_server.routing.engine_pool import EnginePool
 
 ASGIMessage = MutableMapping[str, object]
 ASGIApp = Callable[
     [ASGIMessage, Callable[[], Awaitable[ASGIMessage]], Callable[[ASGIMessage], Awaitable[None]]],
     Awaitable[None],
 ]
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # get_stats key -> (vLLM's metric name, help, is a counter)
 ENGINE_METRICS = {
     "num_running_reqs": ("vllm:num_requests_running", "Requests in the running batch", False),
@@ -122,24 +122,6 @@ class RouterCollector(Collector):
             silent.add_metric([engine], float(subscriber.is_silent[idx]))
         yield blocks
         yield silent
-
-
-class TokenLatency:
-    """vLLM's TTFT and inter-token latency histograms, timed where the client sees the tokens."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time from a request's start to its first token, in seconds",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between two outputs of one request, in seconds",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
 
 
 class ApiMetrics:

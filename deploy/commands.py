@@ -292,9 +292,9 @@ def add_chat_parsing_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
     """How the front end spreads requests over several --engine-address engines."""
-    from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
-    from api_server.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
-    from api_server.request_router import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+    from api_server.routing.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
+    from api_server.routing.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
+    from api_server.routing.router import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
 
     parser.add_argument(
         "--router-policy",
@@ -366,8 +366,8 @@ def _api_settings(
     args: argparse.Namespace, engine_config: EngineConfig, base_worker: WorkerConfig
 ) -> "ApiSettings":
     from api_server.app import ApiSettings
-    from api_server.kv_scorer import KVScoreWeights
-    from api_server.request_router import RouterPolicy
+    from api_server.routing.kv_scorer import KVScoreWeights
+    from api_server.routing.router import RouterPolicy
 
     extra: dict = {
         "api_key": args.api_key,

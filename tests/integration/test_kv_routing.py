@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api_server.kv_event_subscriber import KVEventSubscriber, StreamSource
+from api_server.routing.kv_event_subscriber import KVEventSubscriber, StreamSource
 from deploy.keys import keygen, load_curve_keys
 from engine_client.async_client import AsyncEngineClient
 from engine_client.request import make_request

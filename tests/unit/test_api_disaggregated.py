@@ -1,7 +1,7 @@
-"""The front end's two-phase flow (api_server/disaggregated.py) over fake engine clients, without
-sockets: which engines pair up (a layout that differs is refused, naming the field), the request
-each engine gets, the release of the handle, what a failed prefill engine costs, and the router's
-load back to zero after each request."""
+"""The front end's two-phase flow (api_server/routing/disaggregated.py) over fake engine clients,
+without sockets: which engines pair up (a layout that differs is refused, naming the field), the
+request each engine gets, the release of the handle, what a failed prefill engine costs, and the
+router's load back to zero after each request."""
 
 import asyncio
 from collections.abc import AsyncIterator
@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from api_server import engine_pool
-from api_server.disaggregated import describe_layout_mismatch
+from api_server.routing.disaggregated import describe_layout_mismatch
 from engine_client.errors import EngineDeadError
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, FinishReason

@@ -11,13 +11,13 @@ import msgspec
 import pytest
 from starlette.requests import Request
 
-import api_server.engine_pool as engine_pool_module
+import api_server.routing.engine_pool as engine_pool_module
 from api_server.app import _unless_disconnected
-from api_server.engine_pool import EnginePool
 from api_server.openai.engine_requests import completion_jobs
 from api_server.openai.errors import ApiError
 from api_server.openai.protocol import CompletionRequest
 from api_server.openai.serving import ResponseShape, Serving
+from api_server.routing.engine_pool import EnginePool
 from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from engine_client.async_client import AsyncEngineClient
 from engine_client.request import make_request

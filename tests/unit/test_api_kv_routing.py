@@ -8,10 +8,10 @@ import random
 import pytest
 from fake_executor import MakeHarness
 
-from api_server.kv_event_subscriber import subscribable_endpoint
-from api_server.kv_index import KVBlockIndex, Offer, index_key
-from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
-from api_server.request_router import Decision, RequestHasher, RequestRouter, RouterPolicy
+from api_server.routing.kv_event_subscriber import subscribable_endpoint
+from api_server.routing.kv_index import KVBlockIndex, Offer, index_key
+from api_server.routing.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
+from api_server.routing.router import Decision, RequestHasher, RequestRouter, RouterPolicy
 from kv_hashing.block_hasher import BlockHasher, first_block_extra_keys
 from kv_hashing.hash_params import (
     HashParams,

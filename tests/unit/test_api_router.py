@@ -2,7 +2,7 @@
 
 import pytest
 
-from api_server.router import PrefixAffinityRouter, prefix_key
+from api_server.routing.first_block import PrefixAffinityRouter, prefix_key
 
 BLOCK_SIZE = 4
 

@@ -18,7 +18,7 @@ from api_server.openai.generation_config import (
 from api_server.openai.logprobs import ChoiceLogprobs, prompt_logprobs_json
 from api_server.openai.parallel_sampling import choice_seed
 from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.request_router import RequestRouter, RouterPolicy
+from api_server.routing.router import RequestRouter, RouterPolicy
 from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import TokenLogprobs
 from protocol.sampling import SEED_LIMIT

@@ -54,8 +54,8 @@ def test_a_tokenizer_folder_without_tokenizer_json_exits_2(
 
 
 def test_router_flags_set_the_policy_and_the_kv_weights() -> None:
-    from api_server.kv_scorer import KVScoreWeights
-    from api_server.request_router import RouterPolicy
+    from api_server.routing.kv_scorer import KVScoreWeights
+    from api_server.routing.router import RouterPolicy
 
     default = _settings("--model", "tiny-llama")
     assert default.router_policy is RouterPolicy.KV

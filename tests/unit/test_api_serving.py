@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-import api_server.engine_pool as engine_pool_module
-from api_server.engine_pool import EnginePool
+import api_server.routing.engine_pool as engine_pool_module
 from api_server.openai.engine_requests import EngineJob, chat_job, completion_jobs
 from api_server.openai.logprobs import LOGPROB_FLOOR, ChoiceLogprobs
 from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
 from api_server.openai.serving import SSE_DONE, ResponseShape, Serving
+from api_server.routing.engine_pool import EnginePool
 from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import (
     EngineCoreOutput,

@@ -327,7 +327,7 @@ def test_checker_reports_a_planted_kv_hashing_import_outside_its_importers(
             "kv_hashing/planted.py": "import yaml\n",
             "engine_core/kv_cache/hashing.py": "from kv_hashing.block_hasher import BlockHasher\n",
             "engine_core/sched/request.py": "from kv_hashing import block_hasher\n",
-            "api_server/router.py": "from kv_hashing.block_hasher import BlockHasher\n",
+            "api_server/routing/router.py": "from kv_hashing.block_hasher import BlockHasher\n",
             "engine_client/request.py": "import kv_hashing.block_hasher\n",
         },
     )

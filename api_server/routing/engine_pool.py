@@ -8,22 +8,22 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from api_server.disaggregated import (
+from api_server.routing.disaggregated import (
     DisaggregatedFlow,
     announced_layout,
     announced_role,
     describe_layout_mismatch,
 )
-from api_server.kv_event_subscriber import (
+from api_server.routing.kv_event_subscriber import (
     DEFAULT_SILENT_LIMIT_S,
     KVEventSubscriber,
     StreamSource,
     subscribable_endpoint,
 )
-from api_server.kv_scorer import KVScoreWeights
-from api_server.openai.parallel_sampling import ChoiceGroup
-from api_server.request_router import (
+from api_server.routing.kv_scorer import KVScoreWeights
+from api_server.routing.router import (
     DEFAULT_ROUTER_POLICY,
     RequestHasher,
     RequestRouter,
@@ -41,6 +41,14 @@ HEALTH_INTERVAL_S = 1.0  # between two health checks of every engine
 HEALTH_TIMEOUT_S = 2.0  # one check_health waits this long
 SILENT_LIMIT_S = 15.0  # a serving engine silent this long (no disconnect seen) is down
 STATS_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class ChoiceGroup:
+    """The choices of one prompt (`n` > 1, api_server/openai/parallel_sampling.py): where the
+    first was routed, for the others to follow."""
+
+    engine_idx: int | None = None  # None until the first choice is routed
 
 
 class EngineHandle:
@@ -62,7 +70,7 @@ class EngineHandle:
         self.hash_params: HashParams | None = None  # announced in routing_info
         self.hash_mismatch: str | None = None  # why its hashes differ from the pool's: not routed
         self.reports_load = True  # until it answers get_load as an unknown call (per connection)
-        # P/D (api_server/disaggregated.py): its announced role, and why it cannot pair with
+        # P/D (api_server/routing/disaggregated.py): its announced role, and why it cannot pair with
         # the prefill engines (its KV layout differs, the field named); None: it can
         self.kv_role = "both"
         self.kv_layout_mismatch: str | None = None
@@ -411,9 +419,9 @@ class EnginePool:
         was cancelled) is aborted in its engine, so that its blocks are freed. A request of a
         `group` (the choices of one prompt) goes where the group's first went, while that
         engine is routable, so that they share its prompt blocks. With a prefill and a decode
-        engine available, it goes through both (api_server/disaggregated.py); the choices of a
-        group then each take that path, and share the prefill engine's cache as its KV score
-        finds it."""
+        engine available, it goes through both (api_server/routing/disaggregated.py); the
+        choices of a group then each take that path, and share the prefill engine's cache as its
+        KV score finds it."""
         pd_engines = self.pd_engines()
         if pd_engines is not None and request.sampling_params.max_tokens > 1:
             prefill_idxs, decode_idxs = pd_engines

@@ -10,9 +10,9 @@ block, PrefixAffinityRouter), `least-loaded` (fewest outstanding tokens) and `ro
 import enum
 from dataclasses import dataclass
 
-from api_server.kv_index import KVBlockIndex, index_key
-from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
-from api_server.router import PrefixAffinityRouter
+from api_server.routing.first_block import PrefixAffinityRouter
+from api_server.routing.kv_index import KVBlockIndex, index_key
+from api_server.routing.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
 from kv_hashing.block_hasher import BlockHasher, BlockHashListWithBlockSize, first_block_extra_keys
 from kv_hashing.hash_params import HashParams
 

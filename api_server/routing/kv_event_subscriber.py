@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from api_server.kv_index import KVBlockIndex, Offer
+from api_server.routing.kv_index import KVBlockIndex, Offer
 from engine_client.connection import connect_to_engine
 from protocol.codec import kv_event_decoder
 from protocol.config import CurveKeys
