@@ -294,12 +294,12 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     """How the front end spreads requests over several --engine-address engines."""
     from api_server.routing.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
     from api_server.routing.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
-    from api_server.routing.router import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+    from api_server.routing.router import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
     parser.add_argument(
         "--router-policy",
-        choices=ROUTER_POLICIES,
-        default=DEFAULT_ROUTER_POLICY.value,
+        choices=ROUTING_POLICIES,
+        default=DEFAULT_ROUTING_POLICY.value,
         help="kv: the engine whose KV events show the longest cached prefix, weighed against "
         "its outstanding work; first-block: the engine that last served the prompt's first "
         "block; least-loaded: fewest outstanding tokens; round-robin. Default %(default)s",
@@ -367,13 +367,13 @@ def _api_settings(
 ) -> "ApiSettings":
     from api_server.app import ApiSettings
     from api_server.routing.kv_scorer import KVScoreWeights
-    from api_server.routing.router import RouterPolicy
+    from api_server.routing.router import RoutingPolicy
 
     extra: dict = {
         "api_key": args.api_key,
         "max_body_bytes": args.max_request_body_bytes,
         "engine_curve": keys_from(args, "client"),
-        "router_policy": RouterPolicy(args.router_policy),
+        "router_policy": RoutingPolicy(args.router_policy),
         "router_weights": KVScoreWeights(args.router_prefill_weight, args.router_decode_weight),
         "kv_events_silent_limit_s": args.router_silent_limit_s,
     }

@@ -143,7 +143,7 @@ class DisaggregatedFlow:
                     last = output
         except EngineDeadError as exc:
             if not isinstance(exc, EngineConnectionLost):
-                engine.is_healthy = False  # the health loop reconnects it
+                engine.record.is_healthy = False  # the health loop reconnects it
             logger.warning(
                 "prefill engine at %s failed %s: %s", engine.address, request.req_id, exc
             )
@@ -199,7 +199,7 @@ class DisaggregatedFlow:
             is_finished = True
             raise
         except EngineDeadError:
-            engine.is_healthy = False
+            engine.record.is_healthy = False
             is_finished = True
             raise
         finally:

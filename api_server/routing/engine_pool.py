@@ -1,6 +1,9 @@
-"""EnginePool: one AsyncEngineClient per engine address, their health, their routing info (hash
-parameters and KV-event endpoints), and routing through RequestRouter over the KVEventSubscriber's
-index. It owns the clients; it never decodes engine messages itself.
+"""EnginePool: one AsyncEngineClient per engine address (its EngineHandle), their health, their
+routing info (hash parameters and KV-event endpoints), and routing through the Router over the
+KVEventSubscriber's index. It owns the clients; it never decodes engine messages itself.
+
+What the pool, the router and the subscriber know of each engine lives in one EngineRecord per
+engine (engine_record.py): the pool makes the records and hands the same list to each of them.
 """
 
 import asyncio
@@ -16,18 +19,18 @@ from api_server.routing.disaggregated import (
     announced_role,
     describe_layout_mismatch,
 )
+from api_server.routing.engine_record import EngineRecord, StreamSource, engine_records
 from api_server.routing.kv_event_subscriber import (
     DEFAULT_SILENT_LIMIT_S,
     KVEventSubscriber,
-    StreamSource,
     subscribable_endpoint,
 )
 from api_server.routing.kv_scorer import KVScoreWeights
 from api_server.routing.router import (
-    DEFAULT_ROUTER_POLICY,
+    DEFAULT_ROUTING_POLICY,
     RequestHasher,
-    RequestRouter,
-    RouterPolicy,
+    Router,
+    RoutingPolicy,
 )
 from engine_client.async_client import AsyncEngineClient
 from engine_client.errors import EngineConnectionLost, EngineDeadError, UtilityCallError
@@ -52,88 +55,79 @@ class ChoiceGroup:
 
 
 class EngineHandle:
-    """One engine: its address, its client (replaced after a disconnect) and whether it serves.
+    """One engine's connection: its client (replaced after a disconnect), and the health checks,
+    routing info and load reports asked over it, written into its `record`.
 
     A busy engine answers utility calls only between steps, and a long prefill on a loaded host
     can take seconds: a serving engine is declared down at once when it disconnects, but only
     after SILENT_LIMIT_S without an answer otherwise. An engine never heard from is down.
     """
 
-    def __init__(self, address: str, timeout_s: float, curve: CurveKeys | None = None) -> None:
-        self.address = address
+    def __init__(
+        self, record: EngineRecord, timeout_s: float, curve: CurveKeys | None = None
+    ) -> None:
+        self.record = record
+        self.address = record.address
         self.timeout_s = timeout_s
         self.curve = curve  # the client keypair, when the engines are CURVE servers
-        self.client = AsyncEngineClient(address, timeout_s=timeout_s, curve=curve)
-        self.is_healthy = False  # until its first check_health answer
-        self.last_answer_s: float | None = None  # time.monotonic() of its last answer
-        self.routing_info: dict[str, object] | None = None  # get_routing_info, per connection
-        self.hash_params: HashParams | None = None  # announced in routing_info
-        self.hash_mismatch: str | None = None  # why its hashes differ from the pool's: not routed
-        self.reports_load = True  # until it answers get_load as an unknown call (per connection)
-        # P/D (api_server/routing/disaggregated.py): its announced role, and why it cannot pair with
-        # the prefill engines (its KV layout differs, the field named); None: it can
-        self.kv_role = "both"
-        self.kv_layout_mismatch: str | None = None
+        self.client = AsyncEngineClient(self.address, timeout_s=timeout_s, curve=curve)
 
     async def reconnect(self) -> None:
         """A fresh client: a client that saw its engine disconnect stays dead."""
         fresh = AsyncEngineClient(self.address, timeout_s=self.timeout_s, curve=self.curve)
         old, self.client = self.client, fresh
-        self.routing_info = None  # asked again of whatever engine answers next
-        self.reports_load = True
+        self.record.routing_info = None  # asked again of whatever engine answers next
+        self.record.reports_load = True
         await old.close()
-
-    @property
-    def is_routable(self) -> bool:
-        return self.is_healthy and self.hash_mismatch is None
 
     async def fetch_routing_info(self) -> dict[str, object] | None:
         """The engine's get_routing_info, asked once per connection; None from an engine that
         does not know the call (it is then routed by load alone)."""
-        if self.routing_info is None:
+        record = self.record
+        if record.routing_info is None:
             try:
                 info = await self.client.call_utility("get_routing_info")
             except UtilityCallError as exc:
                 logger.warning("engine at %s announces no routing info: %s", self.address, exc)
                 info = {}
-            self.routing_info = info if isinstance(info, dict) else {}
-            self.kv_role = announced_role(self.routing_info)
+            record.routing_info = info if isinstance(info, dict) else {}
+            record.kv_role = announced_role(record.routing_info)
             try:
                 if not isinstance(info, dict):
                     raise ValueError(f"get_routing_info of {self.address} answered {info!r}")
-                self.hash_params = decode_hash_params(info, self.address) if info else None
+                record.hash_params = decode_hash_params(info, self.address) if info else None
             except ValueError as exc:  # an engine whose hashing is unknown is not routed to
                 logger.error("engine at %s: %s: not routed to", self.address, exc)
-                self.hash_params = None
-                self.hash_mismatch = str(exc)
-        return self.routing_info or None
+                record.hash_params = None
+                record.hash_mismatch = str(exc)
+        return record.routing_info or None
 
     async def fetch_load(self) -> dict[str, int] | None:
         """The engine's get_load (its waiting prefill tokens and running decodes), or None when
         it did not answer in time or does not know the call (it is then scored by this front
         end's own count alone)."""
-        if not self.reports_load:
+        if not self.record.reports_load:
             return None
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 load = await self.client.call_utility("get_load")
         except UtilityCallError as exc:
             logger.warning("engine at %s reports no load: %s", self.address, exc)
-            self.reports_load = False
+            self.record.reports_load = False
             return None
         except (TimeoutError, EngineConnectionLost, EngineDeadError):
             return None  # the health check judges the engine
         keys = ("waiting_prefill_tokens", "running_decodes")
         if not (isinstance(load, dict) and all(isinstance(load.get(key), int) for key in keys)):
             logger.warning("engine at %s: get_load answered %r: not used", self.address, load)
-            self.reports_load = False
+            self.record.reports_load = False
             return None
         return load
 
     def mark_down(self, reason: str) -> None:
-        if self.is_healthy:
+        if self.record.is_healthy:
             logger.warning("engine at %s is down: %s", self.address, reason)
-        self.is_healthy = False
+        self.record.is_healthy = False
 
     async def check_health(self) -> bool:
         try:
@@ -148,11 +142,11 @@ class EngineHandle:
             await self.reconnect()
             return False
         except (TimeoutError, UtilityCallError) as exc:
-            silent_s = time.monotonic() - (self.last_answer_s or 0.0)
-            if self.last_answer_s is None or silent_s > SILENT_LIMIT_S:
+            silent_s = time.monotonic() - (self.record.last_answer_s or 0.0)
+            if self.record.last_answer_s is None or silent_s > SILENT_LIMIT_S:
                 self.mark_down(f"no answer to check_health for {silent_s:.1f} s ({exc!r})")
             return False
-        if not self.is_healthy:
+        if not self.record.is_healthy:
             info = self.client.model_info or {}
             logger.info(
                 "engine at %s is serving %s (max_model_len %s, vocabulary of %s ids)",
@@ -161,18 +155,19 @@ class EngineHandle:
                 info.get("max_model_len"),
                 info.get("vocab_size"),
             )
-        self.is_healthy = True
-        self.last_answer_s = time.monotonic()
+        self.record.is_healthy = True
+        self.record.last_answer_s = time.monotonic()
         return True
 
 
 class EnginePool:
     """Several engines behind one front end.
 
-    Invariants: `router` counts exactly the requests inside `generate` on each engine; a handle
-    is healthy only after its engine answered check_health, and stops being so at its first
-    disconnect or unanswered check; `hash_params` are those of the first engine (in flag order)
-    that announced any, and an engine announcing others is never routed to.
+    Invariants: `records[i]` is `handles[i].record`, the one record of engine i; the records'
+    loads count exactly the requests inside `generate` on each engine; an engine is healthy only
+    after it answered check_health, and stops being so at its first disconnect or unanswered
+    check; `hash_params` are those of the first engine (in flag order) that announced any, and an
+    engine announcing others is never routed to.
     """
 
     def __init__(
@@ -181,14 +176,15 @@ class EnginePool:
         block_size: int,
         timeout_s: float,
         curve: CurveKeys | None = None,
-        policy: RouterPolicy = DEFAULT_ROUTER_POLICY,
+        policy: RoutingPolicy = DEFAULT_ROUTING_POLICY,
         weights: KVScoreWeights | None = None,
         silent_limit_s: float = DEFAULT_SILENT_LIMIT_S,
     ) -> None:
         if not addresses:
             raise ValueError("engine pool of 0 addresses: expected at least one")
-        self.handles = [EngineHandle(address, timeout_s, curve) for address in addresses]
-        self.router = RequestRouter(len(addresses), block_size, policy, weights)
+        self.records = engine_records(addresses)
+        self.handles = [EngineHandle(record, timeout_s, curve) for record in self.records]
+        self.router = Router(self.records, block_size, policy, weights)
         self.hash_params: HashParams | None = None  # the fleet's, from the first announcement
         self.subscriber: KVEventSubscriber | None = None  # made in start(), inside the loop
         self._curve = curve
@@ -197,7 +193,7 @@ class EnginePool:
         self.disaggregated = DisaggregatedFlow(self)
 
     def start(self) -> None:
-        self.subscriber = KVEventSubscriber(len(self.handles), self._curve, self._silent_limit_s)
+        self.subscriber = KVEventSubscriber(self.records, self._curve, self._silent_limit_s)
         self._health_task = asyncio.ensure_future(self._watch_health())
 
     async def close(self) -> None:
@@ -220,36 +216,36 @@ class EnginePool:
         """Ask every engine now; whether each answered. Then follow what they announced."""
         checks = (self._check_engine(idx, handle) for idx, handle in enumerate(self.handles))
         answers = list(await asyncio.gather(*checks))
-        announced = [handle.hash_params for handle in self.handles if handle.hash_params]
+        announced = [record.hash_params for record in self.records if record.hash_params]
         if announced and announced[0] != self.hash_params:  # the first engine, by flag order
             self.hash_params = announced[0]
             is_caching = self.hash_params.is_prefix_caching
             self.router.hasher = RequestHasher(self.hash_params) if is_caching else None
             logger.info("engines hash blocks with %s", self.hash_params)
-        for engine_idx, handle in enumerate(self.handles):
-            if handle.is_healthy and handle.routing_info is not None:
-                self._adopt_routing_info(engine_idx, handle)
+        for engine_idx, record in enumerate(self.records):
+            if record.is_healthy and record.routing_info is not None:
+                self._adopt_routing_info(engine_idx, record)
         self._check_kv_layouts()
         return answers
 
     def _check_kv_layouts(self) -> None:
         """Refuse, by the field they disagree on, decode engines that cannot pull from the
         prefill engines (the first prefill engine's layout, in flag order, is the fleet's)."""
-        prefill = [h for h in self.handles if h.kv_role == "prefill" and h.routing_info]
+        prefill = [r for r in self.records if r.kv_role == "prefill" and r.routing_info]
         reference = announced_layout(prefill[0].routing_info) if prefill else None
-        for handle in self.handles:
+        for record in self.records:
             mismatch = None
-            if reference is not None and handle.kv_role != "both" and handle.routing_info:
-                layout = announced_layout(handle.routing_info)
+            if reference is not None and record.kv_role != "both" and record.routing_info:
+                layout = announced_layout(record.routing_info)
                 mismatch = describe_layout_mismatch(reference, layout)
-            if mismatch != handle.kv_layout_mismatch:
-                handle.kv_layout_mismatch = mismatch
+            if mismatch != record.kv_layout_mismatch:
+                record.kv_layout_mismatch = mismatch
                 if mismatch is not None:
                     logger.error(
                         "engine at %s (kv role %s) cannot pair with prefill engine %s: KV "
                         "layouts differ (%s); not used for P/D",
-                        handle.address,
-                        handle.kv_role,
+                        record.address,
+                        record.kv_role,
                         prefill[0].address,
                         mismatch,
                     )
@@ -259,53 +255,53 @@ class EnginePool:
         None when no routable pair with one KV layout exists."""
         usable = [
             idx
-            for idx, handle in enumerate(self.handles)
-            if handle.is_routable and handle.kv_layout_mismatch is None
+            for idx, record in enumerate(self.records)
+            if record.is_routable and record.kv_layout_mismatch is None
         ]
-        prefill = [idx for idx in usable if self.handles[idx].kv_role == "prefill"]
-        decode = [idx for idx in usable if self.handles[idx].kv_role == "decode"]
+        prefill = [idx for idx in usable if self.records[idx].kv_role == "prefill"]
+        decode = [idx for idx in usable if self.records[idx].kv_role == "decode"]
         return (prefill, decode) if prefill and decode else None
 
     async def _check_engine(self, engine_idx: int, handle: EngineHandle) -> bool:
         """One engine's health check, then its load report: the router's own share of that
         engine is noted as the call is sent, so that its requests are never counted twice."""
-        load = self.router.load
+        record = handle.record
         if not await handle.check_health():
-            if not handle.is_healthy:
-                load.forget_report(engine_idx)
+            if not record.is_healthy:
+                record.load.forget_report()
             return False
-        own_when_asked = load.own_snapshot(engine_idx)
+        own_when_asked = record.load.own_snapshot()
         report = await handle.fetch_load()
         if report is not None:
             waiting, running = report["waiting_prefill_tokens"], report["running_decodes"]
-            load.on_report(engine_idx, waiting, running, own_when_asked)
-        elif not handle.reports_load:
-            load.forget_report(engine_idx)
+            record.load.on_report(waiting, running, own_when_asked)
+        elif not record.reports_load:
+            record.load.forget_report()
         return True
 
-    def _adopt_routing_info(self, engine_idx: int, handle: EngineHandle) -> None:
+    def _adopt_routing_info(self, engine_idx: int, record: EngineRecord) -> None:
         """Check an engine's hash parameters against the fleet's and follow its KV events."""
-        params = handle.hash_params
+        params = record.hash_params
         if params is None or self.hash_params is None:
             return
         mismatch = hash_params_mismatch(self.hash_params, params)
-        if mismatch != handle.hash_mismatch:
-            handle.hash_mismatch = mismatch
+        if mismatch != record.hash_mismatch:
+            record.hash_mismatch = mismatch
             if mismatch is not None:
                 logger.error(
                     "engine at %s hashes blocks unlike the first engine (%s): not routed to",
-                    handle.address,
+                    record.address,
                     mismatch,
                 )
-        info = handle.routing_info or {}
+        info = record.routing_info or {}
         endpoint, replay_endpoint = (
             info.get("kv_events_endpoint"),
             info.get("kv_events_replay_endpoint"),
         )
         if mismatch is None and isinstance(endpoint, str) and self.subscriber is not None:
             source = StreamSource(
-                subscribable_endpoint(endpoint, handle.address),
-                subscribable_endpoint(replay_endpoint, handle.address)
+                subscribable_endpoint(endpoint, record.address),
+                subscribable_endpoint(replay_endpoint, record.address)
                 if isinstance(replay_endpoint, str)
                 else None,
                 str(info.get("kv_events_topic") or ""),
@@ -314,52 +310,44 @@ class EnginePool:
 
     def is_indexed(self) -> list[bool]:
         """Per engine: whether its KV-event stream is followed and answering."""
-        subscriber = self.subscriber
-        if subscriber is None:
-            return [False] * len(self.handles)
-        return [
-            subscriber.is_following(idx) and not subscriber.is_silent[idx]
-            for idx in range(len(self.handles))
-        ]
+        return [record.is_indexed for record in self.records]
 
     def router_stats(self, include_keys: bool = False) -> dict[str, object]:
         """What `kvserve stats --url` prints: the policy and, per engine, its index and counts;
         with `include_keys`, every key the index holds for it (hex, as get_cached_block_hashes)."""
-        router, subscriber = self.router, self.subscriber
         engines = []
-        for idx, handle in enumerate(self.handles):
+        for record in self.records:
+            load, stream = record.load, record.kv_events
             engine: dict[str, object] = {
-                "address": handle.address,
-                "kv_role": handle.kv_role,
-                "kv_layout_mismatch": handle.kv_layout_mismatch,
-                "is_routable": handle.is_routable,
-                "hash_mismatch": handle.hash_mismatch,
-                "decisions": router.decisions[idx],
-                "predicted_hit_tokens": router.predicted_hit_tokens[idx],
-                "actual_hit_tokens": router.actual_hit_tokens[idx],
-                "waiting_prefill_tokens": router.load.waiting_prefill_tokens[idx],
-                "running_decodes": router.load.num_running[idx],
-                "other_waiting_prefill_tokens": router.load.others_waiting_prefill_tokens[idx],
-                "other_running_decodes": router.load.others_running_decodes[idx],
+                "address": record.address,
+                "kv_role": record.kv_role,
+                "kv_layout_mismatch": record.kv_layout_mismatch,
+                "is_routable": record.is_routable,
+                "hash_mismatch": record.hash_mismatch,
+                "decisions": record.num_decisions,
+                "predicted_hit_tokens": record.predicted_hit_tokens,
+                "actual_hit_tokens": record.actual_hit_tokens,
+                "waiting_prefill_tokens": load.waiting_prefill_tokens,
+                "running_decodes": load.num_running,
+                "other_waiting_prefill_tokens": load.others_waiting_prefill_tokens,
+                "other_running_decodes": load.others_running_decodes,
             }
-            if subscriber is not None:
+            if self.subscriber is not None:
                 engine |= {
-                    "is_following_kv_events": subscriber.is_following(idx),
-                    "is_kv_events_silent": subscriber.is_silent[idx],
-                    "index_blocks": subscriber.index.num_blocks(idx),
-                    "next_seq": subscriber.index.next_seq[idx],
-                    "replays": subscriber.num_replays[idx],
-                    "gaps": subscriber.num_gaps[idx],
-                    "restarts": subscriber.num_restarts[idx],
+                    "is_following_kv_events": stream.is_following,
+                    "is_kv_events_silent": stream.is_silent,
+                    "index_blocks": len(stream.keys),
+                    "next_seq": stream.next_seq,
+                    "replays": stream.num_replays,
+                    "gaps": stream.num_gaps,
+                    "restarts": stream.num_restarts,
                 }
                 if include_keys:
-                    engine["index_keys"] = sorted(
-                        key.hex() for key in subscriber.index.engine_keys(idx)
-                    )
+                    engine["index_keys"] = sorted(key.hex() for key in stream.keys)
             engines.append(engine)
         flow = self.disaggregated
         return {
-            "router_policy": router.policy.value,
+            "router_policy": self.router.policy.value,
             "engines": engines,
             "pd_requests": flow.num_requests,
             "pd_recomputed_requests": flow.num_recomputed,
@@ -367,7 +355,7 @@ class EnginePool:
 
     @property
     def has_healthy_engine(self) -> bool:
-        return any(handle.is_routable for handle in self.handles)
+        return any(record.is_routable for record in self.records)
 
     @property
     def max_model_len(self) -> int | None:
@@ -397,7 +385,7 @@ class EnginePool:
         """Each engine's get_stats, or None for one that did not answer in STATS_TIMEOUT_S."""
 
         async def one(handle: EngineHandle) -> dict[str, object] | None:
-            if not handle.is_healthy:
+            if not handle.record.is_healthy:
                 return None
             try:
                 async with asyncio.timeout(STATS_TIMEOUT_S):
@@ -430,7 +418,7 @@ class EnginePool:
             ):
                 yield output
             return
-        is_available = [handle.is_routable for handle in self.handles]
+        is_available = [record.is_routable for record in self.records]
         if group is not None and group.engine_idx is not None and is_available[group.engine_idx]:
             decision = self.router.follow(group.engine_idx, prompt_token_ids, num_tokens)
         else:
@@ -458,7 +446,7 @@ class EnginePool:
             is_finished = True  # lost with its connection: the client reconnected, or is dead
             raise
         except EngineDeadError:
-            handle.is_healthy = False  # the health loop reconnects it
+            handle.record.is_healthy = False  # the health loop reconnects it
             is_finished = True
             raise
         finally:

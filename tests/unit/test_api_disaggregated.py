@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from api_server import engine_pool
+from api_server.routing import engine_pool
 from api_server.routing.disaggregated import describe_layout_mismatch
 from engine_client.errors import EngineDeadError
 from protocol.buffers import pack_int32
@@ -58,10 +58,10 @@ def _pool(
 ) -> engine_pool.EnginePool:
     monkeypatch.setattr(engine_pool, "AsyncEngineClient", FakeClient)
     pool = engine_pool.EnginePool([f"ipc:///{role}" for role in roles], 16, 5.0)
-    for idx, handle in enumerate(pool.handles):
-        handle.is_healthy = True
-        handle.routing_info = {"kv_role": roles[idx], **(layouts or [LAYOUT] * len(roles))[idx]}
-        handle.kv_role = roles[idx]
+    for idx, record in enumerate(pool.records):
+        record.is_healthy = True
+        record.routing_info = {"kv_role": roles[idx], **(layouts or [LAYOUT] * len(roles))[idx]}
+        record.kv_role = roles[idx]
     pool._check_kv_layouts()
     return pool
 
@@ -85,8 +85,9 @@ async def _served(pool: engine_pool.EnginePool, request: EngineCoreRequest) -> l
 
 def _assert_load_released(pool: engine_pool.EnginePool) -> None:
     pool.router.check_invariants()
-    assert sum(pool.router.load.outstanding_tokens) == 0
-    assert sum(pool.router.load.num_running) == sum(pool.router.load.num_waiting) == 0
+    loads = [record.load for record in pool.records]
+    assert sum(load.outstanding_tokens for load in loads) == 0
+    assert sum(load.num_running for load in loads) == sum(load.num_waiting for load in loads) == 0
 
 
 def test_a_decode_engine_whose_layout_differs_is_refused_naming_the_field(
@@ -94,7 +95,7 @@ def test_a_decode_engine_whose_layout_differs_is_refused_naming_the_field(
 ) -> None:
     other = {**LAYOUT, "kv_layout_block_size": 32}
     pool = _pool(monkeypatch, ["prefill", "decode"], [LAYOUT, other])
-    assert pool.handles[1].kv_layout_mismatch == "block_size: 16 != 32"
+    assert pool.records[1].kv_layout_mismatch == "block_size: 16 != 32"
     assert pool.pd_engines() is None
     assert describe_layout_mismatch(LAYOUT, LAYOUT) is None
     assert pool.router_stats()["engines"][1]["kv_layout_mismatch"] == "block_size: 16 != 32"

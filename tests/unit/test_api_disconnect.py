@@ -166,7 +166,7 @@ async def leave_after(offset: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int
     sock = FakeEngineSocket()
     monkeypatch.setattr(engine_pool_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock))
     pool = EnginePool(["fake://engine"], block_size=4, timeout_s=TIMEOUT_S)
-    pool.handles[0].is_healthy = True
+    pool.records[0].is_healthy = True
     tokenizer = ByteTokenizer()
     serving = Serving(pool, tokenizer, "tiny-llama")
     body = msgspec.convert({"prompt": "hello", "max_tokens": 1900}, CompletionRequest)

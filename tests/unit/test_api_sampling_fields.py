@@ -18,7 +18,8 @@ from api_server.openai.generation_config import (
 from api_server.openai.logprobs import ChoiceLogprobs, prompt_logprobs_json
 from api_server.openai.parallel_sampling import choice_seed
 from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.routing.router import RequestRouter, RouterPolicy
+from api_server.routing.engine_record import engine_records
+from api_server.routing.router import Router, RoutingPolicy
 from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import TokenLogprobs
 from protocol.sampling import SEED_LIMIT
@@ -218,17 +219,17 @@ def test_a_prompts_choices_share_one_group_and_follow_its_engine() -> None:
     groups = [job.group for job in jobs]
     assert groups[0] is groups[1] and groups[2] is groups[3] and groups[0] is not groups[2]
     assert _jobs({"prompt": "a"})[0].group is None
-    router = RequestRouter(3, 16, RouterPolicy.ROUND_ROBIN)
+    router = Router(engine_records(["a", "b", "c"]), 16, RoutingPolicy.ROUND_ROBIN)
     prompt = list(range(20))
     first = router.choose(prompt, 30, None, [True] * 3, None, [False] * 3)
     followers = [router.follow(first.engine_idx, prompt, 30) for _ in range(3)]
     assert {decision.engine_idx for decision in followers} == {first.engine_idx}
-    assert router.decisions[first.engine_idx] == 4
-    assert router.load.outstanding_tokens[first.engine_idx] == 4 * 30
+    assert router.records[first.engine_idx].num_decisions == 4
+    assert router.records[first.engine_idx].load.outstanding_tokens == 4 * 30
     for decision in [first, *followers]:
         router.release(decision, is_decoding=False)
     router.check_invariants()
-    assert router.load.outstanding_tokens == [0, 0, 0]
+    assert [record.load.outstanding_tokens for record in router.records] == [0, 0, 0]
 
 
 def test_an_engines_refusal_of_a_token_id_names_the_field() -> None:

@@ -55,16 +55,16 @@ def test_a_tokenizer_folder_without_tokenizer_json_exits_2(
 
 def test_router_flags_set_the_policy_and_the_kv_weights() -> None:
     from api_server.routing.kv_scorer import KVScoreWeights
-    from api_server.routing.router import RouterPolicy
+    from api_server.routing.router import RoutingPolicy
 
     default = _settings("--model", "tiny-llama")
-    assert default.router_policy is RouterPolicy.KV
+    assert default.router_policy is RoutingPolicy.KV
     settings = _settings(
         *("--model", "tiny-llama", "--router-policy", "round-robin"),
         *("--router-prefill-weight", "2", "--router-decode-weight", "0.5"),
         *("--router-silent-limit-s", "7"),
     )
-    assert settings.router_policy is RouterPolicy.ROUND_ROBIN
+    assert settings.router_policy is RoutingPolicy.ROUND_ROBIN
     assert settings.router_weights == KVScoreWeights(2.0, 0.5)
     assert settings.kv_events_silent_limit_s == 7.0
 

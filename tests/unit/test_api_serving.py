@@ -62,7 +62,7 @@ def _setup(text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[ScriptedEngine, 
     sock = ScriptedEngine(text)
     monkeypatch.setattr(engine_pool_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock))
     pool = EnginePool(["fake://engine"], block_size=4, timeout_s=60.0)
-    pool.handles[0].is_healthy = True
+    pool.records[0].is_healthy = True
     return sock, Serving(pool, TOKENIZER, "tiny-llama")
 
 
