@@ -146,7 +146,7 @@ class KVEventStream:
         default_factory=lambda: deque(maxlen=RECENT_BATCHES)
     )  # (seq, crc32 of payload) of the batches applied last
     source: StreamSource | None = None  # where `task` follows it
-    task: "asyncio.Task[None] | None" = None
+    task: asyncio.Task[None] | None = None
 
     @property
     def is_following(self) -> bool:

@@ -90,6 +90,18 @@ def _assert_load_released(pool: engine_pool.EnginePool) -> None:
     assert sum(load.num_running for load in loads) == sum(load.num_waiting for load in loads) == 0
 
 
+def test_the_pool_hands_one_record_per_engine_to_its_router(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One record per engine: the handles, the router and the first-block policy all hold the
+    pool's records themselves, so a count written by one is the count every reader sees."""
+    pool = _pool(monkeypatch, ["prefill", "decode"])
+    assert [handle.record for handle in pool.handles] == pool.records
+    assert pool.router.records is pool.records and pool.router.first_block.records is pool.records
+    assert [record.engine_idx for record in pool.records] == [0, 1]
+    assert [record.address for record in pool.records] == ["ipc:///prefill", "ipc:///decode"]
+
+
 def test_a_decode_engine_whose_layout_differs_is_refused_naming_the_field(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

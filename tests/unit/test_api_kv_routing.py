@@ -312,6 +312,31 @@ def test_the_kv_policy_follows_the_index_and_a_silent_engine_counts_by_load_alon
     assert outstanding(router.records) == [0, 0]
 
 
+def test_an_engines_record_holds_its_index_slice_load_and_counts() -> None:
+    """The index and the router write into the records they were given; a request's tokens are
+    counted once, in its engine's load, from the decision to its release."""
+    engines = records(2)
+    index = KVBlockIndex(engines)
+    router = Router(engines, BLOCK_SIZE, RoutingPolicy.KV)
+    router.hasher = RequestHasher(PARAMS)
+    prompt = list(range(3, 3 + 21))  # five blocks before the last token
+    index.offer(1, 0, batch(stored(prompt_hashes(prompt[:20]))))
+    assert (engines[1].kv_events.next_seq, len(engines[1].kv_events.keys)) == (1, 5)
+    assert (engines[0].kv_events.next_seq, engines[0].kv_events.keys) == (0, set())
+    decision = router.choose(prompt, 30, None, [True, True], index, [True, True])
+    load = engines[1].load
+    assert decision.engine_idx == 1 and engines[1].num_decisions == 1
+    assert (load.outstanding_tokens, load.waiting_prefill_tokens, load.num_waiting) == (30, 1, 1)
+    router.on_first_output(decision, 20)
+    assert (engines[1].num_predicted, engines[1].predicted_hit_tokens) == (1, 20)
+    assert engines[1].actual_hit_tokens == 20 and (load.num_waiting, load.num_running) == (0, 1)
+    router.release(decision, is_decoding=True)
+    assert (load.outstanding_tokens, load.num_running) == (0, 0)
+    assert not any(engine.is_indexed for engine in engines)  # no stream followed
+    router.check_invariants()
+    index.check_invariants()
+
+
 def test_round_robin_least_loaded_and_first_block_keep_their_rules() -> None:
     robin = Router(records(3), BLOCK_SIZE, RoutingPolicy.ROUND_ROBIN)
     picks = [
