@@ -214,7 +214,7 @@ class EnginePool:
 
     async def check_health(self) -> list[bool]:
         """Ask every engine now; whether each answered. Then follow what they announced."""
-        checks = (self._check_engine(idx, handle) for idx, handle in enumerate(self.handles))
+        checks = (self._check_engine(handle) for handle in self.handles)
         answers = list(await asyncio.gather(*checks))
         announced = [record.hash_params for record in self.records if record.hash_params]
         if announced and announced[0] != self.hash_params:  # the first engine, by flag order
@@ -222,9 +222,9 @@ class EnginePool:
             is_caching = self.hash_params.is_prefix_caching
             self.router.hasher = RequestHasher(self.hash_params) if is_caching else None
             logger.info("engines hash blocks with %s", self.hash_params)
-        for engine_idx, record in enumerate(self.records):
+        for record in self.records:
             if record.is_healthy and record.routing_info is not None:
-                self._adopt_routing_info(engine_idx, record)
+                self._adopt_routing_info(record)
         self._check_kv_layouts()
         return answers
 
@@ -262,7 +262,7 @@ class EnginePool:
         decode = [idx for idx in usable if self.records[idx].kv_role == "decode"]
         return (prefill, decode) if prefill and decode else None
 
-    async def _check_engine(self, engine_idx: int, handle: EngineHandle) -> bool:
+    async def _check_engine(self, handle: EngineHandle) -> bool:
         """One engine's health check, then its load report: the router's own share of that
         engine is noted as the call is sent, so that its requests are never counted twice."""
         record = handle.record
@@ -279,7 +279,7 @@ class EnginePool:
             record.load.forget_report()
         return True
 
-    def _adopt_routing_info(self, engine_idx: int, record: EngineRecord) -> None:
+    def _adopt_routing_info(self, record: EngineRecord) -> None:
         """Check an engine's hash parameters against the fleet's and follow its KV events."""
         params = record.hash_params
         if params is None or self.hash_params is None:
@@ -306,7 +306,7 @@ class EnginePool:
                 else None,
                 str(info.get("kv_events_topic") or ""),
             )
-            self.subscriber.follow(engine_idx, source)
+            self.subscriber.follow(record.engine_idx, source)
 
     def is_indexed(self) -> list[bool]:
         """Per engine: whether its KV-event stream is followed and answering."""
