@@ -36,7 +36,8 @@ from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, Finish
 from protocol.kv_transfer import KVTransferHandle
 
 if TYPE_CHECKING:
-    from api_server.routing.engine_pool import EngineHandle, EnginePool
+    from api_server.routing.engine_handle import EngineHandle
+    from api_server.routing.engine_pool import EnginePool
 
 logger = logging.getLogger(__name__)
 

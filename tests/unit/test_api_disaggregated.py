@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from api_server.routing import engine_pool
+from api_server.routing import engine_handle, engine_pool
 from api_server.routing.disaggregated import describe_layout_mismatch
 from engine_client.errors import EngineDeadError
 from protocol.buffers import pack_int32
@@ -56,7 +56,7 @@ class FakeClient:
 def _pool(
     monkeypatch: pytest.MonkeyPatch, roles: list[str], layouts: list[dict] | None = None
 ) -> engine_pool.EnginePool:
-    monkeypatch.setattr(engine_pool, "AsyncEngineClient", FakeClient)
+    monkeypatch.setattr(engine_handle, "AsyncEngineClient", FakeClient)
     pool = engine_pool.EnginePool([f"ipc:///{role}" for role in roles], 16, 5.0)
     for idx, record in enumerate(pool.records):
         record.is_healthy = True

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from starlette.requests import Request
 
-import api_server.routing.engine_pool as engine_pool_module
+import api_server.routing.engine_handle as engine_handle_module
 from api_server.app import _unless_disconnected
 from api_server.openai.engine_requests import completion_jobs
 from api_server.openai.errors import ApiError
@@ -164,7 +164,9 @@ def test_a_silent_engine_still_times_out_generate_and_utility_calls() -> None:
 
 async def leave_after(offset: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[str]]:
     sock = FakeEngineSocket()
-    monkeypatch.setattr(engine_pool_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock))
+    monkeypatch.setattr(
+        engine_handle_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock)
+    )
     pool = EnginePool(["fake://engine"], block_size=4, timeout_s=TIMEOUT_S)
     pool.records[0].is_healthy = True
     tokenizer = ByteTokenizer()

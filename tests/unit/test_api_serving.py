@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-import api_server.routing.engine_pool as engine_pool_module
+import api_server.routing.engine_handle as engine_handle_module
 from api_server.openai.engine_requests import EngineJob, chat_job, completion_jobs
 from api_server.openai.logprobs import LOGPROB_FLOOR, ChoiceLogprobs
 from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
@@ -60,7 +60,9 @@ class ScriptedEngine(FakeEngineSocket):
 
 def _setup(text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[ScriptedEngine, Serving]:
     sock = ScriptedEngine(text)
-    monkeypatch.setattr(engine_pool_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock))
+    monkeypatch.setattr(
+        engine_handle_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock)
+    )
     pool = EnginePool(["fake://engine"], block_size=4, timeout_s=60.0)
     pool.records[0].is_healthy = True
     return sock, Serving(pool, TOKENIZER, "tiny-llama")
