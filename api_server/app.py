@@ -21,16 +21,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from api_server.chat_output import ChatParsing
-from api_server.engine_pool import EnginePool
-from api_server.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
-from api_server.errors import ApiError
-from api_server.generation_config import load_generation_defaults, log_generation_defaults
-from api_server.ignored_fields import IgnoredFields
-from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
-from api_server.kv_scorer import KVScoreWeights
 from api_server.metrics import ApiMetrics, MetricsMiddleware
-from api_server.openai_types import (
+from api_server.openai.chat_output import ChatParsing
+from api_server.openai.engine_requests import EngineJob, chat_jobs, completion_jobs, new_response_id
+from api_server.openai.errors import ApiError
+from api_server.openai.generation_config import load_generation_defaults, log_generation_defaults
+from api_server.openai.ignored_fields import IgnoredFields
+from api_server.openai.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     ChatCompletionRequest,
@@ -38,10 +35,18 @@ from api_server.openai_types import (
     check_model,
     parse_body,
 )
-from api_server.request_router import DEFAULT_ROUTER_POLICY, RouterPolicy
-from api_server.serving import JSON, ResponseShape, Serving
-from api_server.tokenization import DETOKENIZE_DECODER, TOKENIZE_DECODER, detokenize, tokenize
-from api_server.tokenizer import load_tokenizer
+from api_server.openai.serving import JSON, ResponseShape, Serving
+from api_server.openai.tokenization import (
+    DETOKENIZE_DECODER,
+    TOKENIZE_DECODER,
+    detokenize,
+    tokenize,
+)
+from api_server.routing.engine_pool import EnginePool
+from api_server.routing.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
+from api_server.routing.kv_scorer import KVScoreWeights
+from api_server.routing.router import DEFAULT_ROUTING_POLICY, RoutingPolicy
+from api_server.tokenizer.prompt_tokenizer import load_tokenizer
 from engine_client.connection import DEFAULT_TIMEOUT_S
 from protocol.config import CurveKeys
 
@@ -80,7 +85,7 @@ class ApiSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_timeout_s: float = DEFAULT_TIMEOUT_S  # longest wait for a request's next output
     engine_curve: CurveKeys | None = None  # client keypair for engines that are CURVE servers
-    router_policy: RouterPolicy = DEFAULT_ROUTER_POLICY  # --router-policy
+    router_policy: RoutingPolicy = DEFAULT_ROUTING_POLICY  # --router-policy
     router_weights: KVScoreWeights | None = None  # --router-*-weight; None: the defaults
     kv_events_silent_limit_s: float = DEFAULT_SILENT_LIMIT_S  # --router-silent-limit-s
     chat_template: str | None = None  # --chat-template's text: replaces the tokenizer's own
@@ -297,7 +302,7 @@ async def health(state: ApiState, request: Request) -> Response:
     serving, _ = state.running()
     async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
         await serving.pool.check_health()
-    engines = {handle.address: handle.is_healthy for handle in serving.pool.handles}
+    engines = {record.address: record.is_healthy for record in serving.pool.records}
     return JSONResponse({"engines": engines}, status_code=200 if any(engines.values()) else 503)
 
 

@@ -12,14 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api_server.engine_pool import EnginePool
+from api_server.openai.token_latency import LATENCY_BUCKETS_S, TokenLatency
+from api_server.routing.engine_pool import EnginePool
 
 ASGIMessage = MutableMapping[str, object]
 ASGIApp = Callable[
     [ASGIMessage, Callable[[], Awaitable[ASGIMessage]], Callable[[ASGIMessage], Awaitable[None]]],
     Awaitable[None],
 ]
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # get_stats key -> (vLLM's metric name, help, is a counter)
 ENGINE_METRICS = {
     "num_running_reqs": ("vllm:num_requests_running", "Requests in the running batch", False),
@@ -63,43 +63,52 @@ class RouterCollector(Collector):
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
-        router, subscriber = self.pool.router, self.pool.subscriber
-        engines = [str(idx) for idx in range(len(self.pool.handles))]
+        records, is_following = self.pool.records, self.pool.subscriber is not None
+        engines = [str(record.engine_idx) for record in records]
+        streams = [record.kv_events for record in records]
         counters: list[tuple[str, str, list[int]]] = [
-            ("router_decisions", "Requests the router sent to each engine", router.decisions),
+            (
+                "router_decisions",
+                "Requests the router sent to each engine",
+                [record.num_decisions for record in records],
+            ),
             (
                 "router_hit_predictions",
                 "Requests whose cache hit the router predicted, then the engine measured",
-                router.num_predicted,
+                [record.num_predicted for record in records],
             ),
             (
                 "router_predicted_hit_tokens",
                 "Prompt tokens the router expected each engine to find cached",
-                router.predicted_hit_tokens,
+                [record.predicted_hit_tokens for record in records],
             ),
             (
                 "router_actual_hit_tokens",
                 "Prompt tokens the engines found cached, for the same requests",
-                router.actual_hit_tokens,
+                [record.actual_hit_tokens for record in records],
             ),
         ]
-        if subscriber is not None:
+        if is_following:
             counters += [
                 (
                     "router_kv_events_replays",
                     "Replays asked of each engine",
-                    subscriber.num_replays,
+                    [stream.num_replays for stream in streams],
                 ),
-                ("router_kv_events_gaps", "Gaps in each engine's live stream", subscriber.num_gaps),
+                (
+                    "router_kv_events_gaps",
+                    "Gaps in each engine's live stream",
+                    [stream.num_gaps for stream in streams],
+                ),
                 (
                     "router_kv_events_silences",
                     "Times each engine's KV-event stream fell silent",
-                    subscriber.num_silences,
+                    [stream.num_silences for stream in streams],
                 ),
                 (
                     "router_kv_events_lost_batches",
                     "Batches gone from an engine's replay buffer before they were read",
-                    subscriber.num_lost_batches,
+                    [stream.num_lost_batches for stream in streams],
                 ),
             ]
         for name, helptext, values in counters:
@@ -107,7 +116,7 @@ class RouterCollector(Collector):
             for engine, value in zip(engines, values, strict=True):
                 family.add_metric([engine], float(value))
             yield family
-        if subscriber is None:
+        if not is_following:
             return
         blocks = GaugeMetricFamily(
             "kvserve:router_index_blocks", "Blocks the router's index holds", labels=["engine"]
@@ -117,29 +126,11 @@ class RouterCollector(Collector):
             "1 while an engine's KV events answer nothing: routed by load alone",
             labels=["engine"],
         )
-        for idx, engine in enumerate(engines):
-            blocks.add_metric([engine], float(subscriber.index.num_blocks(idx)))
-            silent.add_metric([engine], float(subscriber.is_silent[idx]))
+        for engine, stream in zip(engines, streams, strict=True):
+            blocks.add_metric([engine], float(len(stream.keys)))
+            silent.add_metric([engine], float(stream.is_silent))
         yield blocks
         yield silent
-
-
-class TokenLatency:
-    """vLLM's TTFT and inter-token latency histograms, timed where the client sees the tokens."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time from a request's start to its first token, in seconds",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between two outputs of one request, in seconds",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
 
 
 class ApiMetrics:
@@ -165,7 +156,7 @@ class ApiMetrics:
         )
         self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}  # by labels
         self.token_latency = TokenLatency(self.registry)
-        self.engines = EngineStatsCollector([handle.address for handle in pool.handles])
+        self.engines = EngineStatsCollector([record.address for record in pool.records])
         self.registry.register(self.engines)
         self.registry.register(RouterCollector(pool))
 

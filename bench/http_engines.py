@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from api_server.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
+from api_server.routing.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
 from bench.conversations import NUM_TURNS, Conversation, workload
 from bench.http import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, stop_processes
 from bench.report import base_parser, report, unwind_on_sigterm

@@ -267,8 +267,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_chat_parsing_flags(parser: argparse.ArgumentParser) -> None:
     """How chat replies are parsed for tool calls and reasoning, as vLLM's flags say."""
-    from api_server.reasoning_parser import REASONING_PARSERS
-    from api_server.tool_parsers import TOOL_PARSERS
+    from api_server.openai.reasoning_parser import REASONING_PARSERS
+    from api_server.openai.tool_parsers import TOOL_PARSERS
 
     parser.add_argument(
         "--tool-call-parser",
@@ -292,14 +292,14 @@ def add_chat_parsing_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
     """How the front end spreads requests over several --engine-address engines."""
-    from api_server.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
-    from api_server.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
-    from api_server.request_router import DEFAULT_ROUTER_POLICY, ROUTER_POLICIES
+    from api_server.routing.kv_event_subscriber import DEFAULT_SILENT_LIMIT_S
+    from api_server.routing.kv_scorer import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT
+    from api_server.routing.router import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
     parser.add_argument(
         "--router-policy",
-        choices=ROUTER_POLICIES,
-        default=DEFAULT_ROUTER_POLICY.value,
+        choices=ROUTING_POLICIES,
+        default=DEFAULT_ROUTING_POLICY.value,
         help="kv: the engine whose KV events show the longest cached prefix, weighed against "
         "its outstanding work; first-block: the engine that last served the prompt's first "
         "block; least-loaded: fewest outstanding tokens; round-robin. Default %(default)s",
@@ -366,14 +366,14 @@ def _api_settings(
     args: argparse.Namespace, engine_config: EngineConfig, base_worker: WorkerConfig
 ) -> "ApiSettings":
     from api_server.app import ApiSettings
-    from api_server.kv_scorer import KVScoreWeights
-    from api_server.request_router import RouterPolicy
+    from api_server.routing.kv_scorer import KVScoreWeights
+    from api_server.routing.router import RoutingPolicy
 
     extra: dict = {
         "api_key": args.api_key,
         "max_body_bytes": args.max_request_body_bytes,
         "engine_curve": keys_from(args, "client"),
-        "router_policy": RouterPolicy(args.router_policy),
+        "router_policy": RoutingPolicy(args.router_policy),
         "router_weights": KVScoreWeights(args.router_prefill_weight, args.router_decode_weight),
         "kv_events_silent_limit_s": args.router_silent_limit_s,
     }
@@ -387,7 +387,7 @@ def _api_settings(
             "or --tokenizer DIR naming a folder that holds one"
         )
     if args.tokenizer is None and model_folder.suffix == ".gguf" and model_folder.is_file():
-        from api_server.gguf_tokenizer import gguf_tokenizer
+        from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 
         try:
             gguf_tokenizer(str(model_folder))
@@ -414,7 +414,7 @@ def _api_settings(
 
 def _generation_config(value: str, model: str) -> str:
     """--generation-config, checked now so that a bad one is a usage error (exit 2)."""
-    from api_server.generation_config import load_generation_defaults
+    from api_server.openai.generation_config import load_generation_defaults
 
     try:
         load_generation_defaults(value, model)
@@ -431,7 +431,7 @@ def with_structured_outputs_vocabulary(
     tokenizer a GGUF file's metadata describes (rebuilt as the front end builds it, written once
     to a folder of its own), or (left None) the checkpoint folder's own, which the engine finds
     by the model's name."""
-    from api_server.build_tokenizer import TOKENIZER_DIR
+    from api_server.tokenizer.build_tokenizer import TOKENIZER_DIR
     from worker.models.names import MODEL_NAMES
 
     if tokenizer is None and model in MODEL_NAMES:
@@ -446,7 +446,7 @@ def _gguf_tokenizer_folder(model: str) -> Path:
     the file's path, size and modification time."""
     import hashlib
 
-    from api_server.gguf_tokenizer import gguf_tokenizer
+    from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 
     stat = Path(model).stat()
     key = f"{Path(model).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
@@ -468,7 +468,7 @@ def _gguf_tokenizer_folder(model: str) -> Path:
 
 def _chat_template_source(value: str) -> str:
     """--chat-template's text: the file it names or, as vLLM also takes, a template itself."""
-    from api_server.chat_template import ChatTemplate, ChatTemplateError
+    from api_server.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 
     path = Path(value)
     if path.is_file():

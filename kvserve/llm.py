@@ -13,14 +13,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from api_server.chat_template import TemplateValue
-from api_server.engine_requests import bad_words_token_ids
-from api_server.generation_config import load_generation_defaults, log_generation_defaults
-from api_server.logprobs import prompt_logprobs_json
-from api_server.parallel_sampling import choice_seed
-from api_server.serving import ChoiceState
-from api_server.stop_strings import StopStringMatcher
-from api_server.tokenizer import PromptTokenizer, load_tokenizer
+from api_server.openai.engine_requests import bad_words_token_ids
+from api_server.openai.generation_config import load_generation_defaults, log_generation_defaults
+from api_server.openai.logprobs import prompt_logprobs_json
+from api_server.openai.parallel_sampling import choice_seed
+from api_server.openai.serving import ChoiceState
+from api_server.openai.stop_strings import StopStringMatcher
+from api_server.tokenizer.chat_template import TemplateValue
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer, load_tokenizer
 from deploy.commands import with_structured_outputs_vocabulary
 from deploy.launch import EXIT_OK, Deployment, check_addresses, worker_configs
 from engine_client.errors import EngineDeadError
@@ -253,7 +253,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if self._client is None:
             raise RuntimeError("this LLM is closed: expected a new one")
-        # a prompt's n choices are n requests sent together (api_server/parallel_sampling.py)
+        # a prompt's n choices are n requests sent together (api_server/openai/parallel_sampling.py)
         choices = [
             self._choices(ids, one, idx)
             for idx, (ids, one) in enumerate(zip(token_ids, params, strict=True))

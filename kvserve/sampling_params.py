@@ -1,16 +1,16 @@
 """SamplingParams of the offline API: the engine's own (protocol/sampling.py) with the fields
 vLLM's SamplingParams has that the front end applies rather than the engine: stop strings,
 include_stop_str_in_output, skip_special_tokens, bad_words (text, tokenized by the LLM) and `n`
-(choices per prompt, each an engine request; api_server/parallel_sampling.py). `engine_params`
-strips them. StructuredOutputsParams builds the engine's StructuredOutputs as vLLM's class of
-that name is called.
+(choices per prompt, each an engine request; api_server/openai/parallel_sampling.py).
+`engine_params` strips them. StructuredOutputsParams builds the engine's StructuredOutputs as
+vLLM's class of that name is called.
 """
 
 import json as json_text
 
-from api_server.errors import ApiError
-from api_server.parallel_sampling import MAX_CHOICES_PER_PROMPT
-from api_server.structured_outputs import check_structured_outputs
+from api_server.openai.errors import ApiError
+from api_server.openai.parallel_sampling import MAX_CHOICES_PER_PROMPT
+from api_server.openai.structured_outputs import check_structured_outputs
 from protocol import sampling
 from protocol.bounds import checked_copy
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from api_server.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokenizer
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, stop_process

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from engine_client.async_client import AsyncEngineClient, run_async
 from engine_client.errors import EngineConnectionLost, FrameTooLargeError
 from engine_client.request import make_request

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.sampling import SamplingParams
 from tests.integration.conftest import Processes, free_tcp_ports, launch, stop_launch, stop_process
 from tests.integration.test_api_server import LAUNCH_FLAGS, MODEL, start_api

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from deploy.keys import keygen
 from engine_client.errors import EngineDeadError
 from engine_client.sync_client import EngineClient

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api_server.kv_event_subscriber import KVEventSubscriber, StreamSource
+from api_server.routing.engine_record import StreamSource, engine_records
+from api_server.routing.kv_event_subscriber import KVEventSubscriber
 from deploy.keys import keygen, load_curve_keys
 from engine_client.async_client import AsyncEngineClient
 from engine_client.request import make_request
@@ -298,21 +299,36 @@ def test_a_dropped_batch_heals_through_replay(processes: Processes, addresses: d
     stop_launch(processes)
 
 
+class DroppingSubscriber(KVEventSubscriber):
+    """A subscriber whose live socket loses the next `num_to_drop` batches, as a slow joiner or a
+    full high-water mark loses them: the frames never reach the subscriber's own handling."""
+
+    num_to_drop = 0
+
+    def _on_live(self, engine_idx: int, frames: list[bytes]) -> bool:
+        if self.num_to_drop > 0:
+            self.num_to_drop -= 1
+            return False
+        return super()._on_live(engine_idx, frames)
+
+
 async def _drop_and_heal(address: str, source: StreamSource) -> None:
-    subscriber = KVEventSubscriber(1, silent_limit_s=SILENT_LIMIT_S)
+    records = engine_records([address])
+    subscriber = DroppingSubscriber(records, silent_limit_s=SILENT_LIMIT_S)
+    stream = records[0].kv_events
     client = AsyncEngineClient(address, timeout_s=HTTP_TIMEOUT_S)
     try:
         subscriber.follow(0, source)
-        await _wait_async(lambda: not subscriber.is_silent[0], "the stream answering")
+        await _wait_async(lambda: not stream.is_silent, "the stream answering")
         await _serve(client, conversation_prompts(seed=5, num_prompts=6), "warm")
         await _wait_synced(subscriber, client, "before the drop")
-        subscriber.num_to_drop[0] = 2
-        num_replays = subscriber.num_replays[0]
+        subscriber.num_to_drop = 2
+        num_replays = stream.num_replays
         await _serve(client, conversation_prompts(seed=6, num_prompts=10), "dropped")
-        assert subscriber.num_to_drop[0] == 0, "fewer than two batches came"
+        assert subscriber.num_to_drop == 0, "fewer than two batches came"
         await _wait_synced(subscriber, client, "after two dropped batches")
-        assert subscriber.num_replays[0] > num_replays
-        assert subscriber.index.num_unknown_removals == [0]
+        assert stream.num_replays > num_replays
+        assert stream.num_unknown_removals == 0
     finally:
         await client.close()
         await subscriber.close()

@@ -18,7 +18,7 @@ import httpx
 import msgspec
 import pytest
 
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from protocol.kv_transfer import KVTransferHandle

@@ -12,12 +12,12 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer, processors
 
-from api_server.chat_template import ChatTemplate, ChatTemplateError
-from api_server.checkpoint_tokenizer import CheckpointTokenizer
-from api_server.engine_requests import chat_job, completion_jobs
-from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.tokenization import TokenizeRequest, tokenize
-from api_server.tokenizer import ByteTokenizer, load_tokenizer
+from api_server.openai.engine_requests import chat_job, completion_jobs
+from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
+from api_server.openai.tokenization import TokenizeRequest, tokenize
+from api_server.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from api_server.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer, load_tokenizer
 from bench.make_checkpoint import CHATML_TEMPLATE, CheckpointSpec, build_tokenizer, corpus
 
 transformers = pytest.importorskip("transformers")
@@ -303,7 +303,7 @@ def test_tool_calls_and_results_render_as_transformers_renders_them(
 ) -> None:
     """OpenAI sends a call's arguments as JSON text; the template gets them as a dict, as vLLM
     passes them to transformers."""
-    from api_server.openai_types import CHAT_DECODER, parse_body
+    from api_server.openai.protocol import CHAT_DECODER, parse_body
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text((chatml_dir / name).read_text())

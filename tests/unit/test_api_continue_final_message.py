@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from api_server.chat_template import ChatTemplate
-from api_server.engine_requests import chat_job
-from api_server.errors import ApiError
-from api_server.openai_types import CHAT_DECODER, parse_body
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.engine_requests import chat_job
+from api_server.openai.errors import ApiError
+from api_server.openai.protocol import CHAT_DECODER, parse_body
+from api_server.tokenizer.chat_template import ChatTemplate
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 PREFILLED = [

@@ -3,10 +3,10 @@ template that does not mention it, and left to a template that does."""
 
 import json
 
-from api_server.chat_template import ChatTemplate
-from api_server.engine_requests import chat_job
-from api_server.openai_types import CHAT_DECODER, parse_body
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.engine_requests import chat_job
+from api_server.openai.protocol import CHAT_DECODER, parse_body
+from api_server.tokenizer.chat_template import ChatTemplate
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 
 ROLES_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 # A template that knows the role, as newer ones do, and renders it its own way

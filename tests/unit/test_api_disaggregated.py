@@ -1,7 +1,7 @@
-"""The front end's two-phase flow (api_server/disaggregated.py) over fake engine clients, without
-sockets: which engines pair up (a layout that differs is refused, naming the field), the request
-each engine gets, the release of the handle, what a failed prefill engine costs, and the router's
-load back to zero after each request."""
+"""The front end's two-phase flow (api_server/routing/disaggregated.py) over fake engine clients,
+without sockets: which engines pair up (a layout that differs is refused, naming the field), the
+request each engine gets, the release of the handle, what a failed prefill engine costs, and the
+router's load back to zero after each request."""
 
 import asyncio
 from collections.abc import AsyncIterator
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from api_server import engine_pool
-from api_server.disaggregated import describe_layout_mismatch
+from api_server.routing import engine_handle, engine_pool
+from api_server.routing.disaggregated import describe_layout_mismatch
 from engine_client.errors import EngineDeadError
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -56,12 +56,12 @@ class FakeClient:
 def _pool(
     monkeypatch: pytest.MonkeyPatch, roles: list[str], layouts: list[dict] | None = None
 ) -> engine_pool.EnginePool:
-    monkeypatch.setattr(engine_pool, "AsyncEngineClient", FakeClient)
+    monkeypatch.setattr(engine_handle, "AsyncEngineClient", FakeClient)
     pool = engine_pool.EnginePool([f"ipc:///{role}" for role in roles], 16, 5.0)
-    for idx, handle in enumerate(pool.handles):
-        handle.is_healthy = True
-        handle.routing_info = {"kv_role": roles[idx], **(layouts or [LAYOUT] * len(roles))[idx]}
-        handle.kv_role = roles[idx]
+    for idx, record in enumerate(pool.records):
+        record.is_healthy = True
+        record.routing_info = {"kv_role": roles[idx], **(layouts or [LAYOUT] * len(roles))[idx]}
+        record.kv_role = roles[idx]
     pool._check_kv_layouts()
     return pool
 
@@ -85,8 +85,21 @@ async def _served(pool: engine_pool.EnginePool, request: EngineCoreRequest) -> l
 
 def _assert_load_released(pool: engine_pool.EnginePool) -> None:
     pool.router.check_invariants()
-    assert sum(pool.router.load.outstanding_tokens) == 0
-    assert sum(pool.router.load.num_running) == sum(pool.router.load.num_waiting) == 0
+    loads = [record.load for record in pool.records]
+    assert sum(load.outstanding_tokens for load in loads) == 0
+    assert sum(load.num_running for load in loads) == sum(load.num_waiting for load in loads) == 0
+
+
+def test_the_pool_hands_one_record_per_engine_to_its_router(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One record per engine: the handles, the router and the first-block policy all hold the
+    pool's records themselves, so a count written by one is the count every reader sees."""
+    pool = _pool(monkeypatch, ["prefill", "decode"])
+    assert [handle.record for handle in pool.handles] == pool.records
+    assert pool.router.records is pool.records and pool.router.first_block.records is pool.records
+    assert [record.engine_idx for record in pool.records] == [0, 1]
+    assert [record.address for record in pool.records] == ["ipc:///prefill", "ipc:///decode"]
 
 
 def test_a_decode_engine_whose_layout_differs_is_refused_naming_the_field(
@@ -94,7 +107,7 @@ def test_a_decode_engine_whose_layout_differs_is_refused_naming_the_field(
 ) -> None:
     other = {**LAYOUT, "kv_layout_block_size": 32}
     pool = _pool(monkeypatch, ["prefill", "decode"], [LAYOUT, other])
-    assert pool.handles[1].kv_layout_mismatch == "block_size: 16 != 32"
+    assert pool.records[1].kv_layout_mismatch == "block_size: 16 != 32"
     assert pool.pd_engines() is None
     assert describe_layout_mismatch(LAYOUT, LAYOUT) is None
     assert pool.router_stats()["engines"][1]["kv_layout_mismatch"] == "block_size: 16 != 32"

@@ -11,14 +11,14 @@ import msgspec
 import pytest
 from starlette.requests import Request
 
-import api_server.engine_pool as engine_pool_module
+import api_server.routing.engine_handle as engine_handle_module
 from api_server.app import _unless_disconnected
-from api_server.engine_pool import EnginePool
-from api_server.engine_requests import completion_jobs
-from api_server.errors import ApiError
-from api_server.openai_types import CompletionRequest
-from api_server.serving import ResponseShape, Serving
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.engine_requests import completion_jobs
+from api_server.openai.errors import ApiError
+from api_server.openai.protocol import CompletionRequest
+from api_server.openai.serving import ResponseShape, Serving
+from api_server.routing.engine_pool import EnginePool
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from engine_client.async_client import AsyncEngineClient
 from engine_client.request import make_request
 from protocol.client_messages import (
@@ -164,9 +164,11 @@ def test_a_silent_engine_still_times_out_generate_and_utility_calls() -> None:
 
 async def leave_after(offset: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[str]]:
     sock = FakeEngineSocket()
-    monkeypatch.setattr(engine_pool_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock))
+    monkeypatch.setattr(
+        engine_handle_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock)
+    )
     pool = EnginePool(["fake://engine"], block_size=4, timeout_s=TIMEOUT_S)
-    pool.handles[0].is_healthy = True
+    pool.records[0].is_healthy = True
     tokenizer = ByteTokenizer()
     serving = Serving(pool, tokenizer, "tiny-llama")
     body = msgspec.convert({"prompt": "hello", "max_tokens": 1900}, CompletionRequest)

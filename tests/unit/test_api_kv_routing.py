@@ -8,10 +8,11 @@ import random
 import pytest
 from fake_executor import MakeHarness
 
-from api_server.kv_event_subscriber import subscribable_endpoint
-from api_server.kv_index import KVBlockIndex, Offer, index_key
-from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
-from api_server.request_router import Decision, RequestHasher, RequestRouter, RouterPolicy
+from api_server.routing.engine_record import EngineLoad, EngineRecord, engine_records
+from api_server.routing.kv_event_subscriber import subscribable_endpoint
+from api_server.routing.kv_index import KVBlockIndex, Offer, index_key
+from api_server.routing.kv_scorer import KVScorer, KVScoreWeights, predicted_hit_tokens
+from api_server.routing.router import Decision, RequestHasher, Router, RoutingPolicy
 from kv_hashing.block_hasher import BlockHasher, first_block_extra_keys
 from kv_hashing.hash_params import (
     HashParams,
@@ -40,6 +41,14 @@ def stored(hashes: list[bytes], medium: str = "GPU") -> BlockStored:
     )
 
 
+def records(num_engines: int) -> list[EngineRecord]:
+    return engine_records([f"tcp://engine-{idx}:5555" for idx in range(num_engines)])
+
+
+def outstanding(engines: list[EngineRecord]) -> list[int]:
+    return [engine.load.outstanding_tokens for engine in engines]
+
+
 def batch(*events: BlockStored | BlockRemoved | AllBlocksCleared) -> KVEventBatch:
     return KVEventBatch(0.0, list(events), 0)
 
@@ -55,7 +64,7 @@ def prompt_hashes(prompt: list[int], salt: str | None = None) -> list[bytes]:
 
 
 def test_batches_apply_in_sequence_and_a_gap_waits_for_its_replay() -> None:
-    index = KVBlockIndex(2)
+    index = KVBlockIndex(records(2))
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
     assert index.offer(0, 0, batch(stored([a, b]))) is Offer.APPLIED
     assert index.offer(0, 2, batch(stored([c]))) is Offer.GAP  # batch 1 was lost
@@ -63,13 +72,14 @@ def test_batches_apply_in_sequence_and_a_gap_waits_for_its_replay() -> None:
     assert index.offer(0, 1, batch(block_removed([b], 0))) is Offer.APPLIED  # the replay
     assert index.offer(0, 2, batch(stored([c]))) is Offer.APPLIED
     assert index.offer(0, 1, batch(block_removed([b], 0))) is Offer.STALE  # live, late
-    assert index.engine_keys(0) == set(keys_of([a, c])) and index.next_seq == [3, 0]
+    assert index.engine_keys(0) == set(keys_of([a, c]))
+    assert [engine.kv_events.next_seq for engine in index.records] == [3, 0]
     assert index.engine_keys(1) == set()
     index.check_invariants()
 
 
 def test_all_blocks_cleared_empties_only_that_engine() -> None:
-    index = KVBlockIndex(2)
+    index = KVBlockIndex(records(2))
     a, b = b"a" * 32, b"b" * 32
     index.offer(0, 0, batch(stored([a, b])))
     index.offer(1, 0, batch(stored([a])))
@@ -77,32 +87,33 @@ def test_all_blocks_cleared_empties_only_that_engine() -> None:
     assert index.engine_keys(0) == set() and index.engine_keys(1) == set(keys_of([a]))
     assert index.prefix_hits(keys_of([a, b])) == [(0, 0.0), (1, 1.0)]
     index.offer(0, 2, batch(stored([a])))
-    assert index.num_blocks(0) == 1 and index.num_clears == [1, 0]
+    assert index.num_blocks(0) == 1
+    assert [engine.kv_events.num_clears for engine in index.records] == [1, 0]
     index.check_invariants()
 
 
 def test_a_restarted_publisher_is_forgotten_and_followed_from_seq_0() -> None:
-    index = KVBlockIndex(1)
+    index = KVBlockIndex(records(1))
     index.offer(0, 0, batch(stored([b"a" * 32])))
     index.offer(0, 1, batch(stored([b"b" * 32])))
     index.restart(0)
-    assert index.num_blocks(0) == 0 and index.next_seq == [0]
+    assert index.num_blocks(0) == 0 and index.records[0].kv_events.next_seq == 0
     assert index.offer(0, 0, batch(stored([b"c" * 32]))) is Offer.APPLIED
     assert index.engine_keys(0) == set(keys_of([b"c" * 32]))
 
 
 def test_skipping_lost_batches_keeps_what_was_known_and_ignores_unknown_removals() -> None:
-    index = KVBlockIndex(1)
+    index = KVBlockIndex(records(1))
     index.offer(0, 0, batch(stored([b"a" * 32])))
     index.skip_to(0, 5)
     assert index.offer(0, 5, batch(block_removed([b"z" * 32], 0))) is Offer.APPLIED
-    assert index.num_unknown_removals == [1] and index.num_blocks(0) == 1
+    assert index.records[0].kv_events.num_unknown_removals == 1 and index.num_blocks(0) == 1
     with pytest.raises(ValueError, match="back to seq 2"):
         index.skip_to(0, 2)
 
 
 def test_prefix_hits_count_the_run_from_block_0_weighted_by_medium() -> None:
-    index = KVBlockIndex(3)
+    index = KVBlockIndex(records(3))
     h = [bytes([i]) * 32 for i in range(4)]
     index.offer(0, 0, batch(stored(h[:3])))  # blocks 0-2 on the GPU
     index.offer(1, 0, batch(stored(h[:2], "CPU"), stored([h[3]])))  # 0-1 in host memory, 3
@@ -116,24 +127,25 @@ def test_prefix_hits_count_the_run_from_block_0_weighted_by_medium() -> None:
 
 
 def test_the_scorer_weighs_the_cached_prefix_against_waiting_prefill_and_decodes() -> None:
-    load = EngineLoad(2)
+    engines = records(2)
+    load = engines[0].load
     scorer = KVScorer(KVScoreWeights(prefill_weight=1.0, decode_weight=8.0), BLOCK_SIZE)
     prompt_len = 41  # 10 full blocks before the last token
     # engine 0 holds 8 blocks (32 tokens): cost 41 - 32 = 9, engine 1 costs 41
-    assert scorer.costs([8.0, 0.0], prompt_len, load) == [9.0, 41.0]
-    assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 0
-    load.add(0, 20, 20, 60)  # 20 prompt tokens waiting on engine 0: 29 still beats 41
-    assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 0
-    load.start_decoding(0, 20, 20)
+    assert scorer.costs([8.0, 0.0], prompt_len, engines) == [9.0, 41.0]
+    assert scorer.choose([8.0, 0.0], prompt_len, engines, [0, 1], [8, 0]) == 0
+    load.add(20, 20, 60)  # 20 prompt tokens waiting on engine 0: 29 still beats 41
+    assert scorer.choose([8.0, 0.0], prompt_len, engines, [0, 1], [8, 0]) == 0
+    load.start_decoding(20, 20)
     for _ in range(4):
-        load.add(0, 0, 4, 10)
-        load.start_decoding(0, 0, 4)
-    assert scorer.costs([8.0, 0.0], prompt_len, load) == [9.0 + 5 * 8.0, 41.0]
-    assert scorer.choose([8.0, 0.0], prompt_len, load, [0, 1], [8, 0]) == 1  # too busy now
-    assert scorer.choose([8.0, 0.0], prompt_len, load, [0], [8, 0]) == 0  # the only candidate
-    load.check_invariants()
+        load.add(0, 4, 10)
+        load.start_decoding(0, 4)
+    assert scorer.costs([8.0, 0.0], prompt_len, engines) == [9.0 + 5 * 8.0, 41.0]
+    assert scorer.choose([8.0, 0.0], prompt_len, engines, [0, 1], [8, 0]) == 1  # too busy now
+    assert scorer.choose([8.0, 0.0], prompt_len, engines, [0], [8, 0]) == 0  # the only candidate
+    load.check_invariants(0)
     with pytest.raises(LookupError):
-        scorer.choose([0.0, 0.0], prompt_len, load, [], [0, 0])
+        scorer.choose([0.0, 0.0], prompt_len, engines, [], [0, 0])
     with pytest.raises(ValueError, match="expected >= 0"):
         KVScoreWeights(decode_weight=-1.0)
 
@@ -141,44 +153,45 @@ def test_the_scorer_weighs_the_cached_prefix_against_waiting_prefill_and_decodes
 def test_the_engines_reports_add_other_clients_work_to_the_front_ends_own() -> None:
     """A report counts the front end's own requests too (waiting ones by their whole prompts):
     only the rest is added, and what the front end sends or finishes after asking counts at once."""
-    load = EngineLoad(2)
-    load.add(0, 8, 40, 60)  # waits on engine 0: 40-token prompt, 32 of them predicted cached
-    asked = load.own_snapshot(0)
+    load, other = EngineLoad(), EngineLoad()
+    load.add(8, 40, 60)  # waits on engine 0: 40-token prompt, 32 of them predicted cached
+    asked = load.own_snapshot()
     assert asked == (40, 0)
     # engine 0 holds the request (40) and another client's 100 tokens waiting and 3 decodes
-    load.on_report(0, 140, 3, asked)
-    assert (load.others_waiting_prefill_tokens[0], load.others_running_decodes[0]) == (100, 3)
-    assert (load.scored_waiting_prefill_tokens(0), load.scored_running_decodes(0)) == (108, 3)
-    load.add(0, 30, 30, 40)  # a burst after the report counts before the next one
-    assert load.scored_waiting_prefill_tokens(0) == 138
-    load.start_decoding(0, 8, 40)
-    assert (load.scored_waiting_prefill_tokens(0), load.scored_running_decodes(0)) == (130, 4)
+    load.on_report(140, 3, asked)
+    assert (load.others_waiting_prefill_tokens, load.others_running_decodes) == (100, 3)
+    assert (load.scored_waiting_prefill_tokens, load.scored_running_decodes) == (108, 3)
+    load.add(30, 30, 40)  # a burst after the report counts before the next one
+    assert load.scored_waiting_prefill_tokens == 138
+    load.start_decoding(8, 40)
+    assert (load.scored_waiting_prefill_tokens, load.scored_running_decodes) == (130, 4)
     # A report that already missed a request the front end still counts never goes negative.
-    load.on_report(1, 0, 0, (50, 2))
-    assert (load.others_waiting_prefill_tokens[1], load.others_running_decodes[1]) == (0, 0)
-    load.forget_report(0)
-    assert (load.scored_waiting_prefill_tokens(0), load.scored_running_decodes(0)) == (30, 1)
-    load.check_invariants()
+    other.on_report(0, 0, (50, 2))
+    assert (other.others_waiting_prefill_tokens, other.others_running_decodes) == (0, 0)
+    load.forget_report()
+    assert (load.scored_waiting_prefill_tokens, load.scored_running_decodes) == (30, 1)
+    load.check_invariants(0)
+    other.check_invariants(1)
 
 
 def test_the_kv_policy_avoids_an_engine_busy_with_another_clients_work() -> None:
     """Two routers given the same events and reports decide alike; the engine another client
     keeps busy loses a request it would win on its cached prefix alone."""
-    index = KVBlockIndex(2)
+    index = KVBlockIndex(records(2))
     prompt = list(range(3, 3 + 21))  # five blocks before the last token
     index.offer(0, 0, batch(stored(prompt_hashes(prompt[:20]))))
-    routers = [RequestRouter(2, BLOCK_SIZE, RouterPolicy.KV) for _ in range(3)]
+    routers = [Router(records(2), BLOCK_SIZE, RoutingPolicy.KV) for _ in range(3)]
     for router in routers:
         router.hasher = RequestHasher(PARAMS)
 
-    def choose(router: RequestRouter) -> Decision:
+    def choose(router: Router) -> Decision:
         return router.choose(prompt, 30, None, [True, True], index, [True, True])
 
     assert choose(routers[0]).engine_idx == 0  # no report: its cached prefix wins
     for router in routers[1:]:
-        asked = router.load.own_snapshot(0)
-        router.load.on_report(0, 16, 2, asked)  # another client's work: 16 + 2 * 8 > 20 saved
-        router.load.on_report(1, 0, 0, router.load.own_snapshot(1))
+        busy, idle = (engine.load for engine in router.records)
+        busy.on_report(16, 2, busy.own_snapshot())  # another client's work: 16 + 2 * 8 > 20 saved
+        idle.on_report(0, 0, idle.own_snapshot())
     decisions = [choose(router) for router in routers[1:]]
     assert [d.engine_idx for d in decisions] == [1, 1]
     assert decisions[0] == decisions[1]
@@ -187,12 +200,12 @@ def test_the_kv_policy_avoids_an_engine_busy_with_another_clients_work() -> None
 
 
 def test_ties_go_to_the_longer_hit_then_less_load_then_the_emptier_cache() -> None:
-    load = EngineLoad(3)
+    engines = records(3)
     scorer = KVScorer(KVScoreWeights(prefill_weight=0.0, decode_weight=0.0), BLOCK_SIZE)
-    assert scorer.choose([1.0, 2.0, 0.0], 20, load, [0, 1, 2], [5, 5, 5]) == 1
-    assert scorer.choose([0.0, 0.0, 0.0], 20, load, [0, 1, 2], [5, 2, 3]) == 1
-    load.add(1, 4, 4, 4)
-    assert scorer.choose([0.0, 0.0, 0.0], 20, load, [0, 1, 2], [5, 2, 3]) == 2
+    assert scorer.choose([1.0, 2.0, 0.0], 20, engines, [0, 1, 2], [5, 5, 5]) == 1
+    assert scorer.choose([0.0, 0.0, 0.0], 20, engines, [0, 1, 2], [5, 2, 3]) == 1
+    engines[1].load.add(4, 4, 4)
+    assert scorer.choose([0.0, 0.0, 0.0], 20, engines, [0, 1, 2], [5, 2, 3]) == 2
 
 
 def test_a_predicted_hit_never_covers_the_last_prompt_token() -> None:
@@ -240,7 +253,7 @@ def test_decisions_are_a_function_of_the_events_and_the_load(seed: int) -> None:
     duplicates mixed in) make the same decisions for the same requests."""
     rng = random.Random(seed)
     stream = random_stream(rng, 3)
-    indexes = [KVBlockIndex(3), KVBlockIndex(3)]
+    indexes = [KVBlockIndex(records(3)), KVBlockIndex(records(3))]
     seqs = [0, 0, 0]
     numbered = []
     for engine, events in stream:
@@ -250,13 +263,15 @@ def test_decisions_are_a_function_of_the_events_and_the_load(seed: int) -> None:
         indexes[0].offer(engine, seq, events)
     shuffled = numbered + numbered[: len(numbered) // 2]
     rng.shuffle(shuffled)
-    while any(indexes[1].next_seq[e] < seqs[e] for e in range(3)):  # replays fill the gaps
+    while any(
+        indexes[1].records[e].kv_events.next_seq < seqs[e] for e in range(3)
+    ):  # replays fill the gaps
         for engine, seq, events in shuffled:
             indexes[1].offer(engine, seq, events)
     assert [indexes[0].engine_keys(e) for e in range(3)] == [
         indexes[1].engine_keys(e) for e in range(3)
     ]
-    routers = [RequestRouter(3, BLOCK_SIZE, RouterPolicy.KV) for _ in range(2)]
+    routers = [Router(records(3), BLOCK_SIZE, RoutingPolicy.KV) for _ in range(2)]
     for router in routers:
         router.hasher = RequestHasher(PARAMS)
     prompts = [[rng.randrange(3, 50) for _ in range(rng.randrange(3, 30))] for _ in range(20)]
@@ -268,12 +283,13 @@ def test_decisions_are_a_function_of_the_events_and_the_load(seed: int) -> None:
             router.on_first_output(decision, decision.predicted_hit_tokens or 0)
         router.check_invariants()
     assert choices[0] == choices[1]
-    assert routers[0].predicted_hit_tokens == routers[1].predicted_hit_tokens
+    predicted = [[engine.predicted_hit_tokens for engine in r.records] for r in routers]
+    assert predicted[0] == predicted[1]
 
 
 def test_the_kv_policy_follows_the_index_and_a_silent_engine_counts_by_load_alone() -> None:
-    index = KVBlockIndex(2)
-    router = RequestRouter(2, BLOCK_SIZE, RouterPolicy.KV)
+    index = KVBlockIndex(records(2))
+    router = Router(records(2), BLOCK_SIZE, RoutingPolicy.KV)
     router.hasher = RequestHasher(PARAMS)
     prompt = list(range(3, 3 + 21))  # five blocks before the last token
     index.offer(1, 0, batch(stored(prompt_hashes(prompt[:20]))))
@@ -290,31 +306,56 @@ def test_the_kv_policy_follows_the_index_and_a_silent_engine_counts_by_load_alon
     assert (unknown.engine_idx, unknown.predicted_hit_tokens) == (0, None)
     assert unknown.is_first_block and router.first_block.engine_of_prefix(prompt) == 0
     router.release(unknown, is_decoding=False)
-    assert router.decisions == [2, 1] and router.num_predicted == [1, 0]
+    assert [engine.num_decisions for engine in router.records] == [2, 1]
+    assert [engine.num_predicted for engine in router.records] == [1, 0]
     router.check_invariants()
-    assert router.load.outstanding_tokens == [0, 0]
-    assert router.first_block.outstanding_tokens == [0, 0]
+    assert outstanding(router.records) == [0, 0]
+
+
+def test_an_engines_record_holds_its_index_slice_load_and_counts() -> None:
+    """The index and the router write into the records they were given; a request's tokens are
+    counted once, in its engine's load, from the decision to its release."""
+    engines = records(2)
+    index = KVBlockIndex(engines)
+    router = Router(engines, BLOCK_SIZE, RoutingPolicy.KV)
+    router.hasher = RequestHasher(PARAMS)
+    prompt = list(range(3, 3 + 21))  # five blocks before the last token
+    index.offer(1, 0, batch(stored(prompt_hashes(prompt[:20]))))
+    assert (engines[1].kv_events.next_seq, len(engines[1].kv_events.keys)) == (1, 5)
+    assert (engines[0].kv_events.next_seq, engines[0].kv_events.keys) == (0, set())
+    decision = router.choose(prompt, 30, None, [True, True], index, [True, True])
+    load = engines[1].load
+    assert decision.engine_idx == 1 and engines[1].num_decisions == 1
+    assert (load.outstanding_tokens, load.waiting_prefill_tokens, load.num_waiting) == (30, 1, 1)
+    router.on_first_output(decision, 20)
+    assert (engines[1].num_predicted, engines[1].predicted_hit_tokens) == (1, 20)
+    assert engines[1].actual_hit_tokens == 20 and (load.num_waiting, load.num_running) == (0, 1)
+    router.release(decision, is_decoding=True)
+    assert (load.outstanding_tokens, load.num_running) == (0, 0)
+    assert not any(engine.is_indexed for engine in engines)  # no stream followed
+    router.check_invariants()
+    index.check_invariants()
 
 
 def test_round_robin_least_loaded_and_first_block_keep_their_rules() -> None:
-    robin = RequestRouter(3, BLOCK_SIZE, RouterPolicy.ROUND_ROBIN)
+    robin = Router(records(3), BLOCK_SIZE, RoutingPolicy.ROUND_ROBIN)
     picks = [
         robin.choose([1] * 8, 8, None, [True, False, True], None, [False] * 3) for _ in range(4)
     ]
     assert [d.engine_idx for d in picks] == [0, 2, 0, 2]
-    least = RequestRouter(2, BLOCK_SIZE, RouterPolicy.LEAST_LOADED)
+    least = Router(records(2), BLOCK_SIZE, RoutingPolicy.LEAST_LOADED)
     first = least.choose([1] * 8, 100, None, [True, True], None, [False] * 2)
     assert least.choose([1] * 8, 10, None, [True, True], None, [False] * 2).engine_idx == 1
     least.release(first, is_decoding=False)
     assert least.choose([1] * 8, 10, None, [True, True], None, [False] * 2).engine_idx == 0
-    affinity = RequestRouter(2, BLOCK_SIZE, RouterPolicy.FIRST_BLOCK)
+    affinity = Router(records(2), BLOCK_SIZE, RoutingPolicy.FIRST_BLOCK)
     a = affinity.choose([7] * 8, 10, None, [True, True], None, [False] * 2)
     b = affinity.choose([8] * 8, 10, None, [True, True], None, [False] * 2)
     again = affinity.choose([7] * 8 + [1], 10, None, [True, True], None, [False] * 2)
     assert (a.engine_idx, b.engine_idx, again.engine_idx) == (0, 1, 0)
     for decision in (a, b, again):
         affinity.release(decision, is_decoding=False)
-    assert affinity.first_block.outstanding_tokens == [0, 0]
+    assert outstanding(affinity.records) == [0, 0]  # counted once, in the records
 
 
 def test_engines_that_hash_differently_are_named_by_the_field() -> None:

@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from api_server.engine_requests import chat_job, completion_jobs
-from api_server.errors import ApiError
-from api_server.ignored_fields import MAX_LOGGED_NAMES, IgnoredFields
-from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.engine_requests import chat_job, completion_jobs
+from api_server.openai.errors import ApiError
+from api_server.openai.ignored_fields import MAX_LOGGED_NAMES, IgnoredFields
+from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.buffers import unpack_int32
 
 TOKENIZER = ByteTokenizer()
@@ -69,7 +69,7 @@ def test_unknown_fields_at_any_depth_are_ignored() -> None:
 
 def test_each_unknown_field_is_logged_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
     ignored = IgnoredFields()
-    with caplog.at_level(logging.WARNING, logger="api_server.ignored_fields"):
+    with caplog.at_level(logging.WARNING, logger="api_server.openai.ignored_fields"):
         for _ in range(3):
             _prompt_and_params({"prompt": "x", "bogus": 1, "service_tier": "auto"}, ignored)
         _prompt_and_params({"prompt": "x", "bogus": 2, "other": None}, ignored)
@@ -83,7 +83,7 @@ def test_the_names_logged_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
     """A client sending a new random key each time must not grow the set or the log forever;
     the request itself is still served."""
     ignored = IgnoredFields()
-    with caplog.at_level(logging.WARNING, logger="api_server.ignored_fields"):
+    with caplog.at_level(logging.WARNING, logger="api_server.openai.ignored_fields"):
         for idx in range(MAX_LOGGED_NAMES + 5):
             _prompt_and_params({"prompt": "x", f"key_{idx}": 1}, ignored)
     assert len(ignored.logged) == MAX_LOGGED_NAMES

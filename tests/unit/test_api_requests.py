@@ -6,16 +6,16 @@ import json
 import msgspec
 import pytest
 
-from api_server.engine_requests import chat_job, completion_jobs, engine_refusal
-from api_server.errors import ApiError
-from api_server.openai_types import (
+from api_server.openai.engine_requests import chat_job, completion_jobs, engine_refusal
+from api_server.openai.errors import ApiError
+from api_server.openai.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     CompletionRequest,
     check_model,
     parse_body,
 )
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.buffers import unpack_int32
 
 TOKENIZER = ByteTokenizer()

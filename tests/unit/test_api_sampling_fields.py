@@ -7,19 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from api_server.engine_requests import chat_jobs, completion_jobs, engine_refusal
-from api_server.errors import ApiError
-from api_server.generation_config import (
+from api_server.openai.engine_requests import chat_jobs, completion_jobs, engine_refusal
+from api_server.openai.errors import ApiError
+from api_server.openai.generation_config import (
     NO_DEFAULTS,
     GenerationDefaults,
     load_generation_defaults,
     log_generation_defaults,
 )
-from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
-from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.parallel_sampling import choice_seed
-from api_server.request_router import RequestRouter, RouterPolicy
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.logprobs import ChoiceLogprobs, prompt_logprobs_json
+from api_server.openai.parallel_sampling import choice_seed
+from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
+from api_server.routing.engine_record import engine_records
+from api_server.routing.router import Router, RoutingPolicy
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import TokenLogprobs
 from protocol.sampling import SEED_LIMIT
 
@@ -174,7 +175,7 @@ def test_generation_config_refuses_a_missing_folder_or_a_bad_value(tmp_path: Pat
 def test_generation_defaults_are_logged_once_with_their_values(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="api_server.generation_config"):
+    with caplog.at_level(logging.INFO, logger="api_server.openai.generation_config"):
         log_generation_defaults(GenerationDefaults(temperature=0.6), "auto")
         log_generation_defaults(NO_DEFAULTS, "vllm")
     assert len(caplog.records) == 1
@@ -218,17 +219,17 @@ def test_a_prompts_choices_share_one_group_and_follow_its_engine() -> None:
     groups = [job.group for job in jobs]
     assert groups[0] is groups[1] and groups[2] is groups[3] and groups[0] is not groups[2]
     assert _jobs({"prompt": "a"})[0].group is None
-    router = RequestRouter(3, 16, RouterPolicy.ROUND_ROBIN)
+    router = Router(engine_records(["a", "b", "c"]), 16, RoutingPolicy.ROUND_ROBIN)
     prompt = list(range(20))
     first = router.choose(prompt, 30, None, [True] * 3, None, [False] * 3)
     followers = [router.follow(first.engine_idx, prompt, 30) for _ in range(3)]
     assert {decision.engine_idx for decision in followers} == {first.engine_idx}
-    assert router.decisions[first.engine_idx] == 4
-    assert router.load.outstanding_tokens[first.engine_idx] == 4 * 30
+    assert router.records[first.engine_idx].num_decisions == 4
+    assert router.records[first.engine_idx].load.outstanding_tokens == 4 * 30
     for decision in [first, *followers]:
         router.release(decision, is_decoding=False)
     router.check_invariants()
-    assert router.load.outstanding_tokens == [0, 0, 0]
+    assert [record.load.outstanding_tokens for record in router.records] == [0, 0, 0]
 
 
 def test_an_engines_refusal_of_a_token_id_names_the_field() -> None:

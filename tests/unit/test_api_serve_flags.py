@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from api_server.app import ApiSettings, ApiState
-from api_server.checkpoint_tokenizer import CheckpointTokenizer
-from api_server.tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
+from api_server.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer.prompt_tokenizer import DEFAULT_TOKENIZER_DIR, ByteTokenizer
 from deploy.commands import LAUNCH_WORKER_FLAGS, _api_settings, add_serve_flags, engine_config_from
 from deploy.flags import build_config
 from protocol.config import WorkerConfig
@@ -54,17 +54,17 @@ def test_a_tokenizer_folder_without_tokenizer_json_exits_2(
 
 
 def test_router_flags_set_the_policy_and_the_kv_weights() -> None:
-    from api_server.kv_scorer import KVScoreWeights
-    from api_server.request_router import RouterPolicy
+    from api_server.routing.kv_scorer import KVScoreWeights
+    from api_server.routing.router import RoutingPolicy
 
     default = _settings("--model", "tiny-llama")
-    assert default.router_policy is RouterPolicy.KV
+    assert default.router_policy is RoutingPolicy.KV
     settings = _settings(
         *("--model", "tiny-llama", "--router-policy", "round-robin"),
         *("--router-prefill-weight", "2", "--router-decode-weight", "0.5"),
         *("--router-silent-limit-s", "7"),
     )
-    assert settings.router_policy is RouterPolicy.ROUND_ROBIN
+    assert settings.router_policy is RoutingPolicy.ROUND_ROBIN
     assert settings.router_weights == KVScoreWeights(2.0, 0.5)
     assert settings.kv_events_silent_limit_s == 7.0
 
@@ -130,7 +130,7 @@ def test_a_bad_chat_template_exits_2_naming_the_flag(
 
 
 def test_tool_and_reasoning_parser_flags_reach_the_chat_parsing() -> None:
-    from api_server.chat_output import ChatParsing
+    from api_server.openai.chat_output import ChatParsing
 
     settings = _settings(
         *("--model", "tiny-llama", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"),

@@ -10,13 +10,13 @@ import math
 
 import pytest
 
-import api_server.engine_pool as engine_pool_module
-from api_server.engine_pool import EnginePool
-from api_server.engine_requests import EngineJob, chat_job, completion_jobs
-from api_server.logprobs import LOGPROB_FLOOR, ChoiceLogprobs
-from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.serving import SSE_DONE, ResponseShape, Serving
-from api_server.tokenizer import ByteTokenizer
+import api_server.routing.engine_handle as engine_handle_module
+from api_server.openai.engine_requests import EngineJob, chat_job, completion_jobs
+from api_server.openai.logprobs import LOGPROB_FLOOR, ChoiceLogprobs
+from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
+from api_server.openai.serving import SSE_DONE, ResponseShape, Serving
+from api_server.routing.engine_pool import EnginePool
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from protocol.client_messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -60,9 +60,11 @@ class ScriptedEngine(FakeEngineSocket):
 
 def _setup(text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[ScriptedEngine, Serving]:
     sock = ScriptedEngine(text)
-    monkeypatch.setattr(engine_pool_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock))
+    monkeypatch.setattr(
+        engine_handle_module, "AsyncEngineClient", lambda *_, **__: fake_client(sock)
+    )
     pool = EnginePool(["fake://engine"], block_size=4, timeout_s=60.0)
-    pool.handles[0].is_healthy = True
+    pool.records[0].is_healthy = True
     return sock, Serving(pool, TOKENIZER, "tiny-llama")
 
 

@@ -3,7 +3,7 @@ tail that could still become one is held back until the text decides it."""
 
 import pytest
 
-from api_server.stop_strings import StopStringMatcher
+from api_server.openai.stop_strings import StopStringMatcher
 
 
 def _run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:

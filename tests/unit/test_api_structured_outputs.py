@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from api_server.errors import ApiError
-from api_server.openai_types import CHAT_DECODER, COMPLETION_DECODER, parse_body
-from api_server.structured_outputs import check_structured_outputs
+from api_server.openai.errors import ApiError
+from api_server.openai.protocol import CHAT_DECODER, COMPLETION_DECODER, parse_body
+from api_server.openai.structured_outputs import check_structured_outputs
 from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.sampling_params import engine_params
 from protocol.sampling import StructuredOutputs

@@ -7,8 +7,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from api_server.app import ApiSettings, create_app
-from api_server.chat_template import MAX_CACHED_TEMPLATES, TemplateCache
-from api_server.tokenizer import ByteTokenizer
+from api_server.tokenizer.chat_template import MAX_CACHED_TEMPLATES, TemplateCache
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 CHAT = [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}]

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from api_server.build_tokenizer import SPECIAL_TOKENS, TOKENIZER_DIR, write_tokenizer
-from api_server.tokenizer import ByteTokenizer, placeholder
+from api_server.tokenizer.build_tokenizer import SPECIAL_TOKENS, TOKENIZER_DIR, write_tokenizer
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer, placeholder
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,9 @@ def test_shipped_files_are_what_the_script_builds(tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         built = json.loads((tmp_path / name).read_text())
         shipped = json.loads((TOKENIZER_DIR / name).read_text())
-        assert built == shipped, f"{name} differs: run python -m api_server.build_tokenizer"
+        assert built == shipped, (
+            f"{name} differs: run python -m api_server.tokenizer.build_tokenizer"
+        )
 
 
 def test_ids_are_utf8_bytes_and_specials_follow(tokenizer: ByteTokenizer) -> None:

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from api_server.chat_output import ChatParsing
-from api_server.engine_requests import EngineJob, chat_job
-from api_server.openai_types import CHAT_DECODER, parse_body
-from api_server.serving import ResponseShape
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.chat_output import ChatParsing
+from api_server.openai.engine_requests import EngineJob, chat_job
+from api_server.openai.protocol import CHAT_DECODER, parse_body
+from api_server.openai.serving import ResponseShape
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from tests.unit.test_api_disconnect import stop
 from tests.unit.test_api_serving import _setup
 from tests.unit.tool_chat_template import TOOL_CHAT_TEMPLATE, TOOL_HISTORY, TOOLS

@@ -13,8 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from api_server.checkpoint_tokenizer import CheckpointTokenizer
-from api_server.gguf_tokenizer import gguf_tokenizer
+from api_server.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 from bench.workload import run_workload
 from tests.unit.gguf_files import (
     hf_gguf_model,

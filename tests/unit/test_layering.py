@@ -43,7 +43,7 @@ PROTOCOL_ALLOWED_THIRD_PARTY = {"msgspec"}
 KV_HASHING_ALLOWED_IMPORTS = {"msgspec", "xxhash", "protocol", "kv_hashing"}
 # The only modules that may import kv_hashing: the KV-cache layer keys its prefix cache with it,
 # the engine service announces its HashParams, and the front end hashes requests to route them.
-KV_HASHING_IMPORTERS = ("engine_core.kv_cache", "engine_core.service", "api_server")
+KV_HASHING_IMPORTERS = ("engine_core.kv_cache", "engine_core.service", "api_server.routing")
 # The only modules that may import triton: its kernels compile for GPUs only, and a CPU-only
 # install (no triton there) must be able to import everything else. The attention kernels, and
 # the decoder's fused norm, SiLU and rotary kernels (imported by layer_ops for CUDA only).
@@ -104,8 +104,33 @@ WORKER_MODELS_FOLDERS = {
         *("worker.models.hf", "worker.models.fake"),
     ),
 }
+# The three concerns of the front end, each a package, and the two modules that join them, each
+# with the parts of api_server it may import besides its own, as above.
+API_SERVER_FOLDERS = {
+    # tokenizers and chat templates: text in, token ids out, for the protocol and the offline API
+    "api_server.tokenizer": (),
+    # the engine pool, its records and policies: engine requests in, outputs out; it knows
+    # nothing of the OpenAI protocol, nor of text
+    "api_server.routing": (),
+    # the OpenAI protocol surface submits through routing's package interface only (below)
+    "api_server.openai": ("api_server.tokenizer", "api_server.routing"),
+    # /metrics reads the pool's records and holds serving's latency histograms
+    "api_server.metrics": ("api_server.openai", "api_server.routing"),
+    # the app joins them all
+    "api_server.app": (
+        *("api_server.tokenizer", "api_server.routing", "api_server.openai"),
+        "api_server.metrics",
+    ),
+}
+# (importer, package): `importer` may import `package` itself (what its __init__ exports), never
+# a module inside it, so that the package's internals can change behind that interface.
+NARROW_INTERFACES = (("api_server.openai", "api_server.routing"),)
 # each package, with the folders (or modules) every one of its modules must lie in
-FOLDER_RULES = {"engine_core": ENGINE_CORE_FOLDERS, "worker.models": WORKER_MODELS_FOLDERS}
+FOLDER_RULES = {
+    "engine_core": ENGINE_CORE_FOLDERS,
+    "worker.models": WORKER_MODELS_FOLDERS,
+    "api_server": API_SERVER_FOLDERS,
+}
 
 
 def _folder_edges(folders: dict[str, tuple[str, ...]]) -> tuple[tuple[str, str], ...]:
@@ -130,6 +155,7 @@ FORBIDDEN_EDGES = (
     ("worker.numerics", "worker.models"),
     ("worker.sampling", "worker.models"),
     ("worker.sampler", "worker.models"),
+    *_folder_edges(API_SERVER_FOLDERS),
 )
 # Known violations of FORBIDDEN_EDGES; each entry goes when its import does.
 ALLOWED_EDGES: tuple[tuple[str, str], ...] = ()
@@ -235,6 +261,18 @@ def edges(root: pathlib.Path, importer: str, imported: str) -> list[str]:
     ]
 
 
+def interface_bypasses(
+    root: pathlib.Path, interfaces: tuple[tuple[str, str], ...] = NARROW_INTERFACES
+) -> list[str]:
+    """Imports by a module within each importer of a module inside its package's interface."""
+    return [
+        edge
+        for importer, package in interfaces
+        for edge in edges(root, importer, package)
+        if not edge.endswith(f" imports {package}")
+    ]
+
+
 def forbidden_edges(
     root: pathlib.Path,
     forbidden: tuple[tuple[str, str], ...] = FORBIDDEN_EDGES,
@@ -330,7 +368,7 @@ def test_checker_reports_a_planted_kv_hashing_import_outside_its_importers(
             "kv_hashing/planted.py": "import yaml\n",
             "engine_core/kv_cache/hashing.py": "from kv_hashing.block_hasher import BlockHasher\n",
             "engine_core/sched/request.py": "from kv_hashing import block_hasher\n",
-            "api_server/router.py": "from kv_hashing.block_hasher import BlockHasher\n",
+            "api_server/routing/router.py": "from kv_hashing.block_hasher import BlockHasher\n",
             "engine_client/request.py": "import kv_hashing.block_hasher\n",
         },
     )
@@ -376,6 +414,45 @@ def test_packages_keep_their_inner_edges() -> None:
     it, server.py reaches the scheduler only through EngineCore, and sampling needs no model."""
     violations = forbidden_edges(ROOT)
     assert not violations, "\n".join(violations)
+
+
+def test_the_openai_package_reaches_routing_only_through_its_interface() -> None:
+    bypasses = interface_bypasses(ROOT)
+    assert not bypasses, "\n".join(bypasses)
+
+
+def test_checker_reports_a_planted_bypass_of_the_routing_interface(
+    tmp_path: pathlib.Path,
+) -> None:
+    """serving may import what api_server.routing exports; a module inside it, even lazily and
+    relatively, is a bypass; routing importing the protocol types, and the tokenizer importing
+    either package, are forbidden edges."""
+    root = _plant(
+        tmp_path,
+        {
+            "api_server/__init__.py": "",
+            "api_server/routing/__init__.py": "from api_server.routing.engine_pool import X\n",
+            "api_server/routing/engine_pool.py": "",
+            "api_server/routing/router.py": (
+                "def f() -> None:\n    from ..openai.protocol import ChatRequest\n"
+            ),
+            "api_server/openai/__init__.py": "",
+            "api_server/openai/protocol.py": "",
+            "api_server/openai/serving.py": "from api_server.routing import EnginePool\n",
+            "api_server/openai/engine_requests.py": (
+                "def f() -> None:\n    from ..routing import engine_pool\n"
+            ),
+            "api_server/tokenizer/__init__.py": "",
+            "api_server/tokenizer/chat_template.py": "import api_server.openai.protocol\n",
+        },
+    )
+    assert interface_bypasses(root) == [
+        "api_server/openai/engine_requests.py imports api_server.routing.engine_pool"
+    ]
+    assert forbidden_edges(root) == [
+        "api_server/tokenizer/chat_template.py imports api_server.openai.protocol",
+        "api_server/routing/router.py imports api_server.openai.protocol",
+    ]
 
 
 @pytest.mark.parametrize("package", FOLDER_RULES)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from in_process_engine import engine_config, model_runner
 
-from api_server.build_tokenizer import TOKENIZER_DIR
+from api_server.tokenizer.build_tokenizer import TOKENIZER_DIR
 from engine_core.core import EngineCore
 from engine_core.structured.manager import StructuredOutputManager, choice_grammar
 from engine_core.structured.vocabulary import VocabType, _decoding_of, read_tokenizer_vocabulary

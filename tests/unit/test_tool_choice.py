@@ -9,11 +9,11 @@ import json
 import jsonschema
 import pytest
 
-from api_server.chat_output import ChatParsing, OutputPlan, ToolMode
-from api_server.engine_requests import chat_job
-from api_server.errors import ApiError
-from api_server.openai_types import CHAT_DECODER, parse_body
-from api_server.tokenizer import ByteTokenizer
+from api_server.openai.chat_output import ChatParsing, OutputPlan, ToolMode
+from api_server.openai.engine_requests import chat_job
+from api_server.openai.errors import ApiError
+from api_server.openai.protocol import CHAT_DECODER, parse_body
+from api_server.tokenizer.prompt_tokenizer import ByteTokenizer
 from tests.unit.tool_chat_template import TIME_TOOL, TOOL_CHAT_TEMPLATE, TOOLS, WEATHER_TOOL
 
 TOKENIZER = ByteTokenizer(chat_template=TOOL_CHAT_TEMPLATE)
@@ -209,7 +209,7 @@ def test_a_forcing_choice_beside_another_constraint_is_a_400() -> None:
     match neither schema for sure."""
     import msgspec
 
-    from api_server.engine_requests import _apply_plan
+    from api_server.openai.engine_requests import _apply_plan
     from protocol.sampling import StructuredOutputs
 
     job = chat_job(

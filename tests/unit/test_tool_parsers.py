@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api_server.chat_output import ChatOutputParser, OutputPlan, ToolMode
-from api_server.reasoning_parser import ReasoningParser
-from api_server.tool_parsers import TOOL_PARSERS, ParsedDelta
+from api_server.openai.chat_output import ChatOutputParser, OutputPlan, ToolMode
+from api_server.openai.reasoning_parser import ReasoningParser
+from api_server.openai.tool_parsers import TOOL_PARSERS, ParsedDelta
 
 Call = tuple[str, dict]  # a call's name and its parsed arguments
 

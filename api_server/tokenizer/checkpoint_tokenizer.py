@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from api_server.chat_template import ChatTemplate, TemplateCache, TemplateValue
-from api_server.gguf_tokenizer import gguf_tokenizer
+from api_server.tokenizer.chat_template import ChatTemplate, TemplateCache, TemplateValue
+from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Longer texts are encoded through encode_batch, which releases the GIL (encode holds it): a

@@ -10,25 +10,18 @@ full block of the prompt is computed once and shared by reference counts (each c
 preemption, recovery and aborts need no parent/child bookkeeping. This is vLLM v1's choice too (its
 front end's ParentRequest). What is not shared: the prompt's last, partial block, which every
 choice computes itself (it is where they diverge). With several engines, a prompt's choices share
-one ChoiceGroup: the first choice is routed as any request is, and the others follow it to its
-engine (EnginePool.generate), whatever the policy, so they find its blocks there. Without prefix
+one ChoiceGroup (api_server.routing): the first choice is routed as any request is, and the
+others follow it to its engine (EnginePool.generate), whatever the policy, so they find its
+blocks there. Without prefix
 caching (--no-enable-prefix-caching), or with prompt_logprobs (which reads no cache), each choice
 computes the prompt itself.
 """
 
 import hashlib
-from dataclasses import dataclass
 
 from protocol.sampling import SEED_LIMIT
 
 MAX_CHOICES_PER_PROMPT = 128  # n at most: each choice is a request the engine holds; OpenAI's bound
-
-
-@dataclass(slots=True)
-class ChoiceGroup:
-    """The choices of one prompt: where the first was routed, for the others to follow."""
-
-    engine_idx: int | None = None  # None until the first choice is routed
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

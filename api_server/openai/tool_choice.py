@@ -5,7 +5,7 @@ must match, so that its calls always parse and fit their function's parameters.
 
 import json
 
-from api_server.errors import ApiError, bad_param
+from api_server.openai.errors import ApiError, bad_param
 from protocol.sampling import StructuredOutputs
 
 TOOL_CHOICES = ("none", "auto", "required")

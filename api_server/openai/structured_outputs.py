@@ -10,7 +10,7 @@ import re
 
 import msgspec
 
-from api_server.errors import bad_param
+from api_server.openai.errors import bad_param
 from protocol.sampling import (
     MAX_CHOICES,
     MAX_JSON_SCHEMA_DEPTH,

@@ -22,7 +22,7 @@ for the same file, so that ids, text and chat prompts agree with it:
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from api_server.build_tokenizer import byte_alphabet
+from api_server.tokenizer.build_tokenizer import byte_alphabet
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from api_server.chat_output import ChatParsing, OutputPlan
-from api_server.chat_template import COMPILE_ERROR, ChatTemplateError
-from api_server.errors import ApiError, bad_param, quoted
-from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
-from api_server.openai_types import (
+from api_server.openai.chat_output import ChatParsing, OutputPlan
+from api_server.openai.errors import ApiError, bad_param, quoted
+from api_server.openai.generation_config import NO_DEFAULTS, GenerationDefaults
+from api_server.openai.parallel_sampling import choice_seed
+from api_server.openai.protocol import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     ChatCompletionRequest,
@@ -23,8 +23,9 @@ from api_server.openai_types import (
     CompletionRequest,
     JsonValue,
 )
-from api_server.parallel_sampling import ChoiceGroup, choice_seed
-from api_server.tokenizer import PromptTokenizer
+from api_server.routing import ChoiceGroup
+from api_server.tokenizer.chat_template import COMPILE_ERROR, ChatTemplateError
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer
 from protocol.bounds import checked_copy
 from protocol.buffers import pack_int32
 from protocol.client_messages import EngineCoreRequest

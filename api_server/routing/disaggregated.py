@@ -36,7 +36,8 @@ from protocol.client_messages import EngineCoreOutput, EngineCoreRequest, Finish
 from protocol.kv_transfer import KVTransferHandle, KVTransferLayout, describe_pair_mismatch
 
 if TYPE_CHECKING:
-    from api_server.engine_pool import EngineHandle, EnginePool
+    from api_server.routing.engine_handle import EngineHandle
+    from api_server.routing.engine_pool import EnginePool
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class DisaggregatedFlow:
                     last = output
         except EngineDeadError as exc:
             if not isinstance(exc, EngineConnectionLost):
-                engine.is_healthy = False  # the health loop reconnects it
+                engine.record.is_healthy = False  # the health loop reconnects it
             logger.warning(
                 "prefill engine at %s failed %s: %s", engine.address, request.req_id, exc
             )
@@ -207,7 +208,7 @@ class DisaggregatedFlow:
             is_finished = True
             raise
         except EngineDeadError:
-            engine.is_healthy = False
+            engine.record.is_healthy = False
             is_finished = True
             raise
         finally:

@@ -10,21 +10,21 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
-from api_server.build_tokenizer import (
+from api_server.tokenizer.build_tokenizer import (
     CHAT_ROLES,
     END_OF_TURN,
     GENERATION_PROMPT,
     NUM_BYTE_TOKENS,
     TOKENIZER_DIR,
 )
-from api_server.chat_template import (
+from api_server.tokenizer.chat_template import (
     ChatTemplate,
     TemplateCache,
     TemplateValue,
     as_system_if_developer,
     open_final_message,
 )
-from api_server.checkpoint_tokenizer import (
+from api_server.tokenizer.checkpoint_tokenizer import (
     GGUF_SUFFIX,
     SPECIAL_TOKEN_NAMES,
     CheckpointTokenizer,

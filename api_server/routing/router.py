@@ -1,33 +1,37 @@
-"""RequestRouter: the engine each request goes to under `--router-policy`, and the counts /metrics
-shows of its decisions. Pure policy: no sockets, no awaits; the engine pool asks it and reports
-each request's first output and end.
+"""Router: the engine each request goes to under `--router-policy` (a RoutingPolicy), and the
+counts /metrics shows of its decisions, kept in each engine's record. Pure policy: no sockets,
+no awaits; the engine pool asks it and reports each request's first output and end. It is the
+front end's only router: the policies it applies are named for what they weigh.
 
 Policies: `kv` (the engines' own KV events, kv_scorer.py's formula; first-block's rule while no
 engine's events are followed), `first-block` (the engine that last served the prompt's first
-block, PrefixAffinityRouter), `least-loaded` (fewest outstanding tokens) and `round-robin`.
+block, FirstBlockAffinity), `least-loaded` (fewest outstanding tokens) and `round-robin`.
 """
 
 import enum
 from dataclasses import dataclass
 
-from api_server.kv_index import KVBlockIndex, index_key
-from api_server.kv_scorer import EngineLoad, KVScorer, KVScoreWeights, predicted_hit_tokens
-from api_server.router import PrefixAffinityRouter
+from api_server.routing.engine_record import EngineRecord
+from api_server.routing.first_block import FirstBlockAffinity
+from api_server.routing.kv_index import KVBlockIndex, index_key
+from api_server.routing.kv_scorer import KVScorer, KVScoreWeights, predicted_hit_tokens
 from kv_hashing.block_hasher import BlockHasher, BlockHashListWithBlockSize, first_block_extra_keys
 from kv_hashing.hash_params import HashParams
 
 ROUTED_GROUP_IDX = 0  # the KV-cache group whose cached prefix the kv policy weighs
 
 
-class RouterPolicy(enum.Enum):
+class RoutingPolicy(enum.Enum):
+    """The values of `--router-policy`."""
+
     KV = "kv"
     FIRST_BLOCK = "first-block"
     LEAST_LOADED = "least-loaded"
     ROUND_ROBIN = "round-robin"
 
 
-ROUTER_POLICIES = tuple(policy.value for policy in RouterPolicy)
-DEFAULT_ROUTER_POLICY = RouterPolicy.KV
+ROUTING_POLICIES = tuple(policy.value for policy in RoutingPolicy)
+DEFAULT_ROUTING_POLICY = RoutingPolicy.KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,7 @@ class Decision:
     num_prefill_tokens: int  # prompt tokens the load counts as waiting until the first output
     num_tokens: int  # prompt plus the most tokens the request may generate
     num_prompt_tokens: int
-    is_first_block: bool = False  # chosen (and counted) by the first-block router
+    is_first_block: bool = False  # chosen by the first-block policy
 
 
 class RequestHasher:
@@ -60,32 +64,31 @@ class RequestHasher:
         return [index_key(block_hash, ROUTED_GROUP_IDX) for block_hash in view.snapshot()]
 
 
-class RequestRouter:
-    """Chooses an engine per request under one policy and keeps the per-engine load and counts.
+class Router:
+    """Chooses an engine per request under one policy; counts each request in its engine's
+    record (EngineLoad) from the decision to its release, and the decisions and hit predictions
+    in the record too.
 
-    Invariants: `load` counts exactly the decisions not yet released; `decisions[i]` counts the
-    requests sent to engine i; predicted and actual hit tokens are summed over the same requests.
+    Invariants: the records' loads count exactly the decisions not yet released; a record's
+    `num_decisions` counts the requests sent to its engine; predicted and actual hit tokens are
+    summed over the same requests.
     """
 
     def __init__(
         self,
-        num_engines: int,
+        records: list[EngineRecord],
         block_size: int,
-        policy: RouterPolicy = DEFAULT_ROUTER_POLICY,
+        policy: RoutingPolicy = DEFAULT_ROUTING_POLICY,
         weights: KVScoreWeights | None = None,
     ) -> None:
-        self.num_engines = num_engines
+        self.records = records
+        self.num_engines = len(records)
         self.policy = policy
         self.block_size = block_size
         self.weights = weights or KVScoreWeights()
-        self.first_block = PrefixAffinityRouter(num_engines, block_size)
-        self.load = EngineLoad(num_engines)
+        self.first_block = FirstBlockAffinity(records, block_size)
         self.hasher: RequestHasher | None = None  # once the engines announced their HashParams
         self.scorer = KVScorer(self.weights, block_size)
-        self.decisions = [0] * num_engines
-        self.num_predicted = [0] * num_engines  # requests whose hit was predicted and measured
-        self.predicted_hit_tokens = [0] * num_engines  # summed over those requests
-        self.actual_hit_tokens = [0] * num_engines  # the engines' num_cached_tokens, likewise
         self._next_round_robin = 0
 
     def choose(
@@ -111,12 +114,12 @@ class RequestRouter:
         num_cached = [0] * self.num_engines
         if index is not None:
             num_cached = [index.num_blocks(idx) for idx in range(self.num_engines)]
-        is_first_block = self.policy is RouterPolicy.FIRST_BLOCK or (
-            self.policy is RouterPolicy.KV and not has_index
+        is_first_block = self.policy is RoutingPolicy.FIRST_BLOCK or (
+            self.policy is RoutingPolicy.KV and not has_index
         )
         if is_first_block:  # kv with no engine indexed falls back to first-block's guess
             is_available = [idx in candidates for idx in range(self.num_engines)]
-            engine_idx = self.first_block.choose(prompt_token_ids, num_tokens, is_available)
+            engine_idx = self.first_block.choose(prompt_token_ids, is_available)
         else:
             engine_idx = self._pick(prompt_token_ids, candidates, weighted, num_cached)
         predicted = None
@@ -125,8 +128,7 @@ class RequestRouter:
             predicted = predicted_hit_tokens(weighted[engine_idx], self.block_size, num_prompt)
         num_prefill = len(prompt_token_ids) - (predicted or 0)
         num_prompt = len(prompt_token_ids)
-        self.load.add(engine_idx, num_prefill, num_prompt, num_tokens)
-        self.decisions[engine_idx] += 1
+        self._count(engine_idx, num_prefill, num_prompt, num_tokens)
         return Decision(engine_idx, predicted, num_prefill, num_tokens, num_prompt, is_first_block)
 
     def follow(self, engine_idx: int, prompt_token_ids: list[int], num_tokens: int) -> Decision:
@@ -135,9 +137,16 @@ class RequestRouter:
         if not 0 <= engine_idx < self.num_engines:
             raise ValueError(f"engine {engine_idx}: expected 0..{self.num_engines - 1}")
         num_prompt = len(prompt_token_ids)
-        self.load.add(engine_idx, num_prompt, num_prompt, num_tokens)
-        self.decisions[engine_idx] += 1
+        self._count(engine_idx, num_prompt, num_prompt, num_tokens)
         return Decision(engine_idx, None, num_prompt, num_tokens, num_prompt)
+
+    def _count(
+        self, engine_idx: int, num_prefill_tokens: int, num_prompt_tokens: int, num_tokens: int
+    ) -> None:
+        """A request goes to `engine_idx`: it waits there until its first output."""
+        record = self.records[engine_idx]
+        record.load.add(num_prefill_tokens, num_prompt_tokens, num_tokens)
+        record.num_decisions += 1
 
     def choose_by_load(
         self, prompt_token_ids: list[int], num_tokens: int, is_available: list[bool]
@@ -148,18 +157,17 @@ class RequestRouter:
         candidates = [idx for idx in range(self.num_engines) if is_available[idx]]
         if not candidates:
             raise LookupError(f"no engine available among {self.num_engines}")
-        load = self.load
+        loads = [record.load for record in self.records]
         engine_idx = min(
             candidates,
             key=lambda idx: (
-                load.scored_running_decodes(idx) + load.num_waiting[idx],
-                load.outstanding_tokens[idx],
+                loads[idx].scored_running_decodes + loads[idx].num_waiting,
+                loads[idx].outstanding_tokens,
                 idx,
             ),
         )
         num_prompt = len(prompt_token_ids)
-        load.add(engine_idx, num_prompt, num_prompt, num_tokens)
-        self.decisions[engine_idx] += 1
+        self._count(engine_idx, num_prompt, num_prompt, num_tokens)
         return Decision(engine_idx, None, num_prompt, num_tokens, num_prompt)
 
     def _pick(
@@ -170,37 +178,34 @@ class RequestRouter:
         num_cached: list[int],
     ) -> int:
         """The engine under kv (with an index), least-loaded or round-robin."""
-        outstanding = self.load.outstanding_tokens
+        outstanding = [record.load.outstanding_tokens for record in self.records]
         match self.policy:
-            case RouterPolicy.KV:
+            case RoutingPolicy.KV:
                 num_prompt = len(prompt_token_ids)
-                return self.scorer.choose(weighted, num_prompt, self.load, candidates, num_cached)
-            case RouterPolicy.LEAST_LOADED:
+                records = self.records
+                return self.scorer.choose(weighted, num_prompt, records, candidates, num_cached)
+            case RoutingPolicy.LEAST_LOADED:
                 return min(candidates, key=lambda idx: (outstanding[idx], idx))
-            case RouterPolicy.ROUND_ROBIN:
+            case RoutingPolicy.ROUND_ROBIN:
                 start = self._next_round_robin
                 engine_idx = min(candidates, key=lambda idx: (idx - start) % self.num_engines)
                 self._next_round_robin = (engine_idx + 1) % self.num_engines
                 return engine_idx
-            case RouterPolicy.FIRST_BLOCK:
+            case RoutingPolicy.FIRST_BLOCK:
                 raise AssertionError("first-block decisions are taken in choose()")
 
     def on_first_output(self, decision: Decision, num_cached_tokens: int) -> None:
         """The request's prefill ended; the engine served `num_cached_tokens` from its cache."""
-        self.load.start_decoding(
-            decision.engine_idx, decision.num_prefill_tokens, decision.num_prompt_tokens
-        )
+        record = self.records[decision.engine_idx]
+        record.load.start_decoding(decision.num_prefill_tokens, decision.num_prompt_tokens)
         if decision.predicted_hit_tokens is not None:
-            self.num_predicted[decision.engine_idx] += 1
-            self.predicted_hit_tokens[decision.engine_idx] += decision.predicted_hit_tokens
-            self.actual_hit_tokens[decision.engine_idx] += num_cached_tokens
+            record.num_predicted += 1
+            record.predicted_hit_tokens += decision.predicted_hit_tokens
+            record.actual_hit_tokens += num_cached_tokens
 
     def release(self, decision: Decision, is_decoding: bool) -> None:
         """The request ended: after its first output when `is_decoding`, else before it."""
-        if decision.is_first_block:
-            self.first_block.release(decision.engine_idx, decision.num_tokens)
-        self.load.remove(
-            decision.engine_idx,
+        self.records[decision.engine_idx].load.remove(
             decision.num_prefill_tokens,
             decision.num_prompt_tokens,
             decision.num_tokens,
@@ -208,8 +213,10 @@ class RequestRouter:
         )
 
     def check_invariants(self) -> None:
-        self.load.check_invariants()
+        for record in self.records:
+            record.load.check_invariants(record.engine_idx)
+            assert record.num_decisions >= record.num_predicted, (
+                f"engine {record.engine_idx}: {record.num_predicted} predictions for "
+                f"{record.num_decisions} decisions"
+            )
         self.first_block.check_invariants()
-        assert sum(self.decisions) >= sum(self.num_predicted), (
-            f"{sum(self.num_predicted)} predictions for {sum(self.decisions)} decisions"
-        )

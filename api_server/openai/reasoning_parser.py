@@ -5,7 +5,7 @@ never holds back more than a tag's length of text.
 
 from dataclasses import dataclass
 
-from api_server.tool_parsers.tool_parser import held_prefix_len
+from api_server.openai.tool_parsers.tool_parser import held_prefix_len
 
 START_TAG = "<think>"
 END_TAG = "</think>"

@@ -7,17 +7,17 @@ parsed from the content after it.
 import enum
 from dataclasses import dataclass
 
-from api_server.errors import bad_param
-from api_server.reasoning_parser import ReasoningDelta, ReasoningParser
-from api_server.tool_choice import (
+from api_server.openai.errors import bad_param
+from api_server.openai.reasoning_parser import ReasoningDelta, ReasoningParser
+from api_server.openai.tool_choice import (
     REQUIRED_ARGUMENTS_KEY,
     check_tool_choice,
     forced_constraint,
     named_function,
 )
-from api_server.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolCallDelta, ToolParser
-from api_server.tool_parsers.json_calls import JsonArrayToolParser
-from api_server.tool_parsers.tool_parser import new_tool_call_id
+from api_server.openai.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolCallDelta, ToolParser
+from api_server.openai.tool_parsers.json_calls import JsonArrayToolParser
+from api_server.openai.tool_parsers.tool_parser import new_tool_call_id
 from protocol.sampling import StructuredOutputs
 
 JsonObject = dict[str, object]

@@ -10,15 +10,14 @@ import contextlib
 import logging
 import time
 import zlib
-from collections import deque
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from api_server.kv_index import KVBlockIndex, Offer
+from api_server.routing.engine_record import EngineRecord, StreamSource
+from api_server.routing.kv_index import KVBlockIndex, Offer
 from engine_client.connection import connect_to_engine
 from protocol.codec import kv_event_decoder
 from protocol.config import CurveKeys
@@ -31,7 +30,6 @@ END_OF_REPLAY = -1  # the seq of a replay's last answer
 PROBE_INTERVAL_S = 1.0  # a stream quiet this long is asked for a replay from its next seq
 REPLAY_TIMEOUT_S = 5.0  # the longest wait for one frame of a replay answer
 DEFAULT_SILENT_LIMIT_S = 5.0  # a stream that answers nothing this long is routed by load alone
-RECENT_BATCHES = 1024  # digests kept to tell a late duplicate from a restarted publisher
 WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 
 
@@ -51,25 +49,17 @@ def subscribable_endpoint(bound: str, engine_address: str) -> str:
     return f"tcp://{engine_host}:{port}"
 
 
-@dataclass(frozen=True, slots=True)
-class StreamSource:
-    """Where one engine publishes: endpoints to connect to, and the topic."""
-
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str
-
-
 class KVEventSubscriber:
     """One follower task per engine, all applying to `index` on the event loop (so no lock).
 
-    Invariants: `is_silent[i]` is True until engine i's stream first answers, and again once it
-    has answered nothing for `silent_limit_s`; `_sources[i]` is the source engine i's task follows.
+    Each engine's stream state (its source and task, silence, replay, gap and restart counts,
+    and the digests of the batches applied last) is its record's `kv_events`; KVEventStream states
+    the invariants.
     """
 
     def __init__(
         self,
-        num_engines: int,
+        records: list[EngineRecord],
         curve: CurveKeys | None = None,
         silent_limit_s: float = DEFAULT_SILENT_LIMIT_S,
         probe_interval_s: float = PROBE_INTERVAL_S,
@@ -79,45 +69,32 @@ class KVEventSubscriber:
                 f"silent limit {silent_limit_s} s, probe interval {probe_interval_s} s: "
                 "expected > 0"
             )
-        self.index = KVBlockIndex(num_engines)
+        self.records = records
+        self.index = KVBlockIndex(records)
         self.curve = curve
         self.silent_limit_s = silent_limit_s
         self.probe_interval_s = probe_interval_s
-        self.is_silent = [True] * num_engines
-        self.num_silences = [0] * num_engines  # times a stream fell silent after answering
-        self.num_replays = [0] * num_engines  # replay requests sent
-        self.num_gaps = [0] * num_engines  # gaps the live stream showed
-        self.num_lost_batches = [0] * num_engines  # gone from the replay buffer for good
-        self.num_restarts = [0] * num_engines  # publishers seen starting over
-        self.num_to_drop = [0] * num_engines  # test hook: live batches still to drop
         self._decoder = kv_event_decoder()
-        self._recent: list[deque[tuple[int, int]]] = [
-            deque(maxlen=RECENT_BATCHES) for _ in range(num_engines)
-        ]  # (seq, crc32 of payload) of the batches applied last
-        self._sources: list[StreamSource | None] = [None] * num_engines
-        self._tasks: list[asyncio.Task[None] | None] = [None] * num_engines
         self._ctx = zmq.asyncio.Context()
 
     def follow(self, engine_idx: int, source: StreamSource) -> None:
         """Follow engine `engine_idx` at `source`; a changed source restarts its task."""
-        if self._sources[engine_idx] == source and self._tasks[engine_idx] is not None:
+        stream = self.records[engine_idx].kv_events
+        if stream.source == source and stream.task is not None:
             return
         self._stop(engine_idx)
-        self._sources[engine_idx] = source
-        self._tasks[engine_idx] = asyncio.ensure_future(self._follow(engine_idx, source))
-
-    def is_following(self, engine_idx: int) -> bool:
-        return self._tasks[engine_idx] is not None
+        stream.source = source
+        stream.task = asyncio.ensure_future(self._follow(engine_idx, source))
 
     def _stop(self, engine_idx: int) -> None:
-        task = self._tasks[engine_idx]
-        if task is not None:
-            task.cancel()
-        self._tasks[engine_idx] = None
+        stream = self.records[engine_idx].kv_events
+        if stream.task is not None:
+            stream.task.cancel()
+        stream.task = None
 
     async def close(self) -> None:
-        tasks = [task for task in self._tasks if task is not None]
-        for engine_idx in range(len(self._tasks)):
+        tasks = [record.kv_events.task for record in self.records if record.kv_events.task]
+        for engine_idx in range(len(self.records)):
             self._stop(engine_idx)
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -159,16 +136,18 @@ class KVEventSubscriber:
                 replay.close(linger=0)
 
     def _heard(self, engine_idx: int) -> float:
-        if self.is_silent[engine_idx]:
+        stream = self.records[engine_idx].kv_events
+        if stream.is_silent:
             logger.info("engine %d's KV events answer: its cache counts in routing", engine_idx)
-            self.is_silent[engine_idx] = False
+            stream.is_silent = False
         return time.monotonic()
 
     def _check_silence(self, engine_idx: int, last_heard_s: float) -> None:
         silent_s = time.monotonic() - last_heard_s
-        if not self.is_silent[engine_idx] and silent_s > self.silent_limit_s:
-            self.is_silent[engine_idx] = True
-            self.num_silences[engine_idx] += 1
+        stream = self.records[engine_idx].kv_events
+        if not stream.is_silent and silent_s > self.silent_limit_s:
+            stream.is_silent = True
+            stream.num_silences += 1
             logger.warning(
                 "engine %d's KV events silent for %.1f s: routed by load alone until they resume",
                 engine_idx,
@@ -180,26 +159,25 @@ class KVEventSubscriber:
         if len(frames) != 3 or len(frames[1]) != SEQ_SIZE_BYTES:
             logger.warning("engine %d sent a KV-event frame of %d parts", engine_idx, len(frames))
             return False
-        if self.num_to_drop[engine_idx] > 0:
-            self.num_to_drop[engine_idx] -= 1
-            return False
+        stream = self.records[engine_idx].kv_events
         seq = int.from_bytes(frames[1], "big")
         if self._is_restart(engine_idx, seq, frames[2]):
-            self.num_restarts[engine_idx] += 1
+            stream.num_restarts += 1
             logger.info("engine %d's KV events started over at seq %d", engine_idx, seq)
             self.index.restart(engine_idx)
-            self._recent[engine_idx].clear()
+            stream.recent.clear()
         outcome = self._offer(engine_idx, seq, frames[2])
         if outcome is Offer.GAP:
-            self.num_gaps[engine_idx] += 1
+            stream.num_gaps += 1
         return outcome is Offer.GAP
 
     def _is_restart(self, engine_idx: int, seq: int, payload: bytes) -> bool:
         """A live batch behind the index is either one a replay already applied (same payload)
         or the first batches of a new publisher, which counts from 0 again."""
-        if seq >= self.index.next_seq[engine_idx]:
+        stream = self.records[engine_idx].kv_events
+        if seq >= stream.next_seq:
             return False
-        return (seq, zlib.crc32(payload)) not in self._recent[engine_idx]
+        return (seq, zlib.crc32(payload)) not in stream.recent
 
     def _offer(self, engine_idx: int, seq: int, payload: bytes) -> Offer:
         try:
@@ -209,14 +187,15 @@ class KVEventSubscriber:
             return Offer.STALE
         outcome = self.index.offer(engine_idx, seq, batch)
         if outcome is Offer.APPLIED:
-            self._recent[engine_idx].append((seq, zlib.crc32(payload)))
+            self.records[engine_idx].kv_events.recent.append((seq, zlib.crc32(payload)))
         return outcome
 
     async def _replay(self, engine_idx: int, replay: zmq.asyncio.Socket) -> bool:
         """vLLM's replay from the index's next seq: send (b"", seq), apply each (b"", topic, seq,
         payload) until the -1 marker. Whether the end marker came within the deadlines."""
-        start_seq = self.index.next_seq[engine_idx]
-        self.num_replays[engine_idx] += 1
+        stream = self.records[engine_idx].kv_events
+        start_seq = stream.next_seq
+        stream.num_replays += 1
         try:
             request = (b"", start_seq.to_bytes(SEQ_SIZE_BYTES, "big", signed=True))
             await replay.send_multipart(request, flags=zmq.NOBLOCK)
@@ -235,8 +214,8 @@ class KVEventSubscriber:
                 return True
             if self._offer(engine_idx, seq, frames[3]) is Offer.GAP:
                 # the engine no longer keeps what came before seq: take the stream from here
-                num_lost = seq - self.index.next_seq[engine_idx]
-                self.num_lost_batches[engine_idx] += num_lost
+                num_lost = seq - stream.next_seq
+                stream.num_lost_batches += num_lost
                 logger.warning(
                     "engine %d's replay starts at seq %d: %d batches lost, its index may miss "
                     "blocks until they are used again",

@@ -1,7 +1,8 @@
 """Builds the shipped byte-level tokenizer (tokenizer_files/) with the `tokenizers` library.
 
-Ids 0-255 are the UTF-8 bytes, the special tokens follow. Run `python -m api_server.build_tokenizer`
-after changing SPECIAL_TOKENS or the chat template; it never edits anything outside its folder.
+Ids 0-255 are the UTF-8 bytes, the special tokens follow. Run
+`python -m api_server.tokenizer.build_tokenizer` after changing SPECIAL_TOKENS or the chat
+template; it never edits anything outside its folder.
 """
 
 import argparse
@@ -25,7 +26,8 @@ SPECIAL_TOKENS = (
 CHAT_ROLES = ("system", "user", "assistant")
 END_OF_TURN = "<|end|>"
 GENERATION_PROMPT = "<|assistant|>"
-# One turn is `<|role|>content<|end|>`; api_server/tokenizer.py renders the same text in Python.
+# One turn is `<|role|>content<|end|>`; api_server/tokenizer/prompt_tokenizer.py renders the
+# same text in Python.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"

@@ -3,7 +3,7 @@ Qwen2.5 and Qwen3 write them. Text outside the tags is content; blank text betwe
 calls is dropped.
 """
 
-from api_server.tool_parsers.tool_parser import (
+from api_server.openai.tool_parsers.tool_parser import (
     CallAssembler,
     ParsedDelta,
     ToolParser,

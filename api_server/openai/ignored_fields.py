@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import msgspec
 from msgspec import inspect
 
-from api_server.errors import quoted
+from api_server.openai.errors import quoted
 
 logger = logging.getLogger(__name__)
 

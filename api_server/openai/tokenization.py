@@ -5,10 +5,10 @@ end's tokenizer alone and never reach an engine.
 
 import msgspec
 
-from api_server.engine_requests import chat_prompt_ids
-from api_server.errors import bad_param
-from api_server.openai_types import ChatMessage, JsonValue, check_continuation
-from api_server.tokenizer import PromptTokenizer
+from api_server.openai.engine_requests import chat_prompt_ids
+from api_server.openai.errors import bad_param
+from api_server.openai.protocol import ChatMessage, JsonValue, check_continuation
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

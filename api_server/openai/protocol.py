@@ -8,10 +8,10 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from api_server.errors import ApiError, bad_param, decode_error, quoted
-from api_server.ignored_fields import IgnoredFields
-from api_server.parallel_sampling import MAX_CHOICES_PER_PROMPT
-from api_server.structured_outputs import (
+from api_server.openai.errors import ApiError, bad_param, decode_error, quoted
+from api_server.openai.ignored_fields import IgnoredFields
+from api_server.openai.parallel_sampling import MAX_CHOICES_PER_PROMPT
+from api_server.openai.structured_outputs import (
     MAX_JSON_SCHEMA_DEPTH,
     ResponseFormat,
     StructuredOutputsRequest,
@@ -83,7 +83,7 @@ class _GenerationRequest(_Lenient, kw_only=True):
     bad_words: list[str] | None = None  # vLLM's: words the output never contains
     use_beam_search: bool = False  # vLLM's: false
     truncate_prompt_tokens: int | None = None  # vLLM's: null
-    # vLLM's structured outputs, new spelling and old (api_server/structured_outputs.py)
+    # vLLM's structured outputs, new spelling and old (api_server/openai/structured_outputs.py)
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: msgspec.Raw = msgspec.Raw()  # a schema, as an object or its JSON text
     guided_regex: str | None = None

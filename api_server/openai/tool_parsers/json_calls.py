@@ -4,7 +4,7 @@ MistralToolParser, `[TOOL_CALLS][{...}, ...]`; with no tag, the array that tool_
 reply that opens with `{`). Text before the calls is content; so is text after them, unless blank.
 """
 
-from api_server.tool_parsers.tool_parser import (
+from api_server.openai.tool_parsers.tool_parser import (
     STABLE,
     CallAssembler,
     ContentScanner,

@@ -2,13 +2,15 @@
 engine's KV-event stream in sequence order. Pure state: no sockets, no awaits, no clock.
 
 The subscriber (kv_event_subscriber.py) feeds it batches; the router asks it how long a prefix
-of a request each engine holds.
+of a request each engine holds. Each engine's slice (its keys, its next seq, its counts) lives in
+its EngineRecord's `kv_events`; the index keeps only the map from a key to its holders.
 """
 
 import enum
 import logging
 from collections.abc import Sequence
 
+from api_server.routing.engine_record import EngineRecord
 from protocol.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -34,68 +36,68 @@ def index_key(block_hash: bytes, group_idx: int | None) -> bytes:
 
 
 class KVBlockIndex:
-    """Which of `num_engines` engines hold each block, from their events, by medium.
+    """Which of the engines of `records` hold each block, from their events, by medium.
 
     Invariants: `_media[key][engine_idx]` is a non-empty set exactly when `key` is in
-    `_keys[engine_idx]`; `next_seq[i]` is one past the last batch applied for engine i (0 before
-    any). Decisions read only this state, so equal event streams give equal answers.
+    `records[engine_idx].kv_events.keys`; that record's `next_seq` is one past the last batch
+    applied for the engine (0 before any). Decisions read only this state, so equal event
+    streams give equal answers.
     """
 
-    def __init__(self, num_engines: int) -> None:
-        if num_engines < 1:
-            raise ValueError(f"index over {num_engines} engines: expected at least one")
-        self.num_engines = num_engines
-        self.next_seq = [0] * num_engines
-        self.num_batches = [0] * num_engines  # applied
-        self.num_clears = [0] * num_engines  # AllBlocksCleared applied, and restarts seen
-        self.num_unknown_removals = [0] * num_engines  # BlockRemoved of a key not held
-        self._keys: list[set[bytes]] = [set() for _ in range(num_engines)]
+    def __init__(self, records: list[EngineRecord]) -> None:
+        if not records:
+            raise ValueError("index over 0 engines: expected at least one")
+        self.records = records
+        self.num_engines = len(records)
         self._media: dict[bytes, dict[int, set[str]]] = {}  # key -> engine_idx -> media
 
     def offer(self, engine_idx: int, seq: int, batch: KVEventBatch) -> Offer:
         """Apply batch `seq` of an engine if it is the next one."""
-        expected = self.next_seq[engine_idx]
-        if seq < expected:
+        stream = self.records[engine_idx].kv_events
+        if seq < stream.next_seq:
             return Offer.STALE
-        if seq > expected:
+        if seq > stream.next_seq:
             return Offer.GAP
         for event in batch.events:
             self._apply(engine_idx, event)
-        self.next_seq[engine_idx] = seq + 1
-        self.num_batches[engine_idx] += 1
+        stream.next_seq = seq + 1
+        stream.num_batches += 1
         return Offer.APPLIED
 
     def skip_to(self, engine_idx: int, seq: int) -> None:
         """Accept that the batches before `seq` are lost for good (the engine's replay buffer no
         longer holds them): what they stored may stay unknown until it is used again."""
-        if seq < self.next_seq[engine_idx]:
+        stream = self.records[engine_idx].kv_events
+        if seq < stream.next_seq:
             raise ValueError(f"skip of engine {engine_idx} back to seq {seq}: it is past it")
-        self.next_seq[engine_idx] = seq
+        stream.next_seq = seq
 
     def restart(self, engine_idx: int) -> None:
         """The engine's publisher started over (a new engine process): forget all it held and
         expect its stream from seq 0."""
         self.clear(engine_idx)
-        self.next_seq[engine_idx] = 0
+        self.records[engine_idx].kv_events.next_seq = 0
 
     def clear(self, engine_idx: int) -> None:
         """Forget every block of one engine, as its AllBlocksCleared says."""
-        for key in self._keys[engine_idx]:
+        stream = self.records[engine_idx].kv_events
+        for key in stream.keys:
             holders = self._media[key]
             del holders[engine_idx]
             if not holders:
                 del self._media[key]
-        self._keys[engine_idx] = set()
-        self.num_clears[engine_idx] += 1
+        stream.keys = set()
+        stream.num_clears += 1
 
     def _apply(self, engine_idx: int, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         match event:
             case BlockStored():
                 medium = event.medium or MEDIUM_GPU
+                keys = self.records[engine_idx].kv_events.keys
                 for block_hash in event.block_hashes:
                     key = index_key(block_hash, event.group_idx)
                     self._media.setdefault(key, {}).setdefault(engine_idx, set()).add(medium)
-                    self._keys[engine_idx].add(key)
+                    keys.add(key)
             case BlockRemoved():
                 medium = event.medium or MEDIUM_GPU
                 for block_hash in event.block_hashes:
@@ -104,24 +106,25 @@ class KVBlockIndex:
                 self.clear(engine_idx)
 
     def _remove(self, engine_idx: int, key: bytes, medium: str) -> None:
+        stream = self.records[engine_idx].kv_events
         media = self._media.get(key, {}).get(engine_idx)
         if media is None or medium not in media:
-            self.num_unknown_removals[engine_idx] += 1  # a batch lost for good stored it
+            stream.num_unknown_removals += 1  # a batch lost for good stored it
             return
         media.discard(medium)
         if not media:
             del self._media[key][engine_idx]
             if not self._media[key]:
                 del self._media[key]
-            self._keys[engine_idx].discard(key)
+            stream.keys.discard(key)
 
     def num_blocks(self, engine_idx: int) -> int:
         """Keys the engine holds on any medium."""
-        return len(self._keys[engine_idx])
+        return len(self.records[engine_idx].kv_events.keys)
 
     def engine_keys(self, engine_idx: int) -> set[bytes]:
         """A copy of the keys the engine holds: what its get_cached_block_hashes should match."""
-        return set(self._keys[engine_idx])
+        return set(self.records[engine_idx].kv_events.keys)
 
     def prefix_hits(
         self, keys: Sequence[bytes], medium_weights: dict[str, float] = DEFAULT_MEDIUM_WEIGHTS
@@ -151,8 +154,10 @@ class KVBlockIndex:
             assert holders, f"key {key.hex()} held by no engine"
             for engine_idx, media in holders.items():
                 assert media, f"key {key.hex()} on engine {engine_idx} with no medium"
-                assert key in self._keys[engine_idx], f"key {key.hex()} not listed for {engine_idx}"
-        for engine_idx, keys in enumerate(self._keys):
-            stray = [key.hex() for key in keys if engine_idx not in self._media.get(key, {})]
+                is_listed = key in self.records[engine_idx].kv_events.keys
+                assert is_listed, f"key {key.hex()} not listed for {engine_idx}"
+        for engine_idx, record in enumerate(self.records):
+            stream = record.kv_events
+            stray = [key.hex() for key in stream.keys if engine_idx not in self._media.get(key, {})]
             assert not stray, f"engine {engine_idx} lists keys it holds on no medium: {stray}"
-            assert self.next_seq[engine_idx] >= 0, f"engine {engine_idx} seq {self.next_seq}"
+            assert stream.next_seq >= 0, f"engine {engine_idx} seq {stream.next_seq}"

@@ -6,7 +6,7 @@ prompt's logprobs in vLLM's prompt_logprobs shape.
 
 import math
 
-from api_server.tokenizer import PromptTokenizer
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer
 from protocol.client_messages import TokenLogprobs
 
 # JSON has no -inf (a token the filters could never draw still has a logprob); vLLM clamps so too

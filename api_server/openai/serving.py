@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from api_server.chat_output import ChatOutputParser
-from api_server.engine_pool import EnginePool
-from api_server.engine_requests import EngineJob, engine_refusal
-from api_server.errors import ApiError
-from api_server.generation_config import NO_DEFAULTS, GenerationDefaults
-from api_server.logprobs import ChoiceLogprobs, prompt_logprobs_json
-from api_server.metrics import TokenLatency
-from api_server.stop_strings import StopStringMatcher
-from api_server.tokenizer import PromptTokenizer, TextDetokenizer
+from api_server.openai.chat_output import ChatOutputParser
+from api_server.openai.engine_requests import EngineJob, engine_refusal
+from api_server.openai.errors import ApiError
+from api_server.openai.generation_config import NO_DEFAULTS, GenerationDefaults
+from api_server.openai.logprobs import ChoiceLogprobs, prompt_logprobs_json
+from api_server.openai.stop_strings import StopStringMatcher
+from api_server.openai.token_latency import TokenLatency
+from api_server.routing import EnginePool
+from api_server.tokenizer.prompt_tokenizer import PromptTokenizer, TextDetokenizer
 from engine_client.errors import EngineConnectionLost, EngineDeadError, FrameTooLargeError
 from protocol.client_messages import EngineCoreOutput, FinishReason, TokenLogprobs
 
