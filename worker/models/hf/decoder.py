@@ -52,6 +52,7 @@ class HFDecoder:
         dtype: torch.dtype,
         attention_backend: AttentionBackend = ReferenceAttention,
         layer_ops: LayerOps | None = None,  # None: the device's (layer_ops_for)
+        max_model_len: int | None = None,  # the engine's; None: max_position_embeddings
     ) -> None:
         self.config = config
         self.attention_backend = attention_backend
@@ -62,7 +63,9 @@ class HFDecoder:
         self.vocab_size = config.vocab_size
         self.shard = RankShard.of(config, tp_group.rank, tp_group.tp_size)
         self.weights = load_rank_weights(config, self.shard, device, dtype)
-        self.rotary = Rotary(config.rope, config.head_dim, device)
+        # longrope picks its factor set by the longest sequence served (rope.Rotary)
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.rotary = Rotary(config.rope, config.head_dim, device, self.max_model_len)
         # Gemma 3's sliding layers rotate with their own rope (a local theta, unscaled)
         self.sliding_rotary = (
             None
