@@ -24,6 +24,7 @@ from worker.attention_backends.backend import AttentionBackend, StepAttention
 from worker.attention_backends.reference import ReferenceAttention
 from worker.distributed import TPGroup
 from worker.models.hf.config import HFConfig
+from worker.models.hf.fp8_linear import FP8_DTYPE
 from worker.models.hf.kv_groups import layer_name
 from worker.models.hf.layer_ops import LayerOps, TorchLayerOps, gemma_rms_norm, layer_ops_for
 from worker.models.hf.linear import linear
@@ -84,8 +85,12 @@ class HFDecoder:
         return self.weights.num_bytes()
 
     def check_invariants(self) -> None:
-        """Every layer holds exactly this rank's shard, in the compute dtype, on the device."""
+        """Every layer holds exactly this rank's shard, in the compute dtype (or, kept in fp8,
+        float8 weights with float32 scales), on the device."""
         cfg, shard, hd = self.config, self.shard, self.config.head_dim
+        dtypes = {self.dtype}
+        if cfg.quantization is not None:
+            dtypes |= {FP8_DTYPE, torch.float32}
         q_rows, kv_rows = shard.num_heads_per_rank * hd, shard.num_kv_heads_per_rank * hd
         for idx, layer in enumerate(self.weights.layers):
             shapes = {
@@ -98,9 +103,9 @@ class HFDecoder:
                     f"layer {idx} {name} is {tuple(shape)}, not {expected}"
                 )
             for tensor in layer.tensors():
-                assert tensor.dtype == self.dtype and tensor.device.type == self.device.type, (
+                assert tensor.dtype in dtypes and tensor.device.type == self.device.type, (
                     f"layer {idx} holds a {tensor.dtype} tensor on {tensor.device}, expected "
-                    f"{self.dtype} on {self.device}"
+                    f"{sorted(map(str, dtypes))} on {self.device}"
                 )
 
     def _mlp_shapes(self, layer: LayerWeights) -> dict[str, tuple[torch.Size, tuple[int, int]]]:
