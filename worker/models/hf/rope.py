@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from worker.models.hf.config import RopeConfig
+from worker.models.hf.rope_config import RopeConfig
 
 
 def _base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
