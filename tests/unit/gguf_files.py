@@ -6,6 +6,7 @@ only dequantizes K-quants).
 """
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -277,9 +278,28 @@ ARCH_CONFIGS = {
 GEMMA_ARCHS = ("gemma2", "gemma3")
 
 
-def arch_model(arch: str, seed: int) -> transformers.PreTrainedModel:
-    """The random float32 model a file of `arch` is written from (Gemma's norms random too)."""
-    fields = {**ARCH_SHAPE, **ARCH_FIELDS[arch]}
+def _qtype(is_embedding: bool, values: np.ndarray) -> T:
+    """A file's type for a tensor: vectors in F32, the embedding in F16, matrices in Q8_0."""
+    return T.F32 if values.ndim == 1 else T.F16 if is_embedding else T.Q8_0
+
+
+def round_tripped(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """`model` with every weight quantized and dequantized as write_arch_gguf stores it: the
+    reference for a file transformers cannot read as written."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            values = param.detach().float().numpy()
+            qtype = _qtype(name == "model.embed_tokens.weight", values)
+            rows = values.reshape(-1, values.shape[-1])
+            restored = gguf.quants.dequantize(quantize(rows, qtype), qtype)
+            param.copy_(torch.from_numpy(np.asarray(restored, dtype=np.float32)).view_as(param))
+    return model
+
+
+def arch_model(arch: str, seed: int, **fields: object) -> transformers.PreTrainedModel:
+    """The random float32 model a file of `arch` is written from (ARCH_FIELDS[arch] overridden
+    by `fields`; Gemma's norms random too)."""
+    fields = {**ARCH_SHAPE, **ARCH_FIELDS[arch], **fields}
     config = ARCH_CONFIGS[arch](**fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -321,11 +341,17 @@ def _arch_tensors(arch: str, model: transformers.PreTrainedModel) -> dict[str, n
     return out
 
 
-def write_arch_gguf(path: Path, arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+def write_arch_gguf(
+    path: Path,
+    arch: str,
+    seed: int = 0,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    **fields: object,
+) -> transformers.PreTrainedModel:
     """A random model of `arch` as llama.cpp would convert it, to `path`: matrices in Q8_0, the
-    embedding in F16, vectors in F32, Gemma's and Qwen3-MoE's metadata beside the common keys.
-    The model it came from, for references where transformers cannot read the file."""
-    model = arch_model(arch, seed)
+    embedding in F16, vectors in F32, Gemma's and Qwen3-MoE's metadata beside the common keys,
+    and `extra_tensors` (llama.cpp's names) as given. The model it came from."""
+    model = arch_model(arch, seed, **fields)
     config = model.config
     bpe = json.loads(train_tokenizer().to_str())["model"]
     tokens = [token for token, _ in sorted(bpe["vocab"].items(), key=lambda item: item[1])]
@@ -350,6 +376,17 @@ def write_arch_gguf(path: Path, arch: str, seed: int = 0) -> transformers.PreTra
         if arch == "gemma2":
             writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3: factors as tensors
+        extra_tensors = dict(extra_tensors or {})
+        for kind in ("long", "short"):
+            extra_tensors[f"rope_factors_{kind}.weight"] = np.array(
+                rope[f"{kind}_factor"], dtype=np.float32
+            )
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
     if arch == "qwen3moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -363,8 +400,8 @@ def write_arch_gguf(path: Path, arch: str, seed: int = 0) -> transformers.PreTra
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_pad_token_id(config.pad_token_id)
     writer.add_chat_template(CHATML)
-    for name, values in _arch_tensors(arch, model).items():
-        qtype = T.F32 if values.ndim == 1 else T.F16 if name == "token_embd.weight" else T.Q8_0
+    for name, values in (_arch_tensors(arch, model) | (extra_tensors or {})).items():
+        qtype = _qtype(name == "token_embd.weight", values)
         data = quantize(values.reshape(-1, values.shape[-1]), qtype)
         data = data.reshape(*values.shape[:-1], data.shape[-1])
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)

@@ -14,17 +14,21 @@ import pytest
 import torch
 
 from bench.workload import run_workload
-from tests.unit.gguf_files import ARCH_FIELDS, hf_gguf_model, write_arch_gguf
-from tests.unit.hf_checkpoints import hf_greedy
+from tests.unit.gguf_files import ARCH_FIELDS, hf_gguf_model, round_tripped, write_arch_gguf
+from tests.unit.hf_checkpoints import hf_greedy, hf_logits, our_logits
 from tests.unit.test_hf_generate import PROMPTS, assert_greedy_matches, workload
 from tests.unit.thread_tp_group import run_ranks
 from worker.distributed import single_rank_group
 from worker.models.hf.checkpoint import check_checkpoint
 from worker.models.hf.config import CheckpointError
 from worker.models.hf.gguf_file import read_tensor
+from worker.models.registry import build_model, get_model_info
 
 CPU = torch.device("cpu")
 MAX_TOKENS = 10
+# float32 logits of ~20: the long factors turn angles up to 90 rad, where one float32 step is
+# 8e-6, and transformers' own float32 logits differ from its float64 ones by 4e-4 there
+LONGROPE_ATOL = 5e-3
 TP2_ARCHS = ("qwen3", "gemma3", "phi3", "qwen3moe")  # Phi-3's fused rows, experts split
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,3 +108,44 @@ def test_an_unreadable_type_in_a_stacked_expert_tensor_is_refused_by_name(
     odd.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_down_exps\.weight has type IQ2_XXS"):
         check_checkpoint(str(odd), 1)
+
+
+def test_a_phi3_file_with_one_longrope_factor_set_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "longrope.gguf"
+    factors = np.ones(32, dtype=np.float32)
+    write_arch_gguf(path, "phi3", extra_tensors={"rope_factors_long.weight": factors})
+    with pytest.raises(CheckpointError, match=r"rope_factors_short\.weight"):
+        check_checkpoint(str(path), 1)
+
+
+@pytest.mark.parametrize("num_tokens", [40, 90])
+def test_a_phi3_longrope_file_equals_its_checkpoint_after_the_same_rounding(
+    tmp_path: Path, num_tokens: int
+) -> None:
+    """llama.cpp's Phi-3 longrope (factors as tensors, the pretraining context and attention
+    factor as metadata), which transformers' GGUF reader drops: compared with the transformers
+    model it was written from, its weights quantized and dequantized as the file holds them,
+    within the original context (64) and past it (rope.Rotary's choice by max_model_len)."""
+    path = tmp_path / "phi3-longrope.gguf"
+    longrope = {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(32)],
+        "long_factor": [1.0 + 0.5 * i for i in range(32)],
+    }
+    model = write_arch_gguf(
+        path, "phi3", seed=4, rope_scaling=longrope, original_max_position_embeddings=64
+    )
+    reference = round_tripped(model)
+    rope = check_checkpoint(str(path), 1).rope
+    assert (rope.rope_type, rope.original_max_position_embeddings) == ("longrope", 64)
+    generator = torch.Generator().manual_seed(num_tokens)
+    tokens = torch.randint(3, 300, (num_tokens,), generator=generator).tolist()
+    info = get_model_info(str(path), 4, "float32", 1)
+    expected = hf_logits(reference, tokens)
+    logits = {}
+    for max_model_len in (64, 90):  # the short factors, then the long ones
+        model = build_model(str(path), single_rank_group(), CPU, max_model_len=max_model_len)
+        logits[max_model_len] = our_logits(model, info, tokens)
+    chosen, other = (64, 90) if num_tokens <= 64 else (90, 64)
+    torch.testing.assert_close(logits[chosen], expected, atol=LONGROPE_ATOL, rtol=0)
+    assert (logits[other] - expected).abs().max() > 0.1  # the set chosen is what agrees

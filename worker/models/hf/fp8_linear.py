@@ -67,7 +67,8 @@ def quantize_activations(
         scale = values.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_ACTIVATION_SCALE) / FP8_MAX
     else:
         scale = input_scale
-    return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    quantized = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.contiguous(), scale  # _scaled_mm takes a row-major left operand
 
 
 @dataclass(slots=True)

@@ -104,6 +104,8 @@ _MODEL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_PREFIX = "model.layers."
+# Phi-3's longrope factors: tensors in the file, config fields in transformers' terms
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # What a model's shape cannot do without; the rest has llama.cpp's defaults
 REQUIRED_KEYS = (
     "embedding_length",
@@ -218,6 +220,8 @@ def gguf_raw_config(path: str) -> dict:
             f"{path} {architecture}.rope.scaling.type={scaling!r}: expected 'none' or 'linear'"
         )
     raw |= _family_config(architecture, key, raw)
+    if architecture == "phi3" and names & set(LONGROPE_TENSORS):
+        raw |= _phi3_longrope(path, key)
     return {name: value for name, value in raw.items() if value is not None}
 
 
@@ -252,6 +256,33 @@ def _family_config(architecture: str, key, raw: dict) -> dict:
     return {}
 
 
+def _phi3_longrope(path: str, key) -> dict:
+    """Phi-3's longrope as config.json states it: llama.cpp keeps the long and short factors as
+    tensors, the pretraining context and the attention factor as metadata."""
+    tensors = _tensors_by_name(path)
+    missing = [name for name in LONGROPE_TENSORS if name not in tensors]
+    if missing:
+        raise GGUFError(
+            f"{path} has longrope factors but no {missing[0]}: expected both "
+            f"{list(LONGROPE_TENSORS)}"
+        )
+    long_factor, short_factor = (
+        [float(v) for v in np.asarray(tensors[name].data, dtype=np.float32).reshape(-1)]
+        for name in LONGROPE_TENSORS
+    )
+    original = key("rope.scaling.original_context_length")
+    if original is None:
+        raise GGUFError(
+            f"{path} has longrope factors but no phi3.rope.scaling.original_context_length: "
+            "expected the pretraining context"
+        )
+    scaling = {"type": "longrope", "long_factor": long_factor, "short_factor": short_factor}
+    attention_factor = key("rope.scaling.attn_factor")
+    if attention_factor is not None:
+        scaling["attention_factor"] = attention_factor
+    return {"rope_scaling": scaling, "original_max_position_embeddings": original}
+
+
 def tensor_types(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor of the file by its Hugging Face name: (ggml type name, [rows, cols] shape).
     A stacked experts tensor [experts, rows, cols] is listed once per expert."""
@@ -260,6 +291,8 @@ def tensor_types(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     names = hf_names(architecture, int(metadata(path, f"{architecture}.block_count")))
     found = {}
     for tensor in reader.tensors:
+        if tensor.name in LONGROPE_TENSORS:
+            continue  # read into the config (gguf_raw_config), not weights
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the row length first
         projection = tensor.name.rsplit(".", 2)[-2] if tensor.name.count(".") >= 2 else ""
         experts = {gguf: hf for hf, gguf in _EXPERT_NAMES.items()}
