@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.conftest import checked_processes, stop_process
 from tests.integration.test_hf_serving import HTTP_TIMEOUT_S, greedy_reply, serve
-from tests.unit.gguf_files import hf_gguf_model, hf_gguf_tokenizer, write_gguf
+from tests.unit.gguf_files import hf_gguf_model, hf_gguf_tokenizer, write_arch_gguf, write_gguf
 
 pytestmark = pytest.mark.integration
 
@@ -91,3 +91,35 @@ def test_structured_outputs_compile_against_the_files_vocabulary(served: openai.
     )
     assert reply.choices[0].text in choices
     assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("arch", "tp_size"), [("qwen3", 2), ("gemma2", 1)])
+def test_other_architectures_serve_transformers_text(
+    tmp_path_factory: pytest.TempPathFactory, arch: str, tp_size: int
+) -> None:
+    """A Qwen3 file at TP 2 and a Gemma 2 one (its sliding layers in a window group) written by
+    the gguf library: chat text equal to transformers loading the same file."""
+    path = tmp_path_factory.mktemp(f"gguf-{arch}") / f"{arch}.gguf"
+    write_arch_gguf(path, arch, seed=4)
+    chat_ids = hf_gguf_tokenizer(path).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    expected = _greedy_text(path, list(chat_ids))
+    folder = tmp_path_factory.mktemp(f"serve-gguf-{arch}")
+    with checked_processes(folder) as processes:
+        url = serve(processes, folder, path, tp_size)
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S
+        )
+        (model,) = [card.id for card in client.models.list().data]
+        chat = client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert chat.usage.prompt_tokens == len(chat_ids)
+        assert chat.choices[0].message.content == expected
+        stop_process(processes, "serve", timeout_s=60)

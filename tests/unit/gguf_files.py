@@ -395,7 +395,7 @@ def write_arch_gguf(
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
+    writer.add_token_types([3 if token in SPECIAL_TOKENS else 1 for token in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_pad_token_id(config.pad_token_id)
