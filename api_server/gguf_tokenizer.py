@@ -15,12 +15,23 @@ for the same file, so that ids, text and chat prompts agree with it:
   the file spells them ("\u2581" for a space), one space prepended to the text unless
   `add_space_prefix` is false, bytes as `<0xNN>` tokens where no piece fits (byte fallback), the
   file's merges or, where it has none, the merges its scores imply; a BOS unless the file says
-  otherwise. Gemma's and Phi-3's files, which transformers builds differently, are not told
-  apart: serve those with `--tokenizer DIR`.
+  otherwise. Phi-3's files spell the spaces in a normalizer instead (a "▁" prepended, every
+  space replaced), as its tokenizer.json does, so text that starts with spaces keeps one more.
+  Gemma's files, which transformers builds differently again, are refused: serve those with
+  `--tokenizer DIR`.
 - Any other `tokenizer.ggml.model` is refused, naming it.
 """
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from api_server.build_tokenizer import byte_alphabet
 
@@ -29,7 +40,8 @@ TOKEN_TYPE_USER_DEFINED = 4
 BYTE_LEVEL = "gpt2"
 SENTENCEPIECE = "llama"
 # Architectures whose SentencePiece tokenizer transformers builds another way (spaces, merges)
-OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
+OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3")
+NORMALIZED_SPACES = ("phi3",)  # SentencePiece with the spaces spelled by a normalizer
 SPACE = "\u2581"  # SentencePiece's stand-in for a space
 # The split before byte-level BPE, by tokenizer.ggml.pre, as each model family's tokenizer.json
 # states it: Llama 3 groups up to three digits, Qwen 2 splits every digit
@@ -185,6 +197,11 @@ def _sentencepiece(
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=SPACE, prepend_scheme="first" if add_prefix else "never", split=False
     )
+    if meta.get("general.architecture") in NORMALIZED_SPACES:
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)]
+        )
+        tokenizer.pre_tokenizer = None
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix:
         steps.append(decoders.Strip(content=" ", left=1))

@@ -17,9 +17,11 @@ from api_server.checkpoint_tokenizer import CheckpointTokenizer
 from api_server.gguf_tokenizer import gguf_tokenizer
 from bench.workload import run_workload
 from tests.unit.gguf_files import (
+    CHATML,
     hf_gguf_model,
     hf_gguf_tokenizer,
     quantize_q4_k,
+    sentencepiece_vocabulary,
     write_gguf,
 )
 from tests.unit.hf_checkpoints import hf_greedy
@@ -187,3 +189,49 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path) -> None:
     not_gguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="cannot read"):
         check_checkpoint(str(not_gguf), 1)
+
+
+def _sentencepiece_gguf(path: Path, arch: str) -> None:
+    """A file of `arch` holding a Llama-2-style SentencePiece vocabulary (and an embedding)."""
+    tokens, scores, types = sentencepiece_vocabulary()
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(64)
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHATML)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_phi3_sentencepiece_vocabulary_equals_transformers(tmp_path: Path) -> None:
+    """Phi-3's files spell spaces in a normalizer: text that starts with spaces keeps one more
+    "\u2581" than Llama 2's Metaspace gives it, as transformers builds the tokenizer."""
+    path = tmp_path / "phi3.gguf"
+    _sentencepiece_gguf(path, "phi3")
+    theirs, ours = hf_gguf_tokenizer(path), CheckpointTokenizer(path)
+    for text in [*TEXTS, "  two leading spaces", " one", "the\tquick\n"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    rendered = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert ours.render_chat(MESSAGES) == expected
+
+
+def test_a_gemma_sentencepiece_vocabulary_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    path = tmp_path / "gemma2.gguf"
+    _sentencepiece_gguf(path, "gemma2")
+    with pytest.raises(ValueError, match=r"general\.architecture='gemma2'.*--tokenizer DIR"):
+        gguf_tokenizer(str(path))
