@@ -191,9 +191,12 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path) -> None:
         check_checkpoint(str(not_gguf), 1)
 
 
-def _sentencepiece_gguf(path: Path, arch: str) -> None:
-    """A file of `arch` holding a Llama-2-style SentencePiece vocabulary (and an embedding)."""
+def _sentencepiece_gguf(path: Path, arch: str, extra_pieces: list[str] | None = None) -> None:
+    """A file of `arch` holding a Llama-2-style SentencePiece vocabulary (and an embedding),
+    `extra_pieces` appended as normal pieces."""
     tokens, scores, types = sentencepiece_vocabulary()
+    for piece in extra_pieces or []:
+        tokens, scores, types = [*tokens, piece], [*scores, -float(len(tokens))], [*types, 1]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(64)
     writer.add_embedding_length(64)
@@ -230,8 +233,17 @@ def test_a_phi3_sentencepiece_vocabulary_equals_transformers(tmp_path: Path) -> 
     assert ours.render_chat(MESSAGES) == expected
 
 
-def test_a_gemma_sentencepiece_vocabulary_is_refused_naming_the_way_out(tmp_path: Path) -> None:
-    path = tmp_path / "gemma2.gguf"
-    _sentencepiece_gguf(path, "gemma2")
-    with pytest.raises(ValueError, match=r"general\.architecture='gemma2'.*--tokenizer DIR"):
-        gguf_tokenizer(str(path))
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_sentencepiece_vocabulary_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """Gemma's files: no space prepended, pieces of spaces stored as spaces, merges derived in
+    the pieces' file order; ids, text and the chat prompt as transformers builds them."""
+    path = tmp_path / f"{arch}.gguf"
+    _sentencepiece_gguf(path, arch, extra_pieces=["  ", "   ", "\u2581the\u2581"])
+    theirs, ours = hf_gguf_tokenizer(path), CheckpointTokenizer(path)
+    for text in [*TEXTS, "  two leading spaces", "a   b    c", " one", "the\tquick\n"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    rendered = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert ours.render_chat(MESSAGES) == expected
