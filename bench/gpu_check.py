@@ -1,8 +1,10 @@
 """The CUDA path proven on one GPU in a few minutes: the worker unit tests on cuda, the demo
 workload at TP=1 and at TP=2 with both ranks on the one GPU (gloo), a capacity report, every
 output compared with the CPU reference model; then real checkpoints (bench/gpu_checkpoint_checks.py)
-in float32 and bfloat16 against transformers, at TP=1 and TP=2 over gloo, a throughput
-figure of Qwen3-0.6B's shape, and two throughput workloads in-process (bench/gpu_throughput.py).
+in float32 and bfloat16 against transformers, at TP=1 and TP=2 over gloo, throughput figures
+of Qwen3-0.6B's shape in bfloat16 and in FP8 (quantized here; weights kept in fp8 on devices of
+compute capability 8.9 and up), and two throughput workloads in-process
+(bench/gpu_throughput.py).
 One line per check: PASS, FAIL or SKIP, name, detail. Exit 0 only when every check passed.
 Without CUDA every check is SKIP and it exits 1: nothing was proven.
 Run: `python -m bench.gpu_check [--skip CHECK] [--check-timeout-s S]`, or on a bare GPU
@@ -217,6 +219,9 @@ def checks(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[], Che
             folder, 2, "float32"
         ),
         "checkpoint-throughput-qwen3-0.6b": lambda: gpu_checkpoint_checks.check_throughput(folder),
+        "checkpoint-throughput-fp8-qwen3-0.6b": lambda: gpu_checkpoint_checks.check_fp8_throughput(
+            folder
+        ),
         "throughput-equal-qwen3-0.6b": lambda: gpu_throughput.check_equal(
             folder, args.attention_backend, THROUGHPUT_BUDGETS_S["throughput-equal-qwen3-0.6b"]
         ),

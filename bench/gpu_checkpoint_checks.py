@@ -1,12 +1,15 @@
 """The GPU check's real-checkpoint part: random-weight checkpoints served by `kvserve launch` on
-CUDA, compared with transformers on the same device, and a throughput figure of Qwen3-0.6B's
-shape. Each check returns a CheckResult; bench/gpu_check.py runs them under its timeouts.
+CUDA, compared with transformers on the same device, and throughput figures of Qwen3-0.6B's
+shape: in bfloat16, and quantized to FP8 by bench/fp8_checkpoint.py (its weights kept in fp8 on
+devices of compute capability 8.9 and up). Each check returns a CheckResult; bench/gpu_check.py
+runs them under its timeouts.
 
 float32 must give transformers' greedy tokens, up to a step whose top-2 margin is below
 FLOAT32_MIN_MARGIN. bfloat16 follows vLLM's check_logprobs_close: where the tokens first differ,
 each side's token must be among the other's top LOGPROBS_CLOSE_TOP alternatives.
 """
 
+import json
 import random
 import shutil
 import signal
@@ -19,11 +22,14 @@ from pathlib import Path
 
 import torch
 
+from bench.fp8_checkpoint import QUANTIZATION_CONFIG, write_fp8_checkpoint
 from bench.make_checkpoint import SHAPES, CheckpointSpec, make_checkpoint
 from engine_client.request import make_request
 from engine_client.sync_client import EngineClient
 from engine_core.net.endpoints import free_tcp_ports
 from protocol.sampling import SamplingParams
+from worker.models.hf.fp8_linear import keeps_fp8_weights
+from worker.models.hf.quantization import read_quantization
 
 FLOAT32_MIN_MARGIN = 1e-3
 LOGPROBS_CLOSE_TOP = 5
@@ -36,6 +42,8 @@ STOP_TIMEOUT_S = 30.0
 THROUGHPUT_REQUESTS = 64
 THROUGHPUT_PROMPT_TOKENS = 128
 THROUGHPUT_OUTPUT_TOKENS = 128
+BF16_FIGURE_FILE = "throughput-bf16.json"  # checkpoint-throughput's figure, for the fp8 check
+FP8_KEPT_LINE, FP8_DEQUANTIZED_LINE = "kept in float8", "dequantized to"  # weights.py's log
 QWEN3_CHECKPOINT = CheckpointSpec(arch="qwen3", shape=SHAPES["qwen3-0.6b"], dtype="bfloat16")
 # the cases the accuracy checks serve: a hybrid (two KV-cache groups), llama3 rope, a window
 CASES = {
@@ -216,9 +224,50 @@ def check_throughput(folder: Path) -> CheckResult:
     torch.cuda.synchronize()
     generate_s = time.monotonic() - start
     ours, theirs = num_tokens / kvserve_s, num_tokens / generate_s
+    (folder / BF16_FIGURE_FILE).write_text(json.dumps({"kvserve_tok_s": ours}))
     detail = (
         f"qwen3-0.6b shape, bf16, {THROUGHPUT_REQUESTS} x ({THROUGHPUT_PROMPT_TOKENS} prompt, "
         f"{THROUGHPUT_OUTPUT_TOKENS} output): kvserve {ours:.0f} tok/s, transformers generate() "
         f"{theirs:.0f} tok/s, ratio {ours / theirs:.2f}"
     )
     return CheckResult(True, detail)
+
+
+def check_fp8_throughput(folder: Path) -> CheckResult:
+    """The throughput checkpoint quantized to FP8 (a scale per output channel, activations per
+    token): kvserve's output tok/s on the same 64 requests beside the bfloat16 figure, and which
+    path its rank took (weights kept in fp8 where the device has FP8, dequantized elsewhere),
+    read from its log with its weight memory."""
+    model_dir = qwen3_checkpoint(folder)
+    fp8_dir = folder / "qwen3-0.6b-fp8"
+    if not (fp8_dir / "config.json").is_file():
+        partial = folder / "qwen3-0.6b-fp8.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        write_fp8_checkpoint(model_dir, partial).rename(fp8_dir)
+    shape = QWEN3_CHECKPOINT.shape
+    batch = prompts(shape.vocab_size, THROUGHPUT_REQUESTS, (THROUGHPUT_PROMPT_TOKENS,) * 2, 1)
+    params = dict(max_tokens=THROUGHPUT_OUTPUT_TOKENS, ignore_eos=True)
+    log_path = folder / "throughput-fp8.log"
+    results, fp8_s = serve(fp8_dir, 1, "bfloat16", log_path, batch, **params)
+    num_tokens = sum(len(result.token_ids) for result in results)
+    text = log_path.read_text(errors="replace")
+    capability = torch.cuda.get_device_capability(0)
+    scheme = read_quantization({"quantization_config": QUANTIZATION_CONFIG})
+    expects_kept = keeps_fp8_weights("cuda", capability, scheme)
+    expected_line = FP8_KEPT_LINE if expects_kept else FP8_DEQUANTIZED_LINE
+    path_lines = [line.split(": ", 1)[-1] for line in text.splitlines() if "fp8 weights on" in line]
+    memory = [line.split(": ", 1)[-1] for line in text.splitlines() if "memory of" in line]
+    figure = folder / BF16_FIGURE_FILE
+    bf16 = (
+        f"{json.loads(figure.read_text())['kvserve_tok_s']:.0f} tok/s"
+        if figure.is_file()
+        else "not measured (checkpoint-throughput-qwen3-0.6b did not run)"
+    )
+    detail = (
+        f"capability {capability[0]}.{capability[1]}: fp8 {num_tokens / fp8_s:.0f} tok/s, "
+        f"bf16 {bf16}; {path_lines[:1] or 'no fp8 log line'}; {memory[:1]}"
+    )
+    is_passed = num_tokens == THROUGHPUT_REQUESTS * THROUGHPUT_OUTPUT_TOKENS and any(
+        expected_line in line for line in path_lines
+    )
+    return CheckResult(is_passed, detail)

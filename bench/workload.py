@@ -125,6 +125,7 @@ def build_rank(
         seed=workload.seed,
         attention_backend=workload.attention_backend,
         kv_cache_dtype=workload.kv_cache_dtype,
+        max_model_len=engine_config(workload, info.max_model_len).scheduler.max_model_len,
     )
     runner = build_model_runner(worker_config, kv_cache_config, tp_group, device)
     runner.check_each_step = workload.check_invariants

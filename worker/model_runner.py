@@ -574,6 +574,7 @@ def build_model_runner(
             dtype,
             config.model_prefill_token_us,
             config.attention_backend,
+            config.max_model_len,
         )
     kv_caches = allocate_kv_caches(kv_cache_config, tp_group.tp_size, device)
     kv_tiers = build_kv_tiers(kv_cache_config, kv_caches, tp_group.tp_size, config.rank)

@@ -147,6 +147,7 @@ class Worker:
             dtype,
             config.model_prefill_token_us,
             config.attention_backend,
+            config.max_model_len,
         )
         num_blocks = measure_num_blocks(
             config, model_info, device, start, self.model, self.tp_group

@@ -15,12 +15,24 @@ for the same file, so that ids, text and chat prompts agree with it:
   the file spells them ("\u2581" for a space), one space prepended to the text unless
   `add_space_prefix` is false, bytes as `<0xNN>` tokens where no piece fits (byte fallback), the
   file's merges or, where it has none, the merges its scores imply; a BOS unless the file says
-  otherwise. Gemma's and Phi-3's files, which transformers builds differently, are not told
-  apart: serve those with `--tokenizer DIR`.
+  otherwise. Phi-3's files spell the spaces in a normalizer instead (a "▁" prepended, every
+  space replaced), as its tokenizer.json does, so text that starts with spaces keeps one more.
+  Gemma's spell them in a normalizer with none prepended, store pieces of spaces alone as
+  spaces, and rank derived merges by the pieces' order in the file, as transformers builds
+  them.
 - Any other `tokenizer.ggml.model` is refused, naming it.
 """
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from api_server.tokenizer.build_tokenizer import byte_alphabet
 
@@ -29,7 +41,8 @@ TOKEN_TYPE_USER_DEFINED = 4
 BYTE_LEVEL = "gpt2"
 SENTENCEPIECE = "llama"
 # Architectures whose SentencePiece tokenizer transformers builds another way (spaces, merges)
-OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
+GEMMA_SENTENCEPIECE = ("gemma", "gemma2", "gemma3")  # spaces as pieces, merges in file order
+NORMALIZED_SPACES = ("phi3",)  # SentencePiece with the spaces spelled by a normalizer
 SPACE = "\u2581"  # SentencePiece's stand-in for a space
 # The split before byte-level BPE, by tokenizer.ggml.pre, as each model family's tokenizer.json
 # states it: Llama 3 groups up to three digits, Qwen 2 splits every digit
@@ -83,12 +96,8 @@ def gguf_tokenizer(path: str) -> tuple[Tokenizer, dict[str, object]]:
     types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
     if kind == BYTE_LEVEL:
         tokenizer, control = _byte_level(path, meta, tokens, types)
-    elif kind == SENTENCEPIECE and meta.get("general.architecture") in OTHER_SENTENCEPIECE:
-        raise ValueError(
-            f"{path} general.architecture={meta['general.architecture']!r} with "
-            f"tokenizer.ggml.model={kind!r}: its SentencePiece variant is not built; pass "
-            "--tokenizer DIR with the model's tokenizer.json"
-        )
+    elif kind == SENTENCEPIECE and meta.get("general.architecture") in GEMMA_SENTENCEPIECE:
+        tokenizer, control = _gemma_sentencepiece(path, meta, tokens, types)
     elif kind == SENTENCEPIECE:
         tokenizer, control = _sentencepiece(path, meta, tokens, types)
     else:
@@ -185,10 +194,41 @@ def _sentencepiece(
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=SPACE, prepend_scheme="first" if add_prefix else "never", split=False
     )
+    if meta.get("general.architecture") in NORMALIZED_SPACES:
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)]
+        )
+        tokenizer.pre_tokenizer = None
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix:
         steps.append(decoders.Strip(content=" ", left=1))
     tokenizer.decoder = decoders.Sequence(steps)
+    control = [tok for tok, kind in zip(tokens, types, strict=False) if kind == TOKEN_TYPE_CONTROL]
+    return tokenizer, control
+
+
+def _gemma_sentencepiece(
+    path: str, meta: dict[str, object], tokens: list[str], types: list[int]
+) -> tuple[Tokenizer, list[str]]:
+    """Gemma's SentencePiece as transformers' GemmaTokenizer runs it: spaces become "▁" in a
+    normalizer with none prepended, byte fallback, and, where the file lists no merges, the
+    merges its vocabulary implies ranked by the pieces' order in the file (Gemma's scores do not
+    follow its merges). Pieces of spaces alone, which llama.cpp stores as spaces, are spelled
+    with "▁" as the normalized text is."""
+    tokens = [SPACE * len(token) if token and not token.strip(" ") else token for token in tokens]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = meta.get("tokenizer.ggml.merges")
+    if isinstance(merges, list):
+        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    else:
+        pairs = merges_from_scores(vocab, {token: -float(i) for i, token in enumerate(tokens)})
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None)
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     control = [tok for tok, kind in zip(tokens, types, strict=False) if kind == TOKEN_TYPE_CONTROL]
     return tokenizer, control
 

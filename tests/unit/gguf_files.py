@@ -6,6 +6,7 @@ only dequantizes K-quants).
 """
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -235,3 +236,177 @@ def hf_gguf_model(path: Path) -> transformers.PreTrainedModel:
 
 def hf_gguf_tokenizer(path: Path):
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+# The other architectures' files: 2 layers of 256 (Q8_0 rows are whole 32-value blocks), written
+# from a random transformers model with the gguf library's own tensor names for the arch
+ARCH_SHAPE = dict(SHAPE, vocab_size=384, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ARCH_FIELDS = {  # the config of each arch's model, over ARCH_SHAPE
+    "qwen2": {},
+    # transformers' GGUF reader takes Qwen3's head_dim from its config default (128)
+    "qwen3": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=128),
+    "gemma2": dict(head_dim=64, sliding_window=8, tie_word_embeddings=True),
+    "gemma3": dict(head_dim=64, sliding_window=8, num_hidden_layers=6, tie_word_embeddings=True),
+    "phi3": dict(tie_word_embeddings=False),
+    # top-k weights renormalised, as llama.cpp and transformers read every Qwen3-MoE file
+    "qwen3moe": dict(
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,  # transformers' GGUF reader keeps its config default
+        norm_topk_prob=True,
+    ),
+}
+ARCH_MODELS = {
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
+    "qwen3moe": transformers.Qwen3MoeForCausalLM,
+}
+ARCH_CONFIGS = {
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3": transformers.Gemma3TextConfig,
+    "phi3": transformers.Phi3Config,
+    "qwen3moe": transformers.Qwen3MoeConfig,
+}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def _qtype(is_embedding: bool, values: np.ndarray) -> T:
+    """A file's type for a tensor: vectors in F32, the embedding in F16, matrices in Q8_0."""
+    return T.F32 if values.ndim == 1 else T.F16 if is_embedding else T.Q8_0
+
+
+def round_tripped(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """`model` with every weight quantized and dequantized as write_arch_gguf stores it: the
+    reference for a file transformers cannot read as written."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            values = param.detach().float().numpy()
+            qtype = _qtype(name == "model.embed_tokens.weight", values)
+            rows = values.reshape(-1, values.shape[-1])
+            restored = gguf.quants.dequantize(quantize(rows, qtype), qtype)
+            param.copy_(torch.from_numpy(np.asarray(restored, dtype=np.float32)).view_as(param))
+    return model
+
+
+def arch_model(arch: str, seed: int, **fields: object) -> transformers.PreTrainedModel:
+    """The random float32 model a file of `arch` is written from (ARCH_FIELDS[arch] overridden
+    by `fields`; Gemma's norms random too)."""
+    fields = {**ARCH_SHAPE, **ARCH_FIELDS[arch], **fields}
+    config = ARCH_CONFIGS[arch](**fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = ARCH_MODELS[arch](config).eval()
+    if arch in GEMMA_ARCHS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, INITIALIZER_RANGE)
+    return model
+
+
+def _arch_tensors(arch: str, model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names (the gguf library's map for the arch):
+    Gemma's norms stored as 1 + weight, experts stacked [experts, rows, cols]."""
+    config = model.config
+    gguf_arch = getattr(gguf.MODEL_ARCH, arch.upper())
+    names = gguf.get_tensor_name_map(gguf_arch, config.num_hidden_layers)
+    out = {}
+    for name, tensor in model.state_dict().items():
+        values = tensor.detach().float().numpy()
+        if ".mlp.experts.gate_up_proj" in name:  # [E, 2 * I, D]: gate rows, then up rows
+            stem = name.removesuffix(".gate_up_proj")
+            inter = values.shape[1] // 2
+            out[names.get_name(stem + ".gate_proj") + ".weight"] = values[:, :inter]
+            out[names.get_name(stem + ".up_proj") + ".weight"] = values[:, inter:]
+            continue
+        if ".mlp.experts.down_proj" in name:
+            out[names.get_name(name) + ".weight"] = values
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        stem, suffix = name.rsplit(".", 1)
+        gguf_name = names.get_name(stem)
+        assert gguf_name is not None, f"no llama.cpp name for {name} in {arch}"
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            values = values + 1.0
+        out[f"{gguf_name}.{suffix}"] = values
+    return out
+
+
+def write_arch_gguf(
+    path: Path,
+    arch: str,
+    seed: int = 0,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    **fields: object,
+) -> transformers.PreTrainedModel:
+    """A random model of `arch` as llama.cpp would convert it, to `path`: matrices in Q8_0, the
+    embedding in F16, vectors in F32, Gemma's and Qwen3-MoE's metadata beside the common keys,
+    and `extra_tensors` (llama.cpp's names) as given. The model it came from."""
+    model = arch_model(arch, seed, **fields)
+    config = model.config
+    bpe = json.loads(train_tokenizer().to_str())["model"]
+    tokens = [token for token, _ in sorted(bpe["vocab"].items(), key=lambda item: item[1])]
+    tokens += SPECIAL_TOKENS
+    tokens += [f"<unused{i}>" for i in range(config.vocab_size - len(tokens))]
+    assert len(tokens) == config.vocab_size, len(tokens)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters.get("rope_theta", 10000.0))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch in GEMMA_ARCHS:
+        writer.add_sliding_window(config.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3: factors as tensors
+        extra_tensors = dict(extra_tensors or {})
+        for kind in ("long", "short"):
+            extra_tensors[f"rope_factors_{kind}.weight"] = np.array(
+                rope[f"{kind}_factor"], dtype=np.float32
+            )
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in SPECIAL_TOKENS else 1 for token in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_chat_template(CHATML)
+    for name, values in (_arch_tensors(arch, model) | (extra_tensors or {})).items():
+        qtype = _qtype(name == "token_embd.weight", values)
+        data = quantize(values.reshape(-1, values.shape[-1]), qtype)
+        data = data.reshape(*values.shape[:-1], data.shape[-1])
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model

@@ -59,9 +59,8 @@ GEMMA3_FIVE_TO_ONE = dict(  # layers 0-4 slide, layer 5 is global with its own r
     rope_theta=20000.0,
     final_logit_softcapping=8.0,
 )
-# Longer than every test sequence, so transformers' short factors apply throughout (past it,
-# transformers recomputes the whole sequence with the long ones: kvserve's rule differs there,
-# and test_hf_logits pins each factor set against transformers' rotary embedding instead)
+# Longer than the shared test sequences (served with max_model_len within it: the short factors,
+# as transformers uses them); the long-prompt tests pass it (rope.Rotary explains the choice)
 PHI3_ORIGINAL_LEN = 64
 PHI3_PARTIAL = dict(  # half of each head rotates
     partial_rotary_factor=0.5,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from bench.workload import RankResult, Workload, build_rank, run_workload
 from engine_core.kv_cache.single_type_manager import FullAttentionManager, SlidingWindowManager
@@ -22,6 +23,7 @@ from tests.unit.hf_checkpoints import (
     GEMMA3_FIVE_TO_ONE,
     LLAMA3_ROPE,
     MIXTRAL,
+    PHI3_ORIGINAL_LEN,
     PHI3_PARTIAL,
     QWEN3_MIXED_LAYERS,
     QWEN3_MOE,
@@ -234,3 +236,32 @@ def test_gemma_window_blocks_are_freed_as_the_context_passes_them(checkpoints: d
     # at most the window's blocks and a scheduled chunk's stay live; the rest went back
     assert max(live for _, live, _ in held) <= -(-(window - 1 + chunk) // block_size) + 1
     assert span - live >= span // 2, held
+
+
+def test_phi3_prompts_past_the_original_context_take_the_long_factors(checkpoints: dict) -> None:
+    """Prompts longer than original_max_position_embeddings (64), one sharing a prefix with
+    another, in 16-token chunks: transformers prefills each in one pass with the long factors
+    and decodes with them; kvserve, its max_model_len past 64, rotates every token with them
+    too, so a cached prefix and every chunk agree (rope.Rotary)."""
+    folder, _ = checkpoints["phi3-partial-longrope"]
+    hf_model = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rng = random.Random(11)
+    head = [rng.randrange(3, 256) for _ in range(PHI3_ORIGINAL_LEN + 8)]
+    prompts = [
+        head + [rng.randrange(3, 256) for _ in range(5)],
+        head[:-4] + [rng.randrange(3, 256) for _ in range(12)],
+        [rng.randrange(3, 256) for _ in range(PHI3_ORIGINAL_LEN + 1)],
+    ]
+    references = [hf_greedy(hf_model, prompt, MAX_TOKENS) for prompt in prompts]
+    work = Workload(
+        str(folder),
+        4,
+        200,
+        prompts,
+        [GREEDY] * len(prompts),
+        check_invariants=True,
+        max_num_batched_tokens=16,
+    )
+    result = run_workload(work, single_rank_group(), CPU)
+    assert result.num_hit_tokens > 0
+    assert_greedy_matches("phi3-long-prompts", result, references)

@@ -17,9 +17,11 @@ from api_server.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from api_server.tokenizer.gguf_tokenizer import gguf_tokenizer
 from bench.workload import run_workload
 from tests.unit.gguf_files import (
+    CHATML,
     hf_gguf_model,
     hf_gguf_tokenizer,
     quantize_q4_k,
+    sentencepiece_vocabulary,
     write_gguf,
 )
 from tests.unit.hf_checkpoints import hf_greedy
@@ -187,3 +189,61 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path) -> None:
     not_gguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="cannot read"):
         check_checkpoint(str(not_gguf), 1)
+
+
+def _sentencepiece_gguf(path: Path, arch: str, extra_pieces: list[str] | None = None) -> None:
+    """A file of `arch` holding a Llama-2-style SentencePiece vocabulary (and an embedding),
+    `extra_pieces` appended as normal pieces."""
+    tokens, scores, types = sentencepiece_vocabulary()
+    for piece in extra_pieces or []:
+        tokens, scores, types = [*tokens, piece], [*scores, -float(len(tokens))], [*types, 1]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(64)
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHATML)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_phi3_sentencepiece_vocabulary_equals_transformers(tmp_path: Path) -> None:
+    """Phi-3's files spell spaces in a normalizer: text that starts with spaces keeps one more
+    "\u2581" than Llama 2's Metaspace gives it, as transformers builds the tokenizer."""
+    path = tmp_path / "phi3.gguf"
+    _sentencepiece_gguf(path, "phi3")
+    theirs, ours = hf_gguf_tokenizer(path), CheckpointTokenizer(path)
+    for text in [*TEXTS, "  two leading spaces", " one", "the\tquick\n"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    rendered = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert ours.render_chat(MESSAGES) == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_sentencepiece_vocabulary_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """Gemma's files: no space prepended, pieces of spaces stored as spaces, merges derived in
+    the pieces' file order; ids, text and the chat prompt as transformers builds them."""
+    path = tmp_path / f"{arch}.gguf"
+    _sentencepiece_gguf(path, arch, extra_pieces=["  ", "   ", "\u2581the\u2581"])
+    theirs, ours = hf_gguf_tokenizer(path), CheckpointTokenizer(path)
+    for text in [*TEXTS, "  two leading spaces", "a   b    c", " one", "the\tquick\n"]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    rendered = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert ours.render_chat(MESSAGES) == expected

@@ -81,10 +81,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     return write_checkpoints(tmp_path_factory, CASES)
 
 
-def rank_logits(folder: Path, group: TPGroup, dtype: str = "float32") -> torch.Tensor:
-    model = build_model(str(folder), group, CPU, dtype=dtype)
+def rank_logits(
+    folder: Path, group: TPGroup, dtype: str = "float32", tokens: list[int] = TOKENS
+) -> torch.Tensor:
+    """Our logits of `tokens`, served with max_model_len their length (for longrope: the
+    factor set transformers picks for one pass over them)."""
+    model = build_model(str(folder), group, CPU, dtype=dtype, max_model_len=len(tokens))
     info = get_model_info(str(folder), 4, dtype, group.tp_size)
-    return our_logits(model, info, TOKENS)
+    return our_logits(model, info, tokens)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -188,23 +192,42 @@ def test_bfloat16_logits_are_close_to_transformers_in_bfloat16(
     assert torch.equal(rank0, rank1)
 
 
-def test_longrope_factor_sets_equal_transformers_rotary_embedding(checkpoints: dict) -> None:
-    """Positions up to the original context take the short factors, those past it the long ones,
-    each with longrope's attention factor: cos and sin equal transformers' rotary embedding run
-    on a sequence that fits the original context, and on one that passes it."""
+def test_longrope_picks_its_factor_set_by_max_model_len(checkpoints: dict) -> None:
+    """Within the original context the short factors, past it the long ones, each scaled by
+    longrope's attention factor: cos and sin equal transformers' rotary embedding on one pass
+    over a sequence of max_model_len tokens."""
     folder, hf_model = checkpoints["phi3-partial-longrope"]
     config = read_hf_config(str(folder))
-    rotary = Rotary(config.rope, config.head_dim, CPU)
-    assert rotary.rotary_dim == config.head_dim // 2
-    positions = torch.arange(PHI3_ORIGINAL_LEN + 8)
-    cos, sin = rotary.cos_sin(positions, torch.float32)
-    short, long = positions < PHI3_ORIGINAL_LEN, positions >= PHI3_ORIGINAL_LEN
-    theirs = hf_model.model.rotary_emb
-    dummy = torch.zeros(1, dtype=torch.float32)
-    for fits in (True, False):
-        length = PHI3_ORIGINAL_LEN if fits else len(positions)
-        hf_cos, hf_sin = theirs(dummy, positions[None, :length])
-        mine = short[:length] if fits else long
-        torch.testing.assert_close(cos[:length][mine], hf_cos[0][mine], atol=1e-6, rtol=0)
-        torch.testing.assert_close(sin[:length][mine], hf_sin[0][mine], atol=1e-6, rtol=0)
-    assert not torch.allclose(rotary.inv_freq, rotary.long_inv_freq)
+    theirs, dummy = hf_model.model.rotary_emb, torch.zeros(1, dtype=torch.float32)
+    cos_sins = {}
+    for length in (PHI3_ORIGINAL_LEN, PHI3_ORIGINAL_LEN + 1):
+        rotary = Rotary(config.rope, config.head_dim, CPU, max_model_len=length)
+        assert rotary.rotary_dim == config.head_dim // 2
+        positions = torch.arange(length)
+        cos, sin = rotary.cos_sin(positions, torch.float32)
+        hf_cos, hf_sin = theirs(dummy, positions[None, :])
+        torch.testing.assert_close(cos, hf_cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin, hf_sin[0], atol=1e-6, rtol=0)
+        cos_sins[length] = cos[:PHI3_ORIGINAL_LEN]
+    assert not torch.allclose(*cos_sins.values())  # the two sets rotate differently
+    assert config.rope.attention_factor is None and theirs.attention_scaling > 1.0
+
+
+@pytest.mark.parametrize("num_tokens", [PHI3_ORIGINAL_LEN - 8, PHI3_ORIGINAL_LEN + 24])
+def test_longrope_logits_equal_transformers_within_and_past_the_original_context(
+    checkpoints: dict, num_tokens: int
+) -> None:
+    """A sequence shorter than original_max_position_embeddings (served with max_model_len
+    within it) and one longer (served with a longer max_model_len): every position's logits
+    equal transformers' one pass over the sequence, which picks the set by its length."""
+    folder, hf_model = checkpoints["phi3-partial-longrope"]
+    generator = torch.Generator().manual_seed(num_tokens)
+    tokens = torch.randint(3, 256, (num_tokens,), generator=generator).tolist()
+    ours = rank_logits(folder, single_rank_group(), tokens=tokens)
+    torch.testing.assert_close(ours, hf_logits(hf_model, tokens), atol=FLOAT32_ATOL, rtol=0)
+    # the other set is not close: the choice is what makes them equal
+    other_len = PHI3_ORIGINAL_LEN if num_tokens > PHI3_ORIGINAL_LEN else PHI3_ORIGINAL_LEN + 1
+    model = build_model(str(folder), single_rank_group(), CPU, max_model_len=other_len)
+    info = get_model_info(str(folder), 4, "float32", 1)
+    other = our_logits(model, info, tokens)
+    assert (other - ours).abs().max() > CONTEXT_EFFECT_MIN

@@ -124,6 +124,7 @@ def build_model(
     dtype: str = FAKE_MODEL_DTYPE,  # a checkpoint's compute dtype (resolve_dtypes)
     model_prefill_token_us: float = 0.0,  # fixed-time's extra device time per prompt token
     attention_backend: str = "auto",  # a checkpoint's (worker/attention_backends/backend.py)
+    max_model_len: int | None = None,  # the engine's; None: the model's own
 ) -> Model:
     """The model `name` on this rank; every rank of a group must pass the same seed. A
     checkpoint is checked (CheckpointError) before this rank reads its slices of the weights."""
@@ -131,7 +132,9 @@ def build_model(
     if is_checkpoint(name):
         config = check_checkpoint(name, tp_group.tp_size)
         backend = resolve_attention_backend(attention_backend, device)
-        return HFDecoder(config, tp_group, device, torch_dtype(dtype), backend)
+        return HFDecoder(
+            config, tp_group, device, torch_dtype(dtype), backend, max_model_len=max_model_len
+        )
     if name == CHECKSUM.name:
         return ChecksumModel(CHECKSUM, tp_group, device)
     if name == FIXED_TIME.name:

@@ -212,15 +212,20 @@ def _is_fp8_weight(config: HFConfig, entry: TensorEntry, shape: tuple[int, ...])
 def _scale_shapes(
     config: HFConfig, entries: dict[str, TensorEntry], expected: dict[str, tuple[int, ...]]
 ) -> dict[str, list[tuple[int, ...]]]:
-    """The scale tensor each fp8 weight needs, with the shapes it may have."""
+    """The scale tensors each fp8 weight needs, with the shapes they may have: its weight scale,
+    and under a static activation scheme its input scale (one per tensor)."""
     scheme = config.quantization
     if scheme is None:
         return {}
-    return {
-        scheme.scale_name(tensor): scheme.scale_shapes(shape)
-        for tensor, shape in expected.items()
-        if tensor in entries and _is_fp8_weight(config, entries[tensor], shape)
-    }
+    fp8 = [
+        t
+        for t, shape in expected.items()
+        if t in entries and _is_fp8_weight(config, entries[t], shape)
+    ]
+    scales = {scheme.scale_name(tensor): scheme.scale_shapes(expected[tensor]) for tensor in fp8}
+    if scheme.activation_scheme == "static":
+        scales |= {scheme.input_scale_name(tensor): [(), (1,)] for tensor in fp8}
+    return scales
 
 
 def check_tp_split(config: HFConfig, tp_size: int) -> None:

@@ -24,6 +24,7 @@ from worker.attention_backends.backend import AttentionBackend, StepAttention
 from worker.attention_backends.reference import ReferenceAttention
 from worker.distributed import TPGroup
 from worker.models.hf.config import HFConfig
+from worker.models.hf.fp8_linear import FP8_DTYPE
 from worker.models.hf.kv_groups import layer_name
 from worker.models.hf.layer_ops import LayerOps, TorchLayerOps, gemma_rms_norm, layer_ops_for
 from worker.models.hf.linear import linear
@@ -52,6 +53,7 @@ class HFDecoder:
         dtype: torch.dtype,
         attention_backend: AttentionBackend = ReferenceAttention,
         layer_ops: LayerOps | None = None,  # None: the device's (layer_ops_for)
+        max_model_len: int | None = None,  # the engine's; None: max_position_embeddings
     ) -> None:
         self.config = config
         self.attention_backend = attention_backend
@@ -62,7 +64,9 @@ class HFDecoder:
         self.vocab_size = config.vocab_size
         self.shard = RankShard.of(config, tp_group.rank, tp_group.tp_size)
         self.weights = load_rank_weights(config, self.shard, device, dtype)
-        self.rotary = Rotary(config.rope, config.head_dim, device)
+        # longrope picks its factor set by the longest sequence served (rope.Rotary)
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.rotary = Rotary(config.rope, config.head_dim, device, self.max_model_len)
         # Gemma 3's sliding layers rotate with their own rope (a local theta, unscaled)
         self.sliding_rotary = (
             None
@@ -81,8 +85,12 @@ class HFDecoder:
         return self.weights.num_bytes()
 
     def check_invariants(self) -> None:
-        """Every layer holds exactly this rank's shard, in the compute dtype, on the device."""
+        """Every layer holds exactly this rank's shard, in the compute dtype (or, kept in fp8,
+        float8 weights with float32 scales), on the device."""
         cfg, shard, hd = self.config, self.shard, self.config.head_dim
+        dtypes = {self.dtype}
+        if cfg.quantization is not None:
+            dtypes |= {FP8_DTYPE, torch.float32}
         q_rows, kv_rows = shard.num_heads_per_rank * hd, shard.num_kv_heads_per_rank * hd
         for idx, layer in enumerate(self.weights.layers):
             shapes = {
@@ -95,9 +103,9 @@ class HFDecoder:
                     f"layer {idx} {name} is {tuple(shape)}, not {expected}"
                 )
             for tensor in layer.tensors():
-                assert tensor.dtype == self.dtype and tensor.device.type == self.device.type, (
+                assert tensor.dtype in dtypes and tensor.device.type == self.device.type, (
                     f"layer {idx} holds a {tensor.dtype} tensor on {tensor.device}, expected "
-                    f"{self.dtype} on {self.device}"
+                    f"{sorted(map(str, dtypes))} on {self.device}"
                 )
 
     def _mlp_shapes(self, layer: LayerWeights) -> dict[str, tuple[torch.Size, tuple[int, int]]]:

@@ -34,7 +34,13 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # norms stored as 1 + weight
+GEMMA_NORM_OFFSET = 1.0  # llama.cpp stores Gemma's norm weights with the 1 of (1 + weight) added
 # The ggml types read: plain floats, and the quantized types the gguf library dequantizes
 SUPPORTED_TYPES = (
     "F32",
@@ -68,12 +74,38 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma's sandwich norms: after the attention, and before and after the MLP
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# Phi-3's fused tensors: q, k, v rows in one; gate, then up rows in ffn_up
+_PHI3_LAYER_NAMES = _LAYER_NAMES | {
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
+_QWEN3MOE_LAYER_NAMES = _LAYER_NAMES | {"mlp.gate.weight": "ffn_gate_inp.weight"}
+_LAYER_NAMES_OF = {
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+    "qwen3moe": _QWEN3MOE_LAYER_NAMES,
+}
+# A mixture of experts' tensors stack every expert: [experts, rows, cols], one per projection
+_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps.weight",
+    "up_proj": "ffn_up_exps.weight",
+    "down_proj": "ffn_down_exps.weight",
+}
 _MODEL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
 _LAYER_PREFIX = "model.layers."
+# Phi-3's longrope factors: tensors in the file, config fields in transformers' terms
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # What a model's shape cannot do without; the rest has llama.cpp's defaults
 REQUIRED_KEYS = (
     "embedding_length",
@@ -111,24 +143,32 @@ def metadata(path: str, key: str, default: object = None) -> object:
     return default if field is None else field.contents()
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """llama.cpp's name of a Hugging Face tensor name; None for a name it has no tensor for."""
+def gguf_name(hf_name: str, architecture: str = "llama") -> tuple[str, int | None] | None:
+    """llama.cpp's name of a Hugging Face tensor name in a file of `architecture`, with the
+    expert's index where the file stacks experts in one tensor; None for a name it has no tensor
+    for."""
     if hf_name in _MODEL_NAMES:
-        return _MODEL_NAMES[hf_name]
+        return _MODEL_NAMES[hf_name], None
     if not hf_name.startswith(_LAYER_PREFIX):
         return None
     index, _, rest = hf_name.removeprefix(_LAYER_PREFIX).partition(".")
-    local = _LAYER_NAMES.get(rest)
-    return None if local is None or not index.isdigit() else f"blk.{index}.{local}"
+    if not index.isdigit():
+        return None
+    expert, _, projection = rest.removeprefix("mlp.experts.").partition(".")
+    if rest.startswith("mlp.experts.") and expert.isdigit():
+        local = _EXPERT_NAMES.get(projection.removesuffix(".weight"))
+        return None if local is None else (f"blk.{index}.{local}", int(expert))
+    local = _LAYER_NAMES_OF.get(architecture, _LAYER_NAMES).get(rest)
+    return None if local is None else (f"blk.{index}.{local}", None)
 
 
-def hf_names(num_layers: int) -> dict[str, str]:
-    """Every llama.cpp tensor name this module reads, to its Hugging Face name."""
+def hf_names(architecture: str, num_layers: int) -> dict[str, str]:
+    """Every llama.cpp tensor name this module reads (but stacked experts), to its Hugging Face
+    name."""
     names = {ours: hf for hf, ours in _MODEL_NAMES.items()}
+    layer_names = _LAYER_NAMES_OF.get(architecture, _LAYER_NAMES)
     for i in range(num_layers):
-        names |= {
-            f"blk.{i}.{gguf}": f"{_LAYER_PREFIX}{i}.{hf}" for hf, gguf in _LAYER_NAMES.items()
-        }
+        names |= {f"blk.{i}.{gguf}": f"{_LAYER_PREFIX}{i}.{hf}" for hf, gguf in layer_names.items()}
     return names
 
 
@@ -179,16 +219,90 @@ def gguf_raw_config(path: str) -> dict:
         raise GGUFError(
             f"{path} {architecture}.rope.scaling.type={scaling!r}: expected 'none' or 'linear'"
         )
+    raw |= _family_config(architecture, key, raw)
+    if architecture == "phi3" and names & set(LONGROPE_TENSORS):
+        raw |= _phi3_longrope(path, key)
     return {name: value for name, value in raw.items() if value is not None}
 
 
+def _family_config(architecture: str, key, raw: dict) -> dict:
+    """The config fields one family's metadata carries beyond the common ones, with llama.cpp's
+    values where the file states none."""
+    if architecture in GEMMA_ARCHITECTURES:
+        fields = {
+            "sliding_window": key("attention.sliding_window"),
+            "final_logit_softcapping": key("final_logit_softcapping"),
+        }
+        if architecture == "gemma2":
+            fields["attn_logit_softcapping"] = key("attn_logit_softcapping")
+        else:  # Gemma 3: every 6th layer global, the sliding ones at theta 10000 (llama.cpp's)
+            fields["sliding_window_pattern"] = key("attention.sliding_window_pattern")
+        return fields
+    if architecture == "phi3":
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        rotated = key("rope.dimension_count", head_dim)
+        return {
+            "partial_rotary_factor": rotated / head_dim,
+            "sliding_window": key("attention.sliding_window"),
+        }
+    if architecture == "qwen3moe":
+        return {
+            "num_experts": key("expert_count"),
+            "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length"),
+            # llama.cpp and transformers' GGUF reader both renormalise Qwen3-MoE's top-k weights
+            "norm_topk_prob": True,
+        }
+    return {}
+
+
+def _phi3_longrope(path: str, key) -> dict:
+    """Phi-3's longrope as config.json states it: llama.cpp keeps the long and short factors as
+    tensors, the pretraining context and the attention factor as metadata."""
+    tensors = _tensors_by_name(path)
+    missing = [name for name in LONGROPE_TENSORS if name not in tensors]
+    if missing:
+        raise GGUFError(
+            f"{path} has longrope factors but no {missing[0]}: expected both "
+            f"{list(LONGROPE_TENSORS)}"
+        )
+    long_factor, short_factor = (
+        [float(v) for v in np.asarray(tensors[name].data, dtype=np.float32).reshape(-1)]
+        for name in LONGROPE_TENSORS
+    )
+    original = key("rope.scaling.original_context_length")
+    if original is None:
+        raise GGUFError(
+            f"{path} has longrope factors but no phi3.rope.scaling.original_context_length: "
+            "expected the pretraining context"
+        )
+    scaling = {"type": "longrope", "long_factor": long_factor, "short_factor": short_factor}
+    attention_factor = key("rope.scaling.attn_factor")
+    if attention_factor is not None:
+        scaling["attention_factor"] = attention_factor
+    return {"rope_scaling": scaling, "original_max_position_embeddings": original}
+
+
 def tensor_types(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor of the file by its Hugging Face name: (ggml type name, [rows, cols] shape)."""
+    """Every tensor of the file by its Hugging Face name: (ggml type name, [rows, cols] shape).
+    A stacked experts tensor [experts, rows, cols] is listed once per expert."""
     reader = open_gguf(path)
-    names = hf_names(int(metadata(path, f"{metadata(path, 'general.architecture')}.block_count")))
+    architecture = str(metadata(path, "general.architecture"))
+    names = hf_names(architecture, int(metadata(path, f"{architecture}.block_count")))
     found = {}
     for tensor in reader.tensors:
+        if tensor.name in LONGROPE_TENSORS:
+            continue  # read into the config (gguf_raw_config), not weights
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the row length first
+        projection = tensor.name.rsplit(".", 2)[-2] if tensor.name.count(".") >= 2 else ""
+        experts = {gguf: hf for hf, gguf in _EXPERT_NAMES.items()}
+        if architecture == "qwen3moe" and f"{projection}.weight" in experts and len(shape) == 3:
+            layer = tensor.name.split(".")[1]
+            hf = experts[f"{projection}.weight"]
+            for expert in range(shape[0]):
+                name = f"{_LAYER_PREFIX}{layer}.mlp.experts.{expert}.{hf}.weight"
+                found[name] = (tensor.tensor_type.name, shape[1:])
+            continue
         found[names.get(tensor.name, tensor.name)] = (tensor.tensor_type.name, shape)
     return found
 
@@ -199,7 +313,8 @@ def check_types(path: str, hf_tensor_names: Iterable[str]) -> None:
     for name in hf_tensor_names:
         if name in types and types[name][0] not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{path}: tensor {gguf_name(name)} has type {types[name][0]}: expected one of "
+                f"{path}: tensor {_gguf_name_of(path, name)} has type {types[name][0]}: expected "
+                "one of "
                 f"{list(SUPPORTED_TYPES)}"
             )
 
@@ -218,12 +333,16 @@ def read_tensor(
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    tensor = _tensor(path, hf_name)
+    tensor, expert = _tensor(path, hf_name)
     qtype = GGMLQuantizationType(tensor.tensor_type)
-    data = tensor.data
+    data = tensor.data if expert is None else tensor.data[expert]
     if data.ndim == 1:  # a vector: norms and biases, stored as floats
-        part = data if rows is None else data[rows]
-        return np.array(part, dtype=np.float32)
+        part = np.array(data if rows is None else data[rows], dtype=np.float32)
+        if metadata(path, "general.architecture") in GEMMA_ARCHITECTURES and tensor.name.endswith(
+            "norm.weight"
+        ):
+            part -= GEMMA_NORM_OFFSET  # back to the weight of transformers' (1 + weight)
+        return part
     num_rows = data.shape[0]
     row_part = slice(0, num_rows) if rows is None else rows
     row_len = int(tensor.shape[0])
@@ -257,9 +376,15 @@ def _tensors_by_name(path: str) -> dict:
     return {tensor.name: tensor for tensor in open_gguf(path).tensors}
 
 
+def _gguf_name_of(path: str, hf_name: str) -> str | None:
+    found = gguf_name(hf_name, str(metadata(path, "general.architecture")))
+    return None if found is None else found[0]
+
+
 def _tensor(path: str, hf_name: str):
-    name = gguf_name(hf_name)
-    tensor = _tensors_by_name(path).get(name)
+    """The file's tensor holding `hf_name`, and the expert's index where it stacks experts."""
+    found = gguf_name(hf_name, str(metadata(path, "general.architecture")))
+    tensor = None if found is None else _tensors_by_name(path).get(found[0])
     if tensor is None:
-        raise GGUFError(f"{path} has no tensor {name} (for {hf_name})")
-    return tensor
+        raise GGUFError(f"{path} has no tensor {found and found[0]} (for {hf_name})")
+    return tensor, found[1]

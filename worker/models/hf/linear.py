@@ -8,13 +8,16 @@ packed against 407 us plain in float32, and 146 against 197 us in bfloat16; [256
 order), which DESIGN §7.1's top-2 margin tolerance covers; bfloat16's is equal.
 
 A packed weight is an opaque oneDNN tensor of the same shape and dtype (`to_dense()` gives the
-weight back exactly). CUDA weights, and every weight where oneDNN is missing, stay plain.
+weight back exactly). CUDA weights, and every weight where oneDNN is missing, stay plain. A weight
+kept in fp8 (fp8_linear.py, CUDA) runs its own scaled GEMM.
 """
 
 import logging
 
 import torch
 import torch.nn.functional as F
+
+from worker.models.hf.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +43,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKING_BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight [out, in]^T (+ bias [out]): [T, out], packed or plain alike."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Linear, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]): [T, out], packed, plain or fp8 alike."""
+    if isinstance(weight, Fp8Linear):
+        return weight(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.models.hf.fp8_linear import Fp8Linear, weight_tensors
 from worker.models.hf.linear import linear
 
 
@@ -28,14 +29,15 @@ class MoeWeights:
     expert's matrix packed for the CPU's GEMM where packing applies)."""
 
     router: torch.Tensor  # [E, D], replicated and plain: its logits decide the routing
-    gate_up_proj: list[torch.Tensor]  # per expert [2 * I_r, D]: its gate rows, then its up rows
-    down_proj: list[torch.Tensor]  # per expert [D, I_r]: this rank's input columns
+    gate_up_proj: list[torch.Tensor | Fp8Linear]  # per expert [2 * I_r, D]: gate rows, then up
+    down_proj: list[torch.Tensor | Fp8Linear]  # per expert [D, I_r]: this rank's input columns
     num_experts_per_tok: int  # top-k
     norm_topk_prob: bool  # renormalise the top-k probabilities
     is_weighted_in_float32: bool  # Mixtral: output x float32 weight, then rounded (moe_config)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, *self.gate_up_proj, *self.down_proj]
+        experts = [t for w in (*self.gate_up_proj, *self.down_proj) for t in weight_tensors(w)]
+        return [self.router, *experts]
 
 
 def route(h: torch.Tensor, weights: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:

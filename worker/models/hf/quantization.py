@@ -11,10 +11,15 @@ read here:
 A weight's real value is `fp8 * scale`, the scale broadcast over its block, channel or tensor.
 Which linear weights are quantized is read from the safetensors headers (dtype F8_E4M3), so the
 `ignore` / `modules_to_not_convert` lists need no interpretation: a module left in float is
-simply a float tensor. Activation scales (`input_scale`, static activation schemes) are read
-past: weights are dequantized at load to the compute dtype, on every device, so activations are
-never quantized. (A CUDA path that keeps the weights in fp8 and multiplies with
-`torch._scaled_mm` would halve their memory on FP8-capable GPUs; it is not built.)
+simply a float tensor.
+
+The activation scheme says how the checkpoint meant activations to be quantized: `dynamic` (a
+scale per token, computed as it runs) or `static` (one `<module>.input_scale` per tensor,
+calibrated); none for weight-only checkpoints. On CUDA devices with FP8 (compute capability 8.9
+and up) per-tensor and per-channel weights stay in fp8 and multiply activations quantized that
+way with `torch._scaled_mm` (fp8_linear.py). Everywhere else, and for block-wise scales or
+weight-only checkpoints, weights are dequantized at load to the compute dtype and activations
+stay float (`input_scale` is then read past).
 
 Never imports torch at module level, so deploy/ can check a folder cheaply.
 """
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 SCALE_DTYPES = ("F32", "BF16", "F16")
-ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".output_scale")  # unused: activations stay float
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".output_scale")  # read only by a static fp8 path
+ACTIVATION_SCHEMES = ("dynamic", "static")  # a scale per token, as it runs; one per tensor, stored
 
 
 class QuantizationError(ValueError):
@@ -38,10 +44,15 @@ class Fp8Scheme:
     quant_method: str  # "fp8" or "compressed-tensors"
     scale_suffix: str  # "weight_scale_inv" (block-wise) or "weight_scale"
     block: tuple[int, int] | None  # (rows, cols) of a block-wise scale; None: tensor or channel
+    activation_scheme: str | None = None  # one of ACTIVATION_SCHEMES; None: weight-only
 
     def scale_name(self, weight_name: str) -> str:
         """`model.layers.0.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight_scale`."""
         return weight_name.removesuffix("weight") + self.scale_suffix
+
+    def input_scale_name(self, weight_name: str) -> str:
+        """`...up_proj.weight` -> `...up_proj.input_scale` (static activation schemes)."""
+        return weight_name.removesuffix("weight") + "input_scale"
 
     def scale_shapes(self, weight_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The scale shapes accepted for a weight of `weight_shape` ([out, in])."""
@@ -76,9 +87,15 @@ def _fp8(config: dict) -> Fp8Scheme:
     fmt = config.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise QuantizationError(f"config.json quantization_config fmt={fmt!r}: expected 'e4m3'")
+    activation = config.get("activation_scheme", "dynamic")  # transformers' default
+    if activation not in ACTIVATION_SCHEMES:
+        raise QuantizationError(
+            f"config.json quantization_config activation_scheme={activation!r}: expected one of "
+            f"{list(ACTIVATION_SCHEMES)}"
+        )
     block = config.get("weight_block_size")
     if block is None:
-        return Fp8Scheme("fp8", "weight_scale", None)
+        return Fp8Scheme("fp8", "weight_scale", None, activation)
     if (
         not isinstance(block, list)
         or len(block) != 2
@@ -88,7 +105,7 @@ def _fp8(config: dict) -> Fp8Scheme:
             f"config.json quantization_config weight_block_size={block!r}: expected two positive "
             "integers"
         )
-    return Fp8Scheme("fp8", "weight_scale_inv", (block[0], block[1]))
+    return Fp8Scheme("fp8", "weight_scale_inv", (block[0], block[1]), activation)
 
 
 def _compressed_tensors(config: dict) -> Fp8Scheme:
@@ -123,7 +140,36 @@ def _compressed_tensors(config: dict) -> Fp8Scheme:
         raise QuantizationError(
             f"config.json quantization_config format={fmt!r}: expected 'float-quantized'"
         )
-    return Fp8Scheme("compressed-tensors", "weight_scale", None)
+    activations = {_activation_scheme(name, g) for name, g in groups.items()}
+    if len(activations) > 1:
+        raise QuantizationError(
+            f"config.json quantization_config config_groups quantize activations "
+            f"{sorted(map(str, activations))}: expected one scheme for every group"
+        )
+    return Fp8Scheme("compressed-tensors", "weight_scale", None, activations.pop())
+
+
+def _activation_scheme(name: str, group: dict) -> str | None:
+    """A compressed-tensors group's input_activations: dynamic (per token), static (a stored
+    scale per tensor), or None (weight-only)."""
+    activations = group.get("input_activations")
+    if activations is None:
+        return None
+    where = f"config.json quantization_config config_groups.{name}.input_activations"
+    kind = (activations.get("num_bits"), activations.get("type"))
+    if kind != (8, "float"):
+        raise QuantizationError(
+            f"{where} num_bits={kind[0]!r} type={kind[1]!r}: expected 8-bit float activations"
+        )
+    if activations.get("dynamic"):
+        return "dynamic"
+    strategy = activations.get("strategy", "tensor")
+    if strategy != "tensor":
+        raise QuantizationError(
+            f"{where} strategy={strategy!r} with dynamic false: expected 'tensor' (a static "
+            "scale per tensor)"
+        )
+    return "static"
 
 
 def is_activation_scale(tensor: str) -> bool:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from worker.models.hf.config import RopeConfig
+from worker.models.hf.rope_config import RopeConfig
 
 
 def _base_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
@@ -87,9 +87,18 @@ def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
     return int(head_dim * rope.partial_rotary_factor)
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def uses_long_factors(rope: RopeConfig, max_model_len: int | None) -> bool:
+    """Whether longrope rotates with its long factors: where a sequence may pass the original
+    context (max_model_len beyond it). None: no sequence passes it."""
+    return max_model_len is not None and max_model_len > rope.original_max_position_embeddings
+
+
+def inverse_frequencies(
+    rope: RopeConfig, head_dim: int, max_model_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     """The inverse frequencies [head_dim / 2] (float32) and the factor on cos and sin; `head_dim`
-    is the rotated width (rotary_dim). Longrope's are its short factors' (Rotary switches)."""
+    is the rotated width (rotary_dim). Longrope's factor set is chosen by `max_model_len`
+    (uses_long_factors; Rotary says why)."""
     match rope.rope_type:
         case "default":
             return _base_inv_freq(rope.theta, head_dim), 1.0
@@ -100,7 +109,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
         case "yarn":
             return _yarn(rope, head_dim)
         case "longrope":
-            return _longrope(rope, head_dim, rope.short_factor), longrope_attention_factor(rope)
+            is_long = uses_long_factors(rope, max_model_len)
+            factors = rope.long_factor if is_long else rope.short_factor
+            return _longrope(rope, head_dim, factors), longrope_attention_factor(rope)
     raise ValueError(
         f"rope type {rope.rope_type!r}: expected default, linear, llama3, yarn or longrope"
     )
@@ -109,32 +120,41 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
 class Rotary:
     """cos and sin [T, rotary_dim] of a step's positions, and their rotation of q and k.
 
-    Longrope picks its factors per token: a token at position p uses the long factors when
-    p + 1 exceeds original_max_position_embeddings, the short ones otherwise, so a token's K/V
-    depend only on its own position and a cached prefix, or a preempted request recomputed, keeps
-    its values. Up to the original context this is exactly transformers' choice. Past it the two
-    differ: transformers rotates the whole sequence with the long factors, recomputing every
-    cached K/V once when the sequence first passes the original length; here the tokens before
-    it keep their short-factor K/V.
+    Longrope has two factor sets and kvserve picks one for the whole deployment, at load: the
+    long factors where max_model_len exceeds original_max_position_embeddings, the short ones
+    otherwise (vLLM's rule since it stopped switching per batch). Every token of every sequence
+    then rotates alike, so a cached prefix, a preempted request recomputed, or a chunked prefill
+    gives the same K/V as one pass would.
+
+    transformers picks per forward pass, by the longest sequence it computes: a prompt within the
+    original context runs with the short factors and one past it with the long ones; and when a
+    generated sequence first passes it, Phi-3's generate() drops the cache and recomputes the
+    whole sequence with the long factors. So kvserve equals transformers exactly (a) whenever
+    max_model_len <= original_max_position_embeddings (no sequence can pass it; short factors
+    throughout), and (b) with a larger max_model_len, for every sequence once it is longer than
+    the original context, a prompt past it from its first token. Equality is impossible by
+    construction only for (b)'s sequences while they are still within the original context:
+    there transformers rotates with the short factors and kvserve with the long ones, which it
+    must since their K/V stay in the cache when the sequence grows past it (switching per token
+    instead mixes two rotations in one cache, which real Phi-3 weights do not survive). Serve
+    with --max-model-len at most original_max_position_embeddings for short-context fidelity.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        device: torch.device,
+        max_model_len: int | None = None,  # the engine's; None: within the original context
+    ) -> None:
         self.rotary_dim = rotary_dim(rope, head_dim)
-        inv_freq, self.attention_factor = inverse_frequencies(rope, self.rotary_dim)
+        inv_freq, self.attention_factor = inverse_frequencies(rope, self.rotary_dim, max_model_len)
         self.inv_freq = inv_freq.to(device)  # [rotary_dim / 2] float32
-        self.long_inv_freq: torch.Tensor | None = None
-        self.original_len = rope.original_max_position_embeddings
-        if rope.rope_type == "longrope":
-            self.long_inv_freq = _longrope(rope, self.rotary_dim, rope.long_factor).to(device)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq[None, :]  # [1 or T, rotary_dim / 2]
-        if self.long_inv_freq is not None:
-            is_long = (positions + 1 > self.original_len)[:, None]
-            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq  # [T, rotary_dim / 2]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]: both halves rotate alike
         cos = angles.cos() * self.attention_factor
         sin = angles.sin() * self.attention_factor

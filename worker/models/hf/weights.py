@@ -7,10 +7,12 @@ the rank's device; on the CPU a whole tensor already in that dtype stays a view 
 file (the embedding and norms page in on first use, shared by the host's ranks). q/k/v and gate/up
 (each expert's too) are merged into new tensors of this rank's rows (from separate tensors, or
 from Phi-3's fused qkv_proj and gate_up_proj), and on the CPU every matrix but the routers is
-packed for the GEMM (linear.py).
+packed for the GEMM (linear.py). An fp8 checkpoint's linear weights are dequantized as they are
+read, or, on CUDA devices with FP8, kept in fp8 with their scales (fp8_linear.py), sliced alike.
 """
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +21,19 @@ from safetensors import safe_open
 
 from worker.models.hf.checkpoint import TensorEntry, tensor_entries
 from worker.models.hf.config import HFConfig
+from worker.models.hf.fp8_linear import (
+    Fp8Linear,
+    can_keep,
+    keeps_fp8_weights,
+    merged_weight_scale,
+    weight_tensors,
+)
 from worker.models.hf.gguf_file import is_gguf, read_tensor
 from worker.models.hf.linear import pack
 from worker.models.hf.moe import MoeWeights
 from worker.models.hf.quantization import FP8_DTYPE, Fp8Scheme, dequantize
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +93,12 @@ class LayerWeights:
     """
 
     input_norm: torch.Tensor  # [D]
-    qkv_proj: torch.Tensor  # [(H_r + 2 * KV_r) * head_dim, D]: this rank's q, then k, then v rows
-    o_proj: torch.Tensor  # [D, H_r * head_dim]: this rank's input columns
+    # The four linear weights may be Fp8Linear (kept in fp8 with their scales, CUDA)
+    qkv_proj: torch.Tensor | Fp8Linear  # [(H_r + 2 * KV_r) * head_dim, D]: q, then k, then v rows
+    o_proj: torch.Tensor | Fp8Linear  # [D, H_r * head_dim]: this rank's input columns
     post_attention_norm: torch.Tensor  # [D]
-    gate_up_proj: torch.Tensor | None  # [2 * I_r, D]: this rank's gate rows, then its up rows
-    down_proj: torch.Tensor | None  # [D, I_r]; both None where the experts replace the MLP
+    gate_up_proj: torch.Tensor | Fp8Linear | None  # [2 * I_r, D]: gate rows, then up rows
+    down_proj: torch.Tensor | Fp8Linear | None  # [D, I_r]; both None where experts replace it
     qkv_bias: torch.Tensor | None = None  # [(H_r + 2 * KV_r) * head_dim], as qkv_proj's rows
     o_bias: torch.Tensor | None = None  # [D]: added once, after the all-reduce
     gate_up_bias: torch.Tensor | None = None  # [2 * I_r], as gate_up_proj's rows
@@ -99,7 +111,8 @@ class LayerWeights:
 
     def tensors(self) -> list[torch.Tensor]:
         present = (getattr(self, name) for name in LayerWeights.__slots__)
-        tensors = [t for t in present if isinstance(t, torch.Tensor)]
+        weights = [t for t in present if isinstance(t, torch.Tensor | Fp8Linear)]
+        tensors = [t for weight in weights for t in weight_tensors(weight)]
         return tensors if self.moe is None else tensors + self.moe.tensors()
 
 
@@ -129,9 +142,12 @@ class TensorReader:
         device: torch.device,
         dtype: torch.dtype,
         quantization: Fp8Scheme | None = None,
+        keeps_fp8: bool = False,  # fp8 linear weights stay fp8 (keeps_fp8_weights)
     ) -> None:
         self.entries = entries
         self.quantization = quantization
+        self.keeps_fp8 = keeps_fp8 and quantization is not None
+        self.num_fp8_weights = 0  # linear weights kept in fp8 so far
         self.stack = stack
         self.device = device
         self.dtype = dtype
@@ -150,9 +166,7 @@ class TensorReader:
             shape = self.entries[name].shape
             part = dequantize(
                 part,
-                self._file(self.quantization.scale_name(name)).get_tensor(
-                    self.quantization.scale_name(name)
-                ),
+                self._tensor(self.quantization.scale_name(name)),
                 self.quantization.block,
                 _whole(rows, shape[0]),
                 _whole(cols, shape[1]),
@@ -161,6 +175,55 @@ class TensorReader:
 
     def _view(self, name: str):
         return self._file(name).get_slice(name)
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def read_linear(self, parts: list[tuple[str, slice]]) -> torch.Tensor | Fp8Linear:
+        """A column-parallel weight: the row ranges `parts` of one or more tensors, merged;
+        kept in fp8 where this rank keeps fp8 weights, else in the compute dtype and packed."""
+        kept = self._fp8_linear(parts, None)
+        return kept if kept is not None else pack(self.read_merged(parts))
+
+    def read_linear_cols(self, name: str, cols: slice) -> torch.Tensor | Fp8Linear:
+        """A row-parallel weight: this rank's input columns `cols` of `name`."""
+        kept = self._fp8_linear([(name, None)], cols)
+        return kept if kept is not None else pack(self.read(name, cols=cols))
+
+    def _fp8_linear(
+        self, parts: list[tuple[str, slice | None]], cols: slice | None
+    ) -> Fp8Linear | None:
+        """The parts' fp8 bytes and scales as one Fp8Linear; None where they are dequantized
+        instead (not kept here, a part in float, or a slice torch._scaled_mm cannot take)."""
+        scheme = self.quantization
+        if not self.keeps_fp8 or scheme is None:
+            return None
+        if any(self.entries[name].dtype != FP8_DTYPE for name, _ in parts):
+            return None
+        shapes = [self.entries[name].shape for name, _ in parts]
+        rows = [_whole(part, shape[0]) for (_, part), shape in zip(parts, shapes, strict=True)]
+        num_cols = shapes[0][1] if cols is None else cols.stop - cols.start
+        if not can_keep(sum(r.stop - r.start for r in rows), num_cols):
+            return None
+        pieces = [
+            self._view(name)[part] if cols is None else self._view(name)[:, cols]
+            for (name, _), part in zip(parts, rows, strict=True)
+        ]
+        scales = [self._tensor(scheme.scale_name(name)) for name, _ in parts]
+        # a rank's columns of a weight keep every output channel, so every channel's scale
+        weight_scale = merged_weight_scale(scales, rows, [shape[0] for shape in shapes])
+        input_scale = None
+        if scheme.activation_scheme == "static":  # the largest: no part's input saturates
+            stored = [self._tensor(scheme.input_scale_name(name)) for name, _ in parts]
+            input_scale = torch.stack([s.to(torch.float32).reshape(()) for s in stored]).max()
+            input_scale = input_scale.to(self.device)
+        self.num_fp8_weights += 1
+        return Fp8Linear(
+            torch.cat(pieces).to(self.device).contiguous(),
+            weight_scale.to(self.device),
+            input_scale,
+            self.dtype,
+        )
 
     def _file(self, name: str):
         file = self.entries[name].file
@@ -216,8 +279,18 @@ def load_rank_weights(
             reader = GGUFTensorReader(config, device, dtype)
         else:
             entries = tensor_entries(Path(config.path))
-            reader = TensorReader(entries, stack, device, dtype, config.quantization)
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            keeps = keeps_fp8_weights(device.type, capability, config.quantization)
+            reader = TensorReader(entries, stack, device, dtype, config.quantization, keeps)
         layers = [_layer(config, shard, reader, i) for i in range(config.num_layers)]
+        if config.quantization is not None:
+            logger.info(
+                "fp8 weights on %s: %s",
+                device,
+                f"{reader.num_fp8_weights} linear weights kept in float8 (torch._scaled_mm)"
+                if reader.num_fp8_weights
+                else f"dequantized to {dtype} at load",
+            )
         embed = reader.read("model.embed_tokens.weight")
         # tied, the packed head is a second copy of the embedding where packing applies
         lm_head = pack(embed if config.tie_word_embeddings else reader.read("lm_head.weight"))
@@ -259,13 +332,15 @@ def _layer(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -
     is_sparse = config.moe is not None and config.moe.sparse_layers[idx]
     return LayerWeights(
         input_norm=reader.read(f"model.layers.{idx}.input_layernorm.weight"),
-        qkv_proj=pack(reader.read_merged([(f"{attn}{name}.weight", rows) for name, rows in qkv])),
-        o_proj=pack(reader.read(attn + "o_proj.weight", cols=q_rows)),
+        qkv_proj=reader.read_linear([(f"{attn}{name}.weight", rows) for name, rows in qkv]),
+        o_proj=reader.read_linear_cols(attn + "o_proj.weight", q_rows),
         post_attention_norm=reader.read(f"model.layers.{idx}.post_attention_layernorm.weight"),
         gate_up_proj=None
         if is_sparse
-        else pack(reader.read_merged([(f"{mlp}{name}.weight", rows) for name, rows in gate_up])),
-        down_proj=None if is_sparse else pack(reader.read(mlp + "down_proj.weight", cols=mlp_rows)),
+        else reader.read_linear([(f"{mlp}{name}.weight", rows) for name, rows in gate_up]),
+        down_proj=None
+        if is_sparse
+        else reader.read_linear_cols(mlp + "down_proj.weight", mlp_rows),
         qkv_bias=reader.read_merged_if(
             has_qkv_bias, [(f"{attn}{name}.bias", rows) for name, rows in qkv]
         ),
@@ -294,8 +369,8 @@ def _moe(config: HFConfig, shard: RankShard, reader: TensorReader, idx: int) -> 
     gate_up, down = [], []
     for expert in range(moe.num_experts):
         gate, up = (moe.expert_tensor(idx, expert, name) for name in (moe.gate_name, moe.up_name))
-        gate_up.append(pack(reader.read_merged([(gate, rows), (up, rows)])))
-        down.append(pack(reader.read(moe.expert_tensor(idx, expert, moe.down_name), cols=rows)))
+        gate_up.append(reader.read_linear([(gate, rows), (up, rows)]))
+        down.append(reader.read_linear_cols(moe.expert_tensor(idx, expert, moe.down_name), rows))
     return MoeWeights(
         router=reader.read(moe.router_tensor(idx)),
         gate_up_proj=gate_up,
