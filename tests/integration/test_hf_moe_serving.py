@@ -49,6 +49,7 @@ PROMPTS = ["The engine reads the block and", "Every rank shares a prefix"]
 # blocks of 4 tokens: five ~50-token requests at once need about 70, so requests preempt
 SERVE_FLAGS = ["--block-size", "4", "--num-gpu-blocks-override", "32", "--max-model-len", "96"]
 SERVE_FLAGS += ["--max-num-batched-tokens", "16"]  # chunked prefill: prompts take 2 to 3 steps
+MAX_BATCHES = 3  # the concurrent batch is sent at most this often until a request is preempted
 
 
 @dataclasses.dataclass
@@ -134,10 +135,15 @@ def test_moe_chat_and_completion_text_equal_transformers_greedy(
     def complete(prompt: str) -> str:
         return client.completions.create(prompt=prompt, **greedy).choices[0].text
 
-    with ThreadPoolExecutor(len(CHATS) + len(PROMPTS)) as pool:  # all at once: they preempt
-        chats = [pool.submit(chat, messages) for messages in CHATS]
-        completions = [pool.submit(complete, prompt) for prompt in PROMPTS]
-        assert [future.result() for future in chats] == reference.chats
-        assert [future.result() for future in completions] == reference.completions
+    # All at once, so that they preempt; on a loaded host the requests can arrive spread out
+    # enough to run without it, so the batch is sent again (exact every time) until one did.
+    for _ in range(MAX_BATCHES):
+        with ThreadPoolExecutor(len(CHATS) + len(PROMPTS)) as pool:
+            chats = [pool.submit(chat, messages) for messages in CHATS]
+            completions = [pool.submit(complete, prompt) for prompt in PROMPTS]
+            assert [future.result() for future in chats] == reference.chats
+            assert [future.result() for future in completions] == reference.completions
+        if counter(url, "vllm:num_preemptions") > 0:
+            break
     assert counter(url, "vllm:num_preemptions") > 0, "the small pool should force preemption"
     assert counter(url, "vllm:prefix_cache_hits") > 0, "the shared system prompt should hit"
