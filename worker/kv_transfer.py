@@ -29,7 +29,8 @@ with the worker keypair every rank shares, its ZAP handler admits only that key 
 of the deployment), and a puller is its CURVE client: the pages are encrypted, and the secret
 still decides what an admitted peer may read. With NIXL on both ranks (and one TP size), the
 server answers with where the pages lie instead of the pages, and the puller READs them
-(worker/kv_transfer_nixl.py).
+(worker/kv_transfer_nixl.py): the secret then decides what an honest puller is told, not what
+an admitted peer can READ, so the engine gives its ranks NIXL only behind CURVE or ipc.
 """
 
 import functools

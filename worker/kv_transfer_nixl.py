@@ -12,10 +12,14 @@ a `KVPullDone` that the prefill rank answers ok only while the transfer is still
 is applied before the forward of the first step that could reuse the blocks, so a pin that holds
 after the READ ended means the pages read were the request's: the pull completes only then.
 
-What the secret guards under NIXL: which descriptors a puller is given. A peer that holds an
-agent's metadata can address any memory that agent registered, as with any RDMA registration;
-the metadata goes only to pullers the control channel admitted (the deployment's CURVE key across
-hosts, the private ipc folder on one).
+What the secret guards under NIXL: which descriptors an honest puller is given, and whether
+its READ counts. It cannot bound what a peer that was answered once READs: the agent's metadata
+and the addresses let it READ any page of the registered tensors, after the unpin and of other
+requests, for the agent's life (as with any RDMA registration), and UCX moves the pages
+unencrypted. So a prefill engine serves NIXL only where its control channel admits the
+deployment's decode ranks alone, under CURVE or over its private ipc folder
+(engine_core/kv_transfer/layout.describe_unauthenticated_nixl): those peers, and the fabric
+between them, are trusted with every page.
 
 Each NixlPages registers its rank's KV tensors once, when the rank builds its transfer agent. It
 runs no progress thread (NIXL's spins a core without pause): the puller progresses its side as it
