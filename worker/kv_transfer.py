@@ -42,6 +42,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -69,6 +70,7 @@ from protocol.kv_transfer import (
 from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
 from worker.kv_transfer_nixl import NixlPages, NixlReadError
 from worker.kv_transfer_shm import ShmPages, read_pages
+from worker.models.hf.checkpoint import weight_files
 from worker.models.hf.config import is_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -79,30 +81,29 @@ NIXL_PROGRESS_MS = 1  # how often it progresses its NIXL agent while READs are o
 CLOSE_TIMEOUT_S = 2.0
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 FINGERPRINT_SAMPLE_BYTES = 1 << 20  # read from each end of each weight file
 
 
 @functools.cache  # the hello and the transfer agent each ask, once per process
 def model_fingerprint(model: str, seed: int) -> str:
     """What tells one model's weights from another's beyond `--model`, for the P/D layout: a
-    checkpoint's config.json bytes and, per weight file, its name, size and first and last MiB
-    (headers and weights: a fine-tune of the same architecture differs there; the files are not
-    read whole), or the same of a GGUF file; for a built-in model its name and the seed that
+    checkpoint's config.json bytes and, per file its weights load from (checkpoint.weight_files:
+    no other file beside them), its name, size and first and last MiB (headers and weights: a
+    fine-tune of the same architecture differs there; the files are not read whole, so a
+    checkpoint costs 2 MiB a file, against the whole files the load reads next), or the same of
+    a GGUF file; for a built-in model its name and the seed that
     draws its weights. 16 hex digits, equal for copies of one checkpoint in any folder."""
     digest = hashlib.sha256()
     if not is_checkpoint(model):
         digest.update(f"{model}:seed={seed}".encode())
         return digest.hexdigest()[:16]
     path = os.path.abspath(model)
-    if os.path.isfile(path):  # a GGUF file
-        files = [path]
-    else:
+    if not os.path.isfile(path):  # a folder, not a GGUF file
         with open(os.path.join(path, "config.json"), "rb") as file:
             digest.update(file.read())
-        names = sorted(os.listdir(path))
-        files = [os.path.join(path, name) for name in names if name.endswith(WEIGHT_SUFFIXES)]
-    for file_path in files:
+    # the files the weights load from, not every weight-like file beside them (another export,
+    # training_args.bin): hosts holding one checkpoint with different leftovers still pair
+    for file_path in map(str, weight_files(Path(path))):
         size = os.path.getsize(file_path)
         digest.update(f"{os.path.basename(file_path)}:{size};".encode())
         with open(file_path, "rb") as file:
