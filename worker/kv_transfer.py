@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -79,6 +80,7 @@ PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the s
 SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
 NIXL_PROGRESS_MS = 1  # how often it progresses its NIXL agent while READs are out
 CLOSE_TIMEOUT_S = 2.0
+MALFORMED_VALUE_CHARS = 80  # of a refused field's value, in the reason
 
 
 FINGERPRINT_SAMPLE_BYTES = 1 << 20  # read from each end of each weight file
@@ -248,8 +250,13 @@ class KVTransferRank:
                 continue
             except zmq.ZMQError:
                 return  # closed under us: the rank is stopping
+            try:  # a bug in answering one pull refuses it; the thread goes on serving the rest
+                reply = self.answer(frame)
+            except Exception as exc:
+                logger.exception("answering a KV pull failed")
+                reply = self._refuse(f"the prefill rank failed answering it: {exc}")
             try:
-                sock.send_multipart([identity, *self.answer(frame)])
+                sock.send_multipart([identity, *reply])
             except zmq.ZMQError as exc:
                 logger.warning("could not answer a KV pull: %s", exc)
 
@@ -269,7 +276,7 @@ class KVTransferRank:
         try:
             request = self._request_decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._refuse(f"malformed pull: {exc}")
+            return self._refuse(f"malformed pull: {_describe_malformed(frame, exc)}")
         if isinstance(request, KVPullDone):
             return self._answer_done(request)
         if request.protocol_version != PROTOCOL_VERSION:
@@ -436,16 +443,21 @@ class KVTransferRank:
         """Copy the pages of `pull.src_block_ids` from the peer rank into `dst_block_ids`;
         the bytes moved, or KVPullError."""
         if len(pull.src_block_ids) != len(pull.dst_block_ids):
-            raise KVPullError(f"{len(pull.src_block_ids)} sources for {len(pull.dst_block_ids)}")
+            raise KVPullError(
+                f"src_block_ids {pull.src_block_ids} for dst_block_ids {pull.dst_block_ids}: "
+                "expected as many"
+            )
         num_slices = self.layout.tp_size // max(1, len(pull.endpoints))
         if not pull.endpoints or num_slices * len(pull.endpoints) != self.layout.tp_size:
             raise KVPullError(
-                f"the handle names {len(pull.endpoints)} ranks, which do not divide this "
-                f"engine's {self.layout.tp_size}"
+                f"endpoints {pull.endpoints}: {len(pull.endpoints)} ranks do not divide this "
+                f"engine's tp_size {self.layout.tp_size}"
             )
         dst = np.asarray(pull.dst_block_ids, dtype=np.int64)
         if len(dst) and not (dst.min() > 0 and dst.max() < self.num_blocks):
-            raise KVPullError(f"destination blocks {dst.tolist()} outside 1..{self.num_blocks - 1}")
+            raise KVPullError(
+                f"dst_block_ids {dst.tolist()}: expected each in 1..{self.num_blocks - 1}"
+            )
         endpoint = pull.endpoints[self.rank // num_slices]  # slice rank % num_slices of its heads
         request = KVPullRequest(
             PROTOCOL_VERSION,
@@ -619,6 +631,35 @@ def _are_pinned(pinned: list[int], first: int, block_ids: list[int], block_idxs:
         0 <= idx < len(pinned) and pinned[idx] == block_id
         for idx, block_id in zip(block_idxs, block_ids, strict=True)
     )
+
+
+def _describe_malformed(frame: bytes, exc: Exception) -> str:
+    """msgspec's reason for a malformed pull, the array position it names (`$[4]`, `$[6][1]`)
+    spelled as the field (`secret`, `block_ids[1]`), with the value found there."""
+    reason = str(exc)
+    path = re.search(r"`\$((?:\[\d+\])+)`", reason)
+    try:
+        value = msgspec.msgpack.decode(frame)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return reason
+    if path is None or not isinstance(value, list) or not value or not isinstance(value[0], str):
+        return reason
+    message = {"KVPullRequest": KVPullRequest, "KVPullDone": KVPullDone}.get(value[0])
+    if message is None:  # an unknown tag: msgspec's reason says so
+        return reason
+    fields: tuple[str, ...] = ("tag", *message.__struct_fields__)
+    names = []
+    for idx in map(int, re.findall(r"\d+", path.group(1))):
+        if idx < len(fields):
+            names.append(("." if names else "") + fields[idx])
+        else:
+            names.append(f"[{idx}]")
+        fields = KVTransferLayout.__struct_fields__ if names[-1] == "layout" else ()
+        value = value[idx] if isinstance(value, list) and idx < len(value) else None
+    shown = repr(value)
+    if len(shown) > MALFORMED_VALUE_CHARS:
+        shown = shown[:MALFORMED_VALUE_CHARS] + "..."
+    return reason.replace(path.group(0), f"`{''.join(names)}` = {shown}")
 
 
 def _same_secret(expected: str, given: str) -> bool:
