@@ -240,8 +240,10 @@ class KVTransferRank:
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
             is_reading = self._is_nixl_read_out()
-            if is_reading:
-                self.nixl.progress()  # type: ignore[union-attr]
+            if self.nixl is not None:
+                # every poll, not only while READs are authorised: one that outlived its
+                # authorisation (a puller waits out a READ NIXL could not cancel) still ends
+                self.nixl.progress()
             if not poller.poll(NIXL_PROGRESS_MS if is_reading else SERVE_POLL_MS):
                 continue
             try:
@@ -353,8 +355,9 @@ class KVTransferRank:
             version = done.protocol_version
             return self._refuse(f"a pull's end from rank {done.rank}, version {version}")
         with self._lock:
-            self._nixl_reads.pop(done.transfer_id, None)
             pin = self._pins.get(done.transfer_id)
+            if pin is None or _same_secret(pin[0], done.secret):  # the READ's own puller
+                self._nixl_reads.pop(done.transfer_id, None)  # its READ has ended
             if (
                 pin is None
                 or not _same_secret(pin[0], done.secret)

@@ -27,7 +27,8 @@ between them, are trusted with every page.
 Each NixlPages registers its rank's KV tensors once, when the rank builds its transfer agent. It
 runs no progress thread (NIXL's spins a core without pause): the puller progresses its side as it
 polls its READ, and the prefill rank's serving thread progresses its agent every NIXL_PROGRESS_MS
-while READs it authorised are out (until their KVPullDone, or PULL_TIMEOUT_S).
+while READs it authorised are out (until their KVPullDone, or PULL_TIMEOUT_S), and at each of its
+polls (SERVE_POLL_MS) otherwise, so that a READ past its authorisation still ends.
 """
 
 import logging

@@ -8,13 +8,24 @@ The agent here is a stand-in that follows NIXL's documented states (PROC, DONE, 
 release rule; no UCX worker, socket or process is made.
 """
 
+import msgspec
 import pytest
 import torch
 
+from protocol import PROTOCOL_VERSION
+from protocol.kv_transfer import (
+    KVPin,
+    KVPullDone,
+    KVPullRequest,
+    KVTransferLayout,
+    KVTransferOrders,
+)
 from worker import kv_transfer_nixl
+from worker.kv_transfer import KVTransferRank
 from worker.kv_transfer_nixl import NixlPages, NixlReadError
 
 NUM_BLOCKS, PAGE_BYTES = 8, 16
+SECRET = "ab" * 16
 
 
 class StuckRead:
@@ -82,3 +93,42 @@ def test_a_read_that_fails_is_released_and_reported(monkeypatch: pytest.MonkeyPa
     with pytest.raises(NixlReadError, match="NIXL reported the READ failed"):
         pages.read("prefill", b"", [4096], 0, [3], timeout_s=1.0)
     assert agent.is_released and pages.num_reads == 0
+
+
+class RegisteredPages:
+    """The prefill side of a NixlPages, as KVTransferRank.answer uses it: no agent is made."""
+
+    name, metadata, device_id = "prefill", b"metadata", 0
+    num_progressed = 0
+
+    def addresses(self, block_ids: list[int]) -> list[int]:
+        return [4096 + block_id * PAGE_BYTES for block_id in block_ids]
+
+    def progress(self) -> None:
+        self.num_progressed += 1
+
+    def close(self) -> None:
+        """Nothing was registered."""
+
+
+def test_only_the_reads_own_puller_ends_the_progress_it_needs() -> None:
+    """A prefill rank progresses its agent while a READ it authorised is out, until that READ's
+    KVPullDone: a KVPullDone under another secret is refused and ends nothing, so it cannot
+    stall a READ over a transport that moves only while the target progresses."""
+    layout = KVTransferLayout("checksum", 4, "float32", 1, PAGE_BYTES)
+    rank = KVTransferRank(
+        0, [torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.uint8)], layout, nixl=RegisteredPages()
+    )
+    try:
+        rank.apply(KVTransferOrders(pins=[KVPin(3, SECRET, [2, 5])]))
+        request = KVPullRequest(PROTOCOL_VERSION, 0, 3, SECRET, 0, [2, 5], layout, via_nixl=True)
+        reply = msgspec.msgpack.decode(rank.answer(msgspec.msgpack.encode(request))[0])
+        assert reply[1] is True and rank._is_nixl_read_out()
+        forged = KVPullDone(PROTOCOL_VERSION, 0, 3, "cd" * 16, 0, [2, 5])
+        reply = msgspec.msgpack.decode(rank.answer(msgspec.msgpack.encode(forged))[0])
+        assert reply[1] is False and rank._is_nixl_read_out()
+        done = msgspec.structs.replace(forged, secret=SECRET)
+        reply = msgspec.msgpack.decode(rank.answer(msgspec.msgpack.encode(done))[0])
+        assert reply[1] is True and not rank._is_nixl_read_out()
+    finally:
+        rank.close()
