@@ -49,6 +49,20 @@ def test_a_checkpoint_is_fingerprinted_by_the_files_its_weights_load_from(tmp_pa
     assert model_fingerprint(str(stray), 0) == model_fingerprint(str(sharded), 0)
 
 
+def test_copies_of_one_checkpoint_under_other_paths_pair(tmp_path: Path) -> None:
+    """The layout names a checkpoint by its folder's name, not its path: hosts that mount one
+    checkpoint at different paths pair (the fingerprint tells weights apart)."""
+    write_checkpoint(tmp_path / "a" / "llama", "llama")
+    shutil.copytree(tmp_path / "a" / "llama", tmp_path / "b" / "llama")
+    layouts = []
+    for path in (str(tmp_path / "a" / "llama"), str(tmp_path / "b" / "llama") + "/"):
+        info = get_model_info(path, 16)
+        config = KVCacheConfig(8, info.kv_cache_groups)
+        layouts.append(kv_transfer_layout(info.name, config, 1, model_fingerprint(path, 0)))
+    assert layouts[0].mismatch(layouts[1]) is None
+    assert layouts[0].model == "llama"
+
+
 def test_a_pair_serving_different_weights_is_refused_naming_the_field() -> None:
     info = get_model_info("tiny-llama", 16)
     config = KVCacheConfig(8, info.kv_cache_groups)
