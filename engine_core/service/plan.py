@@ -102,8 +102,9 @@ def check_kv_role(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
             "--kv-transport nixl: NIXL is not installed (pip install 'kvserve[nixl]'); "
             "auto or builtin serve without it"
         )
-    if config.kv_transport == "nixl" and config.kv_role == "prefill":
-        reason = describe_unauthenticated_nixl(config.kv_transfer_address, config.curve is not None)
+    address = config.kv_transfer_address
+    if config.kv_transport == "nixl" and config.kv_role == "prefill" and address is not None:
+        reason = describe_unauthenticated_nixl(address, config.curve is not None)
         if reason is not None:
             raise FlagValueError(f"--kv-transport nixl with {reason}: give --curve-keys-dir")
     if config.kv_role == "decode" and not config.cache.enable_prefix_caching:
