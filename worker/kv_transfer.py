@@ -93,9 +93,9 @@ def model_fingerprint(model: str, seed: int) -> str:
     no other file beside them), its name, size and first and last MiB (headers and weights: a
     fine-tune of the same architecture differs there; the files are not read whole, so a
     checkpoint costs 2 MiB a file, against the whole files the load reads next), or the same of
-    a GGUF file; for a built-in model its name and the seed that
-    draws its weights. 16 hex digits, equal for copies of one checkpoint in any folder. A sample:
-    weights that differ only inside every file's middle (an edit of one inner layer) agree."""
+    a GGUF file; for a built-in model its name and the seed that draws its weights. 16 hex
+    digits, equal for copies of one checkpoint in any folder. A sample: weights that differ only
+    inside every file's middle (an edit of one inner layer) agree."""
     digest = hashlib.sha256()
     if not is_checkpoint(model):
         digest.update(f"{model}:seed={seed}".encode())
