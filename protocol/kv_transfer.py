@@ -62,7 +62,9 @@ def describe_unsupported_groups(groups: list[KVCacheGroupSpec]) -> str | None:
 class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What a prefill/decode pair must agree on for one's pages to mean the same to the other."""
 
-    model: str  # the served model's name
+    # the model's name: a built-in one's, or a checkpoint's file or folder name without the
+    # path to it (copies mounted at other paths pair; model_fingerprint tells weights apart)
+    model: str
     block_size: int  # tokens per block
     kv_cache_dtype: str  # the KV pages' element type, e.g. "float32"
     tp_size: int  # ranks: rank r pulls from rank r
@@ -88,11 +90,12 @@ class KVTransferLayout(msgspec.Struct, frozen=True, array_like=True, forbid_unkn
 def kv_transfer_layout(
     model_name: str, kv_cache_config: KVCacheConfig, tp_size: int, model_fingerprint: str = ""
 ) -> KVTransferLayout:
-    """The layout an engine (and each of its ranks) announces, from the agreed KVCacheConfig."""
+    """The layout an engine (and each of its ranks) announces, from the agreed KVCacheConfig;
+    `model_name` is the model's (a checkpoint's path: only its last part is kept)."""
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].spec
     return KVTransferLayout(
-        model=model_name,
+        model=model_name.rstrip("/").rsplit("/", 1)[-1] or model_name,
         block_size=spec.block_size,
         kv_cache_dtype=str(getattr(spec, "dtype", "")),
         tp_size=tp_size,

@@ -29,7 +29,8 @@ with the worker keypair every rank shares, its ZAP handler admits only that key 
 of the deployment), and a puller is its CURVE client: the pages are encrypted, and the secret
 still decides what an admitted peer may read. With NIXL on both ranks (and one TP size), the
 server answers with where the pages lie instead of the pages, and the puller READs them
-(worker/kv_transfer_nixl.py).
+(worker/kv_transfer_nixl.py): the secret then decides what an honest puller is told, not what
+an admitted peer can READ, so the engine gives its ranks NIXL only behind CURVE or ipc.
 """
 
 import functools
@@ -39,8 +40,10 @@ import itertools
 import logging
 import os
 import queue
+import re
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -68,6 +71,7 @@ from protocol.kv_transfer import (
 from worker.kv_transfer_net import WILDCARD_HOSTS, TransferZap, routed_host
 from worker.kv_transfer_nixl import NixlPages, NixlReadError
 from worker.kv_transfer_shm import ShmPages, read_pages
+from worker.models.hf.checkpoint import weight_files
 from worker.models.hf.config import is_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -76,32 +80,33 @@ PULL_TIMEOUT_S = 5.0  # a pull's answer from the prefill rank, well inside the s
 SERVE_POLL_MS = 100  # how often the server thread checks whether it should stop
 NIXL_PROGRESS_MS = 1  # how often it progresses its NIXL agent while READs are out
 CLOSE_TIMEOUT_S = 2.0
+MALFORMED_VALUE_CHARS = 80  # of a refused field's value, in the reason
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 FINGERPRINT_SAMPLE_BYTES = 1 << 20  # read from each end of each weight file
 
 
 @functools.cache  # the hello and the transfer agent each ask, once per process
 def model_fingerprint(model: str, seed: int) -> str:
     """What tells one model's weights from another's beyond `--model`, for the P/D layout: a
-    checkpoint's config.json bytes and, per weight file, its name, size and first and last MiB
-    (headers and weights: a fine-tune of the same architecture differs there; the files are not
-    read whole), or the same of a GGUF file; for a built-in model its name and the seed that
-    draws its weights. 16 hex digits, equal for copies of one checkpoint in any folder."""
+    checkpoint's config.json bytes and, per file its weights load from (checkpoint.weight_files:
+    no other file beside them), its name, size and first and last MiB (headers and weights: a
+    fine-tune of the same architecture differs there; the files are not read whole, so a
+    checkpoint costs 2 MiB a file, against the whole files the load reads next), or the same of
+    a GGUF file; for a built-in model its name and the seed that draws its weights. 16 hex
+    digits, equal for copies of one checkpoint in any folder. A sample: weights that differ only
+    inside every file's middle (an edit of one inner layer) agree."""
     digest = hashlib.sha256()
     if not is_checkpoint(model):
         digest.update(f"{model}:seed={seed}".encode())
         return digest.hexdigest()[:16]
     path = os.path.abspath(model)
-    if os.path.isfile(path):  # a GGUF file
-        files = [path]
-    else:
+    if not os.path.isfile(path):  # a folder, not a GGUF file
         with open(os.path.join(path, "config.json"), "rb") as file:
             digest.update(file.read())
-        names = sorted(os.listdir(path))
-        files = [os.path.join(path, name) for name in names if name.endswith(WEIGHT_SUFFIXES)]
-    for file_path in files:
+    # the files the weights load from, not every weight-like file beside them (another export,
+    # training_args.bin): hosts holding one checkpoint with different leftovers still pair
+    for file_path in map(str, weight_files(Path(path))):
         size = os.path.getsize(file_path)
         digest.update(f"{os.path.basename(file_path)}:{size};".encode())
         with open(file_path, "rb") as file:
@@ -236,8 +241,10 @@ class KVTransferRank:
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
             is_reading = self._is_nixl_read_out()
-            if is_reading:
-                self.nixl.progress()  # type: ignore[union-attr]
+            if self.nixl is not None:
+                # every poll, not only while READs are authorised: one that outlived its
+                # authorisation (a puller waits out a READ NIXL could not cancel) still ends
+                self.nixl.progress()
             if not poller.poll(NIXL_PROGRESS_MS if is_reading else SERVE_POLL_MS):
                 continue
             try:
@@ -246,8 +253,13 @@ class KVTransferRank:
                 continue
             except zmq.ZMQError:
                 return  # closed under us: the rank is stopping
+            try:  # a bug in answering one pull refuses it; the thread goes on serving the rest
+                reply = self.answer(frame)
+            except Exception as exc:
+                logger.exception("answering a KV pull failed")
+                reply = self._refuse(f"the prefill rank failed answering it: {exc}")
             try:
-                sock.send_multipart([identity, *self.answer(frame)])
+                sock.send_multipart([identity, *reply])
             except zmq.ZMQError as exc:
                 logger.warning("could not answer a KV pull: %s", exc)
 
@@ -267,7 +279,7 @@ class KVTransferRank:
         try:
             request = self._request_decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._refuse(f"malformed pull: {exc}")
+            return self._refuse(f"malformed pull: {_describe_malformed(frame, exc)}")
         if isinstance(request, KVPullDone):
             return self._answer_done(request)
         if request.protocol_version != PROTOCOL_VERSION:
@@ -344,8 +356,9 @@ class KVTransferRank:
             version = done.protocol_version
             return self._refuse(f"a pull's end from rank {done.rank}, version {version}")
         with self._lock:
-            self._nixl_reads.pop(done.transfer_id, None)
             pin = self._pins.get(done.transfer_id)
+            if pin is None or _same_secret(pin[0], done.secret):  # the READ's own puller
+                self._nixl_reads.pop(done.transfer_id, None)  # its READ has ended
             if (
                 pin is None
                 or not _same_secret(pin[0], done.secret)
@@ -434,16 +447,21 @@ class KVTransferRank:
         """Copy the pages of `pull.src_block_ids` from the peer rank into `dst_block_ids`;
         the bytes moved, or KVPullError."""
         if len(pull.src_block_ids) != len(pull.dst_block_ids):
-            raise KVPullError(f"{len(pull.src_block_ids)} sources for {len(pull.dst_block_ids)}")
+            raise KVPullError(
+                f"src_block_ids {pull.src_block_ids} for dst_block_ids {pull.dst_block_ids}: "
+                "expected as many"
+            )
         num_slices = self.layout.tp_size // max(1, len(pull.endpoints))
         if not pull.endpoints or num_slices * len(pull.endpoints) != self.layout.tp_size:
             raise KVPullError(
-                f"the handle names {len(pull.endpoints)} ranks, which do not divide this "
-                f"engine's {self.layout.tp_size}"
+                f"endpoints {pull.endpoints}: {len(pull.endpoints)} ranks do not divide this "
+                f"engine's tp_size {self.layout.tp_size}"
             )
         dst = np.asarray(pull.dst_block_ids, dtype=np.int64)
         if len(dst) and not (dst.min() > 0 and dst.max() < self.num_blocks):
-            raise KVPullError(f"destination blocks {dst.tolist()} outside 1..{self.num_blocks - 1}")
+            raise KVPullError(
+                f"dst_block_ids {dst.tolist()}: expected each in 1..{self.num_blocks - 1}"
+            )
         endpoint = pull.endpoints[self.rank // num_slices]  # slice rank % num_slices of its heads
         request = KVPullRequest(
             PROTOCOL_VERSION,
@@ -617,6 +635,35 @@ def _are_pinned(pinned: list[int], first: int, block_ids: list[int], block_idxs:
         0 <= idx < len(pinned) and pinned[idx] == block_id
         for idx, block_id in zip(block_idxs, block_ids, strict=True)
     )
+
+
+def _describe_malformed(frame: bytes, exc: Exception) -> str:
+    """msgspec's reason for a malformed pull, the array position it names (`$[4]`, `$[6][1]`)
+    spelled as the field (`secret`, `block_ids[1]`), with the value found there."""
+    reason = str(exc)
+    path = re.search(r"`\$((?:\[\d+\])+)`", reason)
+    try:
+        value = msgspec.msgpack.decode(frame)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return reason
+    if path is None or not isinstance(value, list) or not value or not isinstance(value[0], str):
+        return reason
+    message = {"KVPullRequest": KVPullRequest, "KVPullDone": KVPullDone}.get(value[0])
+    if message is None:  # an unknown tag: msgspec's reason says so
+        return reason
+    fields: tuple[str, ...] = ("tag", *message.__struct_fields__)
+    names = []
+    for idx in map(int, re.findall(r"\d+", path.group(1))):
+        if idx < len(fields):
+            names.append(("." if names else "") + fields[idx])
+        else:
+            names.append(f"[{idx}]")
+        fields = KVTransferLayout.__struct_fields__ if names[-1] == "layout" else ()
+        value = value[idx] if isinstance(value, list) and idx < len(value) else None
+    shown = repr(value)
+    if len(shown) > MALFORMED_VALUE_CHARS:
+        shown = shown[:MALFORMED_VALUE_CHARS] + "..."
+    return reason.replace(path.group(0), f"`{''.join(names)}` = {shown}")
 
 
 def _same_secret(expected: str, given: str) -> bool:

@@ -11,16 +11,24 @@ per shared KV tensor and block) and its agent's metadata; the decode rank READs 
 a `KVPullDone` that the prefill rank answers ok only while the transfer is still pinned. An unpin
 is applied before the forward of the first step that could reuse the blocks, so a pin that holds
 after the READ ended means the pages read were the request's: the pull completes only then.
+A READ past its deadline is cancelled before the pull is reported failed (the engine then frees
+its destination blocks); one NIXL cannot cancel is waited out first, so it never writes into
+blocks another request holds.
 
-What the secret guards under NIXL: which descriptors a puller is given. A peer that holds an
-agent's metadata can address any memory that agent registered, as with any RDMA registration;
-the metadata goes only to pullers the control channel admitted (the deployment's CURVE key across
-hosts, the private ipc folder on one).
+What the secret guards under NIXL: which descriptors an honest puller is given, and whether
+its READ counts. It cannot bound what a peer that was answered once READs: the agent's metadata
+and the addresses let it READ any page of the registered tensors, after the unpin and of other
+requests, for the agent's life (as with any RDMA registration), and UCX moves the pages
+unencrypted. So a prefill engine serves NIXL only where its control channel admits the
+deployment's decode ranks alone, under CURVE or over its private ipc folder
+(engine_core/kv_transfer/layout.describe_unauthenticated_nixl): those peers, and the fabric
+between them, are trusted with every page.
 
 Each NixlPages registers its rank's KV tensors once, when the rank builds its transfer agent. It
 runs no progress thread (NIXL's spins a core without pause): the puller progresses its side as it
 polls its READ, and the prefill rank's serving thread progresses its agent every NIXL_PROGRESS_MS
-while READs it authorised are out (until their KVPullDone, or PULL_TIMEOUT_S).
+while READs it authorised are out (until their KVPullDone, or PULL_TIMEOUT_S), and at each of its
+polls (SERVE_POLL_MS) otherwise, so that a READ past its authorisation still ends.
 """
 
 import logging
@@ -33,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.0005  # between checks of a READ in flight: a page run moves in well under a step
 BACKEND = "UCX"
+STUCK_READ_LOG_S = 5.0  # how often a READ that could not be cancelled is logged while it runs
 
 
 def nixl_available() -> bool:
@@ -131,22 +140,47 @@ class NixlPages:
         local_descs = agent.get_xfer_descs(local, self.mem_type)
         remote_descs = agent.get_xfer_descs(remote, self.mem_type)
         handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote_name)
+        deadline = time.monotonic() + timeout_s
         try:
-            deadline = time.monotonic() + timeout_s
             state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise NixlReadError(f"the READ did not complete within {timeout_s} s")
+            while state not in ("DONE", "ERR") and time.monotonic() <= deadline:
                 time.sleep(POLL_S)
                 state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise NixlReadError("NIXL reported the READ failed")
-        finally:
-            agent.release_xfer_handle(handle)
+        except BaseException:
+            self._release(handle)
+            raise
+        self._release(handle)
+        if state == "ERR":
+            raise NixlReadError("NIXL reported the READ failed")
+        if state != "DONE":
+            raise NixlReadError(f"the READ did not complete within {timeout_s} s")
         num_bytes = sum(sizes)
         self.num_reads += 1
         self.num_read_bytes += num_bytes
         return num_bytes
+
+    def _release(self, handle: object) -> None:
+        """Release a READ's handle, which cancels it if it is still active. One NIXL cannot
+        cancel (it refuses the release) may still write into the destination blocks, which the
+        engine frees for other requests once the pull is reported failed: it is waited out
+        (progressing it) until it ends, however long the peer takes, then released."""
+        agent = self.agent
+        try:
+            agent.release_xfer_handle(handle)
+            return
+        except Exception as exc:  # NIXL's own errors carry no common base class
+            logger.warning("a NIXL READ could not be cancelled (%s): waiting for it to end", exc)
+        waited_s, next_log_s = 0.0, STUCK_READ_LOG_S
+        while agent.check_xfer_state(handle) not in ("DONE", "ERR"):
+            time.sleep(POLL_S)
+            waited_s += POLL_S
+            if waited_s >= next_log_s:
+                logger.warning("a NIXL READ still runs %.0f s past its deadline", waited_s)
+                next_log_s += STUCK_READ_LOG_S
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception as exc:  # it ended: nothing writes the blocks any more
+            logger.info("could not release an ended NIXL READ: %s", exc)
 
     def forget(self, remote_name: str) -> None:
         """Drop a remote agent (its rank is gone, or answered wrongly): re-added if met again."""

@@ -249,11 +249,19 @@ class KVTransferPulls:
             return f"the prefill engine's KV layout differs ({mismatch})"
         num_prompt_tokens = len(request.prompt_token_ids) // 4
         if handle.num_tokens != num_prompt_tokens:
-            return f"the handle holds {handle.num_tokens} tokens, the prompt {num_prompt_tokens}"
+            return (
+                f"the handle's num_tokens {handle.num_tokens} != the prompt's {num_prompt_tokens}"
+            )
         if len(handle.block_ids) % len(self.groups):
-            return f"the handle's {len(handle.block_ids)} blocks are not a run per KV-cache group"
+            return (
+                f"the handle's block_ids hold {len(handle.block_ids)} ids: expected one equal run "
+                f"per KV-cache group, of {len(self.groups)}"
+            )
         if len(handle.endpoints) != handle.layout.tp_size:
-            return f"the handle names {len(handle.endpoints)} ranks of {handle.layout.tp_size}"
+            return (
+                f"the handle's endpoints name {len(handle.endpoints)} ranks: expected its "
+                f"layout's tp_size {handle.layout.tp_size}"
+            )
         return None
 
     def take_pull_seconds(self) -> list[float]:

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 from engine_core.kv_cache.kv_tiers import describe_unsupported_tiers
 from engine_core.kv_cache.spec import KVCacheGroupSpec, describe_capacity, plan_kv_cache
-from engine_core.kv_transfer.layout import describe_unsupported_layout, nixl_available
+from engine_core.kv_transfer.layout import (
+    describe_unauthenticated_nixl,
+    describe_unsupported_layout,
+    nixl_available,
+)
 from engine_core.sched.limits import SchedulerLimits, resolve_limits
 from protocol.config import CacheConfig, EngineConfig
 from protocol.kv_cache_spec import KVCacheConfig, bytes_per_block
@@ -58,7 +62,7 @@ def plan_engine(
         num_disk_slots=num_disk_slots,
         disk_dir=config.cache.kv_offload_disk_dir if num_disk_slots else None,
         kv_transfer_address=config.kv_transfer_address if config.kv_role == "prefill" else None,
-        kv_transport=None if config.kv_role == "both" else config.kv_transport,
+        kv_transport=ranks_kv_transport(config),
     )
     check_kv_role(config, kv_cache_config)
     check_pool_host_memory(kv_cache_config.num_blocks, config.max_pool_host_memory_bytes)
@@ -67,6 +71,21 @@ def plan_engine(
         kv_cache_config, limits.max_model_len, limits.num_blocks_per_request
     )
     return EnginePlan(kv_cache_config, limits, list(num_blocks_per_rank), summary)
+
+
+def ranks_kv_transport(config: EngineConfig) -> str | None:
+    """The --kv-transport the ranks get: None for role both (no NIXL agent is made); "builtin"
+    for a prefill engine whose auto would hand NIXL descriptors to unauthenticated peers
+    (describe_unauthenticated_nixl; an explicit nixl there is refused by check_kv_role)."""
+    if config.kv_role == "both":
+        return None
+    address = config.kv_transfer_address
+    if config.kv_role == "prefill" and config.kv_transport == "auto" and address is not None:
+        reason = describe_unauthenticated_nixl(address, config.curve is not None)
+        if reason is not None:
+            logger.info("P/D pages move the built-in way, not through NIXL: %s", reason)
+            return "builtin"
+    return config.kv_transport
 
 
 def check_kv_role(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
@@ -83,6 +102,11 @@ def check_kv_role(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
             "--kv-transport nixl: NIXL is not installed (pip install 'kvserve[nixl]'); "
             "auto or builtin serve without it"
         )
+    address = config.kv_transfer_address
+    if config.kv_transport == "nixl" and config.kv_role == "prefill" and address is not None:
+        reason = describe_unauthenticated_nixl(address, config.curve is not None)
+        if reason is not None:
+            raise FlagValueError(f"--kv-transport nixl with {reason}: give --curve-keys-dir")
     if config.kv_role == "decode" and not config.cache.enable_prefix_caching:
         raise FlagValueError(
             "--kv-role decode needs prefix caching (pulled blocks join the prefix cache): "

@@ -6,7 +6,7 @@ import pytest
 
 from engine_core.service import plan
 from engine_core.service.plan import FlagValueError, plan_engine
-from protocol.config import CacheConfig, EngineConfig, SchedulerConfig
+from protocol.config import CacheConfig, CurveKeys, EngineConfig, SchedulerConfig
 from protocol.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -134,3 +134,29 @@ def test_the_kv_transport_reaches_the_ranks_of_a_pd_engine_and_nixl_must_be_inst
     monkeypatch.setattr(plan, "nixl_available", lambda: True)
     assert plan_engine(decode, MODEL, [40, 40]).kv_cache_config.kv_transport == "nixl"
     assert plan_engine(_config(), MODEL, [40, 40]).kv_cache_config.kv_transport is None
+
+
+def test_a_prefill_engine_hands_out_nixl_descriptors_only_to_authenticated_peers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under NIXL a decode rank that got a prefill rank's agent metadata once can READ any page
+    that rank registered, for the agent's life, pinned or not: the secret cannot bound it. So
+    a prefill rank serves NIXL only where its control channel admits the deployment's peers
+    alone (CURVE keys, or a private ipc folder): auto falls back to the built-in way on a tcp
+    address without keys, and an explicit nixl there is refused, the flag and address named."""
+    monkeypatch.setattr(plan, "nixl_available", lambda: True)
+    keys = CurveKeys("p" * 40, "s" * 40, "p" * 40)
+    prefill = msgspec.structs.replace(
+        _config(), kv_role="prefill", kv_transfer_address="tcp://127.0.0.1"
+    )
+    assert plan_engine(prefill, MODEL, [40, 40]).kv_cache_config.kv_transport == "builtin"
+    with_keys = msgspec.structs.replace(prefill, curve=keys)
+    assert plan_engine(with_keys, MODEL, [40, 40]).kv_cache_config.kv_transport == "auto"
+    on_ipc = msgspec.structs.replace(prefill, kv_transfer_address="ipc:///tmp/kvs-p")
+    assert plan_engine(on_ipc, MODEL, [40, 40]).kv_cache_config.kv_transport == "auto"
+    explicit = msgspec.structs.replace(prefill, kv_transport="nixl")
+    with pytest.raises(FlagValueError, match="--kv-transport nixl with --kv-transfer-address "):
+        plan_engine(explicit, MODEL, [40, 40])
+    assert plan_engine(msgspec.structs.replace(explicit, curve=keys), MODEL, [40, 40])
+    decode = msgspec.structs.replace(_config(), kv_role="decode")  # it READs, serving nothing
+    assert plan_engine(decode, MODEL, [40, 40]).kv_cache_config.kv_transport == "auto"

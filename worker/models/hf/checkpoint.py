@@ -59,10 +59,7 @@ def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
         }
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read the weight_map of {index}: {exc}") from None
+        weight_map = _weight_map(index)
         headers = {name: read_header(folder / name) for name in sorted(set(weight_map.values()))}
         entries = {}
         for tensor, file_name in weight_map.items():
@@ -72,14 +69,8 @@ def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
                 )
             entries[tensor] = headers[file_name][tensor]
         return entries
-    # model.safetensors alone when present: some repos ship other exports beside it (Mistral's
-    # consolidated.safetensors holds the same weights under other names)
-    single = folder / SINGLE_FILE
-    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} holds no *.safetensors file (nor {INDEX_FILE})")
     entries = {}
-    for file in files:
+    for file in weight_files(folder):
         for tensor, entry in read_header(file).items():
             if tensor in entries:
                 raise CheckpointError(
@@ -87,6 +78,36 @@ def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
                 )
             entries[tensor] = entry
     return entries
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files the checkpoint's tensors are read from, as tensor_entries reads them: those
+    the index names, else model.safetensors, else each *.safetensors file of the folder; a
+    GGUF file is its own. CheckpointError when there is none or the index cannot be read."""
+    if is_gguf(str(folder)):
+        return [folder]
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return [folder / name for name in sorted(set(_weight_map(index).values()))]
+    # model.safetensors alone when present: some repos ship other exports beside it (Mistral's
+    # consolidated.safetensors holds the same weights under other names)
+    single = folder / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} holds no *.safetensors file (nor {INDEX_FILE})")
+    return files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot read the weight_map of {index}: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) for name in weight_map.values()
+    ):
+        raise CheckpointError(f"the weight_map of {index} is not a map of tensor to file name")
+    return weight_map
 
 
 def expected_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
