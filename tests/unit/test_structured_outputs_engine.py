@@ -375,6 +375,33 @@ def test_a_request_aborted_or_failed_while_its_grammar_compiles_ends_at_once() -
     assert manager.fileno() == -1
 
 
+def test_a_request_id_reused_after_an_abort_never_waits_on_its_new_compile() -> None:
+    """An aborted compile's end and its id's next compile are two compiles: the engine hands
+    over only the one that ended, and a step never waits on a compile still queued."""
+    import threading
+
+    core, _ = _engine(True)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=["ab"]))
+    for req_id in ("slow", "b"):  # "slow" holds the compile thread, "b" queues behind it
+        request = EngineCoreRequest(req_id, pack_int32([5, 6]), params, 0.0)
+        assert core.add_request(request) is None
+    core.abort_requests(["b"])  # its queued compile is cancelled, which ends it at once
+    assert core.add_request(EngineCoreRequest("b", pack_int32([7, 8]), params, 0.0)) is None
+    stepped = threading.Thread(target=core.step, daemon=True)
+    stepped.start()
+    stepped.join(5.0)
+    is_stalled = stepped.is_alive()
+    gated.gate.set()  # let a stalled step end before the test does
+    stepped.join(30.0)
+    assert not is_stalled, "the step waited for a grammar still queued behind another"
+    assert core.is_live(b"", "b") and core.is_live(b"", "slow")
+    outputs = _step_until_idle(core)
+    assert sorted(o.req_id for o in outputs if o.finish_reason is not None) == ["b", "slow"]
+    assert all(o.finish_reason.name == "STOP" for o in outputs if o.finish_reason is not None)
+    core.close()
+
+
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
     info = get_model_info("tiny-llama", 16)
     kv_cache_config = KVCacheConfig(8, info.kv_cache_groups)
