@@ -10,7 +10,7 @@ from time import perf_counter
 
 from engine_core.executors import Executor, PipelinedExecutor, SerialPipeline
 from engine_core.kv_transfer.agent import KVTransferAgent
-from engine_core.sched.admission import scoped_req_id
+from engine_core.sched.admission import HeldRequests, scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
@@ -123,17 +123,25 @@ class EngineCore:
                 return None
         spec = request.sampling_params.structured_outputs
         compiling = self.compiling
+        # the requests whose grammars compile are live and waiting: an id or a share they hold
+        # is not free, whether the new request is constrained or not
+        held = HeldRequests(
+            len(compiling or ()),
+            compiling.num_by_client.get(client_id, 0) if compiling is not None else 0,
+            self.is_live(client_id, request.req_id),
+        )
         if spec is not None and compiling is not None and not request.do_remote_decode:
-            is_live = self.is_live(client_id, request.req_id)
-            num_waiting = len(scheduler.waiting) + len(compiling)
+            num_waiting = len(scheduler.waiting) + held.num_waiting
             try:  # a request it would refuse is refused now, by scheduler.add_request below
-                scheduler.intake.build(request, client_id, num_waiting, is_live)
+                scheduler.intake.build(
+                    request, client_id, num_waiting, held.is_live, held.num_client_live
+                )
             except ValueError:
                 pass
             else:
                 compiling.start(scoped_req_id(client_id, request.req_id), request, client_id, spec)
                 return None
-        refusal = scheduler.add_request(request, client_id)
+        refusal = scheduler.add_request(request, client_id, held=held)
         if refusal is None and request.do_remote_decode and pins is not None:
             pins.want(scoped_req_id(client_id, request.req_id))
         return refusal

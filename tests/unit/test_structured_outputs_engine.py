@@ -402,6 +402,52 @@ def test_a_request_id_reused_after_an_abort_never_waits_on_its_new_compile() -> 
     core.close()
 
 
+def test_requests_compiling_count_toward_their_clients_live_requests() -> None:
+    """max_num_requests_per_client bounds a client's live requests, those whose grammars
+    compile included: the one past it is refused when it comes, not after its compile."""
+    core, _ = _engine(False)
+    scheduler = core.scheduler
+    scheduler.admission.max_num_requests_per_client = 2
+    gated = _GatedCompile(scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(choice=["ab"]))
+    for req_id in ("c0", "c1"):
+        request = EngineCoreRequest(req_id, pack_int32([5, 6]), params, 0.0)
+        assert core.add_request(request, b"client") is None
+    refusal = core.add_request(EngineCoreRequest("c2", pack_int32([5, 6]), params, 0.0), b"client")
+    assert refusal is not None, "a third live request of a client allowed two"
+    (refused,) = refusal.outputs
+    assert refused.req_id == "c2" and "client busy" in refused.error
+    other = core.add_request(EngineCoreRequest("c0", pack_int32([5, 6]), params, 0.0), b"other")
+    assert other is None, "another client's share is its own"
+    gated.gate.set()
+    outputs = _step_until_idle(core)
+    finished = sorted(
+        (o.req_id, o.finish_reason.name) for o in outputs if o.finish_reason is not None
+    )
+    assert finished == [("c0", "STOP"), ("c0", "STOP"), ("c1", "STOP")]
+    core.close()
+
+
+def test_an_id_whose_grammar_compiles_is_live_to_every_request_that_reuses_it() -> None:
+    """A request reusing the id of one whose grammar compiles is a duplicate, constrained or
+    not: it is refused, and the compiling one runs on, alone under its id."""
+    core, _ = _engine(False)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=["ab"]))
+    assert core.add_request(EngineCoreRequest("a", pack_int32([5, 6]), params, 0.0)) is None
+    free = SamplingParams(max_tokens=3, ignore_eos=True)
+    refusal = core.add_request(EngineCoreRequest("a", pack_int32([7, 8]), free, 0.0))
+    assert refusal is not None, "a second live request under the id of a compiling one"
+    assert "duplicate req_id" in refusal.outputs[0].error
+    gated.gate.set()
+    outputs = _step_until_idle(core)
+    assert [(o.req_id, o.finish_reason.name) for o in outputs if o.finish_reason is not None] == [
+        ("a", "STOP")
+    ]
+    assert bytes(token for o in outputs for token in o.new_token_ids)[:2] == b"ab"
+    core.close()
+
+
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
     info = get_model_info("tiny-llama", 16)
     kv_cache_config = KVCacheConfig(8, info.kv_cache_groups)
