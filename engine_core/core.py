@@ -8,6 +8,8 @@ SchedulerOutput and gathers the ranks' replies.
 import logging
 from time import perf_counter
 
+import msgspec
+
 from engine_core.executors import Executor, PipelinedExecutor, SerialPipeline
 from engine_core.kv_transfer.agent import KVTransferAgent
 from engine_core.sched.admission import HeldRequests, scoped_req_id
@@ -414,14 +416,25 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        """The scheduler's snapshot; the requests whose grammars compile count as waiting (so
+        vLLM counts those waiting for their grammar)."""
+        stats = self.scheduler.make_stats()
+        if not self.compiling:
+            return stats
+        num_waiting = stats.num_waiting_reqs + len(self.compiling)
+        return msgspec.structs.replace(stats, num_waiting_reqs=num_waiting)
 
     def make_load(self) -> dict[str, int]:
-        return self.scheduler.make_load()
+        """The scheduler's load, with each request whose grammar compiles as a waiting prompt:
+        a front end that routes by load sees the work it will be."""
+        load = self.scheduler.make_load()
+        for _, held in self.compiling or ():
+            load["waiting_prefill_tokens"] += len(held.request.prompt_token_ids) // 4  # int32s
+        return load
 
     def get_stats(self) -> dict[str, StatValue]:
         """`make_stats` flattened, for callers that read figures by key (`"num_steps"`)."""
-        return stat_values(self.scheduler.make_stats())
+        return stat_values(self.make_stats())
 
     def take_block_residency(self) -> BlockResidencyStats:
         """Sampled KV-cache block timings since the last call (empty without --kv-cache-metrics)."""

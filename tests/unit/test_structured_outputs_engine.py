@@ -448,6 +448,24 @@ def test_an_id_whose_grammar_compiles_is_live_to_every_request_that_reuses_it() 
     core.close()
 
 
+def test_requests_whose_grammars_compile_count_as_waiting_in_stats_and_load() -> None:
+    """A request whose grammar compiles waits to run, as vLLM counts it: the waiting count and
+    the load a front end routes by hold it, from its arrival."""
+    core, _ = _engine(True)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(choice=["ab"]))
+    assert core.add_request(EngineCoreRequest("a", pack_int32([5, 6, 7]), params, 0.0)) is None
+    stats = core.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_running_reqs) == (1, 0)
+    assert core.get_stats()["num_waiting_reqs"] == 1
+    assert core.make_load() == {"waiting_prefill_tokens": 3, "running_decodes": 0}
+    gated.gate.set()
+    _step_until_idle(core)
+    assert core.make_stats().num_waiting_reqs == 0
+    assert core.make_load() == {"waiting_prefill_tokens": 0, "running_decodes": 0}
+    core.close()
+
+
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
     info = get_model_info("tiny-llama", 16)
     kv_cache_config = KVCacheConfig(8, info.kv_cache_groups)
