@@ -324,12 +324,19 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
         # step N+1's constrained rows wait, on the ranks, for the grammars that step N's tokens
         # just advanced: their bitmask goes out first, before anything else
+        send_error: Exception | None = None
         if (deferred := self.scheduler.take_grammar_bitmask()) is not None:
-            pipeline.send_grammar_bitmask(*deferred)
+            try:
+                pipeline.send_grammar_bitmask(*deferred)
+            except Exception as exc:  # as a step that cannot be sent: N's outputs go out first
+                send_error = exc
         outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:
             self.check_invariants()
+        if send_error is not None:  # no step goes out behind a bitmask the ranks never got
+            self._send_error = send_error
+            return outputs
         try:
             self._submit_next(pipeline)
         except Exception as exc:  # step N is applied: its outputs go out first

@@ -7,6 +7,7 @@ asynchronous scheduling, their one-step lookahead.
 
 import json
 import re
+import time
 
 import msgspec
 import numpy as np
@@ -16,6 +17,7 @@ from in_process_engine import engine_config, model_runner
 
 from api_server.tokenizer.build_tokenizer import TOKENIZER_DIR
 from engine_core.core import EngineCore
+from engine_core.executors import SerialPipeline
 from engine_core.structured.manager import StructuredOutputManager, choice_grammar
 from engine_core.structured.vocabulary import VocabType, _decoding_of, read_tokenizer_vocabulary
 from protocol.buffers import pack_int32
@@ -23,6 +25,7 @@ from protocol.client_messages import EngineCoreRequest
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams, StructuredOutputs
 from protocol.worker_messages import GrammarBitmask
+from worker.model_runner import ModelRunner
 from worker.models.fake.reference import reference_generate
 from worker.models.registry import get_model_info
 from worker.sampling.grammar_bitmask import apply_grammar_bitmask
@@ -464,6 +467,51 @@ def test_requests_whose_grammars_compile_count_as_waiting_in_stats_and_load() ->
     assert core.make_stats().num_waiting_reqs == 0
     assert core.make_load() == {"waiting_prefill_tokens": 0, "running_decodes": 0}
     core.close()
+
+
+class _BitmaskSendFails(SerialPipeline):
+    """A pipeline whose `fail_at`-th following bitmask cannot be sent, as when a rank on the
+    ring exits between two steps."""
+
+    def __init__(self, executor: ModelRunner, fail_at: int) -> None:
+        super().__init__(executor)
+        self.fail_at = fail_at
+        self.num_sent = 0
+
+    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
+        self.num_sent += 1
+        if self.num_sent == self.fail_at:
+            raise RuntimeError("rank 1 exited")
+        super().send_grammar_bitmask(step_id, grammar_bitmask)
+
+
+def test_a_bitmask_that_cannot_be_sent_fails_the_next_step_after_the_applied_ones_outputs() -> None:
+    """Sending a step's following bitmask fails as sending a step does: the step applied just
+    before it has its outputs delivered, and the failure is raised by the next call."""
+    info = get_model_info("tiny-llama", 16)
+    kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
+    runner = model_runner(
+        "tiny-llama", kv_cache_config, CPU, info.max_model_len, eos_token_ids=info.eos_token_ids
+    )
+    config = engine_config(16, max_model_len=MAX_MODEL_LEN, async_scheduling=True)
+    config = msgspec.structs.replace(config, tokenizer=str(TOKENIZER_DIR))
+    pipeline = _BitmaskSendFails(runner, fail_at=2)
+    core = EngineCore(config, kv_cache_config, info, pipeline)
+    params = SamplingParams(
+        max_tokens=40, structured_outputs=StructuredOutputs(choice=["alphabet soup"])
+    )
+    assert core.add_request(EngineCoreRequest("c", pack_int32([5, 6]), params, 0.0)) is None
+    delivered: list[int] = []
+    deadline = time.monotonic() + 30.0
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
+        while time.monotonic() < deadline:  # its grammar compiles first, off the step loop
+            for batch in core.step().values():
+                for output in batch.outputs:
+                    delivered.extend(output.new_token_ids)
+    assert pipeline.num_sent == 2
+    (request,) = core.scheduler.requests.values()
+    assert delivered == list(request.output_token_ids), "applied tokens never reached the client"
+    assert bytes(delivered) == b"alphabet soup"[: len(delivered)] and delivered
 
 
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
