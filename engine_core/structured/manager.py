@@ -173,7 +173,9 @@ class StructuredOutputManager:
 
     def _on_compiled(self, key: str, future: Future) -> None:
         """On the compile thread, or at once on the caller's when it is cancelled or done."""
-        with self._wake_lock:  # close() may not release the pipe under this write
+        # under the lock: close() may not release the pipe under this write, and take_compiled
+        # takes each end with its byte
+        with self._wake_lock:
             if self._wake_write < 0:
                 return
             self._compiled.append((key, future))
@@ -190,14 +192,21 @@ class StructuredOutputManager:
 
     def take_compiled(self) -> list[tuple[str, "xgrammar.CompiledGrammar | str"]]:
         """The compiles that ended since the last call, oldest first: (key, the compiled
-        grammar, or the error that names why it does not compile). Cancelled ones are left out."""
-        if self._wake_read >= 0:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(self._wake_read, 4096):
-                    pass
+        grammar, or the error that names why it does not compile). Cancelled ones are left out.
+
+        The ends are taken and the wake pipe emptied under the lock the compile thread queues an
+        end and writes its byte under: a byte left for an end already taken would keep the
+        pipe readable, and the server's poll awake, until the next compile."""
+        ended = []
+        with self._wake_lock:
+            if self._wake_read >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_read, 4096):
+                        pass
+            while self._compiled:
+                ended.append(self._compiled.popleft())
         results: list[tuple[str, xgrammar.CompiledGrammar | str]] = []
-        while self._compiled:
-            key, future = self._compiled.popleft()
+        for key, future in ended:
             if self.compiling.get(key) is not future:  # cancelled; its key may compile anew
                 continue
             del self.compiling[key]

@@ -8,6 +8,8 @@ asynchronous scheduling, their one-step lookahead.
 import json
 import re
 import time
+from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -512,6 +514,65 @@ def test_a_bitmask_that_cannot_be_sent_fails_the_next_step_after_the_applied_one
     (request,) = core.scheduler.requests.values()
     assert delivered == list(request.output_token_ids), "applied tokens never reached the client"
     assert bytes(delivered) == b"alphabet soup"[: len(delivered)] and delivered
+
+
+class _CompileEndsWhileTaken(deque):
+    """The manager's queue of ended compiles, where the compile thread finishes `on_first_pop`
+    while `take_compiled` hands over the queue: the moment a stale wake byte could be left."""
+
+    def __init__(self, on_first_pop: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_first_pop: Callable[[], None] | None = on_first_pop
+
+    def popleft(self) -> tuple:
+        if (on_first_pop := self.on_first_pop) is not None:
+            self.on_first_pop = None
+            on_first_pop()
+        return super().popleft()
+
+
+def test_a_compile_that_ends_while_results_are_taken_leaves_no_stale_wake() -> None:
+    """The wake pipe is readable while a compile has ended and not been taken, and not after:
+    a byte left behind would wake the server's poll at once for as long as it idles."""
+    import select
+    import threading
+
+    manager = StructuredOutputManager(
+        read_tokenizer_vocabulary(TOKENIZER_DIR), VOCAB_SIZE, [EOS_ID]
+    )
+    gated = _GatedCompile(manager)
+    gated.gate.set()
+    spec = StructuredOutputs(choice=["ab"])
+    manager.start_compile("a", spec)
+    wait_until = time.monotonic() + 30.0
+    while not manager.has_compiled():
+        assert time.monotonic() < wait_until, "compile a did not end"
+        time.sleep(0.01)
+    gated.gate = threading.Event()  # compile b waits for the hand-over of a
+
+    def end_compile_b() -> None:  # as the compile thread would, during the hand-over
+        gated.gate.set()
+        give_up = time.monotonic() + 2.0  # b may have to wait for the hand-over to end
+        while len(ended) < 2 and time.monotonic() < give_up:
+            time.sleep(0.005)
+
+    ended = _CompileEndsWhileTaken(end_compile_b)
+    ended.extend(manager._compiled)
+    manager._compiled = ended
+    manager.start_compile("b", spec)
+    taken = [key for key, _ in manager.take_compiled()]
+    while "b" not in taken and not manager.has_compiled():  # its end is queued, or taken
+        assert time.monotonic() < wait_until, "compile b did not end"
+        time.sleep(0.01)
+
+    def is_awake() -> bool:
+        return bool(select.select([manager.fileno()], [], [], 0)[0])
+
+    assert is_awake() == manager.has_compiled(), "the wake pipe disagrees with the queue"
+    taken += [key for key, _ in manager.take_compiled()]
+    assert taken == ["a", "b"]
+    assert not manager.has_compiled() and not is_awake(), "a wake byte was left behind"
+    manager.close()
 
 
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
