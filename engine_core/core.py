@@ -8,9 +8,11 @@ SchedulerOutput and gathers the ranks' replies.
 import logging
 from time import perf_counter
 
+import msgspec
+
 from engine_core.executors import Executor, PipelinedExecutor, SerialPipeline
 from engine_core.kv_transfer.agent import KVTransferAgent
-from engine_core.sched.admission import scoped_req_id
+from engine_core.sched.admission import HeldRequests, scoped_req_id
 from engine_core.sched.client_outputs import rejection
 from engine_core.sched.limits import SchedulerLimits
 from engine_core.sched.scheduler import Scheduler
@@ -123,17 +125,25 @@ class EngineCore:
                 return None
         spec = request.sampling_params.structured_outputs
         compiling = self.compiling
+        # the requests whose grammars compile are live and waiting: an id or a share they hold
+        # is not free, whether the new request is constrained or not
+        held = HeldRequests(
+            len(compiling or ()),
+            compiling.num_by_client.get(client_id, 0) if compiling is not None else 0,
+            self.is_live(client_id, request.req_id),
+        )
         if spec is not None and compiling is not None and not request.do_remote_decode:
-            is_live = self.is_live(client_id, request.req_id)
-            num_waiting = len(scheduler.waiting) + len(compiling)
+            num_waiting = len(scheduler.waiting) + held.num_waiting
             try:  # a request it would refuse is refused now, by scheduler.add_request below
-                scheduler.intake.build(request, client_id, num_waiting, is_live)
+                scheduler.intake.build(
+                    request, client_id, num_waiting, held.is_live, held.num_client_live
+                )
             except ValueError:
                 pass
             else:
                 compiling.start(scoped_req_id(client_id, request.req_id), request, client_id, spec)
                 return None
-        refusal = scheduler.add_request(request, client_id)
+        refusal = scheduler.add_request(request, client_id, held=held)
         if refusal is None and request.do_remote_decode and pins is not None:
             pins.want(scoped_req_id(client_id, request.req_id))
         return refusal
@@ -314,12 +324,19 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
         # step N+1's constrained rows wait, on the ranks, for the grammars that step N's tokens
         # just advanced: their bitmask goes out first, before anything else
+        send_error: Exception | None = None
         if (deferred := self.scheduler.take_grammar_bitmask()) is not None:
-            pipeline.send_grammar_bitmask(*deferred)
+            try:
+                pipeline.send_grammar_bitmask(*deferred)
+            except Exception as exc:  # as a step that cannot be sent: N's outputs go out first
+                send_error = exc
         outputs = self._after_transfer_reply(model_runner_output, outputs)
         self.update_time_s += perf_counter() - collected
         if self._check_each_step:
             self.check_invariants()
+        if send_error is not None:  # no step goes out behind a bitmask the ranks never got
+            self._send_error = send_error
+            return outputs
         try:
             self._submit_next(pipeline)
         except Exception as exc:  # step N is applied: its outputs go out first
@@ -406,14 +423,25 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        """The scheduler's snapshot; the requests whose grammars compile count as waiting (so
+        vLLM counts those waiting for their grammar)."""
+        stats = self.scheduler.make_stats()
+        if not self.compiling:
+            return stats
+        num_waiting = stats.num_waiting_reqs + len(self.compiling)
+        return msgspec.structs.replace(stats, num_waiting_reqs=num_waiting)
 
     def make_load(self) -> dict[str, int]:
-        return self.scheduler.make_load()
+        """The scheduler's load, with each request whose grammar compiles as a waiting prompt:
+        a front end that routes by load sees the work it will be."""
+        load = self.scheduler.make_load()
+        for _, held in self.compiling or ():
+            load["waiting_prefill_tokens"] += len(held.request.prompt_token_ids) // 4  # int32s
+        return load
 
     def get_stats(self) -> dict[str, StatValue]:
         """`make_stats` flattened, for callers that read figures by key (`"num_steps"`)."""
-        return stat_values(self.scheduler.make_stats())
+        return stat_values(self.make_stats())
 
     def take_block_residency(self) -> BlockResidencyStats:
         """Sampled KV-cache block timings since the last call (empty without --kv-cache-metrics)."""

@@ -4,12 +4,26 @@ bookkeeping, no I/O; the Scheduler calls it.
 """
 
 import itertools
+from dataclasses import dataclass
 
 from engine_core.kv_cache.hashing import BlockHasher
 from engine_core.sched.request import Request
 from engine_core.sched.validation import validate_encoder_tokens, validate_request
 from protocol.client_messages import EngineCoreRequest
 from protocol.config import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRequests:
+    """What the engine holds outside the scheduler (requests whose grammars compile), as it
+    bears on one incoming request: they are live and waiting like the scheduler's own."""
+
+    num_waiting: int = 0  # every client's
+    num_client_live: int = 0  # the incoming request's client's
+    is_live: bool = False  # whether that client holds one under the incoming request's id
+
+
+NONE_HELD = HeldRequests()
 
 
 def scoped_req_id(client_id: bytes, req_id: str) -> str:
@@ -30,15 +44,19 @@ class Admission:
         self.max_num_requests_per_client = config.max_num_requests_per_client
         self.num_live_by_client: dict[bytes, int] = {}
 
-    def check(self, client_id: bytes, client_req_id: str, num_waiting: int) -> None:
-        """ValueError with a "busy, retry" reason when the queue or the client's share is full."""
+    def check(
+        self, client_id: bytes, client_req_id: str, num_waiting: int, num_held: int = 0
+    ) -> None:
+        """ValueError with a "busy, retry" reason when the queue or the client's share is full.
+        `num_held`: the client's live requests the engine holds outside the scheduler (their
+        grammars compiling), which count toward its share."""
         if num_waiting >= self.max_num_waiting_requests:
             raise ValueError(
                 f"engine busy: {num_waiting} requests are waiting "
                 f"(max_num_waiting_requests={self.max_num_waiting_requests}); "
                 f"retry {client_req_id!r} later"
             )
-        num_live = self.num_live_by_client.get(client_id, 0)
+        num_live = self.num_live_by_client.get(client_id, 0) + num_held
         if num_live >= self.max_num_requests_per_client:
             raise ValueError(
                 f"client busy: it has {num_live} live requests "
@@ -95,12 +113,18 @@ class RequestIntake:
         self._handles = itertools.count(1)
 
     def build(
-        self, request: EngineCoreRequest, client_id: bytes, num_waiting: int, is_live: bool
+        self,
+        request: EngineCoreRequest,
+        client_id: bytes,
+        num_waiting: int,
+        is_live: bool,
+        num_held: int = 0,
     ) -> Request:
         """The queued Request, or ValueError naming what is wrong or which bound is full.
 
-        `is_live`: whether the client already has a live request with this id."""
-        self.admission.check(client_id, request.req_id, num_waiting)
+        `is_live`: whether the client already has a live request with this id; `num_held`: as
+        for `Admission.check`."""
+        self.admission.check(client_id, request.req_id, num_waiting, num_held)
         prompt, params = validate_request(request, self.max_model_len, self.vocab_size, is_live)
         if params.prompt_logprobs is not None and self.prompt_logits_refusal is not None:
             raise ValueError(

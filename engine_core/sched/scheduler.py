@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine_core.kv_cache.hashing import make_block_hasher
 from engine_core.kv_cache.manager import KVCacheManager
-from engine_core.sched.admission import RequestIntake, scoped_req_id
+from engine_core.sched.admission import NONE_HELD, HeldRequests, RequestIntake, scoped_req_id
 from engine_core.sched.block_aligned_chunks import BlockAlignedChunks
 from engine_core.sched.client_outputs import final_outputs, group_by_client, rejection
 from engine_core.sched.grammar_steps import GrammarSteps
@@ -129,16 +129,22 @@ class Scheduler:
         request: EngineCoreRequest,
         client_id: bytes,
         compiled_grammar: "xgrammar.CompiledGrammar | None" = None,
+        held: HeldRequests = NONE_HELD,
     ) -> EngineCoreOutputs | None:
         """Queue a client's request; a rejection output when its input is bad or the engine is
         full, else None. Ids are scoped by client: two clients may both use "req-1".
 
         `compiled_grammar`: its structured outputs' grammar, compiled already (the EngineCore
-        compiles off the step loop); None compiles it here."""
+        compiles off the step loop); None compiles it here. `held`: the live requests the
+        engine holds outside the scheduler, which count as the scheduler's own do."""
         req_id = scoped_req_id(client_id, request.req_id)
         try:
             state = self.intake.build(
-                request, client_id, len(self.waiting), req_id in self.requests
+                request,
+                client_id,
+                len(self.waiting) + held.num_waiting,
+                req_id in self.requests or held.is_live,
+                held.num_client_live,
             )
         except ValueError as exc:
             logger.warning("rejected request %r: %s", request.req_id, exc)

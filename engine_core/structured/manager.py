@@ -94,7 +94,9 @@ class StructuredOutputManager:
         # schema would otherwise stall (xgrammar releases the GIL while it compiles)
         self._compiler_thread: ThreadPoolExecutor | None = None
         self.compiling: dict[str, Future] = {}  # by key, started and not yet taken
-        self._compiled: deque[str] = deque()  # keys whose compile ended, appended by the thread
+        # (key, compile) of each compile that ended, appended by the thread: the compile is named
+        # too, since a key cancelled and started again has a second compile under it
+        self._compiled: deque[tuple[str, Future]] = deque()
         self._wake_read, self._wake_write = os.pipe()  # a byte per compile ended
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -167,13 +169,16 @@ class StructuredOutputManager:
             self._compiler_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         future = self._compiler_thread.submit(self.compile, spec)
         self.compiling[key] = future
-        future.add_done_callback(lambda _: self._on_compiled(key))
+        future.add_done_callback(lambda done: self._on_compiled(key, done))
 
-    def _on_compiled(self, key: str) -> None:  # on the compile thread (or at once, if done)
-        with self._wake_lock:  # close() may not release the pipe under this write
+    def _on_compiled(self, key: str, future: Future) -> None:
+        """On the compile thread, or at once on the caller's when it is cancelled or done."""
+        # under the lock: close() may not release the pipe under this write, and take_compiled
+        # takes each end with its byte
+        with self._wake_lock:
             if self._wake_write < 0:
                 return
-            self._compiled.append(key)
+            self._compiled.append((key, future))
             with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop already
                 os.write(self._wake_write, b"\1")
 
@@ -187,17 +192,24 @@ class StructuredOutputManager:
 
     def take_compiled(self) -> list[tuple[str, "xgrammar.CompiledGrammar | str"]]:
         """The compiles that ended since the last call, oldest first: (key, the compiled
-        grammar, or the error that names why it does not compile). Cancelled ones are left out."""
-        if self._wake_read >= 0:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(self._wake_read, 4096):
-                    pass
+        grammar, or the error that names why it does not compile). Cancelled ones are left out.
+
+        The ends are taken and the wake pipe emptied under the lock the compile thread queues an
+        end and writes its byte under: a byte left for an end already taken would keep the
+        pipe readable, and the server's poll awake, until the next compile."""
+        ended = []
+        with self._wake_lock:
+            if self._wake_read >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_read, 4096):
+                        pass
+            while self._compiled:
+                ended.append(self._compiled.popleft())
         results: list[tuple[str, xgrammar.CompiledGrammar | str]] = []
-        while self._compiled:
-            key = self._compiled.popleft()
-            future = self.compiling.pop(key, None)
-            if future is None:  # cancelled while it compiled
+        for key, future in ended:
+            if self.compiling.get(key) is not future:  # cancelled; its key may compile anew
                 continue
+            del self.compiling[key]
             exc = future.exception()
             if exc is None:
                 results.append((key, future.result()))

@@ -7,6 +7,9 @@ asynchronous scheduling, their one-step lookahead.
 
 import json
 import re
+import time
+from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -16,6 +19,7 @@ from in_process_engine import engine_config, model_runner
 
 from api_server.tokenizer.build_tokenizer import TOKENIZER_DIR
 from engine_core.core import EngineCore
+from engine_core.executors import SerialPipeline
 from engine_core.structured.manager import StructuredOutputManager, choice_grammar
 from engine_core.structured.vocabulary import VocabType, _decoding_of, read_tokenizer_vocabulary
 from protocol.buffers import pack_int32
@@ -23,6 +27,7 @@ from protocol.client_messages import EngineCoreRequest
 from protocol.kv_cache_spec import KVCacheConfig
 from protocol.sampling import SamplingParams, StructuredOutputs
 from protocol.worker_messages import GrammarBitmask
+from worker.model_runner import ModelRunner
 from worker.models.fake.reference import reference_generate
 from worker.models.registry import get_model_info
 from worker.sampling.grammar_bitmask import apply_grammar_bitmask
@@ -373,6 +378,201 @@ def test_a_request_aborted_or_failed_while_its_grammar_compiles_ends_at_once() -
     assert not manager.compiling and not manager.matchers
     core.close()
     assert manager.fileno() == -1
+
+
+def test_a_request_id_reused_after_an_abort_never_waits_on_its_new_compile() -> None:
+    """An aborted compile's end and its id's next compile are two compiles: the engine hands
+    over only the one that ended, and a step never waits on a compile still queued."""
+    import threading
+
+    core, _ = _engine(True)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=["ab"]))
+    for req_id in ("slow", "b"):  # "slow" holds the compile thread, "b" queues behind it
+        request = EngineCoreRequest(req_id, pack_int32([5, 6]), params, 0.0)
+        assert core.add_request(request) is None
+    core.abort_requests(["b"])  # its queued compile is cancelled, which ends it at once
+    assert core.add_request(EngineCoreRequest("b", pack_int32([7, 8]), params, 0.0)) is None
+    stepped = threading.Thread(target=core.step, daemon=True)
+    stepped.start()
+    stepped.join(5.0)
+    is_stalled = stepped.is_alive()
+    gated.gate.set()  # let a stalled step end before the test does
+    stepped.join(30.0)
+    assert not is_stalled, "the step waited for a grammar still queued behind another"
+    assert core.is_live(b"", "b") and core.is_live(b"", "slow")
+    outputs = _step_until_idle(core)
+    assert sorted(o.req_id for o in outputs if o.finish_reason is not None) == ["b", "slow"]
+    assert all(o.finish_reason.name == "STOP" for o in outputs if o.finish_reason is not None)
+    core.close()
+
+
+def test_requests_compiling_count_toward_their_clients_live_requests() -> None:
+    """max_num_requests_per_client bounds a client's live requests, those whose grammars
+    compile included: the one past it is refused when it comes, not after its compile."""
+    core, _ = _engine(False)
+    scheduler = core.scheduler
+    scheduler.admission.max_num_requests_per_client = 2
+    gated = _GatedCompile(scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(choice=["ab"]))
+    for req_id in ("c0", "c1"):
+        request = EngineCoreRequest(req_id, pack_int32([5, 6]), params, 0.0)
+        assert core.add_request(request, b"client") is None
+    refusal = core.add_request(EngineCoreRequest("c2", pack_int32([5, 6]), params, 0.0), b"client")
+    assert refusal is not None, "a third live request of a client allowed two"
+    (refused,) = refusal.outputs
+    assert refused.req_id == "c2" and "client busy" in refused.error
+    other = core.add_request(EngineCoreRequest("c0", pack_int32([5, 6]), params, 0.0), b"other")
+    assert other is None, "another client's share is its own"
+    gated.gate.set()
+    outputs = _step_until_idle(core)
+    finished = sorted(
+        (o.req_id, o.finish_reason.name) for o in outputs if o.finish_reason is not None
+    )
+    assert finished == [("c0", "STOP"), ("c0", "STOP"), ("c1", "STOP")]
+    core.close()
+
+
+def test_an_id_whose_grammar_compiles_is_live_to_every_request_that_reuses_it() -> None:
+    """A request reusing the id of one whose grammar compiles is a duplicate, constrained or
+    not: it is refused, and the compiling one runs on, alone under its id."""
+    core, _ = _engine(False)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=["ab"]))
+    assert core.add_request(EngineCoreRequest("a", pack_int32([5, 6]), params, 0.0)) is None
+    free = SamplingParams(max_tokens=3, ignore_eos=True)
+    refusal = core.add_request(EngineCoreRequest("a", pack_int32([7, 8]), free, 0.0))
+    assert refusal is not None, "a second live request under the id of a compiling one"
+    assert "duplicate req_id" in refusal.outputs[0].error
+    gated.gate.set()
+    outputs = _step_until_idle(core)
+    assert [(o.req_id, o.finish_reason.name) for o in outputs if o.finish_reason is not None] == [
+        ("a", "STOP")
+    ]
+    assert bytes(token for o in outputs for token in o.new_token_ids)[:2] == b"ab"
+    core.close()
+
+
+def test_requests_whose_grammars_compile_count_as_waiting_in_stats_and_load() -> None:
+    """A request whose grammar compiles waits to run, as vLLM counts it: the waiting count and
+    the load a front end routes by hold it, from its arrival."""
+    core, _ = _engine(True)
+    gated = _GatedCompile(core.scheduler.structured_output_manager)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(choice=["ab"]))
+    assert core.add_request(EngineCoreRequest("a", pack_int32([5, 6, 7]), params, 0.0)) is None
+    stats = core.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_running_reqs) == (1, 0)
+    assert core.get_stats()["num_waiting_reqs"] == 1
+    assert core.make_load() == {"waiting_prefill_tokens": 3, "running_decodes": 0}
+    gated.gate.set()
+    _step_until_idle(core)
+    assert core.make_stats().num_waiting_reqs == 0
+    assert core.make_load() == {"waiting_prefill_tokens": 0, "running_decodes": 0}
+    core.close()
+
+
+class _BitmaskSendFails(SerialPipeline):
+    """A pipeline whose `fail_at`-th following bitmask cannot be sent, as when a rank on the
+    ring exits between two steps."""
+
+    def __init__(self, executor: ModelRunner, fail_at: int) -> None:
+        super().__init__(executor)
+        self.fail_at = fail_at
+        self.num_sent = 0
+
+    def send_grammar_bitmask(self, step_id: int, grammar_bitmask: GrammarBitmask) -> None:
+        self.num_sent += 1
+        if self.num_sent == self.fail_at:
+            raise RuntimeError("rank 1 exited")
+        super().send_grammar_bitmask(step_id, grammar_bitmask)
+
+
+def test_a_bitmask_that_cannot_be_sent_fails_the_next_step_after_the_applied_ones_outputs() -> None:
+    """Sending a step's following bitmask fails as sending a step does: the step applied just
+    before it has its outputs delivered, and the failure is raised by the next call."""
+    info = get_model_info("tiny-llama", 16)
+    kv_cache_config = KVCacheConfig(40, info.kv_cache_groups)
+    runner = model_runner(
+        "tiny-llama", kv_cache_config, CPU, info.max_model_len, eos_token_ids=info.eos_token_ids
+    )
+    config = engine_config(16, max_model_len=MAX_MODEL_LEN, async_scheduling=True)
+    config = msgspec.structs.replace(config, tokenizer=str(TOKENIZER_DIR))
+    pipeline = _BitmaskSendFails(runner, fail_at=2)
+    core = EngineCore(config, kv_cache_config, info, pipeline)
+    params = SamplingParams(
+        max_tokens=40, structured_outputs=StructuredOutputs(choice=["alphabet soup"])
+    )
+    assert core.add_request(EngineCoreRequest("c", pack_int32([5, 6]), params, 0.0)) is None
+    delivered: list[int] = []
+    deadline = time.monotonic() + 30.0
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
+        while time.monotonic() < deadline:  # its grammar compiles first, off the step loop
+            for batch in core.step().values():
+                for output in batch.outputs:
+                    delivered.extend(output.new_token_ids)
+    assert pipeline.num_sent == 2
+    (request,) = core.scheduler.requests.values()
+    assert delivered == list(request.output_token_ids), "applied tokens never reached the client"
+    assert bytes(delivered) == b"alphabet soup"[: len(delivered)] and delivered
+
+
+class _CompileEndsWhileTaken(deque):
+    """The manager's queue of ended compiles, where the compile thread finishes `on_first_pop`
+    while `take_compiled` hands over the queue: the moment a stale wake byte could be left."""
+
+    def __init__(self, on_first_pop: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_first_pop: Callable[[], None] | None = on_first_pop
+
+    def popleft(self) -> tuple:
+        if (on_first_pop := self.on_first_pop) is not None:
+            self.on_first_pop = None
+            on_first_pop()
+        return super().popleft()
+
+
+def test_a_compile_that_ends_while_results_are_taken_leaves_no_stale_wake() -> None:
+    """The wake pipe is readable while a compile has ended and not been taken, and not after:
+    a byte left behind would wake the server's poll at once for as long as it idles."""
+    import select
+    import threading
+
+    manager = StructuredOutputManager(
+        read_tokenizer_vocabulary(TOKENIZER_DIR), VOCAB_SIZE, [EOS_ID]
+    )
+    gated = _GatedCompile(manager)
+    gated.gate.set()
+    spec = StructuredOutputs(choice=["ab"])
+    manager.start_compile("a", spec)
+    wait_until = time.monotonic() + 30.0
+    while not manager.has_compiled():
+        assert time.monotonic() < wait_until, "compile a did not end"
+        time.sleep(0.01)
+    gated.gate = threading.Event()  # compile b waits for the hand-over of a
+
+    def end_compile_b() -> None:  # as the compile thread would, during the hand-over
+        gated.gate.set()
+        give_up = time.monotonic() + 2.0  # b may have to wait for the hand-over to end
+        while len(ended) < 2 and time.monotonic() < give_up:
+            time.sleep(0.005)
+
+    ended = _CompileEndsWhileTaken(end_compile_b)
+    ended.extend(manager._compiled)
+    manager._compiled = ended
+    manager.start_compile("b", spec)
+    taken = [key for key, _ in manager.take_compiled()]
+    while "b" not in taken and not manager.has_compiled():  # its end is queued, or taken
+        assert time.monotonic() < wait_until, "compile b did not end"
+        time.sleep(0.01)
+
+    def is_awake() -> bool:
+        return bool(select.select([manager.fileno()], [], [], 0)[0])
+
+    assert is_awake() == manager.has_compiled(), "the wake pipe disagrees with the queue"
+    taken += [key for key, _ in manager.take_compiled()]
+    assert taken == ["a", "b"]
+    assert not manager.has_compiled() and not is_awake(), "a wake byte was left behind"
+    manager.close()
 
 
 def test_engine_without_a_vocabulary_refuses_constrained_requests() -> None:
