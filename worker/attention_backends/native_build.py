@@ -59,24 +59,24 @@ def _cpu_signature() -> str:
     return "|".join(fields.get(key, "") for key in ("model name", "flags", "Features", "CPU part"))
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, source: Path) -> Path:
     digest = hashlib.sha256()
     flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS))
-    for part in (SOURCE.read_bytes(), flags.encode(), compiler.encode()):
+    for part in (source.read_bytes(), flags.encode(), compiler.encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(_cpu_signature().encode())
     return cache_dir() / "native" / f"paged_decode-{digest.hexdigest()[:20]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     obj = temporary + ".o"
     try:
         for command in (
-            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", obj],
+            [compiler, *COMPILE_FLAGS, str(source), "-o", obj],
             [compiler, *LINK_FLAGS, obj, "-o", temporary],
         ):
             result = subprocess.run(
@@ -97,6 +97,12 @@ def _build(compiler: str, target: Path) -> None:
 @functools.lru_cache(maxsize=1)
 def load_native() -> ctypes.CDLL | None:
     """The kernels' library, built if this host has none cached; None where it cannot be."""
+    return load_native_from(SOURCE)
+
+
+def load_native_from(source: Path) -> ctypes.CDLL | None:
+    """The library built from `source` (cached under its own hash), or None where it cannot be
+    built. bench/native_attention.py builds an earlier revision's kernel with it."""
     import torch  # noqa: F401  (its libgomp must be loaded first: see the module docstring)
 
     compiler = shutil.which("c++") or shutil.which("g++")
@@ -104,9 +110,9 @@ def load_native() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler on the PATH (c++, g++): CPU attention gathers blocks")
         return None
     try:
-        target = _library_path(compiler)
+        target = _library_path(compiler, source)
         if not target.is_file():
-            _build(compiler, target)
+            _build(compiler, source, target)
         library = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning(
