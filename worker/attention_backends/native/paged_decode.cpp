@@ -1,5 +1,11 @@
 // Paged attention of single-query rows (decode steps) on the CPU, reading K and V in place.
 //
+// Two paths, chosen at compile time by the build's -march=native: with AVX-512 (F, BW, VL) the
+// tile's K rows are widened in registers and each query head's 16 dot products are summed into
+// one vector by a transpose-and-add tree (no horizontal reduction per key), and V is streamed
+// once per tile for up to four query heads at a time, their accumulators held in registers.
+// Without AVX-512 a portable loop does the same arithmetic, widening each row into a buffer.
+//
 // Built with -ffast-math (compile step only, so the library never sets the process's flush-to-
 // zero mode): the reductions and expf vectorize. Nothing here relies on infinities or NaN.
 //
@@ -16,6 +22,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -101,6 +111,269 @@ inline void widen_row(const void* base, int64_t offset, int dtype, int head_dim,
   }
 }
 
+// One work item's context: (sequence, KV head), its `group` query heads and what it reads.
+struct Item {
+  const float* queries;  // [group, head_dim]
+  float* result;         // [group, head_dim]
+  const void* cache;
+  const int64_t* block_ids;  // the sequence's blocks
+  int64_t kv_stride;
+  int64_t block_stride;
+  int64_t row_stride;  // one token's row: num_kv_heads * head_dim
+  int64_t head_offset;  // kv_head * head_dim
+  int start, end;
+  int group, head_dim, block_size;
+  float scale, softcap;
+};
+
+inline float capped(float score, float softcap) {
+  return softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+}
+
+// The portable path: each K and V row is widened into a buffer, dot products reduced per key.
+[[maybe_unused]] void attend_item_generic(const Item& item, int dtype) {
+  const int group = item.group, head_dim = item.head_dim, block_size = item.block_size;
+  float running_max[kMaxGroup];
+  float running_sum[kMaxGroup];
+  float acc[kMaxGroup][kMaxHeadDim];
+  float keys[kMaxBlockSize][kMaxHeadDim];
+  float scores[kMaxGroup][kMaxBlockSize];
+  float values[kMaxHeadDim];
+  for (int h = 0; h < group; ++h) {
+    running_max[h] = -FLT_MAX;  // finite: the library is built with -ffast-math
+    running_sum[h] = 0.0f;
+    for (int d = 0; d < head_dim; ++d) acc[h][d] = 0.0f;
+  }
+  for (int tile_start = item.start - item.start % block_size; tile_start < item.end;
+       tile_start += block_size) {
+    const int lo = tile_start > item.start ? tile_start : item.start;
+    const int hi = tile_start + block_size < item.end ? tile_start + block_size : item.end;
+    const int64_t block_base =
+        item.block_ids[tile_start / block_size] * item.block_stride + item.head_offset;
+    const int count = hi - lo;
+    for (int t = 0; t < count; ++t) {
+      const int64_t offset = block_base + static_cast<int64_t>(lo + t - tile_start) * item.row_stride;
+      widen_row(item.cache, offset, dtype, head_dim, keys[t]);
+    }
+    for (int h = 0; h < group; ++h) {
+      const float* query = item.queries + h * head_dim;
+      float tile_max = -FLT_MAX;
+      for (int t = 0; t < count; ++t) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < head_dim; ++d) dot += query[d] * keys[t][d];
+        const float score = capped(dot * item.scale, item.softcap);
+        scores[h][t] = score;
+        tile_max = score > tile_max ? score : tile_max;
+      }
+      const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
+      const float correction = expf(running_max[h] - new_max);  // ~0 on the first tile
+      running_sum[h] *= correction;
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) acc[h][d] *= correction;
+      running_max[h] = new_max;
+      float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+      for (int t = 0; t < count; ++t) {
+        const float weight = expf(scores[h][t] - new_max);  // glibc's vector expf
+        scores[h][t] = weight;
+        tile_sum += weight;
+      }
+      running_sum[h] += tile_sum;
+    }
+    for (int t = 0; t < count; ++t) {
+      const int64_t offset =
+          block_base + item.kv_stride + static_cast<int64_t>(lo + t - tile_start) * item.row_stride;
+      widen_row(item.cache, offset, dtype, head_dim, values);
+      for (int h = 0; h < group; ++h) {
+        const float weight = scores[h][t];
+#pragma omp simd
+        for (int d = 0; d < head_dim; ++d) acc[h][d] += weight * values[d];
+      }
+    }
+  }
+  for (int h = 0; h < group; ++h) {
+    const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+#pragma omp simd
+    for (int d = 0; d < head_dim; ++d) item.result[h * head_dim + d] = acc[h][d] * inverse;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVSERVE_AVX512 1
+
+constexpr int kTile = 16;      // keys per tile: one score per lane
+constexpr int kHeadTile = 4;   // query heads whose accumulators share one pass over V
+
+// 16 elements of a row (lanes past `mask` zero), widened to float32 in registers.
+template <int kDtype>
+inline __m512 load_chunk(const void* base, int64_t offset, __mmask16 mask) {
+  if constexpr (kDtype == kFloat32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + offset);
+  } else if constexpr (kDtype == kBFloat16) {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + offset);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else if constexpr (kDtype == kFloat16) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + offset));
+  } else {  // e4m3 through the table; a masked lane reads entry 0, which is +0
+    const __m128i bytes = _mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(base) + offset);
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), g_fp8_table, 4);
+  }
+}
+
+// Lane t of the result is the sum of p[t]'s 16 lanes: 16 dot products from their partial sums
+// in 46 shuffles and adds, instead of 16 horizontal reductions.
+inline __m512 sum_each(const __m512* p) {
+  __m512 halves[8];  // lanes 0-7 sum to p[k], 8-15 to p[k + 8]
+  for (int k = 0; k < 8; ++k) {
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p[k], p[k + 8], 0x44),
+                              _mm512_shuffle_f32x4(p[k], p[k + 8], 0xee));
+  }
+  __m512 quarters[4];  // 128-bit blocks sum to p[k], p[k + 8], p[k + 4], p[k + 12]
+  for (int k = 0; k < 4; ++k) {
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[k], halves[k + 4], 0x88),
+                                _mm512_shuffle_f32x4(halves[k], halves[k + 4], 0xdd));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
+                                   _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
+                                    _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(low, high, 0x44),
+                                    _mm512_shuffle_ps(low, high, 0xee));
+  return _mm512_shuffle_f32x4(sums, sums, 0xd8);  // blocks 0, 2, 1, 3: key order
+}
+
+// Partial dot products of `kHeads` query heads with each of the tile's `count` K rows: for key
+// t and head j, partial[j][t]'s lanes sum to the dot product. Rows past `count` are zero.
+template <int kDtype, int kHeads>
+inline void score_partials(const Item& item, const float* queries, int64_t k_base, int count,
+                           __m512 (*partial)[kTile]) {
+  const int num_chunks = (item.head_dim + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (item.head_dim - 16 * (num_chunks - 1))) - 1);
+  for (int t = 0; t < kTile; ++t) {
+    __m512 sums[kHeads];
+    for (int j = 0; j < kHeads; ++j) sums[j] = _mm512_setzero_ps();
+    if (t < count) {
+      for (int c = 0; c < num_chunks; ++c) {
+        const __mmask16 mask = c + 1 < num_chunks ? static_cast<__mmask16>(0xffff) : tail;
+        const __m512 key = load_chunk<kDtype>(item.cache, k_base + t * item.row_stride + 16 * c, mask);
+        for (int j = 0; j < kHeads; ++j) {
+          const __m512 query = _mm512_maskz_loadu_ps(mask, queries + j * item.head_dim + 16 * c);
+          sums[j] = _mm512_fmadd_ps(query, key, sums[j]);
+        }
+      }
+    }
+    for (int j = 0; j < kHeads; ++j) partial[j][t] = sums[j];
+  }
+}
+
+// acc[j] = acc[j] * correction[j] + sum over the tile's keys of weights[j][t] * V row t.
+template <int kDtype, int kHeads>
+inline void accumulate_values(const Item& item, int64_t v_base, int count, const float* correction,
+                              const float (*weights)[kTile], float* acc) {
+  const int num_chunks = (item.head_dim + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (item.head_dim - 16 * (num_chunks - 1))) - 1);
+  for (int c = 0; c < num_chunks; ++c) {
+    const __mmask16 mask = c + 1 < num_chunks ? static_cast<__mmask16>(0xffff) : tail;
+    __m512 sums[kHeads];
+    for (int j = 0; j < kHeads; ++j) {
+      sums[j] = _mm512_mul_ps(_mm512_load_ps(acc + j * kMaxHeadDim + 16 * c),
+                              _mm512_set1_ps(correction[j]));
+    }
+    for (int t = 0; t < count; ++t) {
+      const __m512 value = load_chunk<kDtype>(item.cache, v_base + t * item.row_stride + 16 * c, mask);
+      for (int j = 0; j < kHeads; ++j) {
+        sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(weights[j][t]), value, sums[j]);
+      }
+    }
+    for (int j = 0; j < kHeads; ++j) _mm512_store_ps(acc + j * kMaxHeadDim + 16 * c, sums[j]);
+  }
+}
+
+// One tile (up to 16 consecutive keys of one block) for the heads [h0, h0 + kHeads).
+template <int kDtype, int kHeads>
+void attend_tile(const Item& item, int h0, int64_t k_base, int count, float* running_max,
+                 float* running_sum, float (*acc)[kMaxHeadDim]) {
+  __m512 partial[kHeads][kTile];
+  score_partials<kDtype, kHeads>(item, item.queries + h0 * item.head_dim, k_base, count, partial);
+  alignas(64) float weights[kHeads][kTile];
+  float correction[kHeads];
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+  for (int j = 0; j < kHeads; ++j) {
+    __m512 scores = _mm512_mul_ps(sum_each(partial[j]), _mm512_set1_ps(item.scale));
+    if (item.softcap > 0.0f) {
+      _mm512_store_ps(weights[j], scores);
+      for (int t = 0; t < count; ++t) weights[j][t] = capped(weights[j][t], item.softcap);
+      scores = _mm512_load_ps(weights[j]);
+    }
+    scores = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid, scores);
+    const float tile_max = _mm512_reduce_max_ps(scores);
+    const int h = h0 + j;
+    const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
+    correction[j] = expf(running_max[h] - new_max);  // ~0 on the first tile
+    running_max[h] = new_max;
+    _mm512_store_ps(weights[j], _mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
+#pragma omp simd
+    for (int t = 0; t < kTile; ++t) weights[j][t] = expf(weights[j][t]);  // glibc's vector expf
+    const __m512 kept = _mm512_maskz_mov_ps(valid, _mm512_load_ps(weights[j]));
+    _mm512_store_ps(weights[j], kept);
+    running_sum[h] = running_sum[h] * correction[j] + _mm512_reduce_add_ps(kept);
+  }
+  accumulate_values<kDtype, kHeads>(item, k_base + item.kv_stride, count, correction, weights,
+                                    acc[h0]);
+}
+
+template <int kDtype>
+void attend_item_avx512(const Item& item) {
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+  float running_max[kMaxGroup];
+  float running_sum[kMaxGroup];
+  const int padded_dim = (item.head_dim + 15) / 16 * 16;
+  for (int h = 0; h < item.group; ++h) {
+    running_max[h] = -FLT_MAX;  // finite: the library is built with -ffast-math
+    running_sum[h] = 0.0f;
+    for (int d = 0; d < padded_dim; ++d) acc[h][d] = 0.0f;
+  }
+  const int block_size = item.block_size;
+  for (int block_start = item.start - item.start % block_size; block_start < item.end;
+       block_start += block_size) {
+    const int lo = block_start > item.start ? block_start : item.start;
+    const int hi = block_start + block_size < item.end ? block_start + block_size : item.end;
+    const int64_t block_base =
+        item.block_ids[block_start / block_size] * item.block_stride + item.head_offset;
+    for (int tile = lo; tile < hi; tile += kTile) {
+      const int count = hi - tile < kTile ? hi - tile : kTile;
+      const int64_t k_base = block_base + static_cast<int64_t>(tile - block_start) * item.row_stride;
+      for (int h0 = 0; h0 < item.group; h0 += kHeadTile) {
+        switch (item.group - h0 < kHeadTile ? item.group - h0 : kHeadTile) {
+          case 1: attend_tile<kDtype, 1>(item, h0, k_base, count, running_max, running_sum, acc); break;
+          case 2: attend_tile<kDtype, 2>(item, h0, k_base, count, running_max, running_sum, acc); break;
+          case 3: attend_tile<kDtype, 3>(item, h0, k_base, count, running_max, running_sum, acc); break;
+          default: attend_tile<kDtype, 4>(item, h0, k_base, count, running_max, running_sum, acc);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < item.group; ++h) {
+    const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+    for (int d = 0; d < item.head_dim; ++d) item.result[h * item.head_dim + d] = acc[h][d] * inverse;
+  }
+}
+#endif
+
+void attend_item(const Item& item, int dtype) {
+#ifdef KVSERVE_AVX512
+  switch (dtype) {
+    case kFloat32: return attend_item_avx512<kFloat32>(item);
+    case kBFloat16: return attend_item_avx512<kBFloat16>(item);
+    case kFloat16: return attend_item_avx512<kFloat16>(item);
+    default: return attend_item_avx512<kFloat8E4M3>(item);
+  }
+#else
+  attend_item_generic(item, dtype);
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -126,82 +399,30 @@ int kvserve_paged_decode(const float* q, const void* cache, int dtype, int64_t b
   if (group > kMaxGroup) return 3;
   if (block_size < 1 || block_size > kMaxBlockSize) return 4;
   if (dtype < kFloat32 || dtype > kFloat8E4M3) return 5;
-  const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
   const int num_items = num_seqs * num_kv_heads;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int item = 0; item < num_items; ++item) {
-    const int seq = item / num_kv_heads;
-    const int kv_head = item % num_kv_heads;
-    const float* queries = q + (static_cast<int64_t>(seq) * num_heads + kv_head * group) * head_dim;
-    float* result = out + (static_cast<int64_t>(seq) * num_heads + kv_head * group) * head_dim;
-    float running_max[kMaxGroup];
-    float running_sum[kMaxGroup];
-    float acc[kMaxGroup][kMaxHeadDim];
-    float keys[kMaxBlockSize][kMaxHeadDim];
-    float scores[kMaxGroup][kMaxBlockSize];
-    float values[kMaxHeadDim];
-    for (int h = 0; h < group; ++h) {
-      running_max[h] = -FLT_MAX;  // finite: the library is built with -ffast-math
-      running_sum[h] = 0.0f;
-      for (int d = 0; d < head_dim; ++d) acc[h][d] = 0.0f;
-    }
-    const int start = starts[seq];
-    const int end = ends[seq];
-    for (int tile_start = start - start % block_size; tile_start < end; tile_start += block_size) {
-      const int lo = tile_start > start ? tile_start : start;
-      const int hi = tile_start + block_size < end ? tile_start + block_size : end;
-      const int64_t block = block_ids[static_cast<int64_t>(seq) * blocks_per_seq +
-                                      tile_start / block_size];
-      const int64_t block_base = block * block_stride + kv_head * head_dim;
-      const int count = hi - lo;
-      for (int t = 0; t < count; ++t) {
-        const int64_t offset = block_base + static_cast<int64_t>(lo + t - tile_start) * row_stride;
-        widen_row(cache, offset, dtype, head_dim, keys[t]);
-      }
-      for (int h = 0; h < group; ++h) {
-        const float* query = queries + h * head_dim;
-        float tile_max = -FLT_MAX;
-        for (int t = 0; t < count; ++t) {
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < head_dim; ++d) dot += query[d] * keys[t][d];
-          float score = dot * scale;
-          if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-          scores[h][t] = score;
-          tile_max = score > tile_max ? score : tile_max;
-        }
-        const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
-        const float correction = expf(running_max[h] - new_max);  // ~0 on the first tile
-        running_sum[h] *= correction;
-#pragma omp simd
-        for (int d = 0; d < head_dim; ++d) acc[h][d] *= correction;
-        running_max[h] = new_max;
-        float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-        for (int t = 0; t < count; ++t) {
-          const float weight = expf(scores[h][t] - new_max);  // glibc's vector expf
-          scores[h][t] = weight;
-          tile_sum += weight;
-        }
-        running_sum[h] += tile_sum;
-      }
-      for (int t = 0; t < count; ++t) {
-        const int64_t offset =
-            block_base + kv_stride + static_cast<int64_t>(lo + t - tile_start) * row_stride;
-        widen_row(cache, offset, dtype, head_dim, values);
-        for (int h = 0; h < group; ++h) {
-          const float weight = scores[h][t];
-#pragma omp simd
-          for (int d = 0; d < head_dim; ++d) acc[h][d] += weight * values[d];
-        }
-      }
-    }
-    for (int h = 0; h < group; ++h) {
-      const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-#pragma omp simd
-      for (int d = 0; d < head_dim; ++d) result[h * head_dim + d] = acc[h][d] * inverse;
-    }
+  for (int index = 0; index < num_items; ++index) {
+    const int seq = index / num_kv_heads;
+    const int kv_head = index % num_kv_heads;
+    const int64_t first_row = (static_cast<int64_t>(seq) * num_heads + kv_head * group) * head_dim;
+    Item item;
+    item.queries = q + first_row;
+    item.result = out + first_row;
+    item.cache = cache;
+    item.block_ids = block_ids + static_cast<int64_t>(seq) * blocks_per_seq;
+    item.kv_stride = kv_stride;
+    item.block_stride = block_stride;
+    item.row_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+    item.head_offset = static_cast<int64_t>(kv_head) * head_dim;
+    item.start = starts[seq];
+    item.end = ends[seq];
+    item.group = group;
+    item.head_dim = head_dim;
+    item.block_size = block_size;
+    item.scale = scale;
+    item.softcap = softcap;
+    attend_item(item, dtype);
   }
   return 0;
 }
