@@ -204,6 +204,20 @@ inline float capped(float score, float softcap) {
 
 constexpr int kTile = 16;      // keys per tile: one score per lane
 constexpr int kHeadTile = 4;   // query heads whose accumulators share one pass over V
+constexpr int kMaxChunks = kMaxHeadDim / 16;
+
+// A row's 16-lane chunks: kChunks where the head size is compiled in (64, 128: the loops unroll
+// and the queries stay in registers), else counted at run time, the last one masked.
+template <int kChunks>
+inline int chunks_of(int head_dim) {
+  return kChunks > 0 ? kChunks : (head_dim + 15) / 16;
+}
+
+template <int kChunks>
+inline __mmask16 chunk_mask(int chunk, int num_chunks, int head_dim) {
+  if (kChunks > 0 || chunk + 1 < num_chunks) return static_cast<__mmask16>(0xffff);
+  return static_cast<__mmask16>((1u << (head_dim - 16 * (num_chunks - 1))) - 1);
+}
 
 // 16 elements of a row (lanes past `mask` zero), widened to float32 in registers.
 template <int kDtype>
@@ -245,22 +259,25 @@ inline __m512 sum_each(const __m512* p) {
 
 // Partial dot products of `kHeads` query heads with each of the tile's `count` K rows: for key
 // t and head j, partial[j][t]'s lanes sum to the dot product. Rows past `count` are zero.
-template <int kDtype, int kHeads>
+template <int kDtype, int kHeads, int kChunks>
 inline void score_partials(const Item& item, const float* queries, int64_t k_base, int count,
                            __m512 (*partial)[kTile]) {
-  const int num_chunks = (item.head_dim + 15) / 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (item.head_dim - 16 * (num_chunks - 1))) - 1);
+  const int num_chunks = chunks_of<kChunks>(item.head_dim);
+  __m512 query[kHeads][kChunks > 0 ? kChunks : kMaxChunks];
+  for (int c = 0; c < num_chunks; ++c) {
+    const __mmask16 mask = chunk_mask<kChunks>(c, num_chunks, item.head_dim);
+    for (int j = 0; j < kHeads; ++j) {
+      query[j][c] = _mm512_maskz_loadu_ps(mask, queries + j * item.head_dim + 16 * c);
+    }
+  }
   for (int t = 0; t < kTile; ++t) {
     __m512 sums[kHeads];
     for (int j = 0; j < kHeads; ++j) sums[j] = _mm512_setzero_ps();
     if (t < count) {
       for (int c = 0; c < num_chunks; ++c) {
-        const __mmask16 mask = c + 1 < num_chunks ? static_cast<__mmask16>(0xffff) : tail;
+        const __mmask16 mask = chunk_mask<kChunks>(c, num_chunks, item.head_dim);
         const __m512 key = load_chunk<kDtype>(item.cache, k_base + t * item.row_stride + 16 * c, mask);
-        for (int j = 0; j < kHeads; ++j) {
-          const __m512 query = _mm512_maskz_loadu_ps(mask, queries + j * item.head_dim + 16 * c);
-          sums[j] = _mm512_fmadd_ps(query, key, sums[j]);
-        }
+        for (int j = 0; j < kHeads; ++j) sums[j] = _mm512_fmadd_ps(query[j][c], key, sums[j]);
       }
     }
     for (int j = 0; j < kHeads; ++j) partial[j][t] = sums[j];
@@ -268,13 +285,12 @@ inline void score_partials(const Item& item, const float* queries, int64_t k_bas
 }
 
 // acc[j] = acc[j] * correction[j] + sum over the tile's keys of weights[j][t] * V row t.
-template <int kDtype, int kHeads>
+template <int kDtype, int kHeads, int kChunks>
 inline void accumulate_values(const Item& item, int64_t v_base, int count, const float* correction,
                               const float (*weights)[kTile], float* acc) {
-  const int num_chunks = (item.head_dim + 15) / 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (item.head_dim - 16 * (num_chunks - 1))) - 1);
+  const int num_chunks = chunks_of<kChunks>(item.head_dim);
   for (int c = 0; c < num_chunks; ++c) {
-    const __mmask16 mask = c + 1 < num_chunks ? static_cast<__mmask16>(0xffff) : tail;
+    const __mmask16 mask = chunk_mask<kChunks>(c, num_chunks, item.head_dim);
     __m512 sums[kHeads];
     for (int j = 0; j < kHeads; ++j) {
       sums[j] = _mm512_mul_ps(_mm512_load_ps(acc + j * kMaxHeadDim + 16 * c),
@@ -291,11 +307,11 @@ inline void accumulate_values(const Item& item, int64_t v_base, int count, const
 }
 
 // One tile (up to 16 consecutive keys of one block) for the heads [h0, h0 + kHeads).
-template <int kDtype, int kHeads>
+template <int kDtype, int kHeads, int kChunks>
 void attend_tile(const Item& item, int h0, int64_t k_base, int count, float* running_max,
                  float* running_sum, float (*acc)[kMaxHeadDim]) {
   __m512 partial[kHeads][kTile];
-  score_partials<kDtype, kHeads>(item, item.queries + h0 * item.head_dim, k_base, count, partial);
+  score_partials<kDtype, kHeads, kChunks>(item, item.queries + h0 * item.head_dim, k_base, count, partial);
   alignas(64) float weights[kHeads][kTile];
   float correction[kHeads];
   const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
@@ -319,11 +335,11 @@ void attend_tile(const Item& item, int h0, int64_t k_base, int count, float* run
     _mm512_store_ps(weights[j], kept);
     running_sum[h] = running_sum[h] * correction[j] + _mm512_reduce_add_ps(kept);
   }
-  accumulate_values<kDtype, kHeads>(item, k_base + item.kv_stride, count, correction, weights,
+  accumulate_values<kDtype, kHeads, kChunks>(item, k_base + item.kv_stride, count, correction, weights,
                                     acc[h0]);
 }
 
-template <int kDtype>
+template <int kDtype, int kChunks>
 void attend_item_avx512(const Item& item) {
   alignas(64) float acc[kMaxGroup][kMaxHeadDim];
   float running_max[kMaxGroup];
@@ -346,10 +362,10 @@ void attend_item_avx512(const Item& item) {
       const int64_t k_base = block_base + static_cast<int64_t>(tile - block_start) * item.row_stride;
       for (int h0 = 0; h0 < item.group; h0 += kHeadTile) {
         switch (item.group - h0 < kHeadTile ? item.group - h0 : kHeadTile) {
-          case 1: attend_tile<kDtype, 1>(item, h0, k_base, count, running_max, running_sum, acc); break;
-          case 2: attend_tile<kDtype, 2>(item, h0, k_base, count, running_max, running_sum, acc); break;
-          case 3: attend_tile<kDtype, 3>(item, h0, k_base, count, running_max, running_sum, acc); break;
-          default: attend_tile<kDtype, 4>(item, h0, k_base, count, running_max, running_sum, acc);
+          case 1: attend_tile<kDtype, 1, kChunks>(item, h0, k_base, count, running_max, running_sum, acc); break;
+          case 2: attend_tile<kDtype, 2, kChunks>(item, h0, k_base, count, running_max, running_sum, acc); break;
+          case 3: attend_tile<kDtype, 3, kChunks>(item, h0, k_base, count, running_max, running_sum, acc); break;
+          default: attend_tile<kDtype, 4, kChunks>(item, h0, k_base, count, running_max, running_sum, acc);
         }
       }
     }
@@ -357,6 +373,15 @@ void attend_item_avx512(const Item& item) {
   for (int h = 0; h < item.group; ++h) {
     const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
     for (int d = 0; d < item.head_dim; ++d) item.result[h * item.head_dim + d] = acc[h][d] * inverse;
+  }
+}
+
+template <int kDtype>
+void attend_item_avx512(const Item& item) {
+  switch (item.head_dim) {
+    case 64: return attend_item_avx512<kDtype, 4>(item);
+    case 128: return attend_item_avx512<kDtype, 8>(item);
+    default: return attend_item_avx512<kDtype, 0>(item);
   }
 }
 #endif
