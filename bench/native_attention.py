@@ -117,7 +117,8 @@ def main() -> None:
     for dtype_name, dtype in DTYPES.items():
         paged, q = decode_step(dtype)
         attentions = {name: backend(paged) for name, backend in backends.items()}
-        outputs = {name: a.attend(LAYER, q, HEAD_DIM**-0.5, False) for name, a in attentions.items()}
+        scale = HEAD_DIM**-0.5
+        outputs = {name: a.attend(LAYER, q, scale, False) for name, a in attentions.items()}
         for name, output in outputs.items():  # a fast wrong kernel is not a result
             torch.testing.assert_close(output, outputs["blocks"], rtol=2e-2, atol=2e-2, msg=name)
         times: dict[str, list[float]] = {name: [] for name in attentions}
