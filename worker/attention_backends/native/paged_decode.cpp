@@ -235,6 +235,25 @@ inline __m512 load_chunk(const void* base, int64_t offset, __mmask16 mask) {
   }
 }
 
+// exp of each lane (x <= 0 here: a score less the running max), to about 1 ulp: Cephes' expf
+// polynomial on x - n ln2, scaled by 2^n. Lanes far below -87 give ~1e-38, not 0, which no
+// softmax sum of at least 1 (the max's own weight) can tell apart.
+inline __m512 exp_lanes(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
 // Lane t of the result is the sum of p[t]'s 16 lanes: 16 dot products from their partial sums
 // in 46 shuffles and adds, instead of 16 horizontal reductions.
 inline __m512 sum_each(const __m512* p) {
@@ -326,12 +345,11 @@ void attend_tile(const Item& item, int h0, int64_t k_base, int count, float* run
     const float tile_max = _mm512_reduce_max_ps(scores);
     const int h = h0 + j;
     const float new_max = tile_max > running_max[h] ? tile_max : running_max[h];
-    correction[j] = expf(running_max[h] - new_max);  // ~0 on the first tile
+    // 0 on the first tile, without expf's slow underflow path
+    correction[j] = running_max[h] == -FLT_MAX ? 0.0f : expf(running_max[h] - new_max);
     running_max[h] = new_max;
-    _mm512_store_ps(weights[j], _mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
-#pragma omp simd
-    for (int t = 0; t < kTile; ++t) weights[j][t] = expf(weights[j][t]);  // glibc's vector expf
-    const __m512 kept = _mm512_maskz_mov_ps(valid, _mm512_load_ps(weights[j]));
+    const __m512 kept =
+        _mm512_maskz_mov_ps(valid, exp_lanes(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
     _mm512_store_ps(weights[j], kept);
     running_sum[h] = running_sum[h] * correction[j] + _mm512_reduce_add_ps(kept);
   }
