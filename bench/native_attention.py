@@ -4,12 +4,14 @@ in the same run: one layer of a 16-row decode step, about 290 tokens of context 
 
 Rounds interleave the backends (A B A B ...) so a drift of the host lands on both; each figure
 is the median over rounds of the mean time of `--calls` consecutive `attend` calls, and each
-ratio the median of the per-round ratios. `--old-kernel REV` also builds paged_decode.cpp as of
-git revision REV (under its own cache key) and times it as a third backend, for new / old.
+ratio the median of the per-round ratios. `--old-kernel REV` also times the `auto` backend as of
+git revision REV (its native_cpu.py and paged_decode.cpp, built under its own cache key) as a
+third backend, for new / old.
 
     python -m bench.native_attention [--old-kernel REV] [--json FILE]
 """
 
+import importlib.util
 import random
 import statistics
 import subprocess
@@ -23,8 +25,9 @@ import torch
 from bench.report import base_parser, report
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 from worker.attention import PagedKV, StepLayout
+from worker.attention_backends import native_build, native_cpu
 from worker.attention_backends.block_gather import BlockGatherAttention
-from worker.attention_backends.native_build import SOURCE, load_native_from
+from worker.attention_backends.native_build import SOURCE
 from worker.attention_backends.native_cpu import NativeCPUAttention
 from worker.block_table import MultiGroupBlockTable
 from worker.kv_cache import allocate_kv_caches
@@ -73,26 +76,37 @@ def decode_step(dtype: torch.dtype) -> tuple[PagedKV, torch.Tensor]:
     return paged, q
 
 
-def old_kernel(revision: str) -> NativeCPUAttention:
-    """A factory's stand-in: NativeCPUAttention whose library is paged_decode.cpp as of
-    `revision`."""
-    relative = SOURCE.relative_to(Path(__file__).resolve().parents[1])
-    text = subprocess.run(
-        ["git", "show", f"{revision}:{relative}"], capture_output=True, text=True, check=True
-    ).stdout
+def old_kernel(revision: str):
+    """NativeCPUAttention as of git `revision`: its native_cpu.py, native_build.py and
+    paged_decode.cpp (built under its own cache key), so a change of the kernel's arguments
+    compares too."""
+    root = Path(__file__).resolve().parents[1]
     directory = Path(tempfile.mkdtemp(prefix="kvserve-old-kernel-"))
-    source = directory / "paged_decode.cpp"
-    source.write_text(text)
-    library = load_native_from(source)
-    if library is None:
+    (directory / "native").mkdir()
+    for path in (SOURCE, Path(native_build.__file__), Path(native_cpu.__file__)):
+        relative = path.resolve().relative_to(root)
+        text = subprocess.run(
+            ["git", "show", f"{revision}:{relative}"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=root,
+        ).stdout
+        (directory / relative.relative_to(SOURCE.parents[1].relative_to(root))).write_text(text)
+    build, attention = (
+        _module(f"old_{name}", directory / f"{name}.py") for name in ("native_build", "native_cpu")
+    )
+    if build.load_native() is None:
         raise SystemExit(f"the kernel of {revision} did not build")
+    attention.load_native = build.load_native
+    return attention.NativeCPUAttention
 
-    def make(kv: PagedKV) -> NativeCPUAttention:
-        attention = NativeCPUAttention(kv)
-        attention._library = library
-        return attention
 
-    return make
+def _module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def time_per_call_ms(attention, q: torch.Tensor, calls: int) -> float:

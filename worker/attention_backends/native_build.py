@@ -123,6 +123,9 @@ def load_native_from(source: Path) -> ctypes.CDLL | None:
     function.restype = ctypes.c_int
     function.argtypes = [
         ctypes.c_void_p,  # q
+        ctypes.c_int,  # q_dtype
+        ctypes.c_int64,  # q_token_stride
+        ctypes.c_void_p,  # query_tokens
         ctypes.c_void_p,  # cache
         ctypes.c_int,  # dtype
         ctypes.c_int64,  # block_stride
@@ -139,6 +142,8 @@ def load_native_from(source: Path) -> ctypes.CDLL | None:
         ctypes.c_float,  # scale
         ctypes.c_float,  # softcap (0: none)
         ctypes.c_void_p,  # out
+        ctypes.c_int,  # out_dtype
+        ctypes.c_int64,  # out_token_stride
         ctypes.c_int,  # num_threads
     ]
     return library

@@ -111,10 +111,51 @@ inline void widen_row(const void* base, int64_t offset, int dtype, int head_dim,
   }
 }
 
+// float32 to float16, rounded to nearest even (the bit recipe of numpy and FP16): subnormal
+// results through an add that lets the FPU round, normal ones by adding half an ulp.
+inline uint16_t float_to_fp16(float value) {
+  uint32_t word;
+  memcpy(&word, &value, sizeof(word));
+  const uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
+  word &= 0x7fffffffu;
+  if (word >= 0x47800000u) return sign | 0x7c00u;  // past float16's range: infinity
+  if (word < 0x38800000u) {                         // below its smallest normal
+    float magnitude;
+    memcpy(&magnitude, &word, sizeof(magnitude));
+    const float shifted = magnitude + 0.5f;  // 0.5's ulp is float16's smallest subnormal
+    uint32_t bits;
+    memcpy(&bits, &shifted, sizeof(bits));
+    return sign | static_cast<uint16_t>(bits - 0x3f000000u);
+  }
+  const uint32_t odd = (word >> 13) & 1u;
+  return sign | static_cast<uint16_t>((word + 0xc8000fffu + odd) >> 13);
+}
+
+// Writes `row` (float32) as `dtype`, rounded to nearest even as torch does.
+inline void narrow_row(const float* row, int dtype, int count, void* base, int64_t offset) {
+  if (dtype == kFloat32) {
+    memcpy(static_cast<float*>(base) + offset, row, sizeof(float) * count);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(base) + offset;
+  if (dtype == kFloat16) {
+    for (int d = 0; d < count; ++d) out[d] = float_to_fp16(row[d]);
+    return;
+  }
+#pragma omp simd
+  for (int d = 0; d < count; ++d) {
+    uint32_t word;
+    memcpy(&word, &row[d], sizeof(word));
+    out[d] = static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+  }
+}
+
 // One work item's context: (sequence, KV head), its `group` query heads and what it reads.
 struct Item {
-  const float* queries;  // [group, head_dim]
-  float* result;         // [group, head_dim]
+  const float* queries;  // [group, head_dim], widened
+  void* out;             // the output, of `out_dtype`: the group's rows start at `out_offset`
+  int64_t out_offset;
+  int out_dtype;
   const void* cache;
   const int64_t* block_ids;  // the sequence's blocks
   int64_t kv_stride;
@@ -128,6 +169,17 @@ struct Item {
 
 inline float capped(float score, float softcap) {
   return softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+}
+
+// Each head's accumulated V over its softmax sum, written to the output in its dtype.
+void store_result(const Item& item, const float (*acc)[kMaxHeadDim], const float* running_sum) {
+  float row[kMaxHeadDim];
+  for (int h = 0; h < item.group; ++h) {
+    const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+#pragma omp simd
+    for (int d = 0; d < item.head_dim; ++d) row[d] = acc[h][d] * inverse;
+    narrow_row(row, item.out_dtype, item.head_dim, item.out, item.out_offset + h * item.head_dim);
+  }
 }
 
 // The portable path: each K and V row is widened into a buffer, dot products reduced per key.
@@ -192,11 +244,7 @@ inline float capped(float score, float softcap) {
       }
     }
   }
-  for (int h = 0; h < group; ++h) {
-    const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-#pragma omp simd
-    for (int d = 0; d < head_dim; ++d) item.result[h * head_dim + d] = acc[h][d] * inverse;
-  }
+  store_result(item, acc, running_sum);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -388,10 +436,7 @@ void attend_item_avx512(const Item& item) {
       }
     }
   }
-  for (int h = 0; h < item.group; ++h) {
-    const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-    for (int d = 0; d < item.head_dim; ++d) item.result[h * item.head_dim + d] = acc[h][d] * inverse;
-  }
+  store_result(item, acc, running_sum);
 }
 
 template <int kDtype>
@@ -423,35 +468,48 @@ extern "C" {
 
 // Returns 0, or a code naming the first argument out of the kernel's limits.
 //
-// q:          float32 [num_seqs, num_heads, head_dim], contiguous
+// q:          [num_tokens, num_heads, head_dim] of `q_dtype` (float32, bfloat16, float16),
+//             `q_token_stride` elements from one token to the next
+// query_tokens: int64 [num_seqs]: the token (row of q and out) each sequence attends for
 // cache:      the layer's cache, [num_blocks, 2, block_size, num_kv_heads, head_dim] in elements
 //             of `dtype`, with `block_stride` elements from one block to the next and
 //             `kv_stride` from a block's K to its V (a token's row is num_kv_heads * head_dim)
 // block_ids:  int64 [num_seqs, blocks_per_seq]: each sequence's context blocks, in order
 // starts/ends: int32 [num_seqs]: it reads context entries [start, end) of those blocks'
 //             concatenation (its window's first entry, and its own position plus one)
-// out:        float32 [num_seqs, num_heads, head_dim]
-int kvserve_paged_decode(const float* q, const void* cache, int dtype, int64_t block_stride,
-                         int64_t kv_stride, const int64_t* block_ids, int blocks_per_seq,
-                         const int32_t* starts, const int32_t* ends, int num_seqs,
-                         int num_heads, int num_kv_heads, int head_dim, int block_size,
-                         float scale, float softcap, float* out, int num_threads) {
+// out:        [num_tokens, num_heads * head_dim] of `out_dtype` (float32, bf16, float16),
+//             `out_token_stride` elements from one token to the next; only the sequences'
+//             tokens are written
+int kvserve_paged_decode(const void* q, int q_dtype, int64_t q_token_stride,
+                         const int64_t* query_tokens, const void* cache, int dtype,
+                         int64_t block_stride, int64_t kv_stride, const int64_t* block_ids,
+                         int blocks_per_seq, const int32_t* starts, const int32_t* ends,
+                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, float scale, float softcap, void* out, int out_dtype,
+                         int64_t out_token_stride, int num_threads) {
   if (head_dim < 1 || head_dim > kMaxHeadDim) return 1;
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 2;
   const int group = num_heads / num_kv_heads;
   if (group > kMaxGroup) return 3;
   if (block_size < 1 || block_size > kMaxBlockSize) return 4;
   if (dtype < kFloat32 || dtype > kFloat8E4M3) return 5;
+  if (q_dtype < kFloat32 || q_dtype > kFloat16) return 6;
+  if (out_dtype < kFloat32 || out_dtype > kFloat16) return 7;
   const int num_items = num_seqs * num_kv_heads;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int index = 0; index < num_items; ++index) {
     const int seq = index / num_kv_heads;
     const int kv_head = index % num_kv_heads;
-    const int64_t first_row = (static_cast<int64_t>(seq) * num_heads + kv_head * group) * head_dim;
+    const int64_t token = query_tokens[seq];
+    const int64_t first_head = static_cast<int64_t>(kv_head) * group * head_dim;
+    alignas(64) float queries[kMaxGroup * kMaxHeadDim];
+    widen_row(q, token * q_token_stride + first_head, q_dtype, group * head_dim, queries);
     Item item;
-    item.queries = q + first_row;
-    item.result = out + first_row;
+    item.queries = queries;
+    item.out = out;
+    item.out_offset = token * out_token_stride + first_head;
+    item.out_dtype = out_dtype;
     item.cache = cache;
     item.block_ids = block_ids + static_cast<int64_t>(seq) * blocks_per_seq;
     item.kv_stride = kv_stride;
