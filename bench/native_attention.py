@@ -25,7 +25,6 @@ import torch
 from bench.report import base_parser, report
 from protocol.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, cdiv
 from worker.attention import PagedKV, StepLayout
-from worker.attention_backends import native_build, native_cpu
 from worker.attention_backends.block_gather import BlockGatherAttention
 from worker.attention_backends.native_build import SOURCE
 from worker.attention_backends.native_cpu import NativeCPUAttention
@@ -83,16 +82,10 @@ def old_kernel(revision: str):
     root = Path(__file__).resolve().parents[1]
     directory = Path(tempfile.mkdtemp(prefix="kvserve-old-kernel-"))
     (directory / "native").mkdir()
-    for path in (SOURCE, Path(native_build.__file__), Path(native_cpu.__file__)):
-        relative = path.resolve().relative_to(root)
-        text = subprocess.run(
-            ["git", "show", f"{revision}:{relative}"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=root,
-        ).stdout
-        (directory / relative.relative_to(SOURCE.parents[1].relative_to(root))).write_text(text)
+    backends = SOURCE.parents[1].relative_to(root)  # worker/attention_backends
+    native_files = _git(root, "ls-tree", "--name-only", f"{revision}:{backends}/native").split()
+    for relative in ("native_build.py", "native_cpu.py", *(f"native/{n}" for n in native_files)):
+        (directory / relative).write_text(_git(root, "show", f"{revision}:{backends}/{relative}"))
     build, attention = (
         _module(f"old_{name}", directory / f"{name}.py") for name in ("native_build", "native_cpu")
     )
@@ -100,6 +93,12 @@ def old_kernel(revision: str):
         raise SystemExit(f"the kernel of {revision} did not build")
     attention.load_native = build.load_native
     return attention.NativeCPUAttention
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], capture_output=True, text=True, check=True, cwd=root
+    ).stdout
 
 
 def _module(name: str, path: Path):

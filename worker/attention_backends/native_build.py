@@ -6,11 +6,11 @@ a build step would need torch inside pip's isolated build environment (a CUDA wh
 GB). The kernels carry no torch headers, so one build takes a few seconds: `c++ -O3
 -march=native -fopenmp -ffast-math -c`, then a link without -ffast-math.
 
-- The library is cached under `~/.cache/kvserve/native/`, named by a hash of the source, the
-  flags, the compiler and this CPU's model and instruction-set flags, so a cache shared between
-  different hosts never hands one a library built for another's instructions. Concurrent ranks
-  each build to a temporary file and rename it into place; the last rename wins with identical
-  bytes.
+- The library is cached under `~/.cache/kvserve/native/`, named by a hash of the source (and
+  the headers beside it), the flags, the compiler and this CPU's model and instruction-set
+  flags, so a cache shared between different hosts never hands one a library built for
+  another's instructions. Concurrent ranks each build to a temporary file and rename it into
+  place; the last rename wins with identical bytes.
 - It is loaded after torch, so its OpenMP runtime is torch's own libgomp (the same soname) and
   its parallel loops run on torch's threads.
 - No compiler (`c++` or `g++` on the PATH), or a build that fails: `load_native()` returns None
@@ -62,7 +62,10 @@ def _cpu_signature() -> str:
 def _library_path(compiler: str, source: Path) -> Path:
     digest = hashlib.sha256()
     flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS))
-    for part in (source.read_bytes(), flags.encode(), compiler.encode()):
+    # the source and the headers it includes from its folder (paged_decode_avx512.h)
+    files = [source, *sorted(path for path in source.parent.iterdir() if path != source)]
+    texts = [path.name.encode() + b"\0" + path.read_bytes() for path in files if path.is_file()]
+    for part in (*texts, flags.encode(), compiler.encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(_cpu_signature().encode())
