@@ -261,3 +261,55 @@ def test_the_native_kernel_runs_on_decode_rows_and_soft_caps() -> None:
         q = torch.randn(len(decodes.rows), NUM_HEADS, HEAD_DIM, generator=generator)
         outputs.append(attention.attend("full.0", q, HEAD_DIM**-0.5, False, softcap=0.5))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "dtype"),
+    [
+        (64, 16, torch.float32),
+        (64, 16, torch.bfloat16),
+        (128, 32, torch.float16),
+        (64, 64, torch.float8_e4m3fn),
+        (80, 16, torch.bfloat16),
+    ],
+)
+def test_the_native_kernel_at_served_head_sizes_attends_as_blocks(
+    head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """The kernel compiles head sizes 64 and 128 in and splits blocks past 16 tokens into
+    tiles; the other tests' head size of 8 takes its run-time path. Decodes of 1-90 tokens of
+    context over shuffled blocks, 3 query heads per KV head (a partial head tile), in every
+    cache dtype it reads, with q and out in a half cache's dtype: `blocks` widens the same
+    pages and attends in float32."""
+    rng = random.Random(head_dim + block_size)
+    contexts = [rng.randint(0, 90) for _ in range(5)]
+    num_blocks = 1 + sum(cdiv(n + 1, block_size) for n in contexts)
+    group = KVCacheGroupSpec(["full.0"], FullAttentionSpec(block_size, 2, head_dim, "float32"))
+    config = KVCacheConfig(num_blocks, [group])
+    tables = MultiGroupBlockTable(len(contexts), 128, [block_size])
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    for row, context in enumerate(contexts):
+        tables.add_row(([free.pop() for _ in range(cdiv(context + 1, block_size))],), row)
+    layout = StepLayout(
+        rows=np.arange(len(contexts)),
+        first_positions=np.array(contexts),
+        num_queries=np.ones(len(contexts), dtype=np.int64),
+        token_offsets=np.arange(len(contexts)),
+        logits_reqs=np.arange(len(contexts)),
+        num_prompt_tokens=np.array(contexts) + 1,
+    )
+    generator = torch.Generator().manual_seed(head_dim)
+    cache = allocate_kv_caches(config, 1, CPU)["full.0"]
+    kv_caches = {"full.0": torch.randn(cache.shape, generator=generator).to(dtype)}
+    is_half = dtype in (torch.bfloat16, torch.float16)  # a model in the cache's dtype
+    q = torch.randn(len(contexts), 6, head_dim, generator=generator).to(
+        dtype if is_half else torch.float32
+    )
+    paged = PagedKV(kv_caches, config, tables, layout, CPU)
+    native = NativeCPUAttention(paged)
+    native._gather = None  # type: ignore[method-assign]  # every row is the kernel's
+    ours = native.attend("full.0", q, head_dim**-0.5, False)
+    theirs = BlockGatherAttention(paged).attend("full.0", q, head_dim**-0.5, False)
+    tolerance = 1e-2 if is_half else 1e-5  # both round float32 to q's dtype: an ulp apart
+    torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)

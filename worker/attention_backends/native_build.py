@@ -6,11 +6,11 @@ a build step would need torch inside pip's isolated build environment (a CUDA wh
 GB). The kernels carry no torch headers, so one build takes a few seconds: `c++ -O3
 -march=native -fopenmp -ffast-math -c`, then a link without -ffast-math.
 
-- The library is cached under `~/.cache/kvserve/native/`, named by a hash of the source, the
-  flags, the compiler and this CPU's model and instruction-set flags, so a cache shared between
-  different hosts never hands one a library built for another's instructions. Concurrent ranks
-  each build to a temporary file and rename it into place; the last rename wins with identical
-  bytes.
+- The library is cached under `~/.cache/kvserve/native/`, named by a hash of the source (and
+  the headers beside it), the flags, the compiler and this CPU's model and instruction-set
+  flags, so a cache shared between different hosts never hands one a library built for
+  another's instructions. Concurrent ranks each build to a temporary file and rename it into
+  place; the last rename wins with identical bytes.
 - It is loaded after torch, so its OpenMP runtime is torch's own libgomp (the same soname) and
   its parallel loops run on torch's threads.
 - No compiler (`c++` or `g++` on the PATH), or a build that fails: `load_native()` returns None
@@ -59,24 +59,27 @@ def _cpu_signature() -> str:
     return "|".join(fields.get(key, "") for key in ("model name", "flags", "Features", "CPU part"))
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, source: Path) -> Path:
     digest = hashlib.sha256()
     flags = " ".join((*COMPILE_FLAGS, *LINK_FLAGS))
-    for part in (SOURCE.read_bytes(), flags.encode(), compiler.encode()):
+    # the source and the headers it includes from its folder (paged_decode_avx512.h)
+    files = [source, *sorted(path for path in source.parent.iterdir() if path != source)]
+    texts = [path.name.encode() + b"\0" + path.read_bytes() for path in files if path.is_file()]
+    for part in (*texts, flags.encode(), compiler.encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(_cpu_signature().encode())
     return cache_dir() / "native" / f"paged_decode-{digest.hexdigest()[:20]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     obj = temporary + ".o"
     try:
         for command in (
-            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", obj],
+            [compiler, *COMPILE_FLAGS, str(source), "-o", obj],
             [compiler, *LINK_FLAGS, obj, "-o", temporary],
         ):
             result = subprocess.run(
@@ -97,6 +100,12 @@ def _build(compiler: str, target: Path) -> None:
 @functools.lru_cache(maxsize=1)
 def load_native() -> ctypes.CDLL | None:
     """The kernels' library, built if this host has none cached; None where it cannot be."""
+    return load_native_from(SOURCE)
+
+
+def load_native_from(source: Path) -> ctypes.CDLL | None:
+    """The library built from `source` (cached under its own hash), or None where it cannot be
+    built. bench/native_attention.py builds an earlier revision's kernel with it."""
     import torch  # noqa: F401  (its libgomp must be loaded first: see the module docstring)
 
     compiler = shutil.which("c++") or shutil.which("g++")
@@ -104,9 +113,9 @@ def load_native() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler on the PATH (c++, g++): CPU attention gathers blocks")
         return None
     try:
-        target = _library_path(compiler)
+        target = _library_path(compiler, source)
         if not target.is_file():
-            _build(compiler, target)
+            _build(compiler, source, target)
         library = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning(
@@ -117,6 +126,9 @@ def load_native() -> ctypes.CDLL | None:
     function.restype = ctypes.c_int
     function.argtypes = [
         ctypes.c_void_p,  # q
+        ctypes.c_int,  # q_dtype
+        ctypes.c_int64,  # q_token_stride
+        ctypes.c_void_p,  # query_tokens
         ctypes.c_void_p,  # cache
         ctypes.c_int,  # dtype
         ctypes.c_int64,  # block_stride
@@ -133,6 +145,8 @@ def load_native() -> ctypes.CDLL | None:
         ctypes.c_float,  # scale
         ctypes.c_float,  # softcap (0: none)
         ctypes.c_void_p,  # out
+        ctypes.c_int,  # out_dtype
+        ctypes.c_int64,  # out_token_stride
         ctypes.c_int,  # num_threads
     ]
     return library
